@@ -1,0 +1,182 @@
+"""Turning patching on: the explicit API, the environment variable, and test helpers.
+
+``SOURCE_PATCH`` holds one or more spec references separated by ',' (or the
+path separator); each is a file path or a bundled spec name.  Activation from
+the environment rewrites the variable with absolute paths, so children started
+in another working directory find the same specs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Iterable, Iterator
+
+from . import spec as spec_mod
+from .cache import CodeCache
+from .errors import ActivationError, SourcePatchError, SpecError
+from .finder import PatchFinder, PatchingLoader
+from .locate import find_source
+
+ENV = "SOURCE_PATCH"
+
+
+class Activation:
+    """Specs made active by one ``activate`` call; ``deactivate()`` undoes it."""
+
+    def __init__(self, finder: PatchFinder, specs: list[spec_mod.Spec]):
+        self.finder, self.specs = finder, specs
+
+    @property
+    def modules(self) -> list[str]:
+        return sorted({m for s in self.specs for m in s.modules})
+
+    def deactivate(self) -> None:
+        for spec in self.specs:
+            if spec in self.finder.specs:
+                self.finder.remove(spec)
+        if not self.finder.specs and self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
+
+
+def installed_finder() -> PatchFinder | None:
+    return next((f for f in sys.meta_path if isinstance(f, PatchFinder)), None)
+
+
+def _finder(cache_dir: str | os.PathLike | None) -> PatchFinder:
+    finder = installed_finder()
+    if finder is None:
+        finder = PatchFinder(CodeCache(Path(cache_dir) if cache_dir else None))
+        sys.meta_path.insert(0, finder)
+    return finder
+
+
+def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
+             cache_dir: str | os.PathLike | None = None) -> Activation:
+    """Patch the targets of these specs from their next import on.
+
+    Raises SpecError for a bad spec and ActivationError if a target is already
+    imported (it would silently stay unpatched).  Activating a spec that is
+    already active is a no-op.
+    """
+    if isinstance(specs, (str, os.PathLike)):
+        specs = [specs]
+    loaded = [s if isinstance(s, spec_mod.Spec) else spec_mod.load(s) for s in specs]
+    finder = _finder(cache_dir)
+    active = {(s.file, s) for s in finder.specs}
+    new = [s for s in loaded if (s.file, s) not in active]
+    late = sorted({m for s in new for m in s.modules if m in sys.modules})
+    if late:
+        raise ActivationError(
+            f"already imported, so they cannot be patched: {', '.join(late)}. Activate earlier "
+            f"(SOURCE_PATCH=... in the environment, or activate() before the first import)")
+    for s in new:
+        finder.add(s)
+    return Activation(finder, new)
+
+
+@contextlib.contextmanager
+def patched(*specs: str | os.PathLike | spec_mod.Spec,
+            cache_dir: str | os.PathLike | None = None) -> Iterator[Activation]:
+    """Activate for a block; on exit deactivate and forget the targets it imported."""
+    before = set(sys.modules)
+    activation = activate(list(specs), cache_dir=cache_dir)
+    try:
+        yield activation
+    finally:
+        activation.deactivate()
+        for name in activation.modules:
+            if name not in before:
+                sys.modules.pop(name, None)
+
+
+def import_patched_copy(module: str, *specs: str | os.PathLike | spec_mod.Spec,
+                        cache_dir: str | os.PathLike | None = None) -> ModuleType:
+    """A freshly executed, patched copy of ``module``; ``sys.modules`` is left as it was.
+
+    The copy is registered under its name only while it executes (dataclasses and
+    relative imports look it up there); an already-imported original is restored.
+    """
+    loaded = [s if isinstance(s, spec_mod.Spec) else spec_mod.load(s) for s in specs]
+    patches = [p for s in loaded for p in s.patches if p.module == module]
+    if not patches:
+        raise ActivationError(f"none of the given specs patches {module}")
+    path = str(find_source(module))
+    finder = installed_finder()
+    cache = finder.cache if finder else CodeCache(Path(cache_dir) if cache_dir else None)
+    loader = PatchingLoader(module, path, patches, cache)
+    mspec = importlib.util.spec_from_file_location(module, path, loader=loader)
+    copy = importlib.util.module_from_spec(mspec)
+    missing = object()
+    previous = sys.modules.get(module, missing)
+    sys.modules[module] = copy
+    try:
+        loader.exec_module(copy)
+    finally:
+        if previous is missing:
+            sys.modules.pop(module, None)
+        else:
+            sys.modules[module] = previous
+    return copy
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def split_refs(value: str) -> list[str]:
+    return [r.strip() for r in re.split(rf"[,{re.escape(os.pathsep)}]", value) if r.strip()]
+
+
+def activate_from_env(environ=os.environ) -> Activation | None:
+    """Activate the specs named by SOURCE_PATCH; on a bad spec, make its targets fail.
+
+    Called from the ``.pth`` start hook, where ``site`` would swallow an exception:
+    a spec that cannot be loaded must not degrade into a silently unpatched run.
+    """
+    value = environ.get(ENV, "")
+    refs = split_refs(value)
+    if not refs:
+        return None
+    try:
+        paths = [str(spec_mod.resolve(r)) for r in refs]
+        environ[ENV] = ",".join(paths)
+        return activate(paths)
+    except SourcePatchError as exc:
+        _install_failure(exc, refs)
+        return None
+
+
+class FailedActivation:
+    """Stands in for a spec that failed to load: importing its targets raises the error."""
+
+    _source_patch_finder = True
+
+    def __init__(self, error: SourcePatchError, modules: set[str]):
+        self.error, self.modules = error, modules
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.modules or (not self.modules and _is_third_party(fullname)):
+            raise ActivationError(f"source-patch: {ENV} could not be activated, so {fullname} "
+                                  f"would run unpatched: {self.error}")
+        return None
+
+
+def _is_third_party(fullname: str) -> bool:
+    top = fullname.partition(".")[0]
+    return top not in sys.stdlib_module_names and top not in ("source_patch", "_distutils_hack")
+
+
+def _install_failure(error: SourcePatchError, refs: list[str]) -> None:
+    """Block the targets a broken spec names (read leniently), or all non-stdlib imports."""
+    modules: set[str] = set()
+    for ref in refs:
+        with contextlib.suppress(OSError, SpecError):
+            text = spec_mod.resolve(ref).read_text(encoding="utf-8", errors="replace")
+            modules |= set(re.findall(r"^\s*-?\s*module:\s*['\"]?([\w.]+)", text, re.M))
+    print(f"source-patch: error: {error}", file=sys.stderr)
+    sys.meta_path.insert(0, FailedActivation(error, modules))

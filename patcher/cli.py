@@ -1,0 +1,173 @@
+"""``source-patch``: dry-run diffs, anchor checks, listings, and a command wrapper.
+
+Dry runs (diff, check, list) never import the target packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import site
+import sys
+from pathlib import Path
+
+from . import spec as spec_mod
+from .activation import ENV
+from .errors import AnchorError, SourcePatchError
+from .finder import unmet_requirement
+from .locate import dist_version, find_source
+
+_COLORS = {"+": "\033[32m", "-": "\033[31m", "@": "\033[36m"}
+_RESET = "\033[0m"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SourcePatchError as exc:
+        print(f"source-patch: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `source-patch diff ... | head`
+        return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="source-patch", description=__doc__)
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    def command(name, func, help_text, specs=True, against=True):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if specs:
+            p.add_argument("specs", nargs="+", metavar="SPEC", help="spec file or bundled spec name")
+        if against:
+            p.add_argument("--against", metavar="DIR",
+                           help="look for target modules only under DIR (e.g. an unpacked wheel)")
+        p.set_defaults(func=func)
+        return p
+
+    command("diff", _diff, "print the unified diff each spec makes to its target modules") \
+        .add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    command("check", _check, "check that every anchor still matches; exit 1 if any does not")
+    command("list", _list, "list specs, their patches, targets and anchors", against=False)
+    run = command("run", _run, "run a command with SOURCE_PATCH set to the given specs",
+                  specs=False, against=False)
+    run.add_argument("-s", "--spec", action="append", required=True, dest="specs", metavar="SPEC")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="-- command [args...]")
+    return parser
+
+
+def _load_all(refs: list[str]) -> list[spec_mod.Spec]:
+    return [spec_mod.load(r) for r in refs]
+
+
+def _by_module(specs: list[spec_mod.Spec]) -> dict[str, list[spec_mod.Patch]]:
+    out: dict[str, list[spec_mod.Patch]] = {}
+    for s in specs:
+        for p in s.patches:
+            out.setdefault(p.module, []).append(p)
+    return out
+
+
+def _rewrite(module: str, patches, against: str | None):
+    from .engine import rewrite  # imports libcst: only commands that rewrite pay for it
+
+    path = find_source(module, against)
+    source = path.read_text(encoding="utf-8")
+    top = module.partition(".")[0]
+    result = rewrite(source, patches, module=module, file=str(path),
+                     version=lambda: dist_version(top, against))
+    return path, source, result
+
+
+def _diff(args) -> int:
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    status = 0
+    for module, patches in _by_module(_load_all(args.specs)).items():
+        try:
+            path, source, result = _rewrite(module, patches, args.against)
+        except SourcePatchError as exc:
+            print(f"source-patch: {exc}", file=sys.stderr)
+            status = 1
+            continue
+        rel = _relative(path, module)
+        lines = difflib.unified_diff(source.splitlines(True), result.source.splitlines(True),
+                                     f"a/{rel}", f"b/{rel}")
+        for line in lines:
+            if not line.endswith("\n"):
+                line += "\n"
+            if color and line[:1] in _COLORS and not line.startswith(("+++", "---")):
+                line = _COLORS[line[0]] + line.rstrip("\n") + _RESET + "\n"
+            sys.stdout.write(line)
+    return status
+
+
+def _relative(path: Path, module: str) -> str:
+    """``megatron/core/.../moe_utils.py``: the path as the package lays it out."""
+    depth = module.count(".") + 1 + (path.name == "__init__.py")
+    return "/".join(path.parts[-depth:])
+
+
+def _check(args) -> int:
+    status = 0
+    specs = _load_all(args.specs)
+    for s in specs:
+        problem = unmet_requirement(s, args.against)
+        ok = "requirements met" if s.requires else "no requirements"
+        print(f"spec {s.name} ({s.file}): {problem or ok}")
+        if problem and s.on_unmet == "error":
+            status = 1
+    for module, patches in _by_module(specs).items():
+        try:
+            path, _, result = _rewrite(module, patches, args.against)
+        except AnchorError as exc:
+            print(f"FAIL {exc}")
+            status = 1
+            continue
+        except SourcePatchError as exc:
+            print(f"FAIL {module}: {exc}")
+            status = 1
+            continue
+        print(f"ok   {module} ({path}, {dist_version(module.partition('.')[0], args.against)})")
+        for patch, edit, lines in result.hits:
+            print(f"       {patch.id}: {edit.describe()} -> line{'s' if len(lines) > 1 else ''} "
+                  f"{', '.join(map(str, lines))}")
+    return status
+
+
+def _list(args) -> int:
+    for s in _load_all(args.specs):
+        print(f"{s.name}  ({s.file})")
+        if s.description:
+            print(f"  {s.description.strip()}")
+        for dist, wanted in s.requires:
+            print(f"  requires {dist}{wanted} (on_unmet: {s.on_unmet})")
+        for p in s.patches:
+            print(f"  {p.id}: {p.module}:{p.target}")
+            for e in p.edits:
+                count = "all" if e.count is None else e.count
+                print(f"    {e.describe()} (count: {count})")
+    return 0
+
+
+def _run(args) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("source-patch run: give a command after --", file=sys.stderr)
+        return 2
+    specs = _load_all(args.specs)  # fail now, not in the child
+    if not _hook_installed():
+        print("source-patch run: warning: the source_patch.pth start hook is not installed in "
+              f"{sys.prefix}; only interpreters that have it will be patched", file=sys.stderr)
+    env = dict(os.environ, **{ENV: ",".join(s.file for s in specs)})
+    os.execvpe(command[0], command, env)
+
+
+def _hook_installed() -> bool:
+    dirs = site.getsitepackages() + [site.getusersitepackages()]
+    return any(Path(d, "source_patch.pth").exists() for d in dirs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

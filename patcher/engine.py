@@ -1,0 +1,426 @@
+"""The libcst anchor engine: locate every edit of a module, then rewrite it.
+
+``rewrite(source, patches, ...)`` returns a code object compiled from the patched
+source whose line numbers are remapped to the original file: every original
+line keeps its number, and inserted code reports the line of its anchor.  All
+edits are located and counted before any is applied, so a module is patched
+whole or not at all.
+
+This module imports libcst; the loader imports it only on a cache miss.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import re
+import textwrap
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import libcst as cst
+from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
+
+from .errors import AnchorError
+from .patterns import Pattern
+from .spec import CALL_PLACEHOLDER, Edit, Patch
+
+_DefNode = (cst.FunctionDef, cst.ClassDef)
+
+
+@dataclass
+class Rewritten:
+    """The outcome of patching one module."""
+
+    source: str  # the patched source text (for diffs)
+    tree: ast.Module  # its ast, line numbers already mapped to the original file
+    line_map: list[int]  # patched line -> original line (index 0 unused)
+    hits: list[tuple[Patch, Edit, list[int]]]  # each edit with the original lines it matched
+
+
+@dataclass
+class _Plan:
+    """What to do at each anchor, keyed by id() of original libcst nodes."""
+
+    entry: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
+    before: dict[int, list[str]] = field(default_factory=dict)
+    after: dict[int, list[str]] = field(default_factory=dict)
+    replace: dict[int, str] = field(default_factory=dict)
+    returns: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
+    calls: dict[int, list[str]] = field(default_factory=dict)
+    hits: list = field(default_factory=list)
+
+
+def rewrite(source: str, patches: Sequence[Patch], *, module: str, file: str,
+            version: Callable[[], str] = lambda: "unknown version") -> Rewritten:
+    tree = cst.parse_module(source)
+    wrapper = MetadataWrapper(tree, unsafe_skip_copy=True)
+    positions = wrapper.resolve(PositionProvider)
+    locator = _Locator(tree, positions)
+    plan, problems = _Plan(), []
+    for handle in sorted({p.handle for p in patches}):
+        if re.search(rf"\b{re.escape(handle)}\b", source):
+            problems.append(f"  the module already uses the name {handle!r}, the runtime handle "
+                            f"of the patches; set another with the spec's 'handle' field")
+    for patch in patches:
+        problems += locator.plan_patch(patch, plan)
+    if problems:
+        raise AnchorError(module, file, version(), problems)
+    transformer = _Transformer(plan, positions)
+    new_tree = tree.visit(transformer)
+    line_map = _line_map(new_tree, positions, transformer.inserted)
+    patched = new_tree.code
+    return Rewritten(patched, _remap(patched, source, file, line_map), line_map, plan.hits)
+
+
+# --------------------------------------------------------------------------- locate
+
+
+def _qualnames(tree: cst.Module) -> dict[str, list[cst.CSTNode]]:
+    """Every def and class by dotted qualified name (``Outer.Inner.method``)."""
+    found: dict[str, list[cst.CSTNode]] = {}
+
+    class Visitor(cst.CSTVisitor):
+        def __init__(self):
+            self.stack: list[str] = []
+
+        def _enter(self, node):
+            self.stack.append(node.name.value)
+            found.setdefault(".".join(self.stack), []).append(node)
+
+        def _leave(self, node):
+            self.stack.pop()
+
+        visit_FunctionDef = visit_ClassDef = _enter
+        leave_FunctionDef = leave_ClassDef = _leave
+
+    tree.visit(Visitor())
+    return found
+
+
+class _ScopeCollector(cst.CSTVisitor):
+    """Statements, returns and calls of one function, not of the defs nested in it."""
+
+    def __init__(self, root: cst.FunctionDef):
+        self.root = root
+        self.statements: list[cst.CSTNode] = []
+        self.returns: list[cst.Return] = []
+        self.calls: list[cst.Call] = []
+
+    def on_visit(self, node) -> bool:
+        if node is not self.root and isinstance(node, _DefNode):
+            self.statements.append(node)  # matchable as a statement, not entered
+            return False
+        if isinstance(node, (cst.BaseSmallStatement, cst.BaseCompoundStatement)) and node is not self.root:
+            self.statements.append(node)
+        if isinstance(node, cst.Return):
+            self.returns.append(node)
+        elif isinstance(node, cst.Call):
+            self.calls.append(node)
+        return True
+
+
+class _Locator:
+    def __init__(self, tree: cst.Module, positions):
+        self.tree, self.positions = tree, positions
+        self.defs = _qualnames(tree)
+        self.scopes: dict[int, _ScopeCollector] = {}
+        self.code_cache: dict[int, str] = {}
+
+    def line(self, node) -> int:
+        return self.positions[node].start.line
+
+    def code(self, node) -> str:
+        key = id(node)
+        if key not in self.code_cache:
+            self.code_cache[key] = self.tree.code_for_node(node)
+        return self.code_cache[key]
+
+    def scope(self, fn: cst.FunctionDef) -> _ScopeCollector:
+        if id(fn) not in self.scopes:
+            collector = _ScopeCollector(fn)
+            fn.body.visit(collector)
+            self.scopes[id(fn)] = collector
+        return self.scopes[id(fn)]
+
+    def plan_patch(self, patch: Patch, plan: _Plan) -> list[str]:
+        where = f"patch {patch.id!r} ({patch.location.file}:{patch.location.line})"
+        defs = self.defs.get(patch.target, [])
+        if not defs:
+            near = difflib.get_close_matches(patch.target, list(self.defs), n=5, cutoff=0.5)
+            hint = f"; nearest: {', '.join(near)}" if near else ""
+            return [f"  {where}: target {patch.target!r} not found{hint}"]
+        if len(defs) > 1:
+            lines = ", ".join(str(self.line(d)) for d in defs)
+            return [f"  {where}: target {patch.target!r} is defined {len(defs)} times "
+                    f"(lines {lines}); patch a name defined once"]
+        fn = defs[0]
+        if not isinstance(fn, cst.FunctionDef):
+            return [f"  {where}: target {patch.target!r} is a class; name a method of it"]
+        problems = []
+        for edit in patch.edits:
+            problem = self.plan_edit(fn, edit, plan, patch)
+            if problem:
+                problems.append(f"  {where}, edit {edit.describe()} "
+                                f"(line {edit.location.line}): {problem}")
+        return problems
+
+    def plan_edit(self, fn: cst.FunctionDef, edit: Edit, plan: _Plan, patch: Patch) -> str | None:
+        if edit.at == "entry":
+            plan.entry.setdefault(id(fn), []).append((edit.code, self.line(fn.name)))
+            plan.hits.append((patch, edit, [self.line(fn.name)]))
+            return None
+        scope = self.scope(fn)
+        if edit.at == "return":
+            found, candidates = scope.returns, []
+        elif edit.at == "call":
+            pattern = Pattern(edit.match, call=True)
+            candidates = scope.calls
+            found = [c for c in candidates if pattern.matches(self.code(c))]
+        else:
+            pattern = Pattern(edit.match, call=False)
+            candidates = scope.statements
+            found = [s for s in candidates if pattern.matches(self.code(s))]
+        if (len(found) != edit.count) if edit.count else not found:
+            return self.mismatch(edit, found, candidates)
+        plan.hits.append((patch, edit, [self.line(n) for n in found]))
+        for node in found:
+            key = id(node)
+            if edit.at == "return":
+                plan.returns.setdefault(key, []).append((edit.bind, edit.code))
+            elif edit.at == "call":
+                plan.calls.setdefault(key, []).append(edit.wrap)
+            elif edit.at == "replace":
+                if key in plan.replace:
+                    return f"line {self.line(node)} is already replaced by another edit"
+                plan.replace[key] = edit.code
+            else:
+                getattr(plan, edit.at).setdefault(key, []).append(edit.code)
+        return None
+
+    def mismatch(self, edit: Edit, found, candidates) -> str:
+        expected = "one or more" if edit.count is None else str(edit.count)
+        text = f"expected {expected} match{'es' if edit.count != 1 else ''}, found {len(found)}"
+        if found:
+            text += " at line" + ("s " if len(found) > 1 else " ")
+            text += ", ".join(str(self.line(n)) for n in found)
+            return text + " (set count to match, or make the pattern more specific)"
+        if not candidates:
+            return text
+        first_lines = {id(c): self.code(c).strip().splitlines()[0] for c in candidates}
+        ranked = sorted(candidates, key=lambda c: -difflib.SequenceMatcher(
+            None, edit.match, first_lines[id(c)]).ratio())[:3]
+        near = "".join(f"\n      line {self.line(c)}: {first_lines[id(c)]}" for c in ranked)
+        return text + "; nearest candidates:" + near
+
+
+# --------------------------------------------------------------------------- rewrite
+
+
+def _parse_code(code: str) -> list[cst.BaseStatement]:
+    return list(cst.parse_module(textwrap.dedent(code)).body)
+
+
+def _is_docstring(stmt) -> bool:
+    return (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1
+            and isinstance(stmt.body[0], cst.Expr)
+            and isinstance(stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString)))
+
+
+_PASS = cst.SimpleStatementLine([cst.Pass()])
+
+
+def _line(small: cst.BaseSmallStatement) -> cst.SimpleStatementLine:
+    return cst.SimpleStatementLine(body=[small])
+
+
+class _Transformer(cst.CSTTransformer):
+    def __init__(self, plan: _Plan, positions):
+        super().__init__()
+        self.plan, self.positions = plan, positions
+        # id(new statement) -> (statement, original anchor line); holding the node
+        # keeps its id from being reused by another object.
+        self.inserted: dict[int, tuple[cst.CSTNode, int]] = {}
+        self.planned = set(plan.before) | set(plan.after) | set(plan.replace) | set(plan.returns)
+
+    def insert(self, code: str, anchor_line: int) -> list[cst.BaseStatement]:
+        stmts = _parse_code(code)
+        for stmt in stmts:
+            self.inserted[id(stmt)] = (stmt, anchor_line)
+        return stmts
+
+    def mark(self, stmt: cst.BaseStatement, anchor_line: int) -> cst.BaseStatement:
+        self.inserted[id(stmt)] = (stmt, anchor_line)
+        return stmt
+
+    # -- call wraps
+
+    def leave_Call(self, original, updated):
+        for template in self.plan.calls.get(id(original), ()):
+            expr = cst.parse_expression(template)
+            updated = expr.visit(_Substitute(CALL_PLACEHOLDER, updated))
+        return updated
+
+    # -- statement lists
+
+    def leave_IndentedBlock(self, original, updated):
+        body = self.expand_all(original.body, updated.body)
+        return updated if body is None else updated.with_changes(body=body or [_PASS])
+
+    def leave_SimpleStatementSuite(self, original, updated):
+        if not any(id(s) in self.planned for s in original.body):
+            return updated
+        # A one-line body (``if x: return y``) becomes a block so statements fit in.
+        lines = [_line(s) for s in original.body]
+        updated_lines = [_line(s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)) for s in updated.body]
+        return cst.IndentedBlock(body=self.expand_all(lines, updated_lines) or [_PASS])
+
+    def leave_FunctionDef(self, original, updated):
+        entries = self.plan.entry.get(id(original))
+        if not entries:
+            return updated
+        body = updated.body
+        if isinstance(body, cst.SimpleStatementSuite):
+            body = cst.IndentedBlock(body=[_line(s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT))
+                                           for s in body.body])
+        stmts = list(body.body)
+        at = 1 if stmts and _is_docstring(stmts[0]) else 0
+        new = [s for code, line in entries for s in self.insert(code, line)]
+        return updated.with_changes(body=body.with_changes(body=stmts[:at] + new + stmts[at:]))
+
+    def expand_all(self, originals, updated):
+        """New statement list, or None when nothing in it is planned."""
+        out, changed = [], False
+        for orig, upd in zip(originals, updated):
+            if isinstance(orig, cst.SimpleStatementLine):
+                if any(id(s) in self.planned for s in orig.body):
+                    out += self.expand_line(upd, orig.body)
+                    changed = True
+                    continue
+            elif id(orig) in self.planned:
+                out += self.expand(orig, upd, self.positions[orig].start.line)
+                changed = True
+                continue
+            out.append(upd)
+        return out if changed else None
+
+    def expand_line(self, upd, smalls) -> list[cst.BaseStatement]:
+        """Split a line of small statements so each can be edited on its own."""
+        out = []
+        last = len(smalls) - 1
+        for i, (small_orig, small_upd) in enumerate(zip(smalls, upd.body)):
+            if len(smalls) > 1 and small_upd.semicolon is not cst.MaybeSentinel.DEFAULT:
+                small_upd = small_upd.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
+            line = upd if len(smalls) == 1 else cst.SimpleStatementLine(
+                body=[small_upd],
+                leading_lines=upd.leading_lines if i == 0 else (),
+                trailing_whitespace=upd.trailing_whitespace if i == last else cst.TrailingWhitespace(),
+            )
+            if id(small_orig) in self.planned:
+                out += self.expand(small_orig, line, self.positions[small_orig].start.line, small_upd)
+            else:
+                out.append(line)
+        return out
+
+    def expand(self, orig, upd_stmt, anchor_line, small_upd=None) -> list[cst.BaseStatement]:
+        key = id(orig)
+        out = [s for code in self.plan.before.get(key, ()) for s in self.insert(code, anchor_line)]
+        if out and upd_stmt.leading_lines:
+            # Keep the blank lines and comments above the anchor above the inserted code.
+            out[0] = self.mark(out[0].with_changes(leading_lines=upd_stmt.leading_lines), anchor_line)
+            upd_stmt = upd_stmt.with_changes(leading_lines=())
+        if key in self.plan.replace:
+            out += self.insert(self.plan.replace[key], anchor_line)
+        elif key in self.plan.returns:
+            out += self.expand_return(key, small_upd, anchor_line, upd_stmt)
+        else:
+            out.append(upd_stmt)
+        out += [s for code in self.plan.after.get(key, ()) for s in self.insert(code, anchor_line)]
+        return out
+
+    def expand_return(self, key: int, ret: cst.Return, anchor_line: int, line) -> list[cst.BaseStatement]:
+        """``return X`` -> ``bind = X``; inserted code; ``return bind``, all on X's line."""
+        value = ret.value if ret.value is not None else cst.Name("None")
+        out, source = [], value
+        for bind, code in self.plan.returns[key]:
+            assign = cst.Assign(targets=[cst.AssignTarget(cst.Name(bind))], value=source)
+            out.append(self.mark(cst.SimpleStatementLine(body=[assign],
+                                                         leading_lines=line.leading_lines if not out else ()),
+                                 anchor_line))
+            out += self.insert(code, anchor_line)
+            source = cst.Name(bind)
+        out.append(self.mark(_line(cst.Return(value=source)), anchor_line))
+        return out
+
+
+class _Substitute(cst.CSTTransformer):
+    """Replace the placeholder name with a given expression."""
+
+    def __init__(self, name: str, expr: cst.BaseExpression):
+        super().__init__()
+        self.name, self.expr = name, expr
+
+    def leave_Name(self, original, updated):
+        return self.expr if original.value == self.name else updated
+
+
+# --------------------------------------------------------------------------- line numbers
+
+
+_MAPPABLE = (cst.BaseStatement, cst.BaseSmallStatement, cst.BaseExpression, cst.EmptyLine,
+             cst.Decorator, cst.Param, cst.Arg)
+
+
+def _line_map(new_tree: cst.Module, orig_positions, inserted: dict) -> list[int]:
+    """Map each line of the patched source to a line of the original source.
+
+    Subtrees the transformer left alone are the very same objects in both trees,
+    so their lines map one to one; inserted statements map to their anchor line.
+    """
+    positions = MetadataWrapper(new_tree, unsafe_skip_copy=True).resolve(PositionProvider)
+    n_lines = new_tree.code.count("\n") + 2
+    mapping = [0] * (n_lines + 1)
+    stack: list[cst.CSTNode] = [new_tree]
+    while stack:
+        node = stack.pop()
+        new = positions.get(node)
+        # Leaf whitespace nodes may be shared between parses; only trust identity
+        # for statements, expressions and comment lines.
+        orig: CodeRange | None = orig_positions.get(node) if isinstance(node, _MAPPABLE) else None
+        if new is not None and orig is not None:
+            for k in range(new.start.line, new.end.line + 1):
+                mapping[k] = orig.start.line + (k - new.start.line)
+            continue
+        if new is not None and id(node) in inserted:
+            for k in range(new.start.line, new.end.line + 1):
+                mapping[k] = inserted[id(node)][1]
+        stack.extend(node.children)
+    last = 1
+    for k in range(1, len(mapping)):  # lines no node claimed: carry the previous one
+        mapping[k] = mapping[k] or last
+        last = mapping[k]
+    return mapping
+
+
+def _remap(patched: str, original: str, file: str, line_map: list[int]) -> ast.Module:
+    tree = ast.parse(patched, filename=file)
+    new_lines = patched.splitlines()
+    old_lines = original.splitlines()
+
+    def same_text(k: int) -> bool:
+        o = line_map[k]
+        return 0 < k <= len(new_lines) and 0 < o <= len(old_lines) and new_lines[k - 1] == old_lines[o - 1]
+
+    for node in ast.walk(tree):
+        if not hasattr(node, "lineno") or node.lineno is None:
+            continue
+        start, end = node.lineno, node.end_lineno or node.lineno
+        if not (same_text(start) and same_text(end)):
+            # Columns on a rewritten line no longer fit the original text: span the
+            # whole original line, which makes tracebacks print no misleading carets.
+            orig = old_lines[line_map[start] - 1] if 0 < line_map[start] <= len(old_lines) else ""
+            node.col_offset, node.end_col_offset = 0, len(orig.encode())
+            end = start
+        node.lineno = line_map[start]
+        node.end_lineno = max(line_map[end], node.lineno)
+    return tree

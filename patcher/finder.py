@@ -1,0 +1,190 @@
+"""The meta-path finder and the loader that patch target modules as they import.
+
+The finder sits first on ``sys.meta_path`` and answers every import that is not
+a target with one set lookup.  For a target it asks the other finders (editable
+installs, pytest's rewriter, ...) where the module is, and wraps the result only
+if it is a plain source-file loader.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from dataclasses import dataclass
+from types import CodeType, ModuleType
+
+from .cache import CodeCache, key
+from .errors import ActivationError, RequirementError
+from .spec import Patch, Spec, slice_digest
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What a patched module records in ``__source_patches__``, one per patch."""
+
+    spec: str
+    patch: str
+    target: str
+    spec_file: str
+
+
+class RuntimeHandle:
+    """The object inserted code calls (``__sp__.emit(...)``).
+
+    Attributes resolve lazily from ``source_patch.runtime`` on first use and are
+    then cached on the instance: the runtime is imported only if a patched site
+    actually runs, and later lookups are a plain attribute read.
+    """
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        from source_patch import runtime
+
+        value = getattr(runtime, name)
+        setattr(self, name, value)
+        return value
+
+    def __repr__(self) -> str:
+        return "<source_patch runtime handle>"
+
+
+HANDLE = RuntimeHandle()
+
+
+class PatchFinder:
+    _source_patch_finder = True  # lets locate.py and others skip us
+
+    def __init__(self, cache: CodeCache):
+        self.cache = cache
+        self.specs: list[Spec] = []
+        self.targets: dict[str, list[Patch]] = {}
+        self._checked: dict[str, str | None] = {}  # spec file -> unmet requirement message
+
+    # -- registry
+
+    def add(self, spec: Spec) -> None:
+        self.specs.append(spec)
+        self._rebuild()
+
+    def remove(self, spec: Spec) -> None:
+        self.specs.remove(spec)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        targets: dict[str, list[Patch]] = {}
+        for spec in self.specs:
+            for patch in spec.patches:
+                targets.setdefault(patch.module, []).append(patch)
+        self.targets = targets
+
+    # -- import protocol
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.targets:
+            return None
+        return self._patched_spec(fullname, path, target)
+
+    def _patched_spec(self, fullname, path, target):
+        patches = self._applicable(fullname)
+        if not patches:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+            raise ActivationError(
+                f"cannot patch {fullname}: it is loaded by {type(spec.loader).__name__} from "
+                f"{spec.origin}, not from a Python source file")
+        spec.loader = PatchingLoader(fullname, spec.origin, patches, self.cache)
+        return spec
+
+    def _applicable(self, fullname: str) -> list[Patch]:
+        """The target's patches whose specs' ``requires`` hold (checked once per spec)."""
+        out = []
+        for spec in self.specs:
+            mine = [p for p in spec.patches if p.module == fullname]
+            if not mine:
+                continue
+            if spec.file not in self._checked:
+                self._checked[spec.file] = unmet_requirement(spec)
+            problem = self._checked[spec.file]
+            if problem is None:
+                out += mine
+            elif spec.on_unmet == "error":
+                raise RequirementError(f"{spec.file}: spec {spec.name!r}: {problem}; "
+                                       f"{fullname} would be imported unpatched (set on_unmet: "
+                                       f"skip in the spec to allow that)")
+            else:
+                warnings.warn(f"source-patch: skipping spec {spec.name!r} for {fullname}: {problem}",
+                              stacklevel=2)
+        return out
+
+    def invalidate_caches(self) -> None:
+        pass
+
+
+def unmet_requirement(spec: Spec, against: str | None = None) -> str | None:
+    """None when every ``requires`` range holds, else a sentence saying which does not."""
+    if not spec.requires:
+        return None
+    from importlib import metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    for dist, wanted in spec.requires:
+        try:
+            if against:
+                found = next(iter(metadata.distributions(path=[against], name=dist)), None)
+                if found is None:
+                    raise metadata.PackageNotFoundError(dist)
+                have = found.version
+            else:
+                have = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return f"requires {dist}{wanted}, which is not installed"
+        if not SpecifierSet(wanted).contains(have, prereleases=True):
+            return f"requires {dist}{wanted}, found {have}"
+    return None
+
+
+class PatchingLoader(importlib.machinery.SourceFileLoader):
+    """A source loader whose code is the patched source, never written to __pycache__."""
+
+    def __init__(self, fullname: str, path: str, patches: list[Patch], cache: CodeCache):
+        super().__init__(fullname, path)
+        self.patches = patches
+        self.code_cache = cache
+
+    def get_code(self, fullname: str) -> CodeType:
+        source = self.get_data(self.path)
+        k = key(source, slice_digest(self.patches), self.path)
+        code = self.code_cache.get(k)
+        if code is None:
+            code = patch_source(source, self.patches, fullname, self.path)
+            self.code_cache.put(k, code)
+        return code
+
+    def exec_module(self, module: ModuleType) -> None:
+        for handle in {p.handle for p in self.patches}:
+            module.__dict__[handle] = HANDLE
+        module.__source_patches__ = tuple(
+            Applied(p.spec_name, p.id, p.target, p.location.file) for p in self.patches)
+        super().exec_module(module)
+
+
+def patch_source(source: bytes, patches: list[Patch], module: str, path: str) -> CodeType:
+    """Rewrite and compile (the cache-miss path: the only one that imports libcst)."""
+    from .engine import rewrite
+    from .locate import dist_version
+
+    result = rewrite(importlib.util.decode_source(source), patches, module=module, file=path,
+                     version=lambda: dist_version(module.partition(".")[0]))
+    return compile(result.tree, path, "exec", dont_inherit=True)

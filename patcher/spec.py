@@ -1,0 +1,365 @@
+"""Spec format v1: load a YAML patch spec into frozen dataclasses.
+
+The YAML is composed into nodes (never constructed into arbitrary objects) so
+every value keeps its line and column; every error names file:line:column and
+the dotted field.  The format is documented field by field in docs/spec.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from yaml.constructor import SafeConstructor
+
+from .errors import Location, SpecError
+
+FORMAT_VERSION = 1
+DEFAULT_HANDLE = "__sp__"
+DEFAULT_BIND = "result"
+CALL_PLACEHOLDER = "__call__"
+
+ANCHORS = ("entry", "return", "before", "after", "replace", "call")
+# Keys each anchor kind accepts besides ``at`` (the first set is required).
+_EDIT_KEYS = {
+    "entry": ({"code"}, set()),
+    "return": ({"code"}, {"bind", "count"}),
+    "before": ({"match", "code"}, {"count"}),
+    "after": ({"match", "code"}, {"count"}),
+    "replace": ({"match", "code"}, {"count"}),
+    "call": ({"match", "wrap"}, {"count"}),
+}
+_SPEC_KEYS = ({"source_patch", "name", "patches"}, {"description", "handle", "requires", "on_unmet"})
+_PATCH_KEYS = ({"id", "module", "target", "edits"}, {"description"})
+ON_UNMET = ("error", "skip")
+
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*\Z")
+_DOTTED_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "patches"
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One change inside a target function, at one kind of anchor."""
+
+    at: str
+    code: str = ""
+    match: str = ""
+    wrap: str = ""
+    bind: str = DEFAULT_BIND
+    count: int | None = 1  # None: one or more ("all")
+    location: Location = field(default=Location(""), compare=False)
+
+    def describe(self) -> str:
+        return f"at {self.at} {self.match!r}" if self.match else f"at {self.at}"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Edits to one function or method (``target``) of one module."""
+
+    id: str
+    module: str
+    target: str
+    edits: tuple[Edit, ...]
+    spec_name: str = ""
+    handle: str = DEFAULT_HANDLE  # the name inserted code uses to reach the runtime
+    description: str = ""
+    location: Location = field(default=Location(""), compare=False)
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    file: str
+    patches: tuple[Patch, ...]
+    handle: str = DEFAULT_HANDLE
+    description: str = ""
+    requires: tuple[tuple[str, str], ...] = ()
+    on_unmet: str = "error"
+    location: Location = field(default=Location(""), compare=False)
+
+    @property
+    def modules(self) -> list[str]:
+        return sorted({p.module for p in self.patches})
+
+
+def slice_digest(patches: list[Patch]) -> str:
+    """A stable digest of what a set of patches does to one module (cache key part)."""
+    doc = [[p.spec_name, p.id, p.module, p.target, p.handle,
+            [[e.at, e.code, e.match, e.wrap, e.bind, e.count] for e in p.edits]]
+           for p in patches]
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resolve(ref: str) -> Path:
+    """A spec reference is a file path or the name of a bundled spec (``megatron_cpu``)."""
+    path = Path(ref).expanduser()
+    if path.suffix in (".yaml", ".yml") or os.sep in ref or path.exists():
+        return path.resolve()
+    bundled = BUNDLED_DIR / f"{ref}.yaml"
+    if bundled.exists():
+        return bundled
+    names = ", ".join(sorted(bundled_names())) or "none"
+    raise SpecError(f"no spec file or bundled spec named {ref!r} (bundled: {names})", Location(ref))
+
+
+def bundled_names() -> list[str]:
+    return sorted(p.stem for p in BUNDLED_DIR.glob("*.yaml"))
+
+
+def load(ref: str | os.PathLike) -> Spec:
+    path = resolve(os.fspath(ref))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"cannot read spec: {exc}", Location(str(path))) from None
+    return loads(text, str(path))
+
+
+def loads(text: str, file: str = "<string>") -> Spec:
+    """Parse and validate spec text; ``file`` is used in error locations."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        loc = Location(file, mark.line + 1, mark.column + 1) if mark else Location(file)
+        raise SpecError(f"invalid YAML: {exc.problem or exc.context}", loc) from None
+    except yaml.YAMLError as exc:  # e.g. a reader error on control characters
+        raise SpecError(f"invalid YAML: {exc}", Location(file, 1, 1)) from None
+    return _Builder(file).spec(root)
+
+
+class _Builder:
+    """Walks composed YAML nodes, validating as it goes."""
+
+    def __init__(self, file: str):
+        self.file = file
+
+    def loc(self, node: yaml.Node | None, path: str) -> Location:
+        if node is None:
+            return Location(self.file, 1, 1, path)
+        return Location(self.file, node.start_mark.line + 1, node.start_mark.column + 1, path)
+
+    def fail(self, message: str, node: yaml.Node | None, path: str):
+        raise SpecError(message, self.loc(node, path))
+
+    # -- node helpers
+
+    def mapping(self, node, path: str, keys: tuple[set, set] | None) -> dict[str, yaml.Node]:
+        """A mapping's values by key; ``keys`` is (required, optional), None admits any key."""
+        if not isinstance(node, yaml.MappingNode):
+            self.fail(f"expected a mapping, got {_kind(node)}", node, path)
+        required, optional = keys or (set(), set())
+        out: dict[str, yaml.Node] = {}
+        for key_node, value in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+                self.fail("keys must be plain strings", key_node, path)
+            key = key_node.value
+            where = f"{path}.{key}" if path else key
+            if key in out:
+                self.fail(f"duplicate key {key!r}", key_node, where)
+            if keys and key not in required | optional:
+                valid = ", ".join(sorted(required | optional))
+                self.fail(f"unknown key {key!r} (valid keys: {valid})", key_node, where)
+            out[key] = value
+        missing = sorted(required - out.keys())
+        if missing:
+            self.fail(f"missing required key {missing[0]!r}", node, path)
+        return out
+
+    def scalar(self, node, path: str, tag: str = "str"):
+        if not isinstance(node, yaml.ScalarNode) or node.tag != f"tag:yaml.org,2002:{tag}":
+            self.fail(f"expected {'a string' if tag == 'str' else 'an ' + tag}, got {_kind(node)}",
+                      node, path)
+        if tag == "int":
+            try:
+                return SafeConstructor().construct_yaml_int(node)
+            except (ValueError, TypeError):
+                self.fail(f"not an integer: {node.value!r}", node, path)
+        return node.value
+
+    def word(self, node, path: str, pattern: re.Pattern, what: str) -> str:
+        value = self.scalar(node, path)
+        if not pattern.match(value):
+            self.fail(f"{what} expected, got {value!r}", node, path)
+        return value
+
+    def python(self, node, path: str) -> str:
+        """A string field holding Python source; syntax errors point into the YAML."""
+        text = self.scalar(node, path)
+        try:
+            ast.parse(text)
+        except SyntaxError as exc:
+            # Block scalars ('|', '>') start on the line after their indicator.
+            first = node.start_mark.line + (2 if node.style in ("|", ">") else 1)
+            line = first + (exc.lineno or 1) - 1
+            raise SpecError(f"invalid Python: {exc.msg}",
+                            Location(self.file, line, node.start_mark.column + 1, path)) from None
+        return text
+
+    # -- the document
+
+    def spec(self, root) -> Spec:
+        if root is None:
+            self.fail("the spec is empty", None, "")
+        top = self.mapping(root, "", _SPEC_KEYS)
+        version = self.scalar(top["source_patch"], "source_patch", "int")
+        if version != FORMAT_VERSION:
+            self.fail(f"unsupported format version {version} (this tool reads {FORMAT_VERSION})",
+                      top["source_patch"], "source_patch")
+        name = self.word(top["name"], "name", _ID_RE, "a name of letters, digits, '_', '.', '-'")
+        handle = DEFAULT_HANDLE
+        if "handle" in top:
+            handle = self.scalar(top["handle"], "handle")
+            if not handle.isidentifier():
+                self.fail(f"a Python identifier expected, got {handle!r}", top["handle"], "handle")
+        on_unmet = "error"
+        if "on_unmet" in top:
+            on_unmet = self.scalar(top["on_unmet"], "on_unmet")
+            if on_unmet not in ON_UNMET:
+                self.fail(f"must be one of {', '.join(ON_UNMET)}", top["on_unmet"], "on_unmet")
+        patches_node = top["patches"]
+        if not isinstance(patches_node, yaml.SequenceNode) or not patches_node.value:
+            self.fail("expected a non-empty list of patches", patches_node, "patches")
+        patches, seen = [], {}
+        for i, node in enumerate(patches_node.value):
+            patch = self.patch(node, f"patches[{i}]", name, handle)
+            if patch.id in seen:
+                self.fail(f"duplicate patch id {patch.id!r} (first at line {seen[patch.id]})",
+                          node, f"patches[{i}].id")
+            seen[patch.id] = patch.location.line
+            patches.append(patch)
+        return Spec(
+            name=name, file=self.file, patches=tuple(patches), handle=handle,
+            description=self.scalar(top["description"], "description") if "description" in top else "",
+            requires=self.requires(top.get("requires")), on_unmet=on_unmet,
+            location=self.loc(root, ""),
+        )
+
+    def requires(self, node) -> tuple[tuple[str, str], ...]:
+        if node is None:
+            return ()
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+        out = []
+        for dist, value in self.mapping(node, "requires", None).items():
+            spec = self.scalar(value, f"requires.{dist}")
+            try:
+                SpecifierSet(spec)
+            except InvalidSpecifier:
+                self.fail(f"invalid version specifier {spec!r} (e.g. '>=0.16,<0.17')",
+                          value, f"requires.{dist}")
+            out.append((dist, spec))
+        return tuple(out)
+
+    def patch(self, node, path: str, spec_name: str, handle: str) -> Patch:
+        keys = self.mapping(node, path, _PATCH_KEYS)
+        pid = self.word(keys["id"], f"{path}.id", _ID_RE, "an id of letters, digits, '_', '.', '-'")
+        module = self.word(keys["module"], f"{path}.module", _DOTTED_RE, "a dotted module name")
+        target = self.word(keys["target"], f"{path}.target", _DOTTED_RE,
+                           "a function or Class.method name")
+        edits_node = keys["edits"]
+        if not isinstance(edits_node, yaml.SequenceNode) or not edits_node.value:
+            self.fail("expected a non-empty list of edits", edits_node, f"{path}.edits")
+        edits = tuple(self.edit(n, f"{path}.edits[{i}]") for i, n in enumerate(edits_node.value))
+        desc = self.scalar(keys["description"], f"{path}.description") if "description" in keys else ""
+        return Patch(pid, module, target, edits, spec_name, handle, desc, self.loc(node, path))
+
+    def edit(self, node, path: str) -> Edit:
+        if not isinstance(node, yaml.MappingNode):
+            self.fail(f"expected a mapping, got {_kind(node)}", node, path)
+        at_node = next((v for k, v in node.value
+                        if isinstance(k, yaml.ScalarNode) and k.value == "at"), None)
+        if at_node is None:
+            self.fail(f"missing required key 'at' (one of: {', '.join(ANCHORS)})", node, path)
+        at = self.scalar(at_node, f"{path}.at")
+        if at not in ANCHORS:
+            self.fail(f"unknown anchor {at!r} (one of: {', '.join(ANCHORS)})", at_node, f"{path}.at")
+        required, optional = _EDIT_KEYS[at]
+        keys = self.mapping(node, path, (required | {"at"}, optional))
+        kw: dict = {"at": at, "location": self.loc(node, path)}
+        if "code" in keys:
+            kw["code"] = self.python(keys["code"], f"{path}.code")
+        if "match" in keys:
+            kw["match"] = self.pattern(keys["match"], f"{path}.match", at)
+        if "wrap" in keys:
+            kw["wrap"] = self.wrap(keys["wrap"], f"{path}.wrap")
+        if "bind" in keys:
+            kw["bind"] = self.scalar(keys["bind"], f"{path}.bind")
+            if not kw["bind"].isidentifier():
+                self.fail(f"a Python identifier expected, got {kw['bind']!r}", keys["bind"], f"{path}.bind")
+        if "count" in keys:
+            kw["count"] = self.count(keys["count"], f"{path}.count")
+        return Edit(**kw)
+
+    def count(self, node, path: str) -> int | None:
+        if isinstance(node, yaml.ScalarNode) and node.value == "all":
+            return None
+        if not isinstance(node, yaml.ScalarNode) or node.tag != "tag:yaml.org,2002:int":
+            self.fail(f"expected a positive integer or 'all', got {_kind(node)}", node, path)
+        value = self.scalar(node, path, "int")
+        if value < 1:
+            self.fail("expected a positive integer or 'all' (an anchor that may match nothing "
+                      "would let a patch silently not apply)", node, path)
+        return value
+
+    def pattern(self, node, path: str, at: str) -> str:
+        text = self.scalar(node, path).strip()
+        loc = self.loc(node, path)
+        try:
+            parse_pattern(text, call=at == "call")
+        except SyntaxError as exc:
+            raise SpecError(f"invalid pattern: {exc.msg}", loc) from None
+        except ValueError as exc:
+            raise SpecError(f"invalid pattern: {exc}", loc) from None
+        return text
+
+    def wrap(self, node, path: str) -> str:
+        text = self.scalar(node, path).strip()
+        try:
+            tree = ast.parse(text, mode="eval")
+        except SyntaxError as exc:
+            self.fail(f"invalid Python expression: {exc.msg}", node, path)
+        uses = sum(isinstance(n, ast.Name) and n.id == CALL_PLACEHOLDER for n in ast.walk(tree))
+        if uses != 1:
+            self.fail(f"the wrap expression must use the name {CALL_PLACEHOLDER} exactly once "
+                      f"(it stands for the matched call), found {uses}", node, path)
+        return text
+
+
+def _kind(node) -> str:
+    if node is None:
+        return "nothing"
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    return {"null": "null", "bool": "a boolean", "int": "an integer", "float": "a number",
+            "str": "a string"}.get(node.tag.rsplit(":", 1)[-1], f"a {node.tag}")
+
+
+def _complete_header(text: str) -> str:
+    return text + "\n    pass" if text.rstrip().endswith(":") else text
+
+
+def parse_pattern(text: str, *, call: bool) -> ast.AST:
+    """Parse a match pattern: a statement (or compound header ending in ':') or a call."""
+    if call:
+        tree = ast.parse(text, mode="eval").body
+        if not isinstance(tree, ast.Call):
+            raise ValueError("a call pattern must be a call expression such as 'torch.topk(...)'")
+        return tree
+    module = ast.parse(_complete_header(text))
+    if len(module.body) != 1:
+        raise ValueError("a statement pattern must be exactly one statement")
+    return module.body[0]

@@ -1,0 +1,21 @@
+"""Only here to ship the start hook: setuptools has no declarative way to put a
+`.pth` file at the root of site-packages."""
+
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HOOK = "source_patch.pth"
+
+
+class BuildWithStartHook(build_py):
+    def run(self):
+        super().run()
+        self.copy_file(str(Path(__file__).parent / HOOK), str(Path(self.build_lib) / HOOK))
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / HOOK)]
+
+
+setup(cmdclass={"build_py": BuildWithStartHook})
