@@ -1,21 +1,22 @@
 """Only here to ship the start hook: setuptools has no declarative way to put a
-`.pth` file at the root of site-packages."""
+`.pth` file at the root of site-packages.  (Editable installs do not get it this
+way; `source-patch hook install` puts it there.)"""
 
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-HOOK = "source_patch.pth"
+HOOK = Path("patcher", "source_patch.pth")  # also package data, for `source-patch hook`
 
 
 class BuildWithStartHook(build_py):
     def run(self):
         super().run()
-        self.copy_file(str(Path(__file__).parent / HOOK), str(Path(self.build_lib) / HOOK))
+        self.copy_file(str(Path(__file__).parent / HOOK), str(Path(self.build_lib) / HOOK.name))
 
     def get_outputs(self, include_bytecode=True):
-        return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / HOOK)]
+        return super().get_outputs(include_bytecode) + [str(Path(self.build_lib) / HOOK.name)]
 
 
 setup(cmdclass={"build_py": BuildWithStartHook})

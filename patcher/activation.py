@@ -67,14 +67,15 @@ def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
     if isinstance(specs, (str, os.PathLike)):
         specs = [specs]
     loaded = [s if isinstance(s, spec_mod.Spec) else spec_mod.load(s) for s in specs]
-    finder = _finder(cache_dir)
-    active = {(s.file, s) for s in finder.specs}
+    current = installed_finder()
+    active = {(s.file, s) for s in current.specs} if current else set()
     new = [s for s in loaded if (s.file, s) not in active]
     late = sorted({m for s in new for m in s.modules if m in sys.modules})
     if late:
         raise ActivationError(
             f"already imported, so they cannot be patched: {', '.join(late)}. Activate earlier "
             f"(SOURCE_PATCH=... in the environment, or activate() before the first import)")
+    finder = _finder(cache_dir)
     for s in new:
         finder.add(s)
     return Activation(finder, new)
@@ -92,7 +93,16 @@ def patched(*specs: str | os.PathLike | spec_mod.Spec,
         activation.deactivate()
         for name in activation.modules:
             if name not in before:
-                sys.modules.pop(name, None)
+                _forget(name)
+
+
+def _forget(name: str) -> None:
+    """Drop a module from sys.modules and from its parent package's attributes
+    (else ``from pkg import mod`` would keep finding the patched copy)."""
+    module = sys.modules.pop(name, None)
+    parent, _, child = name.rpartition(".")
+    if module is not None and getattr(sys.modules.get(parent), child, None) is module:
+        delattr(sys.modules[parent], child)
 
 
 def import_patched_copy(module: str, *specs: str | os.PathLike | spec_mod.Spec,

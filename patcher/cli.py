@@ -10,6 +10,7 @@ import difflib
 import os
 import site
 import sys
+import sysconfig
 from pathlib import Path
 
 from . import spec as spec_mod
@@ -55,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                   specs=False, against=False)
     run.add_argument("-s", "--spec", action="append", required=True, dest="specs", metavar="SPEC")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- command [args...]")
+    hook = command("hook", _hook, "install, remove or show the start hook of this interpreter "
+                   "(wheel installs have it; editable installs need 'hook install')",
+                   specs=False, against=False)
+    hook.add_argument("action", choices=("install", "uninstall", "status"))
     return parser
 
 
@@ -164,9 +169,34 @@ def _run(args) -> int:
     os.execvpe(command[0], command, env)
 
 
+HOOK_FILE = "source_patch.pth"
+
+
+def _hook_paths() -> list[Path]:
+    dirs = site.getsitepackages() + [site.getusersitepackages(), sysconfig.get_paths()["purelib"]]
+    return [Path(d, HOOK_FILE) for d in dict.fromkeys(dirs)]
+
+
 def _hook_installed() -> bool:
-    dirs = site.getsitepackages() + [site.getusersitepackages()]
-    return any(Path(d, "source_patch.pth").exists() for d in dirs)
+    return any(p.exists() for p in _hook_paths())
+
+
+def _hook(args) -> int:
+    installed = [p for p in _hook_paths() if p.exists()]
+    if args.action == "status":
+        print("\n".join(f"installed: {p}" for p in installed) or f"not installed in {sys.prefix}")
+        return 0 if installed else 1
+    if args.action == "uninstall":
+        for p in installed:
+            p.unlink()
+            print(f"removed {p}")
+        return 0
+    if not installed:
+        target = Path(sysconfig.get_paths()["purelib"], HOOK_FILE)
+        target.write_text((Path(__file__).parent / HOOK_FILE).read_text())
+        installed = [target]
+    print(f"installed: {installed[0]}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def rewrite(source: str, patches: Sequence[Patch], *, module: str, file: str,
         raise AnchorError(module, file, version(), problems)
     transformer = _Transformer(plan, positions)
     new_tree = tree.visit(transformer)
-    line_map = _line_map(new_tree, positions, transformer.inserted)
+    line_map = _line_map(new_tree, positions, transformer.origin, transformer.inserted)
     patched = new_tree.code
     return Rewritten(patched, _remap(patched, source, file, line_map), line_map, plan.hits)
 
@@ -242,6 +242,25 @@ class _Transformer(cst.CSTTransformer):
         # keeps its id from being reused by another object.
         self.inserted: dict[int, tuple[cst.CSTNode, int]] = {}
         self.planned = set(plan.before) | set(plan.after) | set(plan.replace) | set(plan.returns)
+        # libcst rebuilds every node it visits, so identity cannot tell an untouched
+        # subtree from an edited one.  Track it: a node is changed when its leave_*
+        # returned something else or a descendant changed.  Untouched nodes map to
+        # their originals (both held, so ids stay unique).
+        self.origin: dict[int, tuple[cst.CSTNode, cst.CSTNode]] = {}
+        self._changed_below: list[bool] = []
+
+    def on_visit(self, node) -> bool:
+        self._changed_below.append(False)
+        return super().on_visit(node)
+
+    def on_leave(self, original, updated):
+        result = super().on_leave(original, updated)
+        changed = self._changed_below.pop() or result is not updated
+        if changed and self._changed_below:
+            self._changed_below[-1] = True
+        elif not changed:
+            self.origin[id(result)] = (result, original)
+        return result
 
     def insert(self, code: str, anchor_line: int) -> list[cst.BaseStatement]:
         stmts = _parse_code(code)
@@ -367,29 +386,29 @@ class _Substitute(cst.CSTTransformer):
 # --------------------------------------------------------------------------- line numbers
 
 
+# Node types whose identity means something: libcst may share leaf whitespace
+# objects between parses, so those must never map a line.
 _MAPPABLE = (cst.BaseStatement, cst.BaseSmallStatement, cst.BaseExpression, cst.EmptyLine,
              cst.Decorator, cst.Param, cst.Arg)
 
 
-def _line_map(new_tree: cst.Module, orig_positions, inserted: dict) -> list[int]:
+def _line_map(new_tree: cst.Module, orig_positions, origin: dict, inserted: dict) -> list[int]:
     """Map each line of the patched source to a line of the original source.
 
-    Subtrees the transformer left alone are the very same objects in both trees,
-    so their lines map one to one; inserted statements map to their anchor line.
+    Untouched subtrees map line for line onto their originals; inserted statements
+    map to their anchor line.
     """
     positions = MetadataWrapper(new_tree, unsafe_skip_copy=True).resolve(PositionProvider)
-    n_lines = new_tree.code.count("\n") + 2
-    mapping = [0] * (n_lines + 1)
+    mapping = [0] * (new_tree.code.count("\n") + 3)
     stack: list[cst.CSTNode] = [new_tree]
     while stack:
         node = stack.pop()
-        new = positions.get(node)
-        # Leaf whitespace nodes may be shared between parses; only trust identity
-        # for statements, expressions and comment lines.
-        orig: CodeRange | None = orig_positions.get(node) if isinstance(node, _MAPPABLE) else None
-        if new is not None and orig is not None:
+        new: CodeRange | None = positions.get(node)
+        pair = origin.get(id(node)) if isinstance(node, _MAPPABLE) else None
+        if new is not None and pair is not None and pair[0] is node:
+            start = orig_positions[pair[1]].start.line
             for k in range(new.start.line, new.end.line + 1):
-                mapping[k] = orig.start.line + (k - new.start.line)
+                mapping[k] = start + (k - new.start.line)
             continue
         if new is not None and id(node) in inserted:
             for k in range(new.start.line, new.end.line + 1):

@@ -1,0 +1,356 @@
+"""Import-time cost of source-patch: the start hook, and patched imports of real Megatron modules.
+
+    python bench/import_bench.py            # full run (a few minutes on 2 cores)
+    python bench/import_bench.py --quick    # smoke run (well under a minute)
+
+Every number comes from fresh subprocesses of this interpreter, variants alternated
+(A B, B A, A B, ...) so drift hits both sides alike; the table gives median and min
+of each side, the difference of the medians and their ratio.
+
+Start-up rows
+  hook: `python -I -S -c "import site; site.addsitedir(D)"` where D holds only a copy
+  of patcher/source_patch.pth (B) or nothing (A).  Reported both as the in-process
+  time of the addsitedir call and as the whole process's wall time.
+  editable finder: the same with setuptools' editable-install .pth and finder module
+  (what `pip install -e` adds to every start-up; not source-patch code).
+  venv start: the venv's `python -c pass` with SOURCE_PATCH unset (A) and set to the
+  bench specs (B: the hook activates them at start-up).
+
+Import rows
+  Each measured subprocess first imports the targets unpatched (which imports all
+  their dependencies: torch, the rest of Megatron), then unloads the targets only
+  (they cannot simply be left out: megatron/core/transformer/__init__.py imports
+  transformer_layer and megatron/core/models/gpt/__init__.py imports gpt_model, so
+  their parent packages cannot be imported without them), activates the specs
+  (which checks that no target is imported), and times importlib.import_module of
+  each target with everything else already in sys.modules: the module's own cost.
+  unpatched: no activation.  cold: a fresh empty SOURCE_PATCH_CACHE (includes
+  importing libcst, parsing, rewriting, compiling).  warm: a cache filled before the
+  runs.  Each subprocess verifies what it measured (__source_patches__, the loader,
+  whether libcst was imported) and fails loudly otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_SPEC = REPO / "bench" / "import_bench_spec.yaml"
+SHIPPED_SPEC = REPO / "patches" / "megatron_topk.yaml"
+SPECS = [str(SHIPPED_SPEC), str(BENCH_SPEC)]
+HOOK = REPO / "patcher" / "source_patch.pth"
+# In the order their imports complete (checked in the worker): importing one of them
+# must not import another that is still unloaded.
+TARGETS = [
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.models.gpt.gpt_model",
+]
+MODES = ("unpatched", "cold", "warm")
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def worker(mode: str, targets: list[str]) -> None:
+    """One measured import of the targets (run in a fresh subprocess); prints JSON."""
+    import gc
+    import importlib
+    import warnings
+
+    warnings.simplefilter("ignore")  # Megatron warns about missing TE/Apex on every import
+    t0 = time.perf_counter()
+    for name in targets:
+        importlib.import_module(name)
+    preload_s = time.perf_counter() - t0
+    preloaded = len(sys.modules)
+    for name in targets:  # unload the targets, and only them
+        del sys.modules[name]
+        parent, _, child = name.rpartition(".")
+        if getattr(sys.modules.get(parent), child, None) is not None:
+            delattr(sys.modules[parent], child)
+    if "libcst" in sys.modules:
+        raise SystemExit("libcst was imported before the measurement; cold numbers would be low")
+
+    activate_s = None
+    if mode != "unpatched":
+        t0 = time.perf_counter()
+        from source_patch.patcher import activate
+
+        activation = activate(SPECS)  # raises ActivationError if a target is still imported
+        activate_s = time.perf_counter() - t0
+        if sorted(activation.modules) != sorted(targets):
+            raise SystemExit(f"the specs patch {activation.modules}, expected {targets}")
+
+    gc.collect()
+    times = {}
+    for i, name in enumerate(targets):
+        t0 = time.perf_counter()
+        module = importlib.import_module(name)
+        times[name] = time.perf_counter() - t0
+        early = [t for t in targets[i + 1:] if t in sys.modules]
+        if early:
+            raise SystemExit(f"importing {name} imported {early}: reorder TARGETS")
+
+    # Verify that what was measured is what the row says.
+    for name in targets:
+        module = sys.modules[name]
+        applied = getattr(module, "__source_patches__", None)
+        loader = type(module.__spec__.loader).__name__
+        if mode == "unpatched":
+            if applied is not None or loader == "PatchingLoader":
+                raise SystemExit(f"{name} was patched in the unpatched run")
+        else:
+            expected = {p.id for s in activation.specs for p in s.patches if p.module == name}
+            if not applied or {a.patch for a in applied} != expected or loader != "PatchingLoader":
+                raise SystemExit(f"{name} was not patched as expected: loader {loader}, "
+                                 f"__source_patches__={applied!r}, expected {sorted(expected)}")
+    libcst = "libcst" in sys.modules
+    if libcst != (mode == "cold"):
+        raise SystemExit(f"{mode} run {'imported' if libcst else 'did not import'} libcst: "
+                         f"the code cache did not behave as the mode assumes")
+    print(json.dumps({"mode": mode, "times": times, "activate": activate_s,
+                      "preload": preload_s, "preloaded": preloaded}))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SOURCE_PATCH", "SOURCE_PATCH_CACHE") and not k.startswith("PYTHON")}
+    env.update(extra)
+    return env
+
+
+def wall(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    elapsed = time.perf_counter() - t0
+    if proc.returncode:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    return elapsed, proc.stdout
+
+
+def alternate(runs: int, variants: dict[str, callable]) -> dict[str, list]:
+    """Run the variants ``runs`` times each, in an order that alternates every round."""
+    out = {k: [] for k in variants}
+    names = list(variants)
+    for i in range(runs):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            out[name].append(variants[name]())
+    return out
+
+
+def machine_info() -> list[str]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    vers = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c",
+         "import torch, importlib.metadata as m; print(torch.__version__, m.version('megatron-core'),"
+         " m.version('libcst'))"],
+        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout.split()
+    torch_v, mcore_v, libcst_v = (vers + ["?"] * 3)[:3]
+    return [
+        f"date      {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
+        f"machine   {cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
+        f"python    {platform.python_version()} ({sys.executable})",
+        f"packages  torch {torch_v}, megatron-core {mcore_v}, libcst {libcst_v}",
+    ]
+
+
+# --------------------------------------------------------------------------- benches
+
+
+def bench_startup(runs: int, rows: list) -> None:
+    py = sys.executable
+    installed = Path(__import__("sysconfig").get_paths()["purelib"])
+    if (installed / HOOK.name).exists() and (installed / HOOK.name).read_bytes() != HOOK.read_bytes():
+        print(f"note: the installed {installed / HOOK.name} differs from {HOOK}; benching the repo's")
+    tmp = Path(tempfile.mkdtemp(prefix="sp-bench-site-"))
+    try:
+        empty, hook, editable = tmp / "empty", tmp / "hook", tmp / "editable"
+        for d in (empty, hook, editable):
+            d.mkdir()
+        shutil.copy(HOOK, hook / HOOK.name)
+        editable_files = [p for pat in ("__editable__*source_patch*.pth",
+                                        "__editable___source_patch*_finder.py")
+                          for p in installed.glob(pat)]
+        for p in editable_files:
+            shutil.copy(p, editable / p.name)
+
+        code = ("import time; t = time.perf_counter(); import site; site.addsitedir({d!r}); "
+                "print(time.perf_counter() - t)")
+        env = clean_env()
+
+        def site_run(d: Path):
+            def run():
+                elapsed, out = wall([py, "-I", "-S", "-c", code.format(d=str(d))], env)
+                return elapsed, float(out)
+            return run
+
+        variants = {"empty": site_run(empty), "hook": site_run(hook)}
+        if len(editable_files) == 2:
+            variants["editable"] = site_run(editable)
+        for _ in range(3):  # warm the page cache
+            for f in variants.values():
+                f()
+        res = alternate(runs, variants)
+        label_a = "empty dir"
+        rows.append(("hook .pth: addsitedir(D), in-process", label_a, "D = source_patch.pth",
+                     [r[1] for r in res["empty"]], [r[1] for r in res["hook"]]))
+        rows.append(("hook .pth: whole process wall", label_a, "D = source_patch.pth",
+                     [r[0] for r in res["empty"]], [r[0] for r in res["hook"]]))
+        if "editable" in res:
+            rows.append(("editable finder .pth: in-process", label_a, "D = __editable__*",
+                         [r[1] for r in res["empty"]], [r[1] for r in res["editable"]]))
+
+        env_on = clean_env(SOURCE_PATCH=",".join(SPECS),
+                           SOURCE_PATCH_CACHE=str(tmp / "unused-cache"))
+        venv = {"unset": lambda: wall([py, "-c", "pass"], env)[0],
+                "set": lambda: wall([py, "-c", "pass"], env_on)[0]}
+        venv["unset"](), venv["set"]()
+        res = alternate(max(runs // 2, 2), venv)
+        rows.append(("venv `python -c pass`, wall", "SOURCE_PATCH unset", "=2 specs (activates)",
+                     res["unset"], res["set"]))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def bench_imports(runs: int, rows: list) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="sp-bench-cache-"))
+    try:
+        warm_cache = tmp / "warm"
+        counter = iter(range(10**9))
+
+        def run(mode: str):
+            def go():
+                cache = warm_cache if mode == "warm" else tmp / f"cold-{next(counter)}"
+                env = clean_env(SOURCE_PATCH_CACHE=str(cache))
+                _, out = wall([sys.executable, __file__, "--worker", mode], env)
+                result = json.loads(out.strip().splitlines()[-1])
+                if mode == "cold":
+                    shutil.rmtree(cache, ignore_errors=True)
+                return result
+            return go
+
+        variants = {m: run(m) for m in MODES}
+        # Fills the warm cache, warms the page cache and checks every mode once.
+        first = run("cold")()
+        env = clean_env(SOURCE_PATCH_CACHE=str(warm_cache))
+        wall([sys.executable, __file__, "--worker", "cold"], env)
+        written = list(warm_cache.rglob("*.spc"))
+        if len(written) != len(TARGETS):
+            raise SystemExit(f"expected {len(TARGETS)} cache files, found {len(written)}")
+        variants["unpatched"]()
+        print(f"preload: {first['preloaded']} modules in sys.modules before the targets are "
+              f"unloaded ({first['preload']:.1f} s per subprocess)", flush=True)
+        res = alternate(runs, variants)
+        if len(list(warm_cache.rglob("*.spc"))) != len(TARGETS):
+            raise SystemExit("the warm runs wrote to the cache: they were not all hits")
+
+        def per(mode, name):
+            return [r["times"][name] for r in res[mode]]
+
+        def total(mode):
+            return [sum(r["times"].values()) for r in res[mode]]
+
+        for name in TARGETS:
+            short = name.replace("megatron.core.", "")
+            rows.append((f"import {short}", "unpatched", "patched, warm cache",
+                         per("unpatched", name), per("warm", name)))
+        rows.append(("import all 4 (sum)", "unpatched", "patched, warm cache",
+                     total("unpatched"), total("warm")))
+        rows.append(("import all 4 (sum)", "unpatched", "patched, cold cache",
+                     total("unpatched"), total("cold")))
+        for name in TARGETS:
+            short = name.replace("megatron.core.", "")
+            rows.append((f"import {short}", "unpatched", "patched, cold cache",
+                         per("unpatched", name), per("cold", name)))
+        rows.append(("activate(2 specs), before imports", "-", "patched (warm runs)",
+                     None, [r["activate"] for r in res["warm"]]))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- table
+
+
+def fmt_ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    ms = seconds * 1e3
+    return f"{ms:.3f}" if abs(ms) < 10 else f"{ms:.2f}" if abs(ms) < 100 else f"{ms:.1f}"
+
+
+def table(rows: list) -> str:
+    head = ("measurement", "A", "B", "runs", "A med ms", "A min ms", "B med ms", "B min ms",
+            "B-A med ms", "B/A med")
+    lines = []
+    for what, a_name, b_name, a, b in rows:
+        a_med = statistics.median(a) if a else None
+        b_med = statistics.median(b)
+        lines.append((
+            what, a_name, b_name, str(len(b)),
+            fmt_ms(a_med), fmt_ms(min(a) if a else None), fmt_ms(b_med), fmt_ms(min(b)),
+            fmt_ms(b_med - a_med) if a else "-",
+            f"{b_med / a_med:.2f}x" if a else "-",
+        ))
+    widths = [max(len(r[i]) for r in [head] + lines) for i in range(len(head))]
+    left = 3  # text columns
+    out = []
+    for r in [head] + lines:
+        cells = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        out.append("  ".join(cells).rstrip())
+    out.insert(1, "-" * len(out[0]))
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=9,
+                   help="subprocesses per import variant (default 9; each imports torch + Megatron)")
+    p.add_argument("--startup-runs", type=int, default=300,
+                   help="subprocesses per start-up variant (default 300)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 import runs, 20 start-up runs")
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker, TARGETS)
+        return
+    if args.quick:
+        args.runs, args.startup_runs = 2, 20
+
+    print("\n".join(machine_info()))
+    print(f"specs     {', '.join(os.path.relpath(s, REPO) for s in SPECS)}")
+    print(f"runs      {args.runs} per import variant, {args.startup_runs} per start-up variant "
+          f"(alternated)", flush=True)
+    started = time.perf_counter()
+    rows: list = []
+    bench_startup(args.startup_runs, rows)
+    bench_imports(args.runs, rows)
+    print()
+    print(table(rows))
+    print(f"\n(total bench time {time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

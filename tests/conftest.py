@@ -1,0 +1,31 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REPO = Path(__file__).parent.parent
+sys.path.insert(0, str(FIXTURES))
+# Child processes started by tests find the fixture package the same way.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")]))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    """Every test gets its own code cache, so no test sees another's patched code."""
+    monkeypatch.setenv("SOURCE_PATCH_CACHE", str(tmp_path / "spcache"))
+    monkeypatch.delenv("SOURCE_PATCH", raising=False)
+
+
+@pytest.fixture
+def write_spec(tmp_path):
+    """write_spec(text) -> path of a spec file holding that YAML."""
+    counter = iter(range(1000))
+
+    def write(text: str, name: str | None = None) -> Path:
+        path = tmp_path / (name or f"spec{next(counter)}.yaml")
+        path.write_text(text)
+        return path
+
+    return write
