@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine (see README):
+#   make demo   - build .venv if needed, then patch and run real Megatron-Core code
+#   make test   - build .venv if needed, then run the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PIP    := $(BIN)/python -m pip install -q -c requirements/constraints.txt
+
+.PHONY: demo test setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py requirements/*.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q torch==2.13.0        # the CPU build, first and alone
+	$(PIP) -r requirements/cpu.txt
+	$(PIP) -e '.[test]'
+	$(PIP) --no-deps sglang==0.5.23
+	$(PIP) --no-deps -r requirements/sglang-cpu.txt
+	$(BIN)/source-patch hook install                     # editable installs lack the .pth
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/source-patch diff megatron_topk
+	SOURCE_PATCH=megatron_topk $(BIN)/python examples/routing_demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info
