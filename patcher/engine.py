@@ -179,7 +179,10 @@ class _Locator:
             found = [c for c in candidates if pattern.matches(self.code(c))]
         else:
             pattern = Pattern(edit.match, call=False)
-            candidates = scope.statements
+            # Only statements of the pattern's own kind: parsing every compound
+            # statement's whole body to compare a one-liner would be wasted work.
+            candidates = [s for s in scope.statements
+                          if isinstance(s, cst.BaseCompoundStatement) == pattern.compound]
             found = [s for s in candidates if pattern.matches(self.code(s))]
         if (len(found) != edit.count) if edit.count else not found:
             return self.mismatch(edit, found, candidates)

@@ -20,6 +20,9 @@ import ast
 from .spec import parse_pattern
 
 WILDCARD = "_"
+_COMPOUND = tuple(getattr(ast, name) for name in (
+    "If", "For", "AsyncFor", "While", "With", "AsyncWith", "Try", "TryStar", "Match",
+    "FunctionDef", "AsyncFunctionDef", "ClassDef") if hasattr(ast, name))
 _IDENTIFIER_FIELDS = {"id", "attr", "arg", "name", "module"}
 _IGNORED_FIELDS = {"ctx", "type_comment", "kind"}
 _BODY_FIELDS = {"body", "orelse", "finalbody", "handlers"}
@@ -32,6 +35,7 @@ class Pattern:
         self.text = text
         self.tree = parse_pattern(text, call=call)
         self.header_only = not call and text.rstrip().endswith(":")
+        self.compound = isinstance(self.tree, _COMPOUND)
 
     def matches(self, code: str) -> bool:
         try:

@@ -91,3 +91,16 @@ def test_check_against_another_version_reports_the_drift(tmp_path, capsys):
     assert "patch 'topk-indices'" in out and "expected 4 matches, found 0" in out
     assert "nearest candidates:" in out and "top_indices = select_topk(" in out
     assert "requires megatron-core>=0.16.1,<0.17, which is not installed" in out  # no dist-info there
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_megatron_topk_captured_on_gpu_without_a_sync(moe_utils_patched):
+    """On the device the emitted indices are the live CUDA tensor: no copy, no sync."""
+    logits = torch.randn(4096, 64, device="cuda")
+    with capture("megatron.topk") as events:
+        _, routing_map = moe_utils_patched.topk_routing_with_score_function(logits, 8)
+    (event,) = events
+    assert event.value.is_cuda
+    assert torch.equal(event.value, torch.topk(torch.softmax(logits, -1), 8, dim=1).indices)
+    assert int(routing_map.sum()) == 4096 * 8

@@ -1,0 +1,39 @@
+"""The wheel users install carries the start hook, the bundled specs and the entry points."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parent.parent
+
+
+@pytest.mark.slow
+def test_wheel_contents(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path), str(REPO)], check=True, timeout=300,
+                   capture_output=True)
+    (wheel,) = tmp_path.glob("source_patch-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        hook = z.read("source_patch.pth").decode()
+        entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert hook == (REPO / "patcher" / "source_patch.pth").read_text()
+    assert hook.startswith("import os;")  # site only executes .pth lines that start with import
+    assert {"source_patch/patcher/cli.py", "source_patch/runtime/events.py",
+            "source_patch/patches/megatron_topk.yaml"} <= names
+    assert not any(n.startswith(("patcher/", "runtime/", "tests/")) for n in names)  # no generic top-level names
+    assert "source-patch = source_patch.patcher.cli:main" in entry_points
+    assert "source_patch = source_patch.patcher.pytest_plugin" in entry_points
+
+
+def test_the_hook_costs_one_lookup_when_unset():
+    """With SOURCE_PATCH unset, the hook line imports nothing."""
+    line = (REPO / "patcher" / "source_patch.pth").read_text().strip()
+    code = (f"import sys, os; os.environ.pop('SOURCE_PATCH', None); before = set(sys.modules); "
+            f"exec({line!r}); print(sorted(set(sys.modules) - before))")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "[]"
