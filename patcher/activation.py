@@ -9,6 +9,7 @@ in another working directory find the same specs.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import os
 import re
@@ -62,7 +63,8 @@ def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
 
     Raises SpecError for a bad spec and ActivationError if a target is already
     imported (it would silently stay unpatched).  Activating a spec that is
-    already active is a no-op.
+    already active is a no-op.  ``cache_dir`` applies when this call installs the
+    finder; later calls share the installed finder's cache.
     """
     if isinstance(specs, (str, os.PathLike)):
         specs = [specs]
@@ -116,6 +118,11 @@ def import_patched_copy(module: str, *specs: str | os.PathLike | spec_mod.Spec,
     patches = [p for s in loaded for p in s.patches if p.module == module]
     if not patches:
         raise ActivationError(f"none of the given specs patches {module}")
+    parent = module.rpartition(".")[0]
+    if parent:
+        # Import the package first: were the copy the first to run, a package
+        # __init__ importing it back would find the copy half-executed.
+        importlib.import_module(parent)
     path = str(find_source(module))
     finder = installed_finder()
     cache = finder.cache if finder else CodeCache(Path(cache_dir) if cache_dir else None)

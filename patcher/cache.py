@@ -90,6 +90,7 @@ class CodeCache:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
             try:
+                os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache must be readable
                 with os.fdopen(fd, "wb") as f:
                     f.write(blob)
                 os.replace(tmp, target)

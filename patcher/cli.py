@@ -151,8 +151,8 @@ def _list(args) -> int:
         for p in s.patches:
             print(f"  {p.id}: {p.module}:{p.target}")
             for e in p.edits:
-                count = "all" if e.count is None else e.count
-                print(f"    {e.describe()} (count: {count})")
+                count = "" if e.at == "entry" else f" (count: {'all' if e.count is None else e.count})"
+                print(f"    {e.describe()}{count}")
     return 0
 
 

@@ -45,7 +45,7 @@ class _Plan:
     entry: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
     before: dict[int, list[str]] = field(default_factory=dict)
     after: dict[int, list[str]] = field(default_factory=dict)
-    replace: dict[int, str] = field(default_factory=dict)
+    replace: dict[int, tuple[cst.CSTNode, str]] = field(default_factory=dict)
     returns: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
     calls: dict[int, list[str]] = field(default_factory=dict)
     hits: list = field(default_factory=list)
@@ -64,6 +64,7 @@ def rewrite(source: str, patches: Sequence[Patch], *, module: str, file: str,
                             f"of the patches; set another with the spec's 'handle' field")
     for patch in patches:
         problems += locator.plan_patch(patch, plan)
+    problems += locator.replace_conflicts(plan)
     if problems:
         raise AnchorError(module, file, version(), problems)
     transformer = _Transformer(plan, positions)
@@ -106,17 +107,31 @@ class _ScopeCollector(cst.CSTVisitor):
         self.statements: list[cst.CSTNode] = []
         self.returns: list[cst.Return] = []
         self.calls: list[cst.Call] = []
+        self.elifs: set[int] = set()
 
     def on_visit(self, node) -> bool:
         if node is not self.root and isinstance(node, _DefNode):
             self.statements.append(node)  # matchable as a statement, not entered
             return False
-        if isinstance(node, (cst.BaseSmallStatement, cst.BaseCompoundStatement)) and node is not self.root:
+        if isinstance(node, cst.If) and isinstance(node.orelse, cst.If):
+            self.elifs.add(id(node.orelse))
+        # An `elif` clause is an If node but no statement: nothing can go before it.
+        if (isinstance(node, (cst.BaseSmallStatement, cst.BaseCompoundStatement))
+                and node is not self.root and id(node) not in self.elifs):
             self.statements.append(node)
         if isinstance(node, cst.Return):
             self.returns.append(node)
         elif isinstance(node, cst.Call):
             self.calls.append(node)
+        return True
+
+
+class _Subtree(cst.CSTVisitor):
+    def __init__(self):
+        self.ids: set[int] = set()
+
+    def on_visit(self, node) -> bool:
+        self.ids.add(id(node))
         return True
 
 
@@ -162,7 +177,23 @@ class _Locator:
             problem = self.plan_edit(fn, edit, plan, patch)
             if problem:
                 problems.append(f"  {where}, edit {edit.describe()} "
-                                f"(line {edit.location.line}): {problem}")
+                                f"(spec line {edit.location.line}): {problem}")
+        return problems
+
+    def replace_conflicts(self, plan: _Plan) -> list[str]:
+        """A replaced statement discards whatever other edits sit inside it: refuse."""
+        inner = set(plan.calls) | set(plan.returns) | set(plan.entry) | set(plan.before) \
+            | set(plan.after) | set(plan.replace)
+        problems = []
+        for key, (node, code) in plan.replace.items():
+            collector = _Subtree()
+            node.visit(collector)
+            lost = (collector.ids - {key}) & inner | ({key} & (set(plan.returns) | set(plan.calls)))
+            if lost:
+                problems.append(f"  line {self.line(node)} is replaced by one edit while "
+                                f"{len(lost)} other edit(s) target code inside it, which the "
+                                f"replacement would silently discard; combine them into the "
+                                f"replacement code")
         return problems
 
     def plan_edit(self, fn: cst.FunctionDef, edit: Edit, plan: _Plan, patch: Patch) -> str | None:
@@ -196,7 +227,7 @@ class _Locator:
             elif edit.at == "replace":
                 if key in plan.replace:
                     return f"line {self.line(node)} is already replaced by another edit"
-                plan.replace[key] = edit.code
+                plan.replace[key] = (node, edit.code)
             else:
                 getattr(plan, edit.at).setdefault(key, []).append(edit.code)
         return None
@@ -210,11 +241,16 @@ class _Locator:
             return text + " (set count to match, or make the pattern more specific)"
         if not candidates:
             return text
-        first_lines = {id(c): self.code(c).strip().splitlines()[0] for c in candidates}
+        first_lines = {id(c): _first_code_line(self.code(c)) for c in candidates}
         ranked = sorted(candidates, key=lambda c: -difflib.SequenceMatcher(
             None, edit.match, first_lines[id(c)]).ratio())[:3]
         near = "".join(f"\n      line {self.line(c)}: {first_lines[id(c)]}" for c in ranked)
         return text + "; nearest candidates:" + near
+
+
+def _first_code_line(code: str) -> str:
+    lines = [line.strip() for line in code.splitlines()]
+    return next((line for line in lines if line and not line.startswith("#")), "")
 
 
 # --------------------------------------------------------------------------- rewrite
@@ -352,7 +388,7 @@ class _Transformer(cst.CSTTransformer):
             out[0] = self.mark(out[0].with_changes(leading_lines=upd_stmt.leading_lines), anchor_line)
             upd_stmt = upd_stmt.with_changes(leading_lines=())
         if key in self.plan.replace:
-            out += self.insert(self.plan.replace[key], anchor_line)
+            out += self.insert(self.plan.replace[key][1], anchor_line)
         elif key in self.plan.returns:
             out += self.expand_return(key, small_upd, anchor_line, upd_stmt)
         else:
@@ -412,6 +448,9 @@ def _line_map(new_tree: cst.Module, orig_positions, origin: dict, inserted: dict
             start = orig_positions[pair[1]].start.line
             for k in range(new.start.line, new.end.line + 1):
                 mapping[k] = start + (k - new.start.line)
+            # Decorators and comment lines lie outside a statement's own range.
+            stack.extend(getattr(node, "decorators", ()))
+            stack.extend(getattr(node, "leading_lines", ()))
             continue
         if new is not None and id(node) in inserted:
             for k in range(new.start.line, new.end.line + 1):

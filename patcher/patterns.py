@@ -97,10 +97,15 @@ def _match_arguments(pattern: ast.Call, node: ast.Call) -> bool:
     if not _match_list(pattern.args, node.args):
         return False
     loose = any(_is_ellipsis(a) for a in pattern.args)
-    have = {k.arg: k.value for k in node.keywords}
-    if not loose and len(have) != len(pattern.keywords):
+    if not loose and len(node.keywords) != len(pattern.keywords):
         return False
-    for kw in pattern.keywords:
-        if kw.arg not in have or not _match(kw.value, have[kw.arg]):
+    unused = list(node.keywords)
+    # Named keywords first, so a wildcard name (`_=...`) cannot take their partner.
+    for kw in sorted(pattern.keywords, key=lambda k: k.arg == WILDCARD):
+        partner = next((k for k in unused if (kw.arg == WILDCARD and k.arg is not None
+                                               or k.arg == kw.arg) and _match(kw.value, k.value)),
+                       None)
+        if partner is None:
             return False
+        unused.remove(partner)
     return True

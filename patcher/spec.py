@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import keyword
 import os
 import re
 from dataclasses import dataclass, field
@@ -221,7 +222,7 @@ class _Builder:
         handle = DEFAULT_HANDLE
         if "handle" in top:
             handle = self.scalar(top["handle"], "handle")
-            if not handle.isidentifier():
+            if not _is_name(handle):
                 self.fail(f"a Python identifier expected, got {handle!r}", top["handle"], "handle")
         on_unmet = "error"
         if "on_unmet" in top:
@@ -296,7 +297,7 @@ class _Builder:
             kw["wrap"] = self.wrap(keys["wrap"], f"{path}.wrap")
         if "bind" in keys:
             kw["bind"] = self.scalar(keys["bind"], f"{path}.bind")
-            if not kw["bind"].isidentifier():
+            if not _is_name(kw["bind"]):
                 self.fail(f"a Python identifier expected, got {kw['bind']!r}", keys["bind"], f"{path}.bind")
         if "count" in keys:
             kw["count"] = self.count(keys["count"], f"{path}.count")
@@ -335,6 +336,10 @@ class _Builder:
             self.fail(f"the wrap expression must use the name {CALL_PLACEHOLDER} exactly once "
                       f"(it stands for the matched call), found {uses}", node, path)
         return text
+
+
+def _is_name(text: str) -> bool:
+    return text.isidentifier() and not keyword.iskeyword(text) and text not in ("None", "True", "False")
 
 
 def _kind(node) -> str:

@@ -217,3 +217,64 @@ def test_anchor_error_is_not_an_import_error(write_spec):
                 importlib.import_module("spfix.basic")
             except ImportError:
                 pytest.fail("an anchor error must not be an ImportError")
+
+
+def test_an_elif_clause_is_not_a_statement_anchor(write_spec):
+    """`before: 'if x > 5:'` must not 'match' the elif and then silently do nothing."""
+    spec = patch_spec(write_spec, "route", ['{at: before, match: "if x > 5:", code: "pass"}'])
+    with load(spec), pytest.raises(AnchorError, match="expected 1 match, found 0"):
+        importlib.import_module("spfix.basic")
+
+
+def test_nearest_candidates_show_code_not_comments(write_spec):
+    spec = patch_spec(write_spec, "route", ['{at: before, match: "if x > 1:", code: "pass"}'])
+    with load(spec), pytest.raises(AnchorError) as info:
+        importlib.import_module("spfix.basic")
+    assert "if x > 10:" in str(info.value) and "# Pick the branch." not in str(info.value)
+
+
+@pytest.mark.parametrize("other", [
+    '{at: call, match: "math.floor(_)", wrap: "__call__"}',
+    '{at: before, match: "acc += _", code: "pass"}',
+])
+def test_replace_refuses_to_discard_other_edits_inside_it(write_spec, other):
+    spec = patch_spec(write_spec, "loop", [
+        '{at: replace, match: "for _ in _:", code: "acc = -1"}', other])
+    with load(spec), pytest.raises(AnchorError, match="would silently discard"):
+        importlib.import_module("spfix.basic")
+
+
+def test_replace_and_return_on_one_statement_conflict(write_spec):
+    spec = patch_spec(write_spec, "loop", ['{at: replace, match: "return acc", code: "return 0"}',
+                                           '{at: return, code: "result = 1"}'])
+    with load(spec), pytest.raises(AnchorError, match="would silently discard"):
+        importlib.import_module("spfix.basic")
+
+
+def test_decorators_of_untouched_defs_keep_their_lines(write_spec):
+    plain = _unpatched()
+    spec = patch_spec(write_spec, "add", ['{at: entry, code: "pass\\npass\\npass"}'])
+    with load(spec):
+        from spfix import basic
+        code = basic.decorated.__code__
+        assert code.co_firstlineno == plain.decorated.__code__.co_firstlineno
+        # The module-level code that applies the decorator runs on the decorator's line.
+        lines = {line for _, _, line in compile_module_lines(basic)}
+        assert _line_of(plain, "@passthrough") in lines
+
+
+def compile_module_lines(module):
+    """co_lines of the patched module's top-level code (from the code cache path)."""
+    from source_patch.patcher.finder import PatchingLoader
+
+    loader = module.__spec__.loader
+    assert isinstance(loader, PatchingLoader)
+    return list(loader.get_code(module.__name__).co_lines())
+
+
+def test_wildcard_keyword_names_in_call_patterns(write_spec):
+    spec = patch_spec(write_spec, "keywords", [
+        '{at: call, match: "math.prod(_, _=3)", wrap: "__call__ * 10"}'])
+    with load(spec):
+        from spfix import basic
+        assert basic.keywords()["call"] == 60
