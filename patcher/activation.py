@@ -69,6 +69,7 @@ def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
     if isinstance(specs, (str, os.PathLike)):
         specs = [specs]
     loaded = [s if isinstance(s, spec_mod.Spec) else spec_mod.load(s) for s in specs]
+    loaded = list(dict.fromkeys(loaded))  # the same spec named twice applies once
     current = installed_finder()
     active = {(s.file, s) for s in current.specs} if current else set()
     new = [s for s in loaded if (s.file, s) not in active]
@@ -185,7 +186,11 @@ class FailedActivation:
 
 def _is_third_party(fullname: str) -> bool:
     top = fullname.partition(".")[0]
-    return top not in sys.stdlib_module_names and top not in ("source_patch", "_distutils_hack")
+    return top not in sys.stdlib_module_names and top not in _NEVER_BLOCKED
+
+
+# Imported by site or by us after the hook ran: blocking them only adds confusing noise.
+_NEVER_BLOCKED = ("source_patch", "_distutils_hack", "sitecustomize", "usercustomize")
 
 
 def _install_failure(error: SourcePatchError, refs: list[str]) -> None:

@@ -133,10 +133,18 @@ def loads(text: str, file: str = "<string>") -> Spec:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
-        loc = Location(file, mark.line + 1, mark.column + 1) if mark else Location(file)
+        loc = Location(file, mark.line + 1, mark.column + 1) if mark else Location(file, 1, 1)
         raise SpecError(f"invalid YAML: {exc.problem or exc.context}", loc) from None
-    except yaml.YAMLError as exc:  # e.g. a reader error on control characters
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        char = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        raise SpecError(f"invalid YAML: unacceptable character #x{char:04x}: {exc.reason}",
+                        Location(file, line, column)) from None
+    except yaml.YAMLError as exc:
         raise SpecError(f"invalid YAML: {exc}", Location(file, 1, 1)) from None
+    except RecursionError:
+        raise SpecError("invalid YAML: nested too deeply", Location(file, 1, 1)) from None
     return _Builder(file).spec(root)
 
 
@@ -185,7 +193,7 @@ class _Builder:
         if tag == "int":
             try:
                 return SafeConstructor().construct_yaml_int(node)
-            except (ValueError, TypeError):
+            except (ValueError, TypeError, IndexError):
                 self.fail(f"not an integer: {node.value!r}", node, path)
         return node.value
 
@@ -198,14 +206,14 @@ class _Builder:
     def python(self, node, path: str) -> str:
         """A string field holding Python source; syntax errors point into the YAML."""
         text = self.scalar(node, path)
-        try:
-            ast.parse(text)
-        except SyntaxError as exc:
-            # Block scalars ('|', '>') start on the line after their indicator.
-            first = node.start_mark.line + (2 if node.style in ("|", ">") else 1)
-            line = first + (exc.lineno or 1) - 1
-            raise SpecError(f"invalid Python: {exc.msg}",
-                            Location(self.file, line, node.start_mark.column + 1, path)) from None
+        _, error, lineno = _parse(text)
+        if error:
+            if node.style == "|":  # a literal block: its lines are the YAML lines after the '|'
+                line = node.start_mark.line + 1 + lineno
+            else:  # folded or quoted text: lines do not correspond, point at the value
+                line = node.start_mark.line + 1
+            raise SpecError(f"invalid Python: {error}",
+                            Location(self.file, line, node.start_mark.column + 1, path))
         return text
 
     # -- the document
@@ -321,21 +329,36 @@ class _Builder:
             parse_pattern(text, call=at == "call")
         except SyntaxError as exc:
             raise SpecError(f"invalid pattern: {exc.msg}", loc) from None
-        except ValueError as exc:
-            raise SpecError(f"invalid pattern: {exc}", loc) from None
+        except (ValueError, RecursionError, MemoryError) as exc:
+            raise SpecError(f"invalid pattern: {_describe(exc)}", loc) from None
         return text
 
     def wrap(self, node, path: str) -> str:
         text = self.scalar(node, path).strip()
-        try:
-            tree = ast.parse(text, mode="eval")
-        except SyntaxError as exc:
-            self.fail(f"invalid Python expression: {exc.msg}", node, path)
+        tree, error, _ = _parse(text, mode="eval")
+        if error:
+            self.fail(f"invalid Python expression: {error}", node, path)
         uses = sum(isinstance(n, ast.Name) and n.id == CALL_PLACEHOLDER for n in ast.walk(tree))
         if uses != 1:
             self.fail(f"the wrap expression must use the name {CALL_PLACEHOLDER} exactly once "
                       f"(it stands for the matched call), found {uses}", node, path)
         return text
+
+
+def _parse(text: str, mode: str = "exec") -> tuple[ast.AST | None, str, int]:
+    """ast.parse with every failure as (None, message, line within text)."""
+    try:
+        return ast.parse(text, mode=mode), "", 0
+    except SyntaxError as exc:
+        return None, exc.msg, exc.lineno or 1
+    except (ValueError, RecursionError, MemoryError) as exc:  # lone surrogates, absurd nesting
+        return None, _describe(exc), 1
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, (RecursionError, MemoryError)):
+        return "nested too deeply"
+    return str(exc)
 
 
 def _is_name(text: str) -> bool:
