@@ -36,7 +36,8 @@ _EDIT_KEYS = {
     "replace": ({"match", "code"}, {"count"}),
     "call": ({"match", "wrap"}, {"count"}),
 }
-_SPEC_KEYS = ({"source_patch", "name", "patches"}, {"description", "handle", "requires", "on_unmet"})
+_SPEC_KEYS = ({"source_patch", "name", "patches"},
+              {"description", "handle", "requires", "on_unmet", "runtime"})
 _PATCH_KEYS = ({"id", "module", "target", "edits"}, {"description"})
 ON_UNMET = ("error", "skip")
 
@@ -84,11 +85,17 @@ class Spec:
     description: str = ""
     requires: tuple[tuple[str, str], ...] = ()
     on_unmet: str = "error"
+    runtime_json: str = "{}"  # settings for runtime components, canonical JSON (hashable)
     location: Location = field(default=Location(""), compare=False)
 
     @property
     def modules(self) -> list[str]:
         return sorted({p.module for p in self.patches})
+
+    @property
+    def runtime(self) -> dict[str, dict]:
+        """``{component: {key: value}}`` from the spec's ``runtime`` section."""
+        return json.loads(self.runtime_json)
 
 
 def slice_digest(patches: list[Patch]) -> str:
@@ -252,7 +259,7 @@ class _Builder:
             name=name, file=self.file, patches=tuple(patches), handle=handle,
             description=self.scalar(top["description"], "description") if "description" in top else "",
             requires=self.requires(top.get("requires")), on_unmet=on_unmet,
-            location=self.loc(root, ""),
+            runtime_json=self.runtime(top.get("runtime")), location=self.loc(root, ""),
         )
 
     def requires(self, node) -> tuple[tuple[str, str], ...]:
@@ -270,6 +277,33 @@ class _Builder:
                           value, f"requires.{dist}")
             out.append((dist, spec))
         return tuple(out)
+
+    def runtime(self, node) -> str:
+        """Settings of runtime components, checked against the component's schema."""
+        if node is None:
+            return "{}"
+        from source_patch.runtime import settings  # schemas only: no torch, no I/O
+
+        out = {}
+        self.mapping(node, "runtime", None)  # shape and duplicate checks
+        for key_node, values in node.value:
+            component, path = key_node.value, f"runtime.{key_node.value}"
+            if component not in settings.SCHEMAS:
+                known = ", ".join(sorted(settings.SCHEMAS)) or "none"
+                self.fail(f"unknown runtime component {component!r} (known: {known})",
+                          key_node, path)
+            self.mapping(values, path, None)
+            out[component] = {}
+            for name_node, value_node in values.value:
+                key = name_node.value
+                try:
+                    value = SafeConstructor().construct_object(value_node, deep=True)
+                    out[component][key] = settings.check(component, key, value)
+                except KeyError as exc:
+                    self.fail(str(exc.args[0]), name_node, f"{path}.{key}")
+                except (ValueError, TypeError, yaml.YAMLError) as exc:
+                    self.fail(str(exc), value_node, f"{path}.{key}")
+        return json.dumps(out, sort_keys=True)
 
     def patch(self, node, path: str, spec_name: str, handle: str) -> Patch:
         keys = self.mapping(node, path, _PATCH_KEYS)
