@@ -88,9 +88,6 @@ class PatchFinder:
         return self._patched_spec(fullname, path, target)
 
     def _patched_spec(self, fullname, path, target):
-        patches = self._applicable(fullname)
-        if not patches:
-            return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
@@ -99,6 +96,9 @@ class PatchFinder:
                 break
         else:
             return None
+        patches = self._applicable(fullname, spec.origin)
+        if not patches:
+            return spec
         if not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
             raise ActivationError(
                 f"cannot patch {fullname}: it is loaded by {type(spec.loader).__name__} from "
@@ -106,7 +106,7 @@ class PatchFinder:
         spec.loader = PatchingLoader(fullname, spec.origin, patches, self.cache)
         return spec
 
-    def _applicable(self, fullname: str) -> list[Patch]:
+    def _applicable(self, fullname: str, origin: str | None) -> list[Patch]:
         """The target's patches whose specs' ``requires`` hold (checked once per spec)."""
         out = []
         for spec in self.specs:
@@ -114,7 +114,8 @@ class PatchFinder:
             if not mine:
                 continue
             if spec.file not in self._checked:
-                self._checked[spec.file] = unmet_requirement(spec)
+                self._checked[spec.file] = unmet_requirement(
+                    spec, near=site_dir_of(fullname, origin))
             problem = self._checked[spec.file]
             if problem is None:
                 out += mine
@@ -131,27 +132,83 @@ class PatchFinder:
         pass
 
 
-def unmet_requirement(spec: Spec, against: str | None = None) -> str | None:
-    """None when every ``requires`` range holds, else a sentence saying which does not."""
+def unmet_requirement(spec: Spec, against: str | None = None, near: str | None = None) -> str | None:
+    """None when every ``requires`` range holds, else a sentence saying which does not.
+
+    ``near`` is a target's site directory, searched first for the distribution's
+    metadata: one directory listing instead of a scan of every path entry.
+    """
     if not spec.requires:
         return None
-    from importlib import metadata
-
     from packaging.specifiers import SpecifierSet
 
     for dist, wanted in spec.requires:
-        try:
-            if against:
-                found = next(iter(metadata.distributions(path=[against], name=dist)), None)
-                if found is None:
-                    raise metadata.PackageNotFoundError(dist)
-                have = found.version
-            else:
-                have = metadata.version(dist)
-        except metadata.PackageNotFoundError:
+        have = installed_version(dist, against, near)
+        if have is None:
             return f"requires {dist}{wanted}, which is not installed"
         if not SpecifierSet(wanted).contains(have, prereleases=True):
             return f"requires {dist}{wanted}, found {have}"
+    return None
+
+
+def installed_version(dist: str, against: str | None = None, near: str | None = None) -> str | None:
+    from importlib import metadata
+
+    if against:
+        found = next(iter(metadata.distributions(path=[against], name=dist)), None)
+        return found.version if found is not None else None
+    if near:
+        version = _version_beside(dist, near)
+        if version:
+            return version
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _version_beside(dist: str, site_dir: str) -> str | None:
+    """Read ``Version:`` from ``<site_dir>/<dist>-*.dist-info/METADATA``."""
+    import os
+
+    wanted = _normalize(dist)
+    try:
+        entries = os.listdir(site_dir)
+    except OSError:
+        return None
+    for entry in entries:
+        if entry.endswith(".dist-info") and _normalize(entry[:-10].rpartition("-")[0]) == wanted:
+            return _metadata_version(os.path.join(site_dir, entry, "METADATA"))
+    return None
+
+
+def _normalize(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def site_dir_of(fullname: str, origin: str | None) -> str | None:
+    """The directory holding a module's top-level package (where its dist-info lives)."""
+    if not origin:
+        return None
+    import os
+
+    levels = fullname.count(".") + 1 + (os.path.basename(origin) == "__init__.py")
+    directory = origin
+    for _ in range(levels):
+        directory = os.path.dirname(directory)
+    return directory
+
+
+def _metadata_version(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("Version:"):
+                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break  # end of the header block
+    except OSError:
+        pass
     return None
 
 
