@@ -37,18 +37,18 @@ def _tool_versions() -> bytes:
     hashing or a metadata scan costs a millisecond.  Editing the patcher in a
     checkout changes its mtimes, so stale entries are never hit.
     """
-    here = Path(__file__).parent
-    files = sorted(here.glob("*.py"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.join(here, n) for n in sorted(os.listdir(here)) if n.endswith(".py")]
     spec = importlib.util.find_spec("libcst")  # locates, does not import
     if spec and spec.origin:
-        files.append(Path(spec.origin).parent / "_version.py")
+        files.append(os.path.join(os.path.dirname(spec.origin), "_version.py"))
     parts = [importlib.util.MAGIC_NUMBER, sys.version.encode()]
     for f in files:
         try:
-            st = f.stat()
-            parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+            st = os.stat(f)
+            parts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
         except OSError:
-            parts.append(f"{f.name}:-".encode())
+            parts.append(f"{f}:-".encode())
     return hashlib.sha256(b"\0".join(parts)).digest()
 
 

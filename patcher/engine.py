@@ -383,28 +383,27 @@ class _Transformer(cst.CSTTransformer):
     def expand(self, orig, upd_stmt, anchor_line, small_upd=None) -> list[cst.BaseStatement]:
         key = id(orig)
         out = [s for code in self.plan.before.get(key, ()) for s in self.insert(code, anchor_line)]
-        if out and upd_stmt.leading_lines:
-            # Keep the blank lines and comments above the anchor above the inserted code.
-            out[0] = self.mark(out[0].with_changes(leading_lines=upd_stmt.leading_lines), anchor_line)
-            upd_stmt = upd_stmt.with_changes(leading_lines=())
         if key in self.plan.replace:
             out += self.insert(self.plan.replace[key][1], anchor_line)
         elif key in self.plan.returns:
-            out += self.expand_return(key, small_upd, anchor_line, upd_stmt)
+            out += self.expand_return(key, small_upd, anchor_line)
         else:
             out.append(upd_stmt)
+        if out and out[0] is not upd_stmt and upd_stmt.leading_lines:
+            # The blank lines and comments above the anchor stay above whatever
+            # now comes first.
+            out = [self.mark(out[0].with_changes(leading_lines=upd_stmt.leading_lines), anchor_line),
+                   *(upd_stmt.with_changes(leading_lines=()) if s is upd_stmt else s for s in out[1:])]
         out += [s for code in self.plan.after.get(key, ()) for s in self.insert(code, anchor_line)]
         return out
 
-    def expand_return(self, key: int, ret: cst.Return, anchor_line: int, line) -> list[cst.BaseStatement]:
+    def expand_return(self, key: int, ret: cst.Return, anchor_line: int) -> list[cst.BaseStatement]:
         """``return X`` -> ``bind = X``; inserted code; ``return bind``, all on X's line."""
         value = ret.value if ret.value is not None else cst.Name("None")
         out, source = [], value
         for bind, code in self.plan.returns[key]:
             assign = cst.Assign(targets=[cst.AssignTarget(cst.Name(bind))], value=source)
-            out.append(self.mark(cst.SimpleStatementLine(body=[assign],
-                                                         leading_lines=line.leading_lines if not out else ()),
-                                 anchor_line))
+            out.append(self.mark(_line(assign), anchor_line))
             out += self.insert(code, anchor_line)
             source = cst.Name(bind)
         out.append(self.mark(_line(cst.Return(value=source)), anchor_line))

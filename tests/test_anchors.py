@@ -278,3 +278,19 @@ def test_wildcard_keyword_names_in_call_patterns(write_spec):
     with load(spec):
         from spfix import basic
         assert basic.keywords()["call"] == 60
+
+
+@pytest.mark.parametrize("edit", [
+    '{at: replace, match: "acc = 0", code: "acc = 1"}',
+    '{at: before, match: "acc = 0", code: "pass"}',
+    '{at: return, code: "pass"}',
+])
+def test_comments_above_an_anchor_stay_above_the_new_code(write_spec, edit):
+    from source_patch.patcher.engine import rewrite
+    from source_patch.patcher.spec import load
+
+    source = "def loop(n):\n    x = 1\n\n    # explains acc\n    acc = 0\n\n    # explains return\n    return acc\n"
+    (patch,) = load(patch_spec(write_spec, "loop", [edit])).patches
+    patched = rewrite(source, [patch], module="m", file="m.py").source
+    for comment in ("\n\n    # explains acc\n", "\n\n    # explains return\n"):
+        assert patched.count(comment) == 1
