@@ -23,7 +23,7 @@ from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
 
 from .errors import AnchorError
 from .patterns import Pattern
-from .spec import CALL_PLACEHOLDER, Edit, Patch
+from .spec import CALL_PLACEHOLDER, MODULE_TARGET, Edit, Patch
 
 _DefNode = (cst.FunctionDef, cst.ClassDef)
 
@@ -102,7 +102,7 @@ def _qualnames(tree: cst.Module) -> dict[str, list[cst.CSTNode]]:
 class _ScopeCollector(cst.CSTVisitor):
     """Statements, returns and calls of one function, not of the defs nested in it."""
 
-    def __init__(self, root: cst.FunctionDef):
+    def __init__(self, root: cst.FunctionDef | cst.Module):
         self.root = root
         self.statements: list[cst.CSTNode] = []
         self.returns: list[cst.Return] = []
@@ -151,16 +151,18 @@ class _Locator:
             self.code_cache[key] = self.tree.code_for_node(node)
         return self.code_cache[key]
 
-    def scope(self, fn: cst.FunctionDef) -> _ScopeCollector:
+    def scope(self, fn) -> _ScopeCollector:
+        """What a function (or the module's top level) holds outside nested defs."""
         if id(fn) not in self.scopes:
             collector = _ScopeCollector(fn)
-            fn.body.visit(collector)
+            for stmt in fn.body if isinstance(fn, cst.Module) else [fn.body]:
+                stmt.visit(collector)
             self.scopes[id(fn)] = collector
         return self.scopes[id(fn)]
 
     def plan_patch(self, patch: Patch, plan: _Plan) -> list[str]:
         where = f"patch {patch.id!r} ({patch.location.file}:{patch.location.line})"
-        defs = self.defs.get(patch.target, [])
+        defs = [self.tree] if patch.target == MODULE_TARGET else self.defs.get(patch.target, [])
         if not defs:
             near = difflib.get_close_matches(patch.target, list(self.defs), n=5, cutoff=0.5)
             hint = f"; nearest: {', '.join(near)}" if near else ""
@@ -170,7 +172,7 @@ class _Locator:
             return [f"  {where}: target {patch.target!r} is defined {len(defs)} times "
                     f"(lines {lines}); patch a name defined once"]
         fn = defs[0]
-        if not isinstance(fn, cst.FunctionDef):
+        if not isinstance(fn, (cst.FunctionDef, cst.Module)):
             return [f"  {where}: target {patch.target!r} is a class; name a method of it"]
         problems = []
         for edit in patch.edits:
@@ -196,11 +198,14 @@ class _Locator:
                                 f"replacement code")
         return problems
 
-    def plan_edit(self, fn: cst.FunctionDef, edit: Edit, plan: _Plan, patch: Patch) -> str | None:
+    def plan_edit(self, fn, edit: Edit, plan: _Plan, patch: Patch) -> str | None:
         if edit.at == "entry":
-            plan.entry.setdefault(id(fn), []).append((edit.code, self.line(fn.name)))
-            plan.hits.append((patch, edit, [self.line(fn.name)]))
+            line = 1 if isinstance(fn, cst.Module) else self.line(fn.name)
+            plan.entry.setdefault(id(fn), []).append((edit.code, line))
+            plan.hits.append((patch, edit, [line]))
             return None
+        if edit.at == "return" and isinstance(fn, cst.Module):
+            return f"a module has no return statements; use 'after' on its last statement"
         scope = self.scope(fn)
         if edit.at == "return":
             found, candidates = scope.returns, []
@@ -258,6 +263,12 @@ def _first_code_line(code: str) -> str:
 
 def _parse_code(code: str) -> list[cst.BaseStatement]:
     return list(cst.parse_module(textwrap.dedent(code)).body)
+
+
+def _is_future_import(stmt) -> bool:
+    return (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1
+            and isinstance(stmt.body[0], cst.ImportFrom)
+            and isinstance(stmt.body[0].module, cst.Name) and stmt.body[0].module.value == "__future__")
 
 
 def _is_docstring(stmt) -> bool:
@@ -332,6 +343,17 @@ class _Transformer(cst.CSTTransformer):
         lines = [_line(s) for s in original.body]
         updated_lines = [_line(s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)) for s in updated.body]
         return cst.IndentedBlock(body=self.expand_all(lines, updated_lines) or [_PASS])
+
+    def leave_Module(self, original, updated):
+        body = self.expand_all(original.body, updated.body)
+        stmts = list(updated.body if body is None else body)
+        entries = self.plan.entry.get(id(original))
+        if entries:
+            at = 1 if stmts and _is_docstring(stmts[0]) else 0
+            while at < len(stmts) and _is_future_import(stmts[at]):
+                at += 1  # `from __future__` imports must stay first
+            stmts[at:at] = [s for code, line in entries for s in self.insert(code, line)]
+        return updated if body is None and not entries else updated.with_changes(body=stmts)
 
     def leave_FunctionDef(self, original, updated):
         entries = self.plan.entry.get(id(original))

@@ -25,6 +25,7 @@ FORMAT_VERSION = 1
 DEFAULT_HANDLE = "__sp__"
 DEFAULT_BIND = "result"
 CALL_PLACEHOLDER = "__call__"
+MODULE_TARGET = "<module>"  # target the module's top-level code
 
 ANCHORS = ("entry", "return", "before", "after", "replace", "call")
 # Keys each anchor kind accepts besides ``at`` (the first set is required).
@@ -43,6 +44,7 @@ ON_UNMET = ("error", "skip")
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*\Z")
 _DOTTED_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
+_TARGET_RE = re.compile(rf"{_DOTTED_RE.pattern}|<module>\Z")
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "patches"
 
 
@@ -309,8 +311,8 @@ class _Builder:
         keys = self.mapping(node, path, _PATCH_KEYS)
         pid = self.word(keys["id"], f"{path}.id", _ID_RE, "an id of letters, digits, '_', '.', '-'")
         module = self.word(keys["module"], f"{path}.module", _DOTTED_RE, "a dotted module name")
-        target = self.word(keys["target"], f"{path}.target", _DOTTED_RE,
-                           "a function or Class.method name")
+        target = self.word(keys["target"], f"{path}.target", _TARGET_RE,
+                           f"a function or Class.method name, or {MODULE_TARGET}")
         edits_node = keys["edits"]
         if not isinstance(edits_node, yaml.SequenceNode) or not edits_node.value:
             self.fail("expected a non-empty list of edits", edits_node, f"{path}.edits")

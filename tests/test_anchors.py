@@ -294,3 +294,34 @@ def test_comments_above_an_anchor_stay_above_the_new_code(write_spec, edit):
     patched = rewrite(source, [patch], module="m", file="m.py").source
     for comment in ("\n\n    # explains acc\n", "\n\n    # explains return\n"):
         assert patched.count(comment) == 1
+
+
+def test_module_level_code_is_a_target(write_spec):
+    """`target: <module>` edits top-level code, e.g. the except branch of an optional import."""
+    spec = write_spec(HEAD + """
+  - id: bind-fallback
+    module: spfix.basic
+    target: <module>
+    edits:
+      - {at: after, match: "HAVE_NO_SUCH = False", code: "no_such_function = None"}
+      - {at: entry, code: "__sp__.emit('top')"}
+      - {at: call, match: "math.floor(...)", count: all, wrap: "__call__"}
+""")
+    with load(spec):
+        with pytest.raises(AnchorError, match="expected one or more matches, found 0"):
+            importlib.import_module("spfix.basic")  # math.floor is only called inside defs
+    spec.write_text(spec.read_text().replace("      - {at: call", "#"))
+    with load(spec), capture("top") as events:
+        from spfix import basic
+        assert basic.no_such_function is None and basic.HAVE_NO_SUCH is False
+    assert len(events) == 1
+
+
+def test_module_entry_goes_after_docstring_and_future_imports(write_spec):
+    from source_patch.patcher.engine import rewrite
+    from source_patch.patcher.spec import load
+
+    source = '"""Doc."""\nfrom __future__ import annotations\nimport os\n'
+    (patch,) = load(patch_spec(write_spec, "<module>", ['{at: entry, code: "x = 1"}'])).patches
+    patched = rewrite(source, [patch], module="m", file="m.py").source
+    assert patched == '"""Doc."""\nfrom __future__ import annotations\nx = 1\nimport os\n'

@@ -200,7 +200,7 @@ PROBES = textwrap.dedent('''
 # probe -> (the patch ids it covers, how upstream fails without them)
 EXPECTED = {
     "router_gemm_without_te": (
-        ["router-gemm-without-te-forward", "router-gemm-without-te-backward"],
+        ["router-gemm-without-te"],
         "NameError: name 'te_general_gemm' is not defined"),
     "ddp_grad_buffer_device": (["ddp-grad-buffer-device"], CUDA_ERROR),
     "fp32_optimizer_scale": (["fp32-optimizer-scale"], CUDA_ERROR),
