@@ -3,6 +3,7 @@
     SOURCE_PATCH=megatron_cpu python examples/train_moe.py --steps 5     # CPU, gloo
     SOURCE_PATCH=megatron_cpu torchrun --nproc-per-node 2 examples/train_moe.py --ep 2
     SOURCE_PATCH=megatron_cpu python examples/train_moe.py               # GPU, nccl
+    SOURCE_PATCH=megatron_cpu,dump python examples/train_moe.py          # + activation dumps
 
 Megatron-Core 0.16.1 assumes CUDA in a few places, and without Transformer Engine
 its router gemm is unbound (on GPU too). The bundled spec `megatron_cpu` fixes
@@ -255,6 +256,9 @@ def main(argv=None) -> None:
         print(f"GPT-MoE: {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
               f"top-{args.topk}, {n_params / 1e6:.2f}M params on {device} "
               f"(world {torch.distributed.get_world_size()}, ep {args.ep})", flush=True)
+    dump_run = dumping()
+    if dump_run:
+        name_dump_run(device)
     bar = progress(args.steps, rank0)
     times = []
     for step in range(args.steps):
@@ -277,8 +281,50 @@ def main(argv=None) -> None:
         steady = times[1:] or times
         print(f"done: {args.steps} steps, {sum(times):.2f} s, "
               f"{sum(steady) / len(steady) * 1e3:.0f} ms/step after the first", flush=True)
+    if dump_run:
+        report_dumps(rank0)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+
+
+def dumping() -> bool:
+    """Is the `dump` spec (patches/dump.yaml) active and dumping enabled?"""
+    from megatron.core.transformer import transformer_layer
+
+    if not any(a.spec == "dump" for a in getattr(transformer_layer, "__source_patches__", ())):
+        return False
+    from source_patch.runtime import dumper
+
+    return dumper.state()["enabled"]
+
+
+def name_dump_run(device: torch.device) -> None:
+    """One experiment directory per run, named by rank 0's start time (unless
+    SOURCE_PATCH_DUMP_EXP_NAME names one)."""
+    if "SOURCE_PATCH_DUMP_EXP_NAME" in os.environ:
+        return
+    from source_patch.runtime import dumper
+
+    stamp = torch.tensor([int(time.time())], device=device)
+    torch.distributed.broadcast(stamp, src=0)
+    dumper.configure(exp_name=time.strftime("train_moe-%Y%m%d-%H%M%S", time.gmtime(stamp.item())))
+
+
+def report_dumps(rank0: bool) -> None:
+    """Where this run's dumps went and what they hold."""
+    from source_patch.runtime import dumper
+    from source_patch.runtime.dump_reader import load, summary
+
+    dumper.flush()
+    torch.distributed.barrier()  # every rank's records are on disk
+    state = dumper.state()
+    if not rank0:
+        return
+    print(f"\ndumps: {state['exp_dir']}")
+    print(summary(load(state["exp_dir"])))
+    if state["errors"] or state["dropped"]:
+        print(f"warning: {state['errors']} write errors, {state['dropped']} dropped; "
+              f"last error: {state['last_error']}")
 
 
 if __name__ == "__main__":

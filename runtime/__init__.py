@@ -10,6 +10,13 @@ _EXPORTS = {
     "emit": "events",
     "subscribe": "events",
     "capture": "events",
+    "dump": "dumper",
+    "dump_context": "dumper",
+    "dump_step": "dumper",
+    "dump_microbatch": "dumper",
+    "dump_flush": "dumper",
+    "dump_state": "dumper",
+    "dump_configure": "dumper",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -99,3 +99,138 @@ def text(value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError(f"expected a string, got {type(value).__name__}")
     return value
+
+
+# -- the dump runtime (source_patch.runtime.dumper)
+#
+# Parsers accept both the forms a spec or a JSON request gives (lists, ints, bools)
+# and the comma-separated strings an environment variable gives.  Their outputs are
+# JSON-serialisable (a spec keeps them as canonical JSON).
+
+
+def _items(value: Any, what: str) -> list:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise TypeError(f"expected {what} (a list or a comma-separated string), got {type(value).__name__}")
+
+
+def string_list(value: Any) -> list[str] | None:
+    """A list of non-empty strings; None, '' and [] mean "no filter" (None)."""
+    if value is None:
+        return None
+    out = []
+    for item in _items(value, "strings"):
+        if not isinstance(item, str):
+            raise TypeError(f"expected strings, got {type(item).__name__} {item!r}")
+        if item.strip():
+            out.append(item.strip())
+    return out or None
+
+
+def int_filter(value: Any) -> list | None:
+    """Non-negative integers and ranges: ``"0-3,7,10-"`` or ``[0, "2-5", 9]``.
+
+    Canonical form: a list of ints and ``"lo-hi"`` / ``"lo-"`` strings (inclusive,
+    ``lo-`` is open-ended).  None, '' and [] mean "no filter" (None).
+    """
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    out: list = []
+    for item in _items(value, "integers or ranges"):
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise TypeError(f"expected an integer or a range such as '0-3', got {type(item).__name__} {item!r}")
+        if isinstance(item, int):
+            if item < 0:
+                raise ValueError(f"expected integers >= 0, got {item}")
+            out.append(item)
+            continue
+        text_ = item.strip()
+        low, dash, high = text_.partition("-")
+        try:
+            lo = int(low)
+            hi = int(high) if high.strip() else None
+        except ValueError:
+            raise ValueError(f"expected an integer or a range such as '0-3' or '10-', got {item!r}") from None
+        if lo < 0 or (hi is not None and hi < lo):
+            raise ValueError(f"bad range {item!r}: expected 0 <= low <= high")
+        if not dash:
+            out.append(lo)
+        else:
+            out.append(f"{lo}-{'' if hi is None else hi}")
+    return out or None
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
+               "tib": 1 << 40}
+
+
+def size(low: int = 0) -> Callable[[Any], int]:
+    """A byte count: an integer, or a string with a binary unit ('512M', '2GiB', '64k')."""
+    def parse(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise TypeError(f"expected a byte count (e.g. 1073741824 or '1G'), got {type(value).__name__}")
+        if isinstance(value, int):
+            number = value
+        else:
+            raw = value.strip().lower().replace("_", "")
+            digits = raw.rstrip("abcdefghijklmnopqrstuvwxyz ")
+            unit = raw[len(digits):].strip()
+            if unit not in _SIZE_UNITS or not digits:
+                raise ValueError(f"expected a byte count such as 1073741824, '512M' or '2GiB', got {value!r}")
+            try:
+                number = int(float(digits) * _SIZE_UNITS[unit])
+            except ValueError:
+                raise ValueError(f"expected a byte count such as '512M', got {value!r}") from None
+        if number < low:
+            raise ValueError(f"expected a byte count >= {low}, got {number}")
+        return number
+    return parse
+
+
+def _port(value: Any) -> int:
+    number = integer(low=0)(value)
+    if number > 65535:
+        raise ValueError(f"expected a port number 0-65535, got {number}")
+    return number
+
+
+def _exp_name(value: Any) -> str:
+    name = text(value).strip()
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise ValueError(f"expected a plain directory name (no '/', not '.' or '..'), got {value!r}")
+    return name
+
+
+def _nonempty_text(value: Any) -> str:
+    if not text(value).strip():
+        raise ValueError("expected a non-empty string")
+    return value.strip()
+
+
+SCHEMAS["dump"] = {
+    "enable": Setting(False, boolean, "dump at all; when false a dump() call costs one flag test"),
+    "dir": Setting("./sp-dumps", _nonempty_text, "root directory; records go to <dir>/<exp_name>/rank-<r>/"),
+    "exp_name": Setting("default", _exp_name, "experiment name: the directory under dir"),
+    "names": Setting(None, string_list, "record names to keep (fnmatch globs such as 'attn_*'); empty = all"),
+    "layers": Setting(None, int_filter, "layer tags to keep ('0-3,7'); records without a layer tag are skipped"),
+    "steps": Setting(None, int_filter, "steps to keep ('0-3,100-')"),
+    "ranks": Setting(None, int_filter, "global ranks that dump ('0,8-15')"),
+    "phases": Setting(None, string_list, "phase tags to keep (inference, fwd_only, fwd_bwd, ...)"),
+    "queue_bytes": Setting(1 << 30, size(low=1), "bytes of copies waiting for the writer (host memory bound)"),
+    "on_full": Setting("block", choice("block", "drop"),
+                       "when the queue is full: block the caller until there is room, or drop the record"),
+    "file_bytes": Setting(256 << 20, size(low=1), "the writer packs queued records into files of up to this size"),
+    "gpu_copy": Setting("clone", choice("clone", "direct"),
+                        "clone: device copy on the current stream, then async D2H (safe against in-place reuse); "
+                        "direct: async D2H from the tensor itself (no device memory, not safe if it is overwritten)"),
+    "fsync": Setting(False, boolean, "fsync each file and manifest append (durable across a machine crash; slower)"),
+    "port": Setting(0, _port, "HTTP control endpoint: 0 = off, else listen on port + LOCAL_RANK"),
+    "host": Setting("127.0.0.1", _nonempty_text, "address the control endpoint binds"),
+    "token": Setting("", text, "bearer token of the control endpoint; empty = generate one per process"),
+    "max_request_bytes": Setting(64 << 10, size(low=1), "largest request body the control endpoint reads"),
+}

@@ -1,0 +1,365 @@
+"""HTTP control endpoint of the dump runtime, and a small client CLI for it.
+
+One endpoint per process, in a daemon thread (stdlib ``ThreadingHTTPServer``):
+
+    GET  /state       counters, queue, step/phase, effective configuration
+    POST /configure   JSON object of settings to change (validated as a whole)
+    POST /reset       zero counters, last error and step
+
+(``/dumper/get_state``, ``/dumper/configure``, ``/dumper/reset``: SGLang's paths,
+accepted as aliases.)  Bound to ``host`` (127.0.0.1 by default) on ``port +
+LOCAL_RANK`` (the next free port if that one is taken).  Every request needs
+``Authorization: Bearer <token>``.  Each process writes its URL and token to
+``<dir>/<exp_name>/control/<host>-p<pid>.json`` (mode 0600); the CLI reads those::
+
+    python -m source_patch.runtime.dump_server DIR/EXP state
+    python -m source_patch.runtime.dump_server DIR/EXP configure names='["attn_*"]' steps=10-12
+    python -m source_patch.runtime.dump_server DIR/EXP reset
+
+Errors are JSON bodies ``{"error": ..., "status": N}``: 400 bad JSON / unknown key
+(with ``valid_keys``) / wrong value, 401 missing or wrong token, 404, 405, 411,
+413 body over ``max_request_bytes``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from source_patch.runtime import settings
+
+log = logging.getLogger("source_patch.dump")
+
+# Settings that only the process itself may change (they decide who can talk to it).
+NOT_OVER_HTTP = ("host", "port", "token")
+PORT_TRIES = 64
+
+_generated_token: str | None = None
+
+
+def process_token() -> str:
+    global _generated_token
+    if _generated_token is None:
+        _generated_token = secrets.token_urlsafe(32)
+    return _generated_token
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # SO_REUSEADDR (the default) skips TIME_WAIT leftovers; on Linux it never lets two
+    # processes listen on one port, so ranks still do not share one.
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class ControlServer:
+    def __init__(self, runtime, config: dict):
+        self.runtime = runtime
+        self.token = config["token"] or process_token()
+        self.max_request_bytes = config["max_request_bytes"]
+        host = config["host"]
+        base = config["port"] + _local_rank()
+        server_class = _Server6 if ":" in host else _Server
+        last: OSError | None = None
+        for port in range(base, min(base + PORT_TRIES, 65536)):
+            try:
+                self.httpd = server_class((host, port), _Handler)
+                break
+            except OSError as exc:
+                last = exc
+        else:
+            raise OSError(f"no free port in {base}-{base + PORT_TRIES - 1} on {host}: {last}")
+        self.httpd.control = self
+        self.port = self.httpd.server_address[1]
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{self.port}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                       name="source-patch-dump-control", daemon=True)
+        self.thread.start()
+        self.control_file = self._write_control_file(config)
+        generated = not config["token"]
+        if self.control_file is not None:
+            where = f"URL and token in {self.control_file}"
+        elif generated:  # the file was the only other way to learn it
+            where = f"token {self.token}"
+        else:
+            where = "token from the 'token' setting"
+        print(f"source-patch dump: control endpoint {self.url} (pid {os.getpid()}); {where}",
+              file=sys.stderr, flush=True)
+
+    def _write_control_file(self, config: dict) -> Path | None:
+        folder = Path(config["dir"]) / config["exp_name"] / "control"
+        path = folder / f"{socket.gethostname().split('.')[0]}-p{os.getpid()}.json"
+        info = {"url": self.url, "token": self.token, "pid": os.getpid(), "host": socket.gethostname(),
+                "rank": os.environ.get("RANK"), "local_rank": os.environ.get("LOCAL_RANK"),
+                "started": time.time()}
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                os.fchmod(out.fileno(), 0o600)
+                json.dump(info, out)
+            os.replace(tmp, path)
+            return path
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            self.runtime._fail("writing the control file", exc)
+            return None
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+        if self.control_file is not None:
+            try:
+                os.unlink(self.control_file)
+            except OSError:
+                pass
+
+    def close_socket(self) -> None:
+        """In a forked child: release the inherited listening socket, nothing else."""
+        self.httpd.socket.close()
+
+
+def start(runtime, config: dict) -> ControlServer:
+    return ControlServer(runtime, config)
+
+
+def _local_rank() -> int:
+    try:
+        return int(os.environ.get("LOCAL_RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, **extra):
+        super().__init__(message)
+        self.status, self.message, self.extra = status, message, extra
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "source-patch-dump/1"
+    protocol_version = "HTTP/1.0"  # one request per connection: no leftover body to misread
+    timeout = 10  # a client that stalls mid-request loses its thread after this
+
+    ROUTES = {
+        "/state": ("GET", "state"), "/dumper/get_state": ("GET", "state"),
+        "/configure": ("POST", "configure"), "/dumper/configure": ("POST", "configure"),
+        "/reset": ("POST", "reset"), "/dumper/reset": ("POST", "reset"),
+    }
+
+    def log_message(self, format, *args):  # noqa: A002 - the base class's name
+        log.debug("control %s - %s", self.address_string(), format % args)
+
+    def do_GET(self):
+        self._handle("GET")
+
+    def do_POST(self):
+        self._handle("POST")
+
+    def do_PUT(self):
+        self._handle("PUT")
+
+    def do_DELETE(self):
+        self._handle("DELETE")
+
+    def do_PATCH(self):
+        self._handle("PATCH")
+
+    def _handle(self, method: str) -> None:
+        control: ControlServer = self.server.control
+        try:
+            path = urlsplit(self.path).path.rstrip("/") or "/"
+            route = self.ROUTES.get(path)
+            if route is None:
+                raise HTTPError(404, f"no endpoint {path}", endpoints=["GET /state", "POST /configure",
+                                                                      "POST /reset"])
+            self._authorize(control.token)
+            wanted, action = route
+            if method != wanted:
+                raise HTTPError(405, f"{path} takes {wanted}, not {method}")
+            body = self._body(control.max_request_bytes) if method == "POST" else b""
+            runtime = control.runtime
+            if action == "state":
+                result = runtime.state()
+            elif action == "reset":
+                result = {"ok": True, "state": runtime.reset()}
+            else:
+                result = _configure(runtime, body)
+            self._send(200, result)
+        except HTTPError as exc:
+            self._send(exc.status, {"error": exc.message, "status": exc.status, **exc.extra},
+                       {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None)
+        except Exception as exc:  # noqa: BLE001 - answer, and keep serving
+            runtime = getattr(control, "runtime", None)
+            if runtime is not None:
+                runtime._fail("control request", exc)
+            self._send(500, {"error": f"{type(exc).__name__}: {exc}", "status": 500})
+
+    def _authorize(self, token: str) -> None:
+        header = self.headers.get("Authorization")
+        if not header:
+            raise HTTPError(401, "missing token: send 'Authorization: Bearer <token>' "
+                                 "(the token is in <dir>/<exp_name>/control/*.json)")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise HTTPError(401, "invalid token")
+
+    def _body(self, limit: int) -> bytes:
+        if self.headers.get("Transfer-Encoding"):
+            raise HTTPError(411, "send the body with a Content-Length (no chunked encoding)")
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            return b""
+        try:
+            length = int(raw)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            raise HTTPError(400, f"bad Content-Length {raw!r}") from None
+        if length > limit:
+            raise HTTPError(413, f"request body of {length} bytes is over max_request_bytes ({limit})",
+                            max_request_bytes=limit)
+        return self.rfile.read(length)
+
+    def _send(self, status: int, payload: dict, headers: dict | None = None) -> None:
+        data = (json.dumps(payload, indent=1, default=str) + "\n").encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Cache-Control", "no-store")
+            for key, value in (headers or {}).items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:
+            pass  # the client went away
+
+
+def _configure(runtime, body: bytes) -> dict:
+    if not body.strip():
+        raise HTTPError(400, "empty body: send a JSON object of settings, e.g. {\"enable\": true}")
+    try:
+        changes = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise HTTPError(400, f"malformed JSON: {exc}") from None
+    if not isinstance(changes, dict):
+        raise HTTPError(400, f"expected a JSON object of settings, got {type(changes).__name__}")
+    schema = settings.SCHEMAS["dump"]
+    valid = sorted(k for k in schema if k not in NOT_OVER_HTTP)
+    unknown = sorted(k for k in changes if k not in schema)
+    if unknown:
+        raise HTTPError(400, f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}",
+                        valid_keys=valid)
+    fixed = sorted(k for k in changes if k in NOT_OVER_HTTP)
+    if fixed:
+        raise HTTPError(400, f"{', '.join(fixed)} cannot be changed over HTTP (set them in the process)",
+                        valid_keys=valid)
+    for key, value in changes.items():
+        try:
+            settings.check("dump", key, value)
+        except (ValueError, TypeError) as exc:
+            raise HTTPError(400, f"{key}: {exc}", key=key) from None
+    config = runtime.configure(**changes)
+    return {"ok": True, "changed": sorted(changes), "config": config}
+
+
+# ---------------------------------------------------------------- client CLI
+
+
+def endpoints(folder: str | os.PathLike) -> list[dict]:
+    """The control files under an experiment directory (or a dump root holding several)."""
+    root = Path(folder)
+    files = sorted(root.glob("control/*.json")) or sorted(root.glob("*/control/*.json"))
+    out = []
+    for path in files:
+        try:
+            info = json.loads(path.read_text())
+            info["file"] = str(path)
+            out.append(info)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def request(info: dict, method: str, path: str, body: dict | None = None, timeout: float = 10) -> tuple:
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(info["url"] + path, data=data, method=method,
+                                 headers={"Authorization": f"Bearer {info['token']}",
+                                          "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read() or b"{}")
+        except ValueError:
+            return exc.code, {"error": exc.reason}
+
+
+def _value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m source_patch.runtime.dump_server",
+                                     description="Talk to every dumping process of an experiment.")
+    parser.add_argument("dir", help="the experiment directory <dir>/<exp_name> (or the dump root)")
+    parser.add_argument("action", choices=["state", "configure", "reset"])
+    parser.add_argument("settings", nargs="*", metavar="KEY=VALUE",
+                        help="for configure: values are JSON where they parse as JSON, else strings")
+    args = parser.parse_args(argv)
+    found = endpoints(args.dir)
+    if not found:
+        print(f"no control files under {args.dir} (is port set?)", file=sys.stderr)
+        return 1
+    body = None
+    if args.action == "configure":
+        body = {}
+        for item in args.settings:
+            key, eq, value = item.partition("=")
+            if not eq:
+                parser.error(f"expected KEY=VALUE, got {item!r}")
+            body[key] = _value(value)
+    method, path = {"state": ("GET", "/state"), "configure": ("POST", "/configure"),
+                    "reset": ("POST", "/reset")}[args.action]
+    failed = 0
+    for info in found:
+        try:
+            status, payload = request(info, method, path, body)
+        except OSError as exc:
+            status, payload = None, {"error": f"unreachable: {exc}"}
+        failed += status != 200
+        print(json.dumps({"endpoint": info["url"], "pid": info.get("pid"), "status": status,
+                          "response": payload}, default=str))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
