@@ -269,7 +269,7 @@ def main(argv=None) -> None:
         times.append(time.perf_counter() - start)
         if rank0:
             line = (f"step {step + 1}/{args.steps} loss {loss:.4f} grad_norm {grad_norm:.3f} "
-                    f"time {times[-1] * 1e3:.0f} ms")
+                    f"time {times[-1] * 1e3:.1f} ms")
             if bar is not None:
                 bar.update(1)
                 bar.write(line, file=sys.stdout)
