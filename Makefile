@@ -1,5 +1,6 @@
 # Two commands do all the set-up on a fresh machine (see README):
-#   make demo   - build .venv if needed, then patch and run real Megatron-Core code
+#   make demo   - build .venv if needed, then train Megatron-Core's GPT-MoE on CPU under
+#                 source patches and show the activations it dumped
 #   make test   - build .venv if needed, then run the test suite
 PYTHON ?= python3
 VENV   := .venv
@@ -22,8 +23,8 @@ $(STAMP): pyproject.toml setup.py requirements/*.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/source-patch diff megatron_topk
-	SOURCE_PATCH=megatron_topk $(BIN)/python examples/routing_demo.py
+	SOURCE_PATCH=megatron_cpu,dump SOURCE_PATCH_DUMP_DIR=sp-dumps \
+	  $(BIN)/python examples/train_moe.py --steps 5
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

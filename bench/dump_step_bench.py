@@ -3,7 +3,9 @@ active but disabled (the cost of idle call sites) vs. dumping every site.
 
 Each variant is its own process (patching happens at import), run in alternating
 rounds so machine drift hits all alike; each round trains `--steps` steps and the
-first `--warmup` are discarded.
+first `--warmup` are discarded.  The dumping variant dumps every site for
+`--dump-steps` steps after the warm-up (a debugging session dumps a few steps, and
+a mid-size model writes hundreds of MiB per step) and is timed on those steps.
 
     python bench/dump_step_bench.py                     # GPU: a mid-size GPT-MoE
     python bench/dump_step_bench.py --quick             # CPU smoke run
@@ -15,6 +17,7 @@ import argparse
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,21 +33,27 @@ VARIANTS = {
     "dump spec, disabled": ("megatron_cpu,dump", {"SOURCE_PATCH_DUMP_ENABLE": "0"}),
     "dump spec, dumping": ("megatron_cpu,dump", {"SOURCE_PATCH_DUMP_ENABLE": "1"}),
 }
+DUMPING = "dump spec, dumping"
 STEP = re.compile(r"^step \d+/\d+ .* time (\d+(?:\.\d+)?) ms$", re.M)
 
 
-def run(spec: str, env: dict, args, dump_dir: str) -> list[float]:
+def run(name: str, args, dump_root: str) -> list[float]:
+    spec, env = VARIANTS[name]
+    dump_dir = tempfile.mkdtemp(dir=dump_root)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH_DUMP")}
-    environ.update(SOURCE_PATCH=spec, SOURCE_PATCH_DUMP_DIR=dump_dir, **env)
+    first, last = args.warmup, args.warmup + args.dump_steps  # 0-based, as the dumper counts
+    environ.update(SOURCE_PATCH=spec, SOURCE_PATCH_DUMP_DIR=dump_dir,
+                   SOURCE_PATCH_DUMP_STEPS=f"{first}-{last - 1}", **env)
     size = ["--layers", str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads),
             "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
             "--experts", str(args.experts), "--vocab", str(args.vocab)]
     out = subprocess.run([sys.executable, str(EXAMPLE), "--steps", str(args.steps), *size],
                          env=environ, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise SystemExit(f"{spec} failed:\n{out.stdout}\n{out.stderr}")
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    if out.returncode != 0 or "write error" in out.stdout:
+        raise SystemExit(f"{name} failed:\n{out.stdout}\n{out.stderr}")
     times = [float(t) for t in STEP.findall(out.stdout)]
-    return times[args.warmup:]
+    return times[first:last] if name == DUMPING else times[first:]
 
 
 def main() -> None:
@@ -54,6 +63,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2 if not cuda else 4)
     p.add_argument("--steps", type=int, default=12 if not cuda else 60)
     p.add_argument("--warmup", type=int, default=2 if not cuda else 10)
+    p.add_argument("--dump-steps", type=int, default=4 if not cuda else 5)
     p.add_argument("--layers", type=int, default=4 if not cuda else 8)
     p.add_argument("--hidden", type=int, default=64 if not cuda else 1024)
     p.add_argument("--heads", type=int, default=4 if not cuda else 16)
@@ -63,7 +73,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128 if not cuda else 4096)
     args = p.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 6, 2
+        args.rounds, args.steps, args.warmup, args.dump_steps = 1, 6, 2, 2
 
     print(f"machine   {platform.node()}, {os.cpu_count()} CPUs, "
           f"{torch.cuda.get_device_name() if cuda else 'no GPU'}")
@@ -77,8 +87,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = list(VARIANTS)[r % 3:] + list(VARIANTS)[:r % 3]
             for name in order:
-                spec, env = VARIANTS[name]
-                samples[name] += run(spec, env, args, dump_dir)
+                samples[name] += run(name, args, dump_dir)
     base = statistics.median(samples["no dump spec"])
     print(f"{'variant':<22}{'steps':>7}{'median ms':>11}{'min ms':>9}{'vs none':>10}")
     for name, times in samples.items():

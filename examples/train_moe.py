@@ -321,7 +321,13 @@ def report_dumps(rank0: bool) -> None:
     if not rank0:
         return
     print(f"\ndumps: {state['exp_dir']}")
-    print(summary(load(state["exp_dir"])))
+    try:
+        print(summary(load(state["exp_dir"])))
+    except FileNotFoundError:
+        print("no records were written")
+    if state["errors"] or state["dropped"]:
+        print(f"warning: {state['errors']} write error(s), {state['dropped']} record(s) dropped; "
+              f"last error: {state['last_error']}")
     if state["errors"] or state["dropped"]:
         print(f"warning: {state['errors']} write errors, {state['dropped']} dropped; "
               f"last error: {state['last_error']}")

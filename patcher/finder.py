@@ -171,13 +171,14 @@ def _version_beside(dist: str, site_dir: str) -> str | None:
     """Read ``Version:`` from ``<site_dir>/<dist>-*.dist-info/METADATA``."""
     import os
 
-    wanted = _normalize(dist)
+    wanted = _normalize(dist) + "-"
+    n = len(wanted)
     try:
         entries = os.listdir(site_dir)
     except OSError:
         return None
-    for entry in entries:
-        if entry.endswith(".dist-info") and _normalize(entry[:-10].rpartition("-")[0]) == wanted:
+    for entry in entries:  # `<name>-<version>.dist-info`, the name in any spelling
+        if entry.endswith(".dist-info") and _normalize(entry[:n - 1]) + entry[n - 1:n] == wanted:
             return _metadata_version(os.path.join(site_dir, entry, "METADATA"))
     return None
 

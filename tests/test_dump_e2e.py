@@ -93,3 +93,21 @@ def test_disabled_at_run_time_is_bitwise_identical_and_writes_nothing(runs):
     for key in train_keys:
         assert torch.equal(out["disabled"][key], out["reference"][key]), key
     assert not (tmp / "dumps" / "disabled").exists()
+
+
+def test_an_unwritable_dump_directory_never_stops_training(tmp_path):
+    """The example under megatron_cpu + dump, dumping into a path that cannot exist."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH_DUMP")}
+    environ.update(SOURCE_PATCH="megatron_cpu,dump", SOURCE_PATCH_CACHE=str(tmp_path / "cache"),
+                   SOURCE_PATCH_DUMP_DIR=str(blocker / "dumps"))
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
+    result = subprocess.run([sys.executable, str(example), "--steps", "3"], env=environ,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "step 3/3 loss" in result.stdout
+    assert "no records were written" in result.stdout
+    assert "write error(s)" in result.stdout and "Not a directory" in result.stdout
+    assert "training continues" in result.stderr  # logged once, not per record
+    assert result.stderr.count("training continues") == 1

@@ -349,7 +349,8 @@ def test_missing_spec_file_fails_the_target_import(tmp_path):
 def test_missing_spec_does_not_blame_sitecustomize(tmp_path):
     proc = run_py("pass", spec=tmp_path / "missing.yaml")
     assert "cannot read spec" in proc.stderr
-    assert "sitecustomize" not in proc.stderr
+    # (an environment's own sitecustomize may still fail on a blocked third-party import)
+    assert "so sitecustomize would run unpatched" not in proc.stderr
 
 
 def test_unmatched_anchor_raises_anchor_error(write_spec):
