@@ -741,7 +741,9 @@ def _write_group(rank_dir: Path, items: list) -> None:
 
 def _write_safetensors(path: Path, entries: list, metadata: dict, fsync: bool = False) -> None:
     """Write a safetensors file atomically: a temp file in the same directory, renamed
-    into place.  The tensor bytes go straight from the host copies to the file."""
+    into place.  The tensor bytes go straight from the host copies to the file
+    (safetensors' own save functions build the whole file in memory first: one more
+    copy of every byte).  Readers use the safetensors library, which checks the format."""
     header: dict = {}
     offset = 0
     for key, tensor in entries:
