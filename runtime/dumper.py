@@ -99,6 +99,7 @@ _server_key: tuple | None = None
 
 MANIFEST = "manifest.jsonl"
 FORMAT_VERSION = 1
+DEFAULT_PHASE = "inference"
 
 
 # ---------------------------------------------------------------- call-site API
@@ -328,7 +329,8 @@ def _record(name: str, value: Any, tags: dict) -> None:
         return
     filt = _filter
     rank = _global_rank()
-    record_tags = {"step": _step, "rank": rank}
+    # Outside a training schedule (no phase set by one) a forward is inference.
+    record_tags = {"step": _step, "rank": rank, "phase": DEFAULT_PHASE}
     record_tags.update(_parallel_tags())
     record_tags.update(_context)
     for key, tag in tags.items():

@@ -237,8 +237,9 @@ def test_step_microbatch_and_context_semantics(dumper, sp):
     assert dumper.state()["phase"] is None
     sp.dump("t", torch.zeros(1), layer=torch.tensor(4), obj=Path("p"), name="n", value=1)  # any tag name
     dumper.flush(10)
-    assert manifest_lines(dumper)[0]["tags"] == {"step": 100, "rank": 0, "layer": 4, "obj": "p", "name": "n",
-                                                 "value": 1}
+    # Outside a schedule (no phase set) a record's phase is "inference".
+    assert manifest_lines(dumper)[0]["tags"] == {"step": 100, "rank": 0, "phase": "inference",
+                                                 "layer": 4, "obj": "p", "name": "n", "value": 1}
 
 
 def test_parallel_ranks_come_from_an_initialised_megatron(dumper, monkeypatch):
@@ -262,8 +263,9 @@ def test_parallel_ranks_come_from_an_initialised_megatron(dumper, monkeypatch):
     dumper.dump("after_init", torch.zeros(1))
     dumper.flush(10)
     tags = {line["name"]: line["tags"] for line in manifest_lines(dumper)}
-    assert tags["before_init"] == {"step": 0, "rank": 0}
-    assert tags["after_init"] == {"step": 0, "rank": 0, "tp": 1, "pp": 2, "cp": 0, "ep": 3}
+    assert tags["before_init"] == {"step": 0, "rank": 0, "phase": "inference"}
+    assert tags["after_init"] == {"step": 0, "rank": 0, "phase": "inference", "tp": 1, "pp": 2, "cp": 0,
+                                  "ep": 3}
 
 
 # ---------------------------------------------------------------- filter and settings
