@@ -60,7 +60,7 @@ class PatchFinder:
     def __init__(self, cache: CodeCache):
         self.cache = cache
         self.specs: list[Spec] = []
-        self.targets: dict[str, list[Patch]] = {}
+        self.targets: frozenset[str] = frozenset()  # the one lookup every import pays
         self._checked: dict[str, str | None] = {}  # spec file -> unmet requirement message
 
     # -- registry
@@ -74,11 +74,7 @@ class PatchFinder:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        targets: dict[str, list[Patch]] = {}
-        for spec in self.specs:
-            for patch in spec.patches:
-                targets.setdefault(patch.module, []).append(patch)
-        self.targets = targets
+        self.targets = frozenset(p.module for spec in self.specs for p in spec.patches)
 
     # -- import protocol
 
