@@ -1,0 +1,397 @@
+"""SGLang routing capture and replay (issue 4, SGLang side).
+
+Two call sites (``patches/moe_sglang.yaml``) reach this module through ``__sp__``:
+
+* ``ModelRunner._forward_raw`` (entry): :func:`sglang_routing_batch` reads the
+  ``ForwardBatch`` and makes it the *ambient batch*: which request each row of the
+  flat token batch belongs to, and at which position of that request it is
+  (``rids``; extend: ``extend_seq_lens_cpu`` / ``extend_prefix_lens_cpu``; decode: one
+  token per request at ``seq_lens_cpu - 1``).
+* ``select_experts`` (just before ``_post_process_topk_ids``, where SGLang's own
+  ``apply_routing_simulation`` rewrites ``topk_ids``): :func:`sglang_routing_topk`
+  sees the *logical* expert ids (before the EPLB logical-to-physical remap) and
+  captures them per layer, or overrides them in place from a replay record and
+  recomputes the weights.
+
+Records use :mod:`source_patch.runtime.routing_record`: one ``RoutingRecord`` per
+request (``token_order="requests"``, ``sample_ids=[rid]``, ``source="sglang"``,
+``extra={"rank", "start_pos"}``), written by :func:`flush` to
+``<dir>/rank<R>/<rid>.safetensors``; :func:`merge_rank_files` merges a directory of
+rank folders by request.
+
+Settings (read from the environment directly until ``runtime/settings.py`` has an
+``sglang_routing`` component):
+
+* ``SOURCE_PATCH_SGLANG_ROUTING_MODE``: ``off`` (default), ``capture``, ``replay``;
+* ``SOURCE_PATCH_SGLANG_ROUTING_DIR``: where :func:`flush` writes (capture);
+* ``SOURCE_PATCH_SGLANG_ROUTING_REPLAY``: directory (as written by capture) or
+  single record file to replay from.
+
+Replay weights: ``scores = f(router_logits.float())`` with ``f`` the config's
+``scoring_func`` (softmax / sigmoid / sqrtsoftplus), ``w = scores.gather(1, ids)``;
+with ``renormalize`` ``w / (w.sum(-1) + 1e-20)`` as SGLang's torch-native top-k does;
+then times ``routed_scaling_factor`` when ``apply_routed_scaling_factor_on_output``
+is set. Any ``correction_bias`` only changes *which* experts are chosen, never the
+weights (as in SGLang's biased top-k), so it plays no part. Only the routed columns
+(the first ``top_k - num_shared_topk_slots``) are captured or replaced; fused shared
+expert columns keep what the router gave them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .routing_record import RoutingRecord, RoutingRecordError, load
+
+_RENORM_EPS = 1e-20  # sglang.srt.layers.moe.topk._RENORMALIZE_SUM_EPSILON
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        self.mode = None  # None: read the environment on first use
+        self.dir = None
+        self.rank = None
+        self.batch = None  # (rids, lens, starts) of the current forward
+        self.forward_id = -1
+        self.forwards = []  # [{"rids", "lens", "starts", "layers": {layer: ids}}]
+        self.num_experts = None
+        self.replay = None  # {rid: RoutingRecord}
+        self.warned = set()
+
+
+_S = _State()
+
+
+def _warn_once(key, message):
+    if key not in _S.warned:
+        _S.warned.add(key)
+        warnings.warn(f"source-patch sglang routing: {message}", RuntimeWarning, stacklevel=3)
+
+
+def configure(mode: str | None = None, *, dir=None, replay=None, rank: int | None = None) -> None:
+    """Set the mode (``off``/``capture``/``replay``) and its inputs; unset arguments
+    come from the ``SOURCE_PATCH_SGLANG_ROUTING_*`` environment variables.
+
+    ``replay``: a directory of rank folders, a record file, or a ``{rid: record}``
+    mapping."""
+    mode = (mode or os.environ.get("SOURCE_PATCH_SGLANG_ROUTING_MODE") or "off").lower()
+    if mode not in ("off", "capture", "replay"):
+        raise ValueError(f"SGLang routing mode must be off, capture or replay, got {mode!r}")
+    _S.mode = mode
+    _S.dir = dir if dir is not None else os.environ.get("SOURCE_PATCH_SGLANG_ROUTING_DIR")
+    _S.rank = rank
+    if mode == "replay":
+        src = replay if replay is not None else os.environ.get("SOURCE_PATCH_SGLANG_ROUTING_REPLAY")
+        if src is None:
+            raise ValueError("replay mode needs a record (SOURCE_PATCH_SGLANG_ROUTING_REPLAY)")
+        if isinstance(src, RoutingRecord):
+            src = {src.sample_ids[0] if src.sample_ids and len(src.sample_ids) == 1 else None: src}
+        elif not isinstance(src, dict):
+            p = Path(src)
+            src = merge_rank_files(p) if p.is_dir() else _by_request([load(p)])
+        _S.replay = src
+
+
+def reset() -> None:
+    """Forget everything (mode, ambient batch, captured rows, replay source)."""
+    with _S.lock:
+        _S.reset()
+
+
+def _mode():
+    if _S.mode is None:
+        configure()
+    return _S.mode
+
+
+def _rank():
+    if _S.rank is not None:
+        return _S.rank
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+# ---------------------------------------------------------------- the ambient batch
+
+
+def set_batch(rids, lens, starts=None) -> None:
+    """Make ``rids`` / ``lens`` (tokens of each request in this forward, in row
+    order) / ``starts`` (position of each request's first row in that request;
+    default: right after what was captured for it so far) the ambient batch."""
+    rids, lens = list(rids), [int(n) for n in lens]
+    if len(rids) != len(lens):
+        raise ValueError(f"{len(rids)} request ids for {len(lens)} lengths")
+    if starts is None:
+        starts = [_captured_len(r) for r in rids]
+    _S.batch = (rids, lens, [int(s) for s in starts])
+    _S.forward_id += 1
+
+
+def clear_batch() -> None:
+    _S.batch = None
+
+
+def _captured_len(rid):
+    layer_rows = {}
+    for fw in _S.forwards:
+        for i, r in enumerate(fw["rids"]):
+            if r == rid and fw["layers"]:
+                n = fw["lens"][i]
+                for layer in fw["layers"]:
+                    layer_rows[layer] = layer_rows.get(layer, 0) + n
+    return max(layer_rows.values(), default=0)
+
+
+def _as_list(x):
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.tolist()]
+    return [int(v) for v in x]
+
+
+def sglang_routing_batch(forward_batch) -> None:
+    """Call site at ``ModelRunner._forward_raw`` entry: the ambient batch from an
+    SGLang ``ForwardBatch``. Does nothing when the mode is off."""
+    if _mode() == "off":
+        return
+    mode = forward_batch.forward_mode
+    rids = forward_batch.rids
+    if rids is None or mode.is_idle():
+        _S.batch = None
+        return
+    if mode.is_decode():
+        seq = _as_list(forward_batch.seq_lens_cpu)
+        lens = [1] * len(rids)
+        starts = [s - 1 for s in seq] if seq is not None else None
+    elif mode.is_extend(include_draft_extend_v2=True) or mode.is_mixed():
+        lens = _as_list(forward_batch.extend_seq_lens_cpu)
+        if lens is None:
+            lens = _as_list(forward_batch.extend_seq_lens)
+        starts = _as_list(forward_batch.extend_prefix_lens_cpu)
+        if mode.is_target_verify() or (hasattr(mode, "is_draft_extend") and mode.is_draft_extend()):
+            _warn_once("spec", f"speculative forward mode {mode} is not attributed; its rows are skipped")
+            _S.batch = None
+            return
+    else:
+        _warn_once(("mode", str(mode)), f"forward mode {mode} is not attributed; its rows are skipped")
+        _S.batch = None
+        return
+    set_batch(rids, lens, starts)
+
+
+# ---------------------------------------------------------------- select_experts
+
+
+def _scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    logits = logits.float()
+    if scoring_func == "softmax":
+        return logits.softmax(dim=-1)
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    if scoring_func == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits).sqrt()
+    raise RoutingRecordError(f"cannot recompute weights for scoring function {scoring_func!r}")
+
+
+def replay_weights(router_logits: torch.Tensor, ids: torch.Tensor, topk_config) -> torch.Tensor:
+    """The weights SGLang's top-k gives experts ``ids`` (``[tokens, k]``) of these
+    logits under ``topk_config`` (see the module docstring)."""
+    w = _scores(router_logits, topk_config.scoring_func).gather(1, ids.long())
+    if topk_config.renormalize:
+        w = w / (w.sum(dim=-1, keepdim=True, dtype=torch.float32) + _RENORM_EPS)
+    if topk_config.apply_routed_scaling_factor_on_output and topk_config.routed_scaling_factor is not None:
+        w = w * topk_config.routed_scaling_factor
+    return w
+
+
+def check_ids(ids: torch.Tensor, *, rows: int, topk: int, num_experts: int, what: str = "replay ids") -> None:
+    """Clear errors for a wrong row count, out-of-range or duplicate expert ids."""
+    if ids.dim() != 2 or ids.shape[1] != topk:
+        raise RoutingRecordError(f"{what}: shape {list(ids.shape)}, expected [{rows}, {topk}]")
+    if ids.shape[0] != rows:
+        raise RoutingRecordError(f"{what}: {ids.shape[0]} rows for {rows} tokens of this batch")
+    if ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= num_experts)
+    if bool(bad.any()):
+        r = int(bad.any(1).nonzero()[0])
+        raise RoutingRecordError(f"{what}: row {r}: expert id out of range [0, {num_experts}) "
+                                 f"(row {ids[r].tolist()})")
+    s = ids.sort(1).values
+    dup = (s[:, 1:] == s[:, :-1]).any(1)
+    if bool(dup.any()):
+        r = int(dup.nonzero()[0])
+        raise RoutingRecordError(f"{what}: row {r}: an expert is chosen twice (row {ids[r].tolist()})")
+
+
+def _replay_rows(layer: int, rows: int, topk: int, device) -> torch.Tensor | None:
+    if _S.batch is None:
+        if len(_S.replay) == 1:  # one record, no attribution: the batch is that record
+            (rec,) = _S.replay.values()
+            if layer not in rec.indices:
+                raise RoutingRecordError(f"replay record has no layer {layer} (it has {rec.layers})")
+            return rec.indices[layer].to(device)
+        _warn_once("nobatch", "no ambient batch (ModelRunner._forward_raw not patched?): replay skipped")
+        return None
+    rids, lens, starts = _S.batch
+    parts = []
+    for rid, n, start in zip(rids, lens, starts):
+        rec = _S.replay.get(rid)
+        if rec is None:
+            raise RoutingRecordError(f"replay: no record for request {rid!r}")
+        if layer not in rec.indices:
+            raise RoutingRecordError(f"replay: request {rid!r} has no layer {layer} (it has {rec.layers})")
+        off = start - int((rec.extra or {}).get("start_pos", 0))
+        if off < 0 or off + n > rec.num_tokens:
+            raise RoutingRecordError(f"replay: request {rid!r} needs rows [{off}, {off + n}) of layer {layer}, "
+                                     f"its record has {rec.num_tokens}")
+        parts.append(rec.indices[layer][off:off + n])
+    return torch.cat(parts).to(device) if parts else torch.empty(0, topk, dtype=torch.long, device=device)
+
+
+def sglang_routing_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor, router_logits: torch.Tensor,
+                        topk_config, layer_id, num_routed_topk: int) -> None:
+    """Call site before ``_post_process_topk_ids`` in ``select_experts``: capture the
+    logical ids of the routed columns, or overwrite them (and their weights) in
+    place from the replay record. Rows past the ambient batch's tokens (padding)
+    are left alone."""
+    mode = _mode()
+    if mode == "off" or layer_id is None or not getattr(topk_config, "allow_routed_experts_capture", True):
+        return
+    num_experts = router_logits.shape[-1]
+    routed = topk_ids[:, :num_routed_topk]
+    total = routed.shape[0]
+    if _S.batch is not None:
+        rows = sum(_S.batch[1])
+        if rows > total:
+            _warn_once(("rows", rows, total), f"ambient batch has {rows} tokens but the router sees {total} "
+                       "(attention-DP / sequence-sharded MoE input is not attributed): skipped")
+            return
+    else:
+        rows = total
+    if mode == "capture":
+        if _S.batch is None:
+            _warn_once("nobatch", "no ambient batch (ModelRunner._forward_raw not patched?): capture skipped")
+            return
+        with _S.lock:
+            if not _S.forwards or _S.forwards[-1]["id"] != _S.forward_id:
+                rids, lens, starts = _S.batch
+                _S.forwards.append({"id": _S.forward_id, "rids": rids, "lens": lens, "starts": starts,
+                                    "layers": {}})
+            _S.forwards[-1]["layers"][int(layer_id)] = routed[:rows].detach().clone()
+            _S.num_experts = num_experts
+        return
+    ids = _replay_rows(int(layer_id), rows, num_routed_topk, routed.device)
+    if ids is None:
+        return
+    check_ids(ids, rows=rows, topk=num_routed_topk, num_experts=num_experts, what=f"layer {layer_id} replay ids")
+    routed[:rows] = ids.to(routed.dtype)
+    w = replay_weights(router_logits[:rows], ids, topk_config)
+    topk_weights[:rows, :num_routed_topk] = w.to(topk_weights.dtype)
+
+
+# ---------------------------------------------------------------- records and files
+
+
+def records() -> dict:
+    """What was captured so far: ``{rid: RoutingRecord}`` (one per request, rows in
+    generation order: prefill tokens then each decode token)."""
+    per = {}  # rid -> {"start": int, "next": int, "layers": {layer: [tensors]}}
+    with _S.lock:
+        forwards = list(_S.forwards)
+    for fw in forwards:
+        off = 0
+        for rid, n, start in zip(fw["rids"], fw["lens"], fw["starts"]):
+            entry = per.setdefault(rid, {"start": start, "next": start, "layers": {}})
+            if start != entry["next"]:
+                raise RoutingRecordError(f"request {rid!r}: rows resume at position {start}, expected "
+                                         f"{entry['next']} (retracted or re-prefilled request?)")
+            entry["next"] = start + n
+            for layer, ids in fw["layers"].items():
+                entry["layers"].setdefault(layer, []).append(ids[off:off + n])
+            off += n
+    out = {}
+    for rid, entry in per.items():
+        layers = {k: torch.cat(v).to("cpu", torch.int64) for k, v in entry["layers"].items()}
+        if not layers:
+            continue
+        out[rid] = RoutingRecord(indices=layers, num_experts=_S.num_experts, token_order="requests",
+                                 sample_ids=[rid], seq_lens=[entry["next"] - entry["start"]], source="sglang",
+                                 extra={"rank": _rank(), "start_pos": entry["start"]})
+    return out
+
+
+def _safe_name(rid) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(rid))[:128] or "_"
+
+
+def flush(dir=None, *, clear: bool = True) -> list:
+    """Write each captured request to ``<dir>/rank<R>/<rid>.safetensors``; returns the paths."""
+    dir = dir if dir is not None else _S.dir
+    if dir is None:
+        raise ValueError("no directory to write to (SOURCE_PATCH_SGLANG_ROUTING_DIR)")
+    recs = records()
+    folder = Path(dir) / f"rank{_rank()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for rid, rec in recs.items():
+        path = folder / f"{_safe_name(rid)}.safetensors"
+        rec.save(path)
+        paths.append(path)
+    if clear:
+        with _S.lock:
+            _S.forwards = []
+    return paths
+
+
+def _by_request(recs, rank_of=None) -> dict:
+    out, owner = {}, {}
+    for rec in recs:
+        if rec.sample_ids is None or len(rec.sample_ids) != 1:
+            raise RoutingRecordError(f"an SGLang routing file holds one request, this one has sample_ids "
+                                     f"{rec.sample_ids}")
+        rid = rec.sample_ids[0]
+        rank = (rec.extra or {}).get("rank", 0)
+        if rid in out:
+            other = out[rid]
+            if not other.equals(rec.replace(extra=other.extra)):
+                raise RoutingRecordError(f"request {rid!r}: ranks {owner[rid]} and {rank} captured different "
+                                         "routes (TP ranks should see the same tokens)")
+            if rank >= owner[rid]:
+                continue
+        out[rid], owner[rid] = rec, rank
+    return out
+
+
+def merge_rank_files(dir) -> dict:
+    """``{rid: RoutingRecord}`` from every ``*.safetensors`` under ``dir`` (the
+    ``rank<R>`` folders :func:`flush` writes). A request seen by several ranks (TP
+    replicas) must be identical on all of them; the lowest rank's record is kept."""
+    files = sorted(Path(dir).rglob("*.safetensors"))
+    if not files:
+        raise RoutingRecordError(f"no routing files under {dir}")
+    return _by_request([load(f) for f in files])
+
+
+def _atexit_flush():
+    if _S.mode == "capture" and _S.dir and _S.forwards:
+        try:
+            flush()
+        except Exception as exc:  # never fail interpreter exit
+            warnings.warn(f"source-patch sglang routing: flush at exit failed: {exc}", RuntimeWarning)
+
+
+atexit.register(_atexit_flush)
