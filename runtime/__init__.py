@@ -17,6 +17,18 @@ _EXPORTS = {
     "dump_flush": "dumper",
     "dump_state": "dumper",
     "dump_configure": "dumper",
+    "routing_enter": "routing",
+    "routing_exit": "routing",
+    "routing_topk": "routing",
+    "routing_probs": "routing",
+    "routing_fused": "routing",
+    "routing_schedule": "routing",
+    "routing_schedule_end": "routing",
+    "routing_microbatch_begin": "routing",
+    "routing_microbatch_end": "routing",
+    "routing_step": "routing",
+    "sglang_routing_topk": "routing_sglang",
+    "sglang_routing_batch": "routing_sglang",
 }
 
 __all__ = sorted(_EXPORTS)

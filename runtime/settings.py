@@ -234,3 +234,15 @@ SCHEMAS["dump"] = {
     "token": Setting("", text, "bearer token of the control endpoint; empty = generate one per process"),
     "max_request_bytes": Setting(64 << 10, size(low=1), "largest request body the control endpoint reads"),
 }
+
+
+# -- routing capture / replay (source_patch.runtime.routing, patches/moe.yaml)
+
+SCHEMAS["routing"] = {
+    "mode": Setting("off", choice("off", "capture", "replay"),
+                    "off: every call site costs one flag test; capture: keep the top-k indices of every "
+                    "(step, microbatch, layer); replay: route with recorded indices"),
+    "dir": Setting("", text, "capture: records are written here at each step end (and at exit); "
+                             "replay: records are read from here; empty = in memory only (capture)"),
+    "probs": Setting(False, boolean, "capture also the combine weights (probs) of the chosen experts"),
+}

@@ -1,0 +1,476 @@
+"""Routing capture and replay for Megatron-Core, called from patches/moe.yaml.
+
+Call sites (``__sp__.<name>``, all cost one flag test when the mode is ``off``):
+
+- ``routing_enter(router, logits)`` / ``routing_exit()``: ``TopKRouter.routing`` entry and
+  return; sets the ambient MoE layer (``router.layer_number``), the ``[seq, batch]``
+  shape and the sequence-parallel flag.
+- ``routing_topk(scores, result)``: each return of ``compute_topk`` inside
+  ``topk_routing_with_score_function``; ``result`` is ``(values, indices)``.  Capture
+  copies the indices off the device (non-blocking D2H into pinned memory on a side
+  stream + event; a clone on CPU).  Replay returns the recorded indices for
+  (step, microbatch, layer) and ``scores.gather(1, indices)`` as values, so the router
+  keeps its gradient.
+- ``routing_probs(routing_probs)``: the final return of ``topk_routing_with_score_function``;
+  with ``probs: true`` keeps the combine weights of the captured experts.
+- ``routing_fused(fused)``: raises when capture/replay is on and the fused router
+  (``moe_router_fusion``) would bypass ``compute_topk``.
+- ``routing_schedule(forward_only)`` / ``routing_schedule_end()``: the
+  forward_backward_* schedules (microbatch back to 0).
+- ``routing_microbatch_begin()`` / ``routing_microbatch_end()``: schedule's forward_step
+  entry / returns.
+- ``routing_step(success)``: optimizer step returns; a successful step advances the step.
+
+Python API (``source_patch.runtime.routing``)::
+
+    configure(mode="capture", dir="routes", probs=False)   # or settings component "routing"
+    records()            # captured RoutingRecords, one per (step, microbatch), in order
+    save(dir=None)       # write pending records + index.json; returns the index
+    load_dir(dir)        # {(step, microbatch): RoutingRecord} from a directory
+    set_replay(records)  # dir, list of records (extra step/microbatch) or {(s, m): record}
+    set_position(step=None, microbatch=None)
+
+On disk: ``<dir>/rank-<r>/step-<S>-mb-<M>.safetensors`` (one RoutingRecord, token_order
+``megatron-sbh``, ``extra={"step", "microbatch"}``) and ``<dir>/rank-<r>/index.json``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from .routing_record import RoutingRecord, RoutingRecordError, load, slice_for_rank
+from .settings import resolve
+
+
+class RoutingReplayError(RuntimeError):
+    """Replay cannot route as recorded (names step, microbatch and layer)."""
+
+
+# ------------------------------------------------------------------ state
+
+_OFF = True          # the one flag every call site tests
+_config: dict = {}
+_lock = threading.Lock()
+
+_step = 0
+_microbatch = 0
+_in_forward = False  # inside a schedule's forward_step
+_layer = None        # ambient MoE layer (TopKRouter.routing)
+_shape = None        # (seq, batch) of the router's logits
+_seq_parallel = False
+_num_experts = None
+
+# capture: (step, microbatch) -> {layer: (indices_host, probs_host_or_None, event_or_None)}
+_pending: dict = {}
+_meta: dict = {}     # (step, microbatch) -> {"batch", "num_experts", "sp"}
+_saved_index: list = []
+_side_streams: dict = {}
+_last_idx = None     # device indices of the last capture (for routing_probs)
+
+# replay
+_replay: dict = {}   # (step, microbatch) -> RoutingRecord (as loaded)
+_sliced: dict = {}   # (step, microbatch) -> RoutingRecord (sliced for this rank)
+_used: dict = {}     # (step, microbatch) -> set of layers replayed
+
+
+def configure(**changes) -> dict:
+    """Set settings (mode, dir, probs); returns the effective settings."""
+    global _OFF
+    from .settings import check
+
+    for key, value in changes.items():
+        _config[key] = check("routing", key, value)
+    _OFF = _config["mode"] == "off"
+    if _config["mode"] == "replay" and not _replay and _config.get("dir"):
+        set_replay(_config["dir"])
+    return dict(_config)
+
+
+def _init():
+    _config.update(resolve("routing"))
+    configure()
+
+
+def reset() -> None:
+    """Forget all captured / replay state and positions (tests)."""
+    global _step, _microbatch, _in_forward, _layer, _shape, _last_idx
+    _step = _microbatch = 0
+    _in_forward = False
+    _layer = _shape = _last_idx = None
+    _pending.clear(); _meta.clear(); _saved_index.clear()
+    _replay.clear(); _sliced.clear(); _used.clear()
+
+
+def state() -> dict:
+    return {"mode": _config["mode"], "step": _step, "microbatch": _microbatch, "layer": _layer,
+            "pending": sorted(_pending), "replay": sorted(_replay)}
+
+
+def set_position(step: int | None = None, microbatch: int | None = None) -> None:
+    """Set the step / microbatch by hand (when no patched schedule drives them)."""
+    global _step, _microbatch
+    if step is not None:
+        _step = int(step)
+    if microbatch is not None:
+        _microbatch = int(microbatch)
+
+
+# ------------------------------------------------------------------ call sites
+
+
+def routing_enter(router, logits) -> None:
+    global _layer, _shape, _seq_parallel, _num_experts
+    if _OFF:
+        return
+    _layer = int(router.layer_number)
+    _shape = (int(logits.shape[0]), int(logits.shape[1])) if logits.dim() == 3 else None
+    config = getattr(router, "config", None)
+    _seq_parallel = bool(getattr(config, "sequence_parallel", False))
+    _num_experts = getattr(config, "num_moe_experts", None)
+
+
+def routing_exit() -> None:
+    global _layer, _last_idx
+    if _OFF:
+        return
+    _layer = None
+    _last_idx = None
+
+
+def routing_fused(fused) -> None:
+    if _OFF or not fused:
+        return
+    raise RoutingReplayError(
+        f"routing {_config['mode']} is on but the router is fused (moe_router_fusion=True), which bypasses "
+        f"compute_topk: set moe_router_fusion=False ({_where()})")
+
+
+def routing_schedule(forward_only=False) -> None:
+    global _microbatch, _in_forward
+    if _OFF:
+        return
+    _microbatch = 0
+    _in_forward = False
+
+
+def routing_schedule_end() -> None:
+    global _in_forward
+    if _OFF:
+        return
+    _in_forward = False
+
+
+def routing_microbatch_begin() -> None:
+    global _in_forward
+    if _OFF:
+        return
+    _in_forward = True
+
+
+def routing_microbatch_end() -> None:
+    global _microbatch, _in_forward
+    if _OFF:
+        return
+    key = (_step, _microbatch)
+    if _config["mode"] == "replay" and key in _used:
+        rec = _replay.get(key)
+        if rec is not None and _used[key] != set(rec.layers):
+            missing = sorted(set(rec.layers) - _used[key])
+            raise RoutingReplayError(
+                f"step {_step}, microbatch {_microbatch}: the record has layers {rec.layers} but the model "
+                f"routed through {sorted(_used[key])} (layer count mismatch; never used: {missing})")
+    _in_forward = False
+    _microbatch += 1
+
+
+def routing_step(success=True) -> None:
+    global _step, _microbatch
+    if _OFF:
+        return
+    if not success:
+        return
+    finished = _step
+    _step += 1
+    _microbatch = 0
+    if _config["mode"] == "capture" and _config.get("dir"):
+        save(steps={finished})
+    elif _config["mode"] == "replay":
+        for key in [k for k in _sliced if k[0] <= finished]:
+            _sliced.pop(key, None)
+
+
+def routing_topk(scores, result):
+    if _OFF:
+        return result
+    if _config["mode"] == "capture":
+        _capture(result[1])
+        return result
+    return _replay_topk(scores, result)
+
+
+def routing_probs(routing_probs):
+    if _OFF or not _config.get("probs") or _config["mode"] != "capture" or _last_idx is None:
+        return routing_probs
+    key = (_step, _microbatch)
+    entry = _pending.get(key, {}).get(_layer)
+    if entry is not None and entry[1] is None:
+        probs = routing_probs.detach().gather(1, _last_idx)
+        _pending[key][_layer] = (entry[0], _Pending(*_to_host(probs)), None)
+    return routing_probs
+
+
+# ------------------------------------------------------------------ capture
+
+
+def _where() -> str:
+    return f"step {_step}, microbatch {_microbatch}, layer {_layer}"
+
+
+def _to_host(t: torch.Tensor):
+    t = t.detach()
+    if t.device.type != "cuda":
+        return t.clone(), None
+    if torch.cuda.is_current_stream_capturing():
+        raise RoutingReplayError(f"routing capture during CUDA graph capture is not supported ({_where()})")
+    device = t.device
+    side = _side_streams.get(device.index)
+    if side is None:
+        side = _side_streams[device.index] = torch.cuda.Stream(device=device)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(side)
+    t.record_stream(side)
+    return host, event
+
+
+def _capture(indices: torch.Tensor) -> None:
+    global _last_idx
+    if _layer is None:
+        raise RoutingReplayError(f"routing capture outside TopKRouter.routing ({_where()}): is patches/moe.yaml "
+                                 "fully applied?")
+    key = (_step, _microbatch)
+    layers = _pending.setdefault(key, {})
+    if not _in_forward and _layer in layers:
+        return  # activation recompute in backward: already captured in the forward
+    host, event = _to_host(indices)
+    layers[_layer] = (_Pending(host, event), None, None)
+    _last_idx = indices.detach()
+    _meta[key] = {"batch": _shape[1] if _shape else None, "num_experts": _num_experts, "sp": _seq_parallel}
+
+
+class _Pending:
+    """A host tensor whose D2H copy may still be in flight; resolved when read."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, host, event):
+        self.host, self.event = host, event
+
+    def get(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        return self.host
+
+
+def _resolve(value):
+    if isinstance(value, _Pending):
+        return value.get()
+    return value
+
+
+def _parallel():
+    """(cp_size, cp_rank, tp_size, tp_rank, rank) from parallel_state when initialised."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
+                    ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+                    torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+    except ImportError:
+        pass
+    rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    return 1, 0, 1, 0, rank
+
+
+def _build(key) -> RoutingRecord:
+    layers = _pending[key]
+    meta = _meta.get(key, {})
+    indices, probs = {}, {}
+    for layer, (idx, prob, _) in sorted(layers.items()):
+        indices[layer] = _resolve(idx).to(torch.int64)
+        if prob is not None:
+            probs[layer] = _resolve(prob)
+    num_experts = meta.get("num_experts") or int(max(int(t.max()) for t in indices.values()) + 1)
+    batch = meta.get("batch")
+    tokens = next(iter(indices.values())).shape[0]
+    cp, cp_rank, tp, tp_rank, _ = _parallel()
+    sp = bool(meta.get("sp")) and tp > 1
+    parallel = None
+    if cp > 1 or sp:
+        parallel = {"cp": cp, "sp": sp, "tp": tp, "ep": 1, "cp_rank": cp_rank, "tp_rank": tp_rank}
+    seq_lens = [tokens // batch] * batch if batch and tokens % batch == 0 else None
+    return RoutingRecord(indices=indices, probs=probs if len(probs) == len(indices) else None,
+                         num_experts=int(num_experts), token_order="megatron-sbh", seq_lens=seq_lens,
+                         parallel=parallel, source="megatron",
+                         extra={"step": key[0], "microbatch": key[1]})
+
+
+def records(steps=None) -> list:
+    """Captured records not yet saved, one per (step, microbatch), sorted."""
+    return [_build(k) for k in sorted(_pending) if steps is None or k[0] in steps]
+
+
+def save(dir: str | os.PathLike | None = None, steps=None) -> list:
+    """Write pending records (of ``steps``, default all) under ``<dir>/rank-<r>/`` and update
+    ``index.json``; returns the index entries written so far by this process."""
+    root = dir or _config.get("dir")
+    if not root:
+        raise RoutingReplayError("routing save: no directory (set routing dir or pass dir=)")
+    rank = _parallel()[4]
+    folder = Path(root) / f"rank-{rank}"
+    folder.mkdir(parents=True, exist_ok=True)
+    with _lock:
+        for key in sorted(k for k in _pending if steps is None or k[0] in steps):
+            rec = _build(key)
+            name = f"step-{key[0]}-mb-{key[1]}.safetensors"
+            rec.save(folder / name)
+            _saved_index[:] = [e for e in _saved_index if (e["step"], e["microbatch"]) != key]
+            _saved_index.append({"step": key[0], "microbatch": key[1], "file": name, "layers": rec.layers,
+                                 "tokens": rec.num_tokens, "num_experts": rec.num_experts, "topk": rec.topk})
+            del _pending[key]
+            _meta.pop(key, None)
+        _saved_index.sort(key=lambda e: (e["step"], e["microbatch"]))
+        tmp = folder / "index.json.tmp"
+        tmp.write_text(json.dumps({"format": "source-patch-routing-index", "version": 1, "rank": rank,
+                                   "records": _saved_index}, indent=1))
+        os.replace(tmp, folder / "index.json")
+    return list(_saved_index)
+
+
+def _flush_at_exit():
+    if _config.get("mode") == "capture" and _config.get("dir") and _pending:
+        try:
+            save()
+        except Exception as exc:  # noqa: BLE001 - at exit: report, do not mask the real exit
+            import sys
+
+            print(f"source-patch routing: could not save captured routes: {exc}", file=sys.stderr)
+
+
+atexit.register(_flush_at_exit)
+
+
+# ------------------------------------------------------------------ replay
+
+
+def load_dir(dir: str | os.PathLike) -> dict:
+    """``{(step, microbatch): RoutingRecord}`` from ``dir`` (its ``rank-<r>/index.json`` for this
+    rank, else ``rank-0``, else ``dir/index.json``)."""
+    root = Path(dir)
+    rank = _parallel()[4]
+    for folder in (root / f"rank-{rank}", root / "rank-0", root):
+        if (folder / "index.json").is_file():
+            break
+    else:
+        raise RoutingReplayError(f"routing replay: no index.json under {root} (rank-{rank}/, rank-0/ or .)")
+    index = json.loads((folder / "index.json").read_text())
+    out = {}
+    for entry in index["records"]:
+        key = (int(entry["step"]), int(entry["microbatch"]))
+        try:
+            out[key] = load(folder / entry["file"])
+        except RoutingRecordError as exc:
+            raise RoutingReplayError(f"step {key[0]}, microbatch {key[1]}: bad record {entry['file']}: {exc}") from None
+    return out
+
+
+def set_replay(source) -> None:
+    """Records to replay: a directory, a list of records tagged ``extra={"step", "microbatch"}``,
+    or a dict ``{(step, microbatch): record}``."""
+    if isinstance(source, (str, os.PathLike)):
+        source = load_dir(source)
+    elif not isinstance(source, dict):
+        items = {}
+        for rec in source:
+            try:
+                key = (int(rec.extra["step"]), int(rec.extra["microbatch"]))
+            except (KeyError, TypeError, ValueError):
+                raise RoutingReplayError(f"record without extra step/microbatch tags: {rec.extra}") from None
+            items[key] = rec
+        source = items
+    for key, rec in source.items():
+        try:
+            rec.validate()
+        except RoutingRecordError as exc:
+            raise RoutingReplayError(f"step {key[0]}, microbatch {key[1]}: {exc}") from None
+    _replay.clear(); _sliced.clear(); _used.clear()
+    _replay.update(source)
+
+
+def _for_rank(key) -> RoutingRecord:
+    rec = _sliced.get(key)
+    if rec is not None:
+        return rec
+    rec = _replay.get(key)
+    if rec is None:
+        raise RoutingReplayError(f"step {key[0]}, microbatch {key[1]}: no routing record to replay "
+                                 f"(records for {sorted(_replay)[:8]}{'...' if len(_replay) > 8 else ''})")
+    cp, cp_rank, tp, tp_rank, _ = _parallel()
+    if rec.parallel is None and _shape is not None:
+        try:
+            rec = slice_for_rank(rec, batch=_shape[1], cp_size=cp, cp_rank=cp_rank, tp_size=tp, tp_rank=tp_rank,
+                                 sequence_parallel=_seq_parallel)
+        except RoutingRecordError as exc:
+            raise RoutingReplayError(f"step {key[0]}, microbatch {key[1]}: cannot slice the record for this rank "
+                                     f"(cp {cp_rank}/{cp}, tp {tp_rank}/{tp}): {exc}") from None
+    elif rec.parallel is not None:
+        p = rec.parallel
+        want_tp = tp_rank if (p["sp"] and p["tp"] > 1) else p["tp_rank"]
+        if (p["cp"], p["cp_rank"]) != (cp, cp_rank) or p["tp_rank"] != want_tp:
+            raise RoutingReplayError(f"step {key[0]}, microbatch {key[1]}: record is a slice for {p}, this rank is "
+                                     f"cp {cp_rank}/{cp}, tp {tp_rank}/{tp}")
+    _sliced[key] = rec
+    return rec
+
+
+def _replay_topk(scores, result):
+    if _layer is None:
+        raise RoutingReplayError(f"routing replay outside TopKRouter.routing ({_where()}): is patches/moe.yaml "
+                                 "fully applied?")
+    key = (_step, _microbatch if _in_forward or (_step, _microbatch) in _replay else max(_microbatch - 1, 0))
+    rec = _for_rank(key)
+    where = f"step {key[0]}, microbatch {key[1]}, layer {_layer}"
+    if _layer not in rec.indices:
+        raise RoutingReplayError(f"{where}: the record has no layer {_layer} (it has {rec.layers}; "
+                                 "layer mismatch)")
+    live_tokens, live_experts = int(scores.shape[0]), int(scores.shape[1])
+    live_topk = int(result[1].shape[1])
+    if rec.num_tokens != live_tokens:
+        raise RoutingReplayError(f"{where}: the record has {rec.num_tokens} rows, the router has {live_tokens} "
+                                 "tokens (row-count mismatch)")
+    if rec.topk != live_topk:
+        raise RoutingReplayError(f"{where}: the record has topk {rec.topk}, the router {live_topk}")
+    idx = rec.indices[_layer]
+    if rec.num_experts > live_experts:
+        bad = idx >= live_experts
+        if bool(bad.any()):
+            row = int(bad.any(dim=1).nonzero()[0, 0])
+            raise RoutingReplayError(f"{where}, row {row}: expert id out of range [0, {live_experts}) "
+                                     f"(row {idx[row].tolist()})")
+    idx = idx.to(device=scores.device, dtype=torch.int64, non_blocking=True)
+    _used.setdefault(key, set()).add(_layer)
+    return scores.gather(1, idx), idx
+
+
+_init()  # settings: environment over the specs' runtime: section over defaults

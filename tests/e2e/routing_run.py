@@ -1,0 +1,108 @@
+"""Train examples/train_moe.py's model under patches/moe.yaml, one scenario after another.
+
+    SOURCE_PATCH=megatron_cpu,moe python tests/e2e/routing_run.py OUT_PREFIX SCENARIO...
+
+A scenario is ``off``, ``capture:DIR`` or ``replay:DIR``.  Each scenario builds the
+model afresh (same seed), resets the routing runtime, configures its mode and
+trains ``--steps`` steps.  Saved to ``OUT_PREFIX.safetensors``: per scenario ``i``
+the losses (``<i>/loss/<step>``) and, through a plain forward hook on every router
+(no source patch), the routed expert ids of each (step, microbatch, layer), sorted
+per token (``<i>/route/<step>/<microbatch>/<layer>``).  ``OUT_PREFIX.json``: per
+scenario ``{"ok": true}`` or ``{"error": type, "message": ...}``.
+"""
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_moe.py"
+spec = importlib.util.spec_from_file_location("train_moe", EXAMPLE)
+train_moe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(train_moe)
+
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+
+from source_patch.runtime import routing  # noqa: E402
+
+
+def run(args, out, prefix, device):
+    torch.manual_seed(args.seed)
+    model = train_moe.build_model(args, device)
+    optimizer = train_moe.build_optimizer(model, args)
+    dataset = train_moe.make_dataset(args, device)
+    pos = {"step": 0, "mb": 0}
+
+    def hook(router):
+        def fn(module, inputs, output):
+            routing_map = output[1]
+            ids = routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1)
+            out[f"{prefix}/route/{pos['step']}/{pos['mb']}/{router.layer_number}"] = ids.clone()
+        return fn
+
+    for module in model.module.modules():
+        if type(module).__name__ == "TopKRouter":
+            module.register_forward_hook(hook(module))
+
+    def forward_step(data_iterator, model_):
+        output, loss_func = train_moe.forward_step(data_iterator, model_)
+
+        def counted(*a, **k):
+            pos["mb"] += 1
+            return loss_func(*a, **k)
+        return output, counted
+
+    for step in range(args.steps):
+        pos["step"], pos["mb"] = step, 0
+        batches = [train_moe.make_batch(dataset, step * args.micro_batches + m, args)
+                   for m in range(args.micro_batches)]
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+            num_microbatches=args.micro_batches, seq_length=args.seq_len,
+            micro_batch_size=args.micro_batch, forward_only=False)
+        out[f"{prefix}/loss/{step}"] = torch.stack([x["lm loss"] for x in losses]).detach().clone()
+        success, _, _ = optimizer.step()
+        assert success
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("scenarios", nargs="+")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=2)
+    cli = p.parse_args()
+    args = train_moe.parse_args(["--steps", str(cli.steps), "--micro-batches", str(cli.micro_batches),
+                                 "--device", "cpu", "--layers", "2", "--seq-len", "16", "--micro-batch", "4"])
+    device = torch.device("cpu")
+    torch.set_num_threads(1)
+    train_moe.init_distributed(device, args.ep)
+    out, status = {}, []
+    for i, scenario in enumerate(cli.scenarios):
+        mode, _, folder = scenario.partition(":")
+        routing.reset()
+        routing.configure(mode="off")
+        routing._replay.clear()
+        try:
+            routing.configure(mode=mode, dir=folder)
+            run(args, out, str(i), device)
+            if mode == "capture" and folder:
+                routing.save()
+            status.append({"ok": True})
+        except routing.RoutingReplayError as exc:
+            status.append({"error": type(exc).__name__, "message": str(exc)})
+        finally:
+            routing.configure(mode="off")
+    save_file({k: v.contiguous() for k, v in out.items()}, cli.out + ".safetensors")
+    Path(cli.out + ".json").write_text(json.dumps(status, indent=1))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
