@@ -40,6 +40,7 @@ import atexit
 import json
 import os
 import threading
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -77,6 +78,10 @@ _last_idx = None     # device indices of the last capture (for routing_probs)
 _replay: dict = {}   # (step, microbatch) -> RoutingRecord (as loaded)
 _sliced: dict = {}   # (step, microbatch) -> RoutingRecord (sliced for this rank)
 _used: dict = {}     # (step, microbatch) -> set of layers replayed
+# layer -> (step, microbatch) of its forwards in this schedule, oldest first: an activation
+# recompute in backward takes the oldest (backward visits microbatches in forward order,
+# in 1F1B as without pipelining; Megatron's own RouterReplay makes the same assumption).
+_forwards: dict = {}
 
 
 def configure(**changes) -> dict:
@@ -157,6 +162,7 @@ def routing_schedule(forward_only=False) -> None:
         return
     _microbatch = 0
     _in_forward = False
+    _forwards.clear()
 
 
 def routing_schedule_end() -> None:
@@ -164,6 +170,7 @@ def routing_schedule_end() -> None:
     if _OFF:
         return
     _in_forward = False
+    _forwards.clear()
 
 
 def routing_microbatch_begin() -> None:
@@ -228,6 +235,20 @@ def routing_probs(routing_probs):
 # ------------------------------------------------------------------ capture
 
 
+def _call_key() -> tuple[tuple, bool]:
+    """((step, microbatch), recompute) of this router call.  In a forward_step: the
+    current microbatch.  Outside one, while this layer has forwards not yet recomputed:
+    an activation recompute in backward, of the oldest of them."""
+    if _in_forward:
+        key = (_step, _microbatch)
+        _forwards.setdefault(_layer, deque()).append(key)
+        return key, False
+    pending = _forwards.get(_layer)
+    if pending:
+        return pending.popleft(), True
+    return (_step, _microbatch), False  # a plain forward outside any schedule
+
+
 def _where() -> str:
     return f"step {_step}, microbatch {_microbatch}, layer {_layer}"
 
@@ -257,10 +278,10 @@ def _capture(indices: torch.Tensor) -> None:
     if _layer is None:
         raise RoutingReplayError(f"routing capture outside TopKRouter.routing ({_where()}): is patches/moe.yaml "
                                  "fully applied?")
-    key = (_step, _microbatch)
+    key, recompute = _call_key()
+    if recompute:
+        return  # activation recompute in backward: captured in its forward
     layers = _pending.setdefault(key, {})
-    if not _in_forward and _layer in layers:
-        return  # activation recompute in backward: already captured in the forward
     host, event = _to_host(indices)
     layers[_layer] = (_Pending(host, event), None, None)
     _last_idx = indices.detach()
@@ -448,7 +469,7 @@ def _replay_topk(scores, result):
     if _layer is None:
         raise RoutingReplayError(f"routing replay outside TopKRouter.routing ({_where()}): is patches/moe.yaml "
                                  "fully applied?")
-    key = (_step, _microbatch if _in_forward or (_step, _microbatch) in _replay else max(_microbatch - 1, 0))
+    key, _ = _call_key()
     rec = _for_rank(key)
     where = f"step {key[0]}, microbatch {key[1]}, layer {_layer}"
     if _layer not in rec.indices:

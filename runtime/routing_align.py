@@ -280,7 +280,7 @@ def _request_table(request_records: Iterable[RoutingRecord]):
 
 def align_to_megatron(request_records: Iterable[RoutingRecord], layout: BatchLayout, *,
                       filler: str = "spread", missing_tail: int = 0, source: str | None = None,
-                      extra: dict | None = None) -> RoutingRecord:
+                      extra: dict | None = None, layer_offset: int = 0) -> RoutingRecord:
     """SGLang request records -> one full-length ``megatron-sbh`` record for ``layout``.
 
     ``request_records``: records with ``token_order="requests"`` (a list, or a dict
@@ -296,7 +296,11 @@ def align_to_megatron(request_records: Iterable[RoutingRecord], layout: BatchLay
     a request longer than its slot or shorter by more than ``missing_tail``, a
     sample in two records, records that differ in layers / num_experts / topk /
     having probs, records that are not ``requests`` order or are rank slices.  A
-    record whose token count does not match its ``seq_lens`` fails validation."""
+    record whose token count does not match its ``seq_lens`` fails validation.
+
+    ``layer_offset`` is added to every layer id: SGLang numbers layers from 0
+    (``layer_id``), Megatron from 1 (``layer_number``), so pass 1 to replay an
+    SGLang capture in Megatron."""
     err = RoutingAlignError
     if not isinstance(layout, BatchLayout):
         raise err(f"layout must be a BatchLayout, got {type(layout).__name__}")
@@ -364,6 +368,9 @@ def align_to_megatron(request_records: Iterable[RoutingRecord], layout: BatchLay
         padding.append(layout.seq_len - end)
     tags = dict(extra or {})
     tags[ALIGN_KEY] = {**layout.to_json(routed), "filler": filler}
+    if layer_offset:
+        indices = {layer + layer_offset: ids for layer, ids in indices.items()}
+        probs = None if probs is None else {layer + layer_offset: p for layer, p in probs.items()}
     return RoutingRecord(indices=indices, probs=probs, num_experts=num_experts, topk=topk,
                          token_order="megatron-sbh", sample_ids=row_ids,
                          seq_lens=[layout.seq_len] * layout.batch, padding=padding,

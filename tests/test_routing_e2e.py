@@ -62,10 +62,6 @@ def rollout(sglang_topk, rids):
     return records
 
 
-def to_megatron_layers(record: RoutingRecord, step: int, microbatch: int) -> RoutingRecord:
-    """SGLang layer_id L is Megatron's layer_number L + 1."""
-    return record.replace(indices={layer + 1: ids for layer, ids in record.indices.items()},
-                          extra={**record.extra, "step": step, "microbatch": microbatch})
 
 
 def test_sglang_routes_replayed_in_megatron(sglang_topk, tmp_path):
@@ -79,7 +75,9 @@ def test_sglang_routes_replayed_in_megatron(sglang_topk, tmp_path):
             captured = rollout(sglang_topk, rids)
             assert sorted(captured) == sorted(rids)
             layout = BatchLayout.padded([(rid, SEQ) for rid in rids], seq_len=SEQ)
-            record = to_megatron_layers(align_to_megatron(captured, layout), step, mb)
+            # SGLang's layer_id L is Megatron's layer_number L + 1.
+            record = align_to_megatron(captured, layout, layer_offset=1,
+                                       extra={"step": step, "microbatch": mb})
             aligned[step, mb] = record
             name = f"step-{step}-mb-{mb}.safetensors"
             record.save(folder / name)

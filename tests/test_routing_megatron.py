@@ -213,3 +213,42 @@ def test_missing_record_and_fused(rt):
     with pytest.raises(routing.RoutingReplayError, match="fused"):
         rt.routing_fused(True)
     rt.routing_fused(False)
+
+
+@pytest.mark.parametrize("order", ["no-pipelining", "1f1b"])
+def test_activation_recompute_uses_its_own_microbatch(rt, order):
+    """A recomputed router call in backward (outside forward_step) belongs to the oldest
+    forward not yet recomputed: F0 B0 F1 B1 without pipelining, F0 F1 B0 B1 in 1F1B."""
+    scores = [torch.randn(8, 8) for _ in range(2)]
+
+    def forward(mb):
+        rt.routing_microbatch_begin()
+        topk_call(rt, 1, scores[mb])
+        rt.routing_microbatch_end()
+
+    def recompute(mb):  # the same input again, as a checkpointed layer recomputes it
+        return topk_call(rt, 1, scores[mb] + 100.0 * torch.arange(8.0))  # different live choice
+
+    plan = [("f", 0), ("b", 0), ("f", 1), ("b", 1)] if order == "no-pipelining" else \
+        [("f", 0), ("f", 1), ("b", 0), ("b", 1)]
+    rt.configure(mode="capture", dir="")
+    rt.routing_schedule(False)
+    for kind, mb in plan:
+        forward(mb) if kind == "f" else recompute(mb)
+    rt.routing_schedule_end()
+    records = rt.records()
+    assert [r.extra for r in records] == [{"step": 0, "microbatch": 0}, {"step": 0, "microbatch": 1}]
+    for mb, rec in enumerate(records):  # the forward's choice, not the recompute's
+        assert torch.equal(rec.indices[1], torch.topk(scores[mb], 2, dim=1).indices)
+
+    rt.reset()
+    rt.configure(mode="replay")
+    forced = [r.replace(indices={1: (r.indices[1] + 1 + mb) % 8}) for mb, r in enumerate(records)]
+    rt.set_replay(forced)
+    rt.routing_schedule(False)
+    for kind, mb in plan:
+        if kind == "f":
+            forward(mb)
+        else:
+            assert torch.equal(recompute(mb)[1], forced[mb].indices[1]), (order, mb)
+    rt.routing_schedule_end()
