@@ -77,6 +77,8 @@ _last_idx = None     # device indices of the last capture (for routing_probs)
 # replay
 _replay: dict = {}   # (step, microbatch) -> RoutingRecord (as loaded)
 _sliced: dict = {}   # (step, microbatch) -> RoutingRecord (sliced for this rank)
+_staged: dict = {}   # (step, microbatch) -> (device, {layer: int64 indices on that device})
+_saver = None        # the background thread that writes captured steps (ThreadPoolExecutor)
 _used: dict = {}     # (step, microbatch) -> set of layers replayed
 # layer -> (step, microbatch) of its forwards in this schedule, oldest first: an activation
 # recompute in backward takes the oldest (backward visits microbatches in forward order,
@@ -105,11 +107,12 @@ def _init():
 def reset() -> None:
     """Forget all captured / replay state and positions (tests)."""
     global _step, _microbatch, _in_forward, _layer, _shape, _last_idx
+    flush()
     _step = _microbatch = 0
     _in_forward = False
     _layer = _shape = _last_idx = None
-    _pending.clear(); _meta.clear(); _saved_index.clear()
-    _replay.clear(); _sliced.clear(); _used.clear()
+    _pending.clear(); _meta.clear(); _saved_index.clear(); _forwards.clear()
+    _replay.clear(); _sliced.clear(); _staged.clear(); _used.clear()
 
 
 def state() -> dict:
@@ -206,10 +209,38 @@ def routing_step(success=True) -> None:
     _step += 1
     _microbatch = 0
     if _config["mode"] == "capture" and _config.get("dir"):
-        save(steps={finished})
+        _save_in_background({finished})
     elif _config["mode"] == "replay":
         for key in [k for k in _sliced if k[0] <= finished]:
             _sliced.pop(key, None)
+            _staged.pop(key, None)
+
+
+def _save_in_background(steps: set) -> None:
+    """Write a finished step's records off the training thread (waiting on their copies'
+    events and writing files would stall the step); failures are reported, not raised."""
+    global _saver
+    if _saver is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sp-routing-save")
+    _saver.submit(_save_reporting, steps)
+
+
+def _save_reporting(steps) -> None:
+    try:
+        save(steps=steps)
+    except Exception as exc:  # noqa: BLE001 - never raise into training
+        import sys
+
+        print(f"source-patch routing: could not save captured routes of step(s) {sorted(steps)}: {exc}",
+              file=sys.stderr)
+
+
+def flush() -> None:
+    """Wait until every step handed to the background writer is on disk."""
+    if _saver is not None:
+        _saver.submit(lambda: None).result()
 
 
 def routing_topk(scores, result):
@@ -362,7 +393,8 @@ def save(dir: str | os.PathLike | None = None, steps=None) -> list:
     folder = Path(root) / f"rank-{rank}"
     folder.mkdir(parents=True, exist_ok=True)
     with _lock:
-        for key in sorted(k for k in _pending if steps is None or k[0] in steps):
+        # list(): the training thread may add keys of later steps meanwhile.
+        for key in sorted(k for k in list(_pending) if steps is None or k[0] in steps):
             rec = _build(key)
             name = f"step-{key[0]}-mb-{key[1]}.safetensors"
             rec.save(folder / name)
@@ -380,6 +412,7 @@ def save(dir: str | os.PathLike | None = None, steps=None) -> list:
 
 
 def _flush_at_exit():
+    flush()
     if _config.get("mode") == "capture" and _config.get("dir") and _pending:
         try:
             save()
@@ -435,7 +468,7 @@ def set_replay(source) -> None:
             rec.validate()
         except RoutingRecordError as exc:
             raise RoutingReplayError(f"step {key[0]}, microbatch {key[1]}: {exc}") from None
-    _replay.clear(); _sliced.clear(); _used.clear()
+    _replay.clear(); _sliced.clear(); _staged.clear(); _used.clear()
     _replay.update(source)
 
 
@@ -465,6 +498,18 @@ def _for_rank(key) -> RoutingRecord:
     return rec
 
 
+def _on_device(key, rec: RoutingRecord, device: torch.device) -> dict:
+    """All layers of a microbatch's record on the device, copied once from pinned memory:
+    a copy from pageable memory would block the host at every layer."""
+    staged = _staged.get(key)
+    if staged is None or staged[0] != device:
+        pin = device.type == "cuda"
+        staged = _staged[key] = (device, {
+            layer: (t.to(torch.int64).pin_memory() if pin else t.to(torch.int64)).to(device, non_blocking=True)
+            for layer, t in rec.indices.items()})
+    return staged[1]
+
+
 def _replay_topk(scores, result):
     if _layer is None:
         raise RoutingReplayError(f"routing replay outside TopKRouter.routing ({_where()}): is patches/moe.yaml "
@@ -489,7 +534,7 @@ def _replay_topk(scores, result):
             row = int(bad.any(dim=1).nonzero()[0, 0])
             raise RoutingReplayError(f"{where}, row {row}: expert id out of range [0, {live_experts}) "
                                      f"(row {idx[row].tolist()})")
-    idx = idx.to(device=scores.device, dtype=torch.int64, non_blocking=True)
+    idx = _on_device(key, rec, scores.device)[_layer]
     _used.setdefault(key, set()).add(_layer)
     return scores.gather(1, idx), idx
 

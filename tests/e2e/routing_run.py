@@ -93,6 +93,7 @@ def main():
             routing.configure(mode=mode, dir=folder)
             run(args, out, str(i), device)
             if mode == "capture" and folder:
+                routing.flush()
                 routing.save()
             status.append({"ok": True})
         except routing.RoutingReplayError as exc:
