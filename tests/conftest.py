@@ -29,3 +29,30 @@ def write_spec(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def sglang_cpu():
+    """Let sglang import on a CPU torch: the only torchvision on the index is a CUDA
+    build, whose import needs these operator schemas (see /work/shared/sglang.md)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed")
+    import torch
+
+    for name in ("nms", "qnms"):
+        try:
+            torch.library.define(f"torchvision::{name}",
+                                 "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        except RuntimeError:
+            pass  # already defined
+
+
+@pytest.fixture(scope="module")
+def sglang_topk(sglang_cpu, tmp_path_factory):
+    """A patched copy of sglang.srt.layers.moe.topk under the moe_sglang spec."""
+    from source_patch.patcher import import_patched_copy
+
+    return import_patched_copy("sglang.srt.layers.moe.topk", "moe_sglang",
+                               cache_dir=tmp_path_factory.mktemp("cache"))

@@ -33,20 +33,6 @@ RUN = Path(__file__).parent / "e2e" / "routing_run.py"
 STEPS, MICROBATCHES, LAYERS, EXPERTS, TOPK, SEQ, BATCH = 2, 2, 2, 8, 2, 16, 4
 
 
-@pytest.fixture(scope="module")
-def sglang_topk(tmp_path_factory):
-    for name in ("nms", "qnms"):  # see tests/test_routing_sglang.py
-        try:
-            torch.library.define(f"torchvision::{name}",
-                                 "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        except RuntimeError:
-            pass
-    from source_patch.patcher import import_patched_copy
-
-    return import_patched_copy("sglang.srt.layers.moe.topk", "moe_sglang",
-                               cache_dir=tmp_path_factory.mktemp("cache"))
-
-
 def rollout(sglang_topk, rids):
     """One SGLang forward over these requests (prefill of SEQ tokens each), every layer."""
     routing_sglang.reset()

@@ -21,23 +21,9 @@ from source_patch.runtime.routing_record import RoutingRecord, RoutingRecordErro
 E, K = 8, 2
 
 
-def _torchvision_schemas():
-    # The only torchvision on the index is a CUDA build; its import needs these
-    # operator schemas on a CPU torch (see /work/shared/sglang.md).
-    for name in ("nms", "qnms"):
-        try:
-            torch.library.define(f"torchvision::{name}",
-                                 "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        except RuntimeError:
-            pass  # already defined
-
-
 @pytest.fixture(scope="module")
-def topk_mod(tmp_path_factory):
-    _torchvision_schemas()
-    from source_patch.patcher import import_patched_copy
-
-    return import_patched_copy("sglang.srt.layers.moe.topk", "moe_sglang", cache_dir=tmp_path_factory.mktemp("c"))
+def topk_mod(sglang_topk):
+    return sglang_topk  # tests/conftest.py: a patched copy of sglang.srt.layers.moe.topk
 
 
 @pytest.fixture(autouse=True)
@@ -232,10 +218,9 @@ def test_flush_writes_per_rank_files(topk_mod, tmp_path):
     assert rs.records() == {}
 
 
-def test_forward_raw_sets_the_ambient_batch(tmp_path):
+def test_forward_raw_sets_the_ambient_batch(sglang_cpu, tmp_path):
     """The real ModelRunner._forward_raw entry with a real ForwardBatch (extend, then
     decode); the rest of _forward_raw cannot run on CPU and fails right after."""
-    _torchvision_schemas()
     from source_patch.patcher import import_patched_copy
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
