@@ -10,17 +10,12 @@ PyTorch module hooks (no source patch), the activations patches/dump.yaml dumps,
 """
 
 import argparse
-import importlib.util
 import sys
-from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_moe.py"
-spec = importlib.util.spec_from_file_location("train_moe", EXAMPLE)
-train_moe = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(train_moe)
+from example import counting_forward_step, train_moe  # tests/e2e/example.py
 
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
@@ -41,6 +36,9 @@ class Recorder:
             layer.self_attention.register_forward_hook(self.output("attention_output", n))
             layer.pre_mlp_layernorm.register_forward_pre_hook(self.input("pre_mlp_residual", n))
             layer.mlp.register_forward_hook(self.output("mlp_output", n))
+
+    def next_microbatch(self):
+        self.microbatch += 1
 
     def key(self, name, layer):
         return f"act/{name}/{self.step}/{self.microbatch}/{'-' if layer is None else layer}"
@@ -85,7 +83,8 @@ def main():
         model.zero_grad_buffer()
         optimizer.zero_grad()
         losses = get_forward_backward_func()(
-            forward_step_func=_counting(train_moe.forward_step, recorder), data_iterator=iter(batches),
+            forward_step_func=(counting_forward_step(recorder.next_microbatch) if recorder
+                               else train_moe.forward_step), data_iterator=iter(batches),
             model=[model], num_microbatches=args.micro_batches, seq_length=args.seq_len,
             micro_batch_size=args.micro_batch, forward_only=False)
         out[f"loss/{step}"] = torch.stack([x["lm loss"] for x in losses]).detach().clone()
@@ -99,22 +98,6 @@ def main():
         out.update(recorder.out)
     save_file({k: v.contiguous() for k, v in out.items()}, cli.out)
     torch.distributed.destroy_process_group()
-
-
-def _counting(forward_step, recorder):
-    """Megatron calls forward_step once per microbatch; the loss function runs after the
-    model's forward, so advancing there tags the next microbatch."""
-    if recorder is None:
-        return forward_step
-
-    def step(data_iterator, model):
-        output, loss_func = forward_step(data_iterator, model)
-
-        def counted(*a, **k):
-            recorder.microbatch += 1
-            return loss_func(*a, **k)
-        return output, counted
-    return step
 
 
 if __name__ == "__main__":

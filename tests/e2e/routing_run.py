@@ -12,7 +12,6 @@ scenario ``{"ok": true}`` or ``{"error": type, "message": ...}``.
 """
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -20,10 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_moe.py"
-spec = importlib.util.spec_from_file_location("train_moe", EXAMPLE)
-train_moe = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(train_moe)
+from example import counting_forward_step, train_moe  # tests/e2e/example.py
 
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
@@ -48,13 +44,10 @@ def run(args, out, prefix, device):
         if type(module).__name__ == "TopKRouter":
             module.register_forward_hook(hook(module))
 
-    def forward_step(data_iterator, model_):
-        output, loss_func = train_moe.forward_step(data_iterator, model_)
+    def next_microbatch():
+        pos["mb"] += 1
 
-        def counted(*a, **k):
-            pos["mb"] += 1
-            return loss_func(*a, **k)
-        return output, counted
+    forward_step = counting_forward_step(next_microbatch)
 
     for step in range(args.steps):
         pos["step"], pos["mb"] = step, 0
