@@ -34,5 +34,5 @@ timeout 360 python3 bench/dump_step_bench.py 2>&1 | tee "$OUT/dump_step_bench.tx
 fi
 if want routing; then
 echo "== routing capture/replay step bench"
-timeout 560 python3 bench/routing_bench.py --rounds 3 2>&1 | tee "$OUT/routing_bench.txt" | tail -10
+timeout 560 python3 bench/routing_bench.py --rounds 5 --steps 25 --warmup 8 2>&1 | tee "$OUT/routing_bench.txt" | tail -10
 fi
