@@ -1,0 +1,142 @@
+"""Megatron-Core model chunks -> full parameters under global names (trainer side
+of weight sync).
+
+    finish_param_gather(chunks)          # params current, also with overlap_param_gather
+    params = MegatronParams(chunks)
+    params.shapes()    # (name, full shape, dtype): what the sender plans with, no communication
+    params.tensors()   # (name, full tensor): tensor-parallel shards gathered, experts global
+
+Tensor-parallel shards are all-gathered in Megatron's own tensor-parallel group
+(expert-tensor-parallel for experts), along each parameter's ``partition_dim``;
+a gated ``linear_fc1`` is re-ordered from per-rank ``[gate_r; up_r]`` to
+``[gate; up]``.  Expert-parallel ranks' experts are all-gathered in the expert
+group, local index i of EP rank r becoming global expert ``r * local + i``.
+The ranks that take part are those whose groups hold global rank 0 (the
+sender); everyone else returns at once.  Each participant walks the parameters
+in the same order, so the gathers pair up.
+
+Not supported (a clear error): pipeline parallelism and virtual pipeline
+chunks, Megatron-FSDP.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+from source_patch.runtime.weight_names import strip_wrappers
+
+_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)|(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)\Z")
+_FC1 = re.compile(r"\.linear_fc1\.(?:weight|bias)\d*\Z")
+
+
+class UnsupportedParallelism(RuntimeError):
+    pass
+
+
+def finish_param_gather(chunks) -> None:
+    """Make the model parameters current.  With the distributed optimizer and
+    ``overlap_param_gather``, ``optimizer.step()`` only updates each rank's shard;
+    the all-gather of the new values runs lazily in the next forward's pre-hooks.
+    Run it now, synchronously, the way Megatron's ``disable_forward_pre_hook(
+    param_sync=True)`` does before a checkpoint: ``start_param_sync(force_sync=True)``
+    waits for a dispatched gather or gathers at once, and marks the buckets done so
+    the next forward's hooks do not gather again.  Collective: every data-parallel
+    rank must call it."""
+    for chunk in chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None:
+            continue
+        if getattr(ddp_config, "use_megatron_fsdp", False):
+            raise UnsupportedParallelism("weight sync does not support Megatron-FSDP")
+        if ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
+class MegatronParams:
+    """The parameters of one model chunk, seen as full tensors with global names."""
+
+    def __init__(self, chunks):
+        from megatron.core import parallel_state as ps
+
+        if len(chunks) != 1 or ps.get_pipeline_model_parallel_world_size() > 1:
+            raise UnsupportedParallelism("weight sync supports one model chunk without pipeline "
+                                         f"parallelism (got {len(chunks)} chunks, pp="
+                                         f"{ps.get_pipeline_model_parallel_world_size()})")
+        model = chunks[0]
+        self.config = model.config
+        self.params = [(strip_wrappers(n), p) for n, p in model.named_parameters()]
+        self.sender = dist.get_rank() == 0
+        self.tp = self._group(ps.get_tensor_model_parallel_group())
+        self.etp = self._group(ps.get_expert_tensor_parallel_group(check_initialized=False))
+        self.ep = self._group(ps.get_expert_model_parallel_group(check_initialized=False))
+        experts = self.config.num_moe_experts or 0
+        self.local_experts = experts // self.ep[1] if experts else 0
+        self.in_dense = 0 in dist.get_process_group_ranks(self.tp[0]) if self.tp[0] else self.sender
+        self.in_expert = ps.get_expert_data_parallel_rank() == 0 if self.ep[0] else self.in_dense
+        self.gated = bool(self.config.gated_linear_unit)
+
+    @staticmethod
+    def _group(group):
+        return (group, dist.get_world_size(group)) if group is not None else (None, 1)
+
+    @property
+    def participates(self) -> bool:
+        return self.in_dense or self.in_expert
+
+    def shapes(self):
+        """(global name, full shape, dtype) of every parameter, in ``tensors()`` order."""
+        for name, param in self.params:
+            shape = list(param.shape)
+            expert = _EXPERT.search(name) is not None
+            size = (self.etp if expert else self.tp)[1]
+            if getattr(param, "tensor_model_parallel", False) and size > 1:
+                shape[param.partition_dim] *= size
+            for global_name in self._global_names(name, expert):
+                yield global_name, tuple(shape), param.dtype
+
+    def tensors(self):
+        """(global name, full tensor), in ``shapes()`` order.  Collective over the
+        tensor- and expert-parallel groups of rank 0: every participant iterates it."""
+        for name, param in self.params:
+            expert = _EXPERT.search(name) is not None
+            if not (self.in_expert if expert else self.in_dense):
+                continue
+            full = self._gather_tp(name, param, *(self.etp if expert else self.tp))
+            names = self._global_names(name, expert)
+            if len(names) == 1:
+                yield names[0], full
+                continue
+            parts = [torch.empty_like(full) for _ in names]
+            dist.all_gather(parts, full.contiguous(), group=self.ep[0])
+            yield from zip(names, parts)
+
+    def _global_names(self, name: str, expert: bool) -> list:
+        if not expert or self.ep[1] == 1:
+            return [name]
+        match = _EXPERT.search(name)
+        local = int(match.group(2) or match.group(5))
+        names = []
+        for rank in range(self.ep[1]):
+            index = rank * self.local_experts + local
+            if match.group(1):
+                new = f"{match.group(1)}{index}{match.group(3)}"
+            else:
+                new = f"{match.group(4)}{index}"
+            names.append(name[: match.start()] + new + name[match.end():])
+        return names
+
+    def _gather_tp(self, name: str, param: torch.Tensor, group, size: int) -> torch.Tensor:
+        tensor = param.detach()
+        if size == 1 or not getattr(param, "tensor_model_parallel", False):
+            return tensor
+        dim = param.partition_dim
+        shards = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(shards, tensor.contiguous(), group=group)
+        if self.gated and _FC1.search(name):
+            # Each rank holds [gate_r; up_r]: gather the gates, then the ups.
+            halves = [shard.chunk(2, dim=0) for shard in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        return torch.cat(shards, dim=dim)

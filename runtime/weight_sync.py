@@ -1,0 +1,249 @@
+"""Weight sync: Megatron-Core pushes its weights to SGLang engines after optimizer steps.
+
+Call sites (patches/weight_sync.yaml, reached through ``__sp__``)::
+
+    # trainer (Megatron-Core)
+    __sp__.weight_sync_attach(result, model_chunks)   # get_megatron_optimizer: optimizer -> its model
+    __sp__.weight_sync_step(self, result)             # optimizer.step() returns: push when due
+    # engine (SGLang), in an update_weights_from_distributed request with load_format "source_patch"
+    __sp__.weight_sync_receive(self, group_name)      # WeightUpdater.receive_weights_from_distributed
+    __sp__.weight_sync_loaded(result)                 # WeightUpdater.load_weights_from_distributed
+    __sp__.weight_sync_version(recv_req)              # the scheduler records the version it serves
+
+Scripts::
+
+    from source_patch.runtime import weight_sync
+    weight_sync.push(model_chunks)      # explicit push (raises on failure)
+    weight_sync.state()                 # trainer: pushes, failures, last error, timings
+    weight_sync.engine_state()          # engine: the version it serves, partial, failures
+
+The work is done by weight_megatron (gather), weight_names (mapping) and
+weight_transport (buckets over the group).  See docs/weight_sync.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from source_patch.runtime import settings
+from source_patch.runtime import weight_transport as transport
+from source_patch.runtime.weight_transport import WeightSyncError
+
+log = logging.getLogger("source_patch.weight_sync")
+
+LOAD_FORMAT = "source_patch"  # SGLang's load_format that selects this receiver
+
+_config: dict = settings.resolve("weight_sync")
+_enabled = _config["enable"]  # the one thing a disabled trainer call site reads
+
+
+def configure(**changes) -> dict:
+    """Change settings (validated as a whole; same keys as the ``weight_sync`` schema)."""
+    global _config, _enabled
+    parsed = {key: settings.check("weight_sync", key, value) for key, value in changes.items()}
+    _config = {**_config, **parsed}
+    _enabled = _config["enable"]
+    return dict(_config)
+
+
+# ------------------------------------------------------------------ trainer
+
+_attached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> model chunks
+_trainer: dict = {"step": 0, "pushes": 0, "failures": 0, "last_error": None, "last_push_s": None,
+                  "last_bytes": 0, "version": None}
+_link: transport.Link | None = None
+_plans: dict = {}  # id(model chunk) -> ((names, layout), engine specs, manifests): shapes do not change
+
+
+def weight_sync_attach(optimizer: Any, model_chunks) -> Any:
+    """Remember which model chunks ``optimizer`` steps; returns it unchanged."""
+    try:
+        _attached[optimizer] = list(model_chunks)
+    except TypeError:  # not weak-referenceable: cannot be tracked
+        log.warning("weight sync: cannot track optimizer %s", type(optimizer).__name__)
+    return optimizer
+
+
+attach = weight_sync_attach
+
+
+def detach(optimizer: Any) -> None:
+    """Stop pushing after ``optimizer``'s steps (e.g. a critic's optimizer)."""
+    _attached.pop(optimizer, None)
+
+
+def weight_sync_step(optimizer: Any, result: Any) -> Any:
+    """After ``optimizer.step()`` returned ``result`` ((success, grad norm, zeros)):
+    on every ``every``-th successful step, push.  Returns ``result`` unchanged."""
+    if not _enabled:
+        return result
+    ok = result[0] if isinstance(result, tuple) and result else result
+    chunks = _attached.get(optimizer)
+    if not ok or chunks is None:
+        return result
+    _trainer["step"] += 1
+    if _trainer["step"] % _config["every"]:
+        return result
+    try:
+        push(chunks, version=_trainer["step"])
+    except Exception as exc:  # noqa: BLE001 - on_error decides
+        if _config["on_error"] == "raise":
+            raise
+        log.error("weight sync: push of v%d failed, training continues: %s", _trainer["step"], exc)
+    return result
+
+
+def push(model_chunks, version: int | None = None) -> None:
+    """Push the weights of ``model_chunks`` (collective over the data-, tensor- and
+    expert-parallel ranks: all must call it).  Rank 0 sends; raises WeightSyncError."""
+    from source_patch.runtime import weight_megatron, weight_names
+
+    version = _trainer["step"] if version is None else int(version)
+    start = time.perf_counter()
+    try:
+        weight_megatron.finish_param_gather(model_chunks)
+        params = weight_megatron.MegatronParams(model_chunks)
+        if not params.participates:
+            return
+        layout = weight_names.Layout.from_config(params.config, vocab_size=_config["vocab_size"])
+        # Planned on every participant, so a mapping error stops all before any gather.
+        specs, templates = _plan(model_chunks[0], params, layout)
+        if not params.sender:
+            for _ in params.tensors():  # take part in the gathers
+                pass
+            return
+        tensors = (out for name, full in params.tensors() for _, out in weight_names.to_hf(name, full, layout))
+        try:
+            link = _connected()
+            manifest = _manifest(specs, templates, version)
+        except Exception:
+            for _ in tensors:  # the other participants' gathers still need rank 0
+                pass
+            raise
+        transport.send(link, manifest, tensors)
+    except Exception as exc:
+        _trainer["failures"] += 1
+        _trainer["last_error"] = f"v{version}: {type(exc).__name__}: {exc}"
+        raise
+    _trainer.update(pushes=_trainer["pushes"] + 1, version=version, last_bytes=manifest.total_bytes,
+                    last_push_s=round(time.perf_counter() - start, 6))
+
+
+def _plan(chunk, params, layout) -> list:
+    from source_patch.runtime import weight_names
+
+    names = [name for name, _ in params.params]
+    cached = _plans.get(id(chunk))
+    if cached is None or cached[0] != (names, layout):
+        cached = _plans[id(chunk)] = ((names, layout), list(weight_names.plan(params.shapes(), layout)), {})
+    return cached[1:]
+
+
+def _manifest(specs: list, templates: dict, version: int) -> transport.Manifest:
+    """The bucket layout is planned once; each push only changes the version (and the
+    sender's cached packing sees the same entries)."""
+    key = (_config["bucket_bytes"], _config["checksum"])
+    if key not in templates:
+        templates.clear()
+        templates[key] = transport.plan(specs, *key[:1], 0, key[1])
+    return dataclasses.replace(templates[key], version=version)
+
+
+def _connected() -> transport.Link:
+    """The link to the engines, opened on first use (rank 0 serves the rendezvous)."""
+    global _link
+    if _link is not None and not _link.broken:
+        return _link
+    disconnect()
+    if not _config["port"]:
+        raise WeightSyncError("weight_sync.port is not set (SOURCE_PATCH_WEIGHT_SYNC_PORT)")
+    backend = _config["backend"]
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    group = transport.open_group(_config["host"], _config["port"], 0, _config["world_size"],
+                                 _config["group_name"], backend, _config["timeout_s"])
+    _link = transport.Link(group, _config["timeout_s"])
+    return _link
+
+
+def disconnect() -> None:
+    """Drop the trainer's group; the next push opens a new one (the engines must
+    join again, e.g. SGLang's destroy/init_weights_update_group)."""
+    global _link
+    link, _link = _link, None
+    if link is not None:
+        transport.close_group(link.group)
+
+
+def state() -> dict:
+    """The trainer's counters and the link."""
+    return {**_trainer, "enabled": _enabled, "connected": _link is not None and not _link.broken,
+            "broken": _link.broken if _link is not None else None}
+
+
+# ------------------------------------------------------------------ engine
+
+_engine: dict = {"version": None, "partial": False, "updates": 0, "failures": 0, "last_error": None}
+_pending: transport.Update | None = None
+_engine_links: dict = {}  # id(group) -> Link
+
+
+def weight_sync_receive(updater: Any, group_name: str):
+    """Receive one update over SGLang's update group ``group_name`` and return the
+    named tensors SGLang's ``load_weights`` takes.  Raises WeightSyncError; SGLang
+    then answers "Failed to receive weights" and loads nothing."""
+    global _pending
+    group = updater._model_update_group[group_name]
+    link = _engine_links.get(id(group))
+    if link is None or link.group is not group:
+        link = _engine_links[id(group)] = transport.Link(group, _config["timeout_s"])
+    try:
+        _pending = transport.receive(link, stage=_config["stage"],
+                                     max_metadata_bytes=_config["max_metadata_bytes"],
+                                     max_update_bytes=_config["max_update_bytes"])
+    except Exception as exc:
+        _engine_failed(exc)
+        raise
+    return _pending.tensors
+
+
+def weight_sync_loaded(result: Any) -> Any:
+    """After ``load_weights_from_distributed`` returned ``(ok, message)``: a failed
+    load (which SGLang reports as partial) leaves no version served."""
+    global _pending
+    if _pending is not None and isinstance(result, tuple) and not result[0]:
+        update, _pending = _pending, None
+        try:
+            update.close()
+        except Exception as exc:  # noqa: BLE001 - the load's failure is what SGLang reports
+            log.warning("weight sync: finishing the failed update: %s", exc)
+        _engine.update(version=None, partial=True)
+        _engine_failed(result[1])
+    return result
+
+
+def weight_sync_version(recv_req: Any) -> Any:
+    """The version SGLang records after a successful update: ours for a
+    source_patch update (and it becomes the served version), else the request's."""
+    global _pending
+    if getattr(recv_req, "load_format", None) != LOAD_FORMAT or _pending is None:
+        return recv_req.weight_version
+    version, _pending = _pending.version, None
+    _engine.update(version=version, partial=False, updates=_engine["updates"] + 1)
+    return str(version)
+
+
+def _engine_failed(error: Any) -> None:
+    _engine["failures"] += 1
+    _engine["last_error"] = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+
+
+def engine_state() -> dict:
+    """The version this engine process serves (None: none yet, or a partial load)."""
+    return dict(_engine)

@@ -1,0 +1,647 @@
+"""Bucketed weight transfer over a torch.distributed group: group rank 0 sends,
+every other rank receives (NCCL on GPU, gloo on CPU).
+
+    group = open_group("10.0.0.1", 29600, rank, world_size, "source_patch_weights", "nccl", 300)
+    link = Link(group, timeout_s=300)
+    send(link, plan(specs, bucket_bytes=1 << 30, version=7), tensors)    # rank 0
+    update = receive(link)                                               # engine ranks
+    model.load_weights(update.tensors)
+
+The tensors are laid out back to back (each at a 16-byte aligned offset) in one
+virtual byte stream, cut into buckets of ``bucket_bytes``: a tensor crosses a
+bucket boundary like any other byte range, so tensors larger than a bucket need
+no special case.  The sender packs bucket k+1 into the idle one of two buffers
+(one ``_foreach_copy_`` into views cached per layout) while bucket k is on the wire.
+
+One update on the group, in order (docs/weight_sync.md, "Wire format"):
+
+1. header: int64[4] ``[MAGIC, FORMAT, version, manifest length]``
+2. manifest: uint8[length], UTF-8 JSON (never pickle): version, sizes, and per
+   tensor name, dtype, shape and stream offset
+3. vote (all-reduce MAX of int64[1]): a receiver that rejects the manifest or
+   cannot allocate says so here, and everyone stops before any data moves
+4. per bucket: the bytes, then (with checksums) int64[1], the sum of the
+   bucket's int32 words computed on the sender's device
+5. verdict (all-reduce MAX): 0 when every receiver verified every bucket
+
+Every wait is bounded by ``timeout_s``; a peer that dies or stalls fails the
+update with WeightSyncTimeout / WeightSyncError and marks the link broken (the
+group is then unusable: create a new one).  A checksum mismatch or a rejected
+manifest leaves the link usable: all ranks still run every step of the protocol.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+MAGIC = 0x53505753  # "SPWS"
+FORMAT = 1
+ALIGN = 16          # stream offsets and bucket sizes: multiples of this
+
+OK, CHECKSUM_MISMATCH, REJECTED = 0, 1, 2
+_VERDICTS = {CHECKSUM_MISMATCH: "a checksum mismatch", REJECTED: "a receive error"}
+
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool)}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        DTYPES[_name] = getattr(torch, _name)
+
+# Test hooks (tests/e2e/weight_sync_*.py): called with (bucket index, its bytes)
+# after a bucket was sent / received, before the receiver checks it.
+after_send: Optional[Callable[[int, torch.Tensor], None]] = None
+before_verify: Optional[Callable[[int, torch.Tensor], None]] = None
+
+
+class WeightSyncError(RuntimeError):
+    """An update failed (docs/weight_sync.md, "Failure behaviour", says what the engine then serves)."""
+
+
+class WeightSyncTimeout(WeightSyncError):
+    """A peer did not take part in the update within the timeout."""
+
+
+class ChecksumMismatch(WeightSyncError):
+    """Received bytes differ from the sent ones."""
+
+
+# ------------------------------------------------------------------ the group
+
+
+def open_group(host: str, port: int, rank: int, world_size: int, group_name: str,
+               backend: str, timeout_s: float):
+    """Join (rank 0: create) a process group of its own for weight updates: a
+    TCPStore at host:port (rank 0 serves it) under a PrefixStore(group_name).
+    The same construction as SGLang's ``init_custom_process_group``, which its
+    ``/init_weights_update_group`` uses on the engine ranks, so a trainer joins the
+    group an SGLang server opens.  The default group is neither used nor changed."""
+    from torch.distributed.distributed_c10d import (
+        Backend, PrefixStore, _new_process_group_helper, _world, rendezvous)
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
+                                         PrefixStore(group_name, store), group_name=group_name,
+                                         backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def close_group(group) -> None:
+    """Destroy a group made by open_group (best effort: its peers may be gone)."""
+    try:
+        dist.destroy_process_group(group)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class Link:
+    """A weight-update group, its device, and the deadline every wait gets."""
+
+    def __init__(self, group, timeout_s: float = 300.0):
+        self.group = group
+        self.timeout_s = float(timeout_s)
+        self.backend = dist.get_backend(group)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
+            else torch.device("cpu")
+        self.rank = group.rank()
+        self.size = group.size()
+        self.broken: Optional[str] = None
+        self.packing = None  # the sender's bucket buffers and layout, reused while it holds
+        self.known_manifest = None  # a receiver's last (tensors JSON, entries): parsed once
+        self.staged = None  # a receiver's (entries, stream buffer, views into it), reused while it holds
+
+    def broadcast(self, tensor: torch.Tensor):
+        self._check()
+        return dist.broadcast(tensor, group=self.group, group_src=0, async_op=True)
+
+    def wait(self, work, what: str) -> None:
+        """Wait for ``work`` at most timeout_s; a failure breaks the link."""
+        self._check()
+        try:
+            if self.backend == "gloo":
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
+            else:
+                self._poll(work, what)
+                work.wait()  # orders the current stream after it; no host sync
+        except WeightSyncError as exc:
+            self.broken = str(exc)
+            raise
+        except RuntimeError as exc:
+            text = str(exc).lower()
+            timed_out = "timed out" in text or "timeout" in text
+            reason = f"no peer answered within {self.timeout_s:g} s" if timed_out else "a peer failed"
+            self.broken = f"{what}: {reason} ({type(exc).__name__}: {_first_line(exc)})"
+            raise (WeightSyncTimeout if timed_out else WeightSyncError)(self.broken) from exc
+
+    def _poll(self, work, what: str) -> None:
+        # NCCL work cannot be waited on with a deadline; poll its completion
+        # (an event query, no device sync) and give the communicator up on expiry.
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-5
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self._abort()
+                raise WeightSyncTimeout(f"{what}: no peer answered within {self.timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-4)  # a late wake-up would leave the wire idle
+
+    def _abort(self) -> None:
+        try:
+            self.group._get_backend(self.device).abort()
+        except Exception:  # noqa: BLE001 - best effort; the link is broken either way
+            pass
+
+    def vote(self, status: int, what: str) -> int:
+        """All-reduce MAX of every rank's status."""
+        flag = torch.tensor([status], dtype=torch.int64, device=self.device)
+        self._check()
+        self.wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), what)
+        return int(flag.item())
+
+    def _check(self) -> None:
+        if self.broken:
+            raise WeightSyncError(f"the weight-update group is broken ({self.broken}); "
+                                  "create a new one")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# ------------------------------------------------------------------ manifest
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple
+    offset: int   # in the stream
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: int
+    bucket_bytes: int
+    total_bytes: int
+    checksum: bool
+    entries: tuple
+
+    @property
+    def buckets(self) -> int:
+        return math.ceil(self.total_bytes / self.bucket_bytes) if self.total_bytes else 0
+
+    def window(self, k: int) -> tuple[int, int]:
+        start = k * self.bucket_bytes
+        return start, min(start + self.bucket_bytes, self.total_bytes)
+
+    def to_json(self, tensors_json: bytes | None = None) -> bytes:
+        """The manifest as JSON; ``tensors_json`` (tensors_to_json()) when already known."""
+        head = json.dumps({"format": FORMAT, "version": self.version, "bucket_bytes": self.bucket_bytes,
+                           "total_bytes": self.total_bytes, "checksum": self.checksum},
+                          separators=(",", ":")).encode()
+        return head[:-1] + b',"tensors":' + (tensors_json or self.tensors_to_json()) + b"}"
+
+    def tensors_to_json(self) -> bytes:
+        return json.dumps([[e.name, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset]
+                           for e in self.entries], separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, max_update_bytes: int, known: tuple | None = None) -> "Manifest":
+        """Parse and validate a received manifest; ValueError says what is wrong.
+        ``known``: (tensors JSON, entries) of an earlier manifest; the same tensors
+        (every step but the first) are not parsed again."""
+        head, tensors_json = _split_tensors(data)
+        doc = json.loads(head + b"}" if tensors_json else data)
+        if not tensors_json or not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"not a format-{FORMAT} manifest")
+        version, bucket, total = (_int(doc.get(k), k) for k in ("version", "bucket_bytes", "total_bytes"))
+        if bucket <= 0 or bucket % ALIGN or total % ALIGN:
+            raise ValueError(f"bucket_bytes {bucket} / total_bytes {total} not positive multiples of {ALIGN}")
+        if total > max_update_bytes:
+            raise ValueError(f"update of {total} bytes exceeds max_update_bytes={max_update_bytes}")
+        if known is not None and known[0] == tensors_json:
+            entries = known[1]
+        else:
+            entries = _parse_entries(json.loads(tensors_json))
+        if entries and entries[-1].offset + entries[-1].nbytes > total:
+            raise ValueError(f"{entries[-1].name!r}: outside the stream of {total} bytes")
+        return cls(version, bucket, total, bool(doc.get("checksum")), entries)
+
+
+_TENSORS = re.compile(rb',\s*"tensors"\s*:')
+
+
+def _split_tensors(data: bytes) -> tuple[bytes, bytes]:
+    """(the manifest without its last key, that key's value): "tensors" comes last."""
+    match = _TENSORS.search(data)
+    tail = data.rstrip()
+    if match is None or not tail.endswith(b"}"):
+        return data, b""
+    return data[: match.start()], tail[match.end(): -1]
+
+
+def _parse_entries(items) -> tuple:
+    if not isinstance(items, list):
+        raise ValueError("tensors: expected a list")
+    entries, names, end = [], set(), 0
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str)):
+            raise ValueError(f"bad tensor entry {str(item)[:80]}")
+        name, dtype_name, shape, offset = item
+        dtype = DTYPES.get(dtype_name)
+        if dtype is None or name in names or not isinstance(shape, list):
+            raise ValueError(f"{name!r}: bad dtype {dtype_name!r}, shape or duplicate name")
+        shape = tuple(_int(s, "shape") for s in shape)
+        offset = _int(offset, "offset")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset < end or offset % ALIGN:
+            raise ValueError(f"{name!r}: offset {offset} out of order or not aligned")
+        names.add(name)
+        end = offset + nbytes
+        entries.append(Entry(name, dtype, shape, offset, nbytes))
+    return tuple(entries)
+
+
+def _int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what}: expected a non-negative integer, got {value!r}")
+    return value
+
+
+def plan(specs: Iterable[tuple[str, tuple, torch.dtype]], bucket_bytes: int, version: int,
+         checksum: bool = True) -> Manifest:
+    """Lay ``(name, shape, dtype)`` out in the stream, in the given order."""
+    bucket_bytes = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
+    entries, offset = [], 0
+    for name, shape, dtype in specs:
+        if str(dtype).removeprefix("torch.") not in DTYPES:
+            raise TypeError(f"{name}: dtype {dtype} cannot be sent")
+        nbytes = math.prod(shape) * dtype.itemsize
+        entries.append(Entry(name, dtype, tuple(shape), offset, nbytes))
+        offset = _aligned(offset + nbytes)
+    return Manifest(int(version), bucket_bytes, offset, bool(checksum), tuple(entries))
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _bucket_sum(data: torch.Tensor, out: torch.Tensor) -> None:
+    """Sum of the bucket's int32 words into ``out`` (int64, on the device: no sync).
+    No overflow below 2**32 words (16 GiB), and integer addition is exact, so it
+    does not depend on reduction order."""
+    torch.sum(data.view(torch.int32), 0, dtype=torch.int64, out=out)
+
+
+# ------------------------------------------------------------------ sender
+
+
+def send(link: Link, manifest: Manifest, tensors: Iterable[torch.Tensor]) -> None:
+    """Send one update: ``tensors`` in manifest order.  Raises WeightSyncError
+    (a receiver rejected it, a checksum differed, a peer failed or timed out).
+    On failure the rest of ``tensors`` is still consumed, so whoever produces
+    them (tensor-parallel gathers) stays in step with its peers."""
+    it = iter(tensors)
+    try:
+        _Sender(link, manifest).run(it)
+    except Exception:
+        for _ in it:
+            pass
+        raise
+
+
+class _Packing:
+    """Where each tensor goes in the two bucket buffers, computed once per layout and
+    kept on the link: packing bucket k is then one ``_foreach_copy_`` from its
+    tensors into cached views, with no per-tensor view work in the hot loop."""
+
+    def __init__(self, manifest: Manifest, device: torch.device):
+        self.key = (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
+        self.tensors_json = manifest.tensors_to_json()
+        size = min(manifest.bucket_bytes, manifest.total_bytes)
+        self.buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=device)
+        n = max(manifest.buckets, 1)
+        self.new = [[] for _ in range(n)]      # entries that start in bucket k
+        self.dsts = [[] for _ in range(n)]     # destinations of bucket k's copies
+        self.srcs = [[] for _ in range(n)]     # their sources: (entry, None = all of it | byte range)
+        self.done = [[] for _ in range(n)]     # entries whose last bytes are in bucket k
+        self.split = [False] * n               # any source is a byte range
+        for i, e in enumerate(manifest.entries):
+            self.new[min(e.offset // manifest.bucket_bytes, n - 1)].append(i)
+            lo, k = e.offset, None
+            while lo < e.offset + e.nbytes:
+                k = lo // manifest.bucket_bytes
+                start, end = manifest.window(k)
+                hi = min(e.offset + e.nbytes, end)
+                dst = self.buffers[k % 2][lo - start: hi - start]
+                whole = lo == e.offset and hi == e.offset + e.nbytes
+                self.dsts[k].append(dst.view(e.dtype).view(e.shape) if whole else dst)
+                self.srcs[k].append((i, None if whole else slice(lo - e.offset, hi - e.offset)))
+                self.split[k] |= not whole
+                lo = hi
+            self.done[min(e.offset // manifest.bucket_bytes, n - 1) if k is None else k].append(i)
+        self.shapes = [[manifest.entries[i].shape for i in new] for new in self.new]
+        self.dtypes = [[manifest.entries[i].dtype for i in new] for new in self.new]
+
+    def matches(self, manifest: Manifest) -> bool:
+        return self.key == (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
+
+
+class _Sender:
+    def __init__(self, link: Link, manifest: Manifest):
+        self.link, self.manifest = link, manifest
+        packing = link.packing
+        if packing is None or not packing.matches(manifest):
+            link.packing = None  # free the old buffers first
+            packing = link.packing = _Packing(manifest, link.device)
+        self.packing = packing
+        self.in_flight: list = [None, None]   # data work per buffer
+        self.works: list = []
+
+    def run(self, tensors: Iterator[torch.Tensor]) -> None:
+        link, manifest = self.link, self.manifest
+        text = manifest.to_json(self.packing.tensors_json)
+        header = torch.tensor([MAGIC, FORMAT, manifest.version, len(text)], dtype=torch.int64)
+        link.wait(link.broadcast(header.to(link.device)), "header")
+        body = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(link.device)
+        link.wait(link.broadcast(body), "manifest")
+        if link.vote(OK, "manifest vote"):
+            raise WeightSyncError(f"update v{manifest.version} was refused by an engine rank "
+                                  "(bad manifest or not enough memory; see the engine's log)")
+        with torch.no_grad():
+            self._pack_and_send(tensors)
+        for work in self.works:
+            link.wait(work, "bucket")
+        verdict = link.vote(OK, "verdict")
+        if verdict:
+            raise (ChecksumMismatch if verdict == CHECKSUM_MISMATCH else WeightSyncError)(
+                f"update v{manifest.version} failed on an engine rank with {_VERDICTS[verdict]} "
+                "(see its log)")
+
+    def _pack_and_send(self, tensors: Iterator[torch.Tensor]) -> None:
+        # The hot loop: per bucket, take the tensors that start in it, check them as a
+        # batch and copy them with one call (tens of thousands of tensors per update).
+        packing, entries = self.packing, self.manifest.entries
+        live: dict = {}  # entry -> tensor, until its last bytes are packed
+        for k in range(len(packing.new)):
+            batch = list(itertools.islice(tensors, len(packing.new[k])))
+            if len(batch) < len(packing.new[k]):
+                raise WeightSyncError(f"got fewer tensors than the manifest's {len(entries)}")
+            if [t.shape for t in batch] != packing.shapes[k] or [t.dtype for t in batch] != packing.dtypes[k]:
+                self._mismatch(packing.new[k], batch)
+            live.update(zip(packing.new[k], batch))
+            if packing.split[k]:
+                srcs = [live[i] if part is None else live[i].reshape(-1).view(torch.uint8)[part]
+                        for i, part in packing.srcs[k]]
+            else:
+                srcs = [live[i] for i, _ in packing.srcs[k]]
+            for i in packing.done[k]:
+                del live[i]
+            if k < self.manifest.buckets:
+                self._flush(k, srcs)
+        if next(tensors, None) is not None:
+            raise WeightSyncError(f"got more tensors than the manifest's {len(entries)}")
+
+    def _mismatch(self, indices: list, batch: list) -> None:
+        for i, tensor in zip(indices, batch):
+            e = self.manifest.entries[i]
+            if tensor.shape != e.shape or tensor.dtype != e.dtype:
+                raise WeightSyncError(f"{e.name}: got {tuple(tensor.shape)} {tensor.dtype}, "
+                                      f"planned {e.shape} {e.dtype}")
+
+    def _flush(self, k: int, srcs: list) -> None:
+        link, slot = self.link, k % 2
+        start, end = self.manifest.window(k)
+        data = self.packing.buffers[slot][: end - start]
+        if self.in_flight[slot] is not None:  # the buffer's previous bucket must be out
+            link.wait(self.in_flight[slot], f"bucket {k - 2}")
+        if srcs:
+            torch._foreach_copy_(self.packing.dsts[k], srcs)
+        self.in_flight[slot] = link.broadcast(data)
+        self.works.append(self.in_flight[slot])
+        if self.manifest.checksum:
+            _bucket_sum(data, self.packing.sums[k])
+            self.works.append(link.broadcast(self.packing.sums[k: k + 1]))
+        if after_send is not None:
+            after_send(k, data)
+
+
+# ------------------------------------------------------------------ receiver
+
+
+@dataclass
+class Update:
+    """A received update.  ``tensors``: [(name, tensor)] (stage "update": every
+    bucket already verified) or a one-shot iterator that verifies each bucket
+    before yielding its tensors (stage "bucket").  ``close()`` finishes the
+    protocol when a streamed update was not consumed to the end."""
+
+    version: int
+    manifest: Manifest
+    tensors: object
+    close: Callable[[], None]
+
+
+def receive(link: Link, *, stage: str = "update", max_metadata_bytes: int = 64 << 20,
+            max_update_bytes: int = 1 << 40) -> Update:
+    """Receive one update from group rank 0 (see the module doc for the protocol)."""
+    header = torch.zeros(4, dtype=torch.int64, device=link.device)
+    link.wait(link.broadcast(header), "waiting for an update")
+    magic, fmt, version, length = header.tolist()
+    if magic != MAGIC or fmt != FORMAT or not 0 < length <= max_metadata_bytes:
+        # Not our protocol, or a length we will not allocate: the peers' next
+        # steps cannot be matched, so this group is done.
+        link.broken = f"bad header {header.tolist()} (max_metadata_bytes={max_metadata_bytes})"
+        raise WeightSyncError(f"received {link.broken}")
+    body = torch.empty(length, dtype=torch.uint8, device=link.device)
+    link.wait(link.broadcast(body), "manifest")
+    try:
+        text = _to_bytes(body.cpu())
+        manifest = Manifest.from_json(text, max_update_bytes, link.known_manifest)
+        link.known_manifest = (_split_tensors(text)[1], manifest.entries)
+        if manifest.version != version:
+            raise ValueError(f"header says v{version}, manifest v{manifest.version}")
+        if stage not in ("update", "bucket"):
+            raise ValueError(f"stage must be 'update' or 'bucket', got {stage!r}")
+        receiver = (_Staged if stage == "update" else _Streamed)(link, manifest)
+        status, refusal = OK, None
+    except Exception as exc:  # noqa: BLE001 - refused here; the peers learn it from the vote
+        status, refusal = REJECTED, f"{type(exc).__name__}: {exc}"
+    if link.vote(status, "manifest vote"):
+        raise WeightSyncError(f"update v{version} refused " +
+                              (f"here: {refusal}" if refusal else "by another engine rank"))
+    return Update(version, manifest, receiver.tensors(), receiver.close)
+
+
+def _to_bytes(data: torch.Tensor) -> bytes:
+    try:
+        return data.numpy().tobytes()
+    except RuntimeError:  # torch without numpy
+        return bytes(data.tolist())
+
+
+class _Receiver:
+    def __init__(self, link: Link, manifest: Manifest):
+        self.link, self.manifest = link, manifest
+        n = manifest.buckets
+        self.sent_sums = torch.zeros(max(n, 1), dtype=torch.int64, device=link.device)
+        self.sums = torch.zeros(max(n, 1), dtype=torch.int64, device=link.device)
+
+    def _post(self, k: int, data: torch.Tensor) -> list:
+        works = [self.link.broadcast(data)]
+        if self.manifest.checksum:
+            works.append(self.link.broadcast(self.sent_sums[k: k + 1]))
+        return works
+
+    def _arrived(self, k: int, data: torch.Tensor, works: list) -> None:
+        for work in works:
+            self.link.wait(work, f"bucket {k} of {self.manifest.buckets}")
+        if before_verify is not None:
+            before_verify(k, data)
+        if self.manifest.checksum:
+            _bucket_sum(data, self.sums[k])
+
+    def _bad_buckets(self, ks) -> list:
+        if not self.manifest.checksum:
+            return []
+        ks = list(ks)
+        differ = (self.sums[ks] != self.sent_sums[ks]).tolist()
+        return [k for k, bad in zip(ks, differ) if bad]
+
+    def _finish(self, bad: list) -> None:
+        status = CHECKSUM_MISMATCH if bad else OK
+        verdict = self.link.vote(status, "verdict")
+        version = self.manifest.version
+        if bad:
+            raise ChecksumMismatch(f"update v{version}: checksum mismatch in bucket(s) "
+                                   f"{', '.join(map(str, bad))} of {self.manifest.buckets}")
+        if verdict:
+            raise WeightSyncError(f"update v{version} failed on another engine rank "
+                                  f"with {_VERDICTS[verdict]}")
+
+
+class _Staged(_Receiver):
+    """Receive the whole update into one buffer, verify it, then hand it out."""
+
+    def __init__(self, link: Link, manifest: Manifest):
+        super().__init__(link, manifest)
+        # The same layout every step: reuse the buffer and its views.  Making ~7 us of
+        # views per tensor each time cost more than the transfer itself (bench on 2 H200).
+        staged = link.staged
+        if staged is None or (staged[0] is not manifest.entries and staged[0] != manifest.entries) \
+                or staged[1].numel() != manifest.total_bytes:
+            link.staged = None  # free the old buffer first
+            stream = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=link.device)
+            views = [(e.name, stream[e.offset: e.offset + e.nbytes].view(e.dtype).view(e.shape))
+                     for e in manifest.entries]
+            staged = link.staged = (manifest.entries, stream, views)
+        self.stream, self.views = staged[1], staged[2]
+
+    def tensors(self) -> list:
+        manifest, stream = self.manifest, self.stream
+        windows = [stream[slice(*manifest.window(k))] for k in range(manifest.buckets)]
+        posted = [self._post(k, data) for k, data in enumerate(windows)]  # all in flight
+        for k, data in enumerate(windows):
+            self._arrived(k, data, posted[k])
+        self._finish(self._bad_buckets(range(manifest.buckets)))
+        return list(self.views)
+
+    def close(self) -> None:
+        pass
+
+
+class _Streamed(_Receiver):
+    """Two bucket buffers; each bucket is verified before its tensors are yielded,
+    so engine memory is two buckets (plus tensors that cross a boundary)."""
+
+    def __init__(self, link: Link, manifest: Manifest):
+        super().__init__(link, manifest)
+        size = min(manifest.bucket_bytes, manifest.total_bytes)
+        buffers = [torch.empty(size, dtype=torch.uint8, device=link.device) for _ in range(2)]
+        self.data = [buffers[k % 2][: manifest.window(k)[1] - manifest.window(k)[0]]
+                     for k in range(manifest.buckets)]
+        self.posted: dict = {}
+        self.arrived = 0        # buckets received so far
+        self.next_entry = 0
+        self.partial = None     # a tensor crossing a bucket boundary, being assembled
+        self.state = "new"      # -> "started" -> "done"
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.state = "started"
+        n, bad = self.manifest.buckets, []
+        try:
+            if n:
+                self._post_bucket(0)
+            for k in range(n):
+                if k + 1 < n:  # its buffer held bucket k-1, whose tensors were consumed
+                    self._post_bucket(k + 1)
+                self._arrive(k)
+                bad = self._bad_buckets([k])
+                if bad:
+                    self._drain()
+                    break
+                yield from self._entries(k)
+        except GeneratorExit:  # the consumer stopped early (load_weights failed)
+            self._abandon()
+            raise
+        self.state = "done"
+        self._finish(bad)
+
+    def close(self) -> None:
+        """Finish the protocol when the consumer gave up before the end."""
+        if self.state == "new":
+            self._abandon()
+
+    def _abandon(self) -> None:
+        self.state = "done"
+        self._drain()
+        self.link.vote(REJECTED, "verdict")
+
+    def _post_bucket(self, k: int) -> None:
+        self.posted[k] = self._post(k, self.data[k])
+
+    def _arrive(self, k: int) -> None:
+        self._arrived(k, self.data[k], self.posted.pop(k))
+        self.arrived = k + 1
+
+    def _drain(self) -> None:
+        for k in range(self.arrived, self.manifest.buckets):
+            if k not in self.posted:
+                self._post_bucket(k)
+            self._arrive(k)
+
+    def _entries(self, k: int) -> Iterator[tuple[str, torch.Tensor]]:
+        start, end = self.manifest.window(k)
+        entries, data = self.manifest.entries, self.data[k]
+        last = end == self.manifest.total_bytes  # empty tensors at the very end
+        while self.next_entry < len(entries) and (entries[self.next_entry].offset < end or last):
+            e = entries[self.next_entry]
+            lo, hi = max(e.offset, start), min(e.offset + e.nbytes, end)
+            if e.offset >= start and e.offset + e.nbytes <= end:
+                yield e.name, data[lo - start: hi - start].view(e.dtype).view(e.shape)
+            else:  # crosses a bucket boundary: assemble a copy
+                if self.partial is None:
+                    self.partial = torch.empty(e.nbytes, dtype=torch.uint8, device=self.link.device)
+                self.partial[lo - e.offset: hi - e.offset].copy_(data[lo - start: hi - start])
+                if e.offset + e.nbytes > end:
+                    return  # continues in the next bucket
+                whole, self.partial = self.partial, None
+                yield e.name, whole.view(e.dtype).view(e.shape)
+            self.next_entry += 1

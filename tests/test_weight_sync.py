@@ -1,0 +1,374 @@
+"""Weight sync (runtime/weight_sync.py, weight_transport.py, weight_megatron.py;
+patches/weight_sync.yaml + weight_sync_sglang.yaml).
+
+Unit: manifest validation, bucket layout, settings, the call sites' pass-through.
+Transport: two processes over gloo run scenario after scenario on one group
+(tests/e2e/weight_sync_transport.py).  End to end: Megatron-Core trainers on CPU
+(tests/e2e/weight_sync_trainer.py) push to an engine running SGLang's own
+weight-update code with its Qwen3MoeForCausalLM (tests/e2e/weight_sync_engine.py).
+"""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from source_patch.runtime import settings
+from source_patch.runtime import weight_sync
+from source_patch.runtime import weight_transport as wt
+
+E2E = Path(__file__).parent / "e2e"
+sys.path.insert(0, str(E2E))
+import weight_sync_models as models  # noqa: E402
+
+TIMEOUT_S = 60  # weight_sync.timeout_s in the end-to-end runs: first connections wait for slow starts
+
+
+# ------------------------------------------------------------------ unit
+
+
+def test_plan_lays_tensors_out_aligned_and_cuts_buckets_through_them():
+    m = wt.plan([("a", (3,), torch.float32), ("b", (100,), torch.bfloat16), ("c", (), torch.int64)],
+                bucket_bytes=64, version=5)
+    assert [(e.name, e.offset, e.nbytes) for e in m.entries] == [("a", 0, 12), ("b", 16, 200), ("c", 224, 8)]
+    assert m.total_bytes == 240 and m.buckets == 4
+    assert [m.window(k) for k in range(4)] == [(0, 64), (64, 128), (128, 192), (192, 240)]  # "b" spans 4
+
+
+def test_manifest_is_json_and_round_trips():
+    m = wt.plan([("x.weight", (2, 3), torch.bfloat16), ("y", (4,), torch.bool)], 1 << 20, version=9)
+    text = m.to_json()
+    assert json.loads(text)["tensors"][0] == ["x.weight", "bfloat16", [2, 3], 0]
+    assert wt.Manifest.from_json(text, max_update_bytes=1 << 20) == m
+
+
+def test_a_receiver_parses_the_same_tensor_list_once():
+    first = wt.plan([("a", (4,), torch.float32), ("b", (2, 2), torch.int8)], 64, version=1)
+    text = first.to_json()
+    known = (wt._split_tensors(text)[1], first.entries)
+    again = wt.Manifest.from_json(first.__class__(2, 64, first.total_bytes, True, first.entries).to_json(),
+                                  1 << 20, known)
+    assert again.version == 2 and again.entries is first.entries
+    with pytest.raises(ValueError, match="exceeds max_update_bytes"):  # the head is still checked
+        wt.Manifest.from_json(text, 16, known)
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda d: d["tensors"].append(d["tensors"][0]), "duplicate|out of order"),
+    (lambda d: d["tensors"][0].__setitem__(1, "complex64"), "bad dtype"),
+    (lambda d: d["tensors"][1].__setitem__(3, 0), "out of order"),
+    (lambda d: d["tensors"][1].__setitem__(2, [1 << 40]), "outside the stream"),
+    (lambda d: d.__setitem__("total_bytes", 1 << 41), "exceeds max_update_bytes"),
+    (lambda d: d.__setitem__("bucket_bytes", 100), "multiples of 16"),
+    (lambda d: d.__setitem__("version", "7"), "version: expected a non-negative integer"),
+    (lambda d: d.__setitem__("format", 2), "not a format-1 manifest"),
+])
+def test_a_bad_manifest_is_refused_with_a_reason(change, error):
+    doc = json.loads(wt.plan([("a", (4,), torch.float32), ("b", (4,), torch.float32)], 64, 1).to_json())
+    change(doc)
+    with pytest.raises(ValueError, match=error):
+        wt.Manifest.from_json(json.dumps(doc).encode(), max_update_bytes=1 << 40)
+
+
+def test_the_bundled_specs_anchor_in_the_installed_upstreams():
+    from source_patch.patcher import cli
+
+    for spec, upstream in (("weight_sync", "megatron.core"), ("weight_sync_sglang", "sglang")):
+        if importlib.util.find_spec(upstream) is not None:
+            assert cli.main(["check", spec]) == 0
+
+
+def test_settings_schema():
+    assert settings.check("weight_sync", "bucket_bytes", "256M") == 256 << 20
+    assert settings.check("weight_sync", "timeout_s", "2.5") == 2.5
+    with pytest.raises(ValueError, match="update, bucket"):
+        settings.check("weight_sync", "stage", "all")
+    with pytest.raises(ValueError, match="positive"):
+        settings.check("weight_sync", "timeout_s", 0)
+    env = {"SOURCE_PATCH_WEIGHT_SYNC_PORT": "29600", "SOURCE_PATCH_WEIGHT_SYNC_ON_ERROR": "raise"}
+    resolved = settings.resolve("weight_sync", env)
+    assert resolved["port"] == 29600 and resolved["on_error"] == "raise" and resolved["enable"] is False
+
+
+def test_call_sites_pass_results_through_and_do_nothing_unless_due(monkeypatch):
+    calls = []
+    monkeypatch.setattr(weight_sync, "push", lambda chunks, version=None: calls.append(version))
+    monkeypatch.setitem(weight_sync._trainer, "step", 0)
+    opt, other, result = type("Opt", (), {})(), type("Opt", (), {})(), (True, 1.0, 0)
+    assert weight_sync.weight_sync_attach(opt, ["chunk"]) is opt
+    monkeypatch.setattr(weight_sync, "_enabled", False)
+    assert weight_sync.weight_sync_step(opt, result) is result and calls == []  # disabled: one flag test
+    monkeypatch.setattr(weight_sync, "_enabled", True)
+    assert weight_sync.weight_sync_step(other, result) is result and calls == []  # not attached
+    assert weight_sync.weight_sync_step(opt, (False, None, None))[0] is False and calls == []  # skipped step
+    weight_sync.weight_sync_step(opt, result)
+    weight_sync.weight_sync_step(opt, result)
+    assert calls == [1, 2]
+    monkeypatch.setitem(weight_sync._config, "every", 2)
+    weight_sync.weight_sync_step(opt, result)
+    weight_sync.weight_sync_step(opt, result)
+    assert calls == [1, 2, 4]
+    request = type("Req", (), {"load_format": None, "weight_version": "w"})()
+    assert weight_sync.weight_sync_version(request) == "w"  # SGLang's own updates: untouched
+
+
+def test_a_failed_push_is_logged_or_raised(monkeypatch, caplog):
+    def fail(chunks, version=None):
+        raise wt.WeightSyncError("engine gone")
+
+    monkeypatch.setattr(weight_sync, "push", fail)
+    monkeypatch.setattr(weight_sync, "_enabled", True)
+    opt = type("Opt", (), {})()
+    weight_sync.weight_sync_attach(opt, ["chunk"])
+    result = (True, 1.0, 0)
+    assert weight_sync.weight_sync_step(opt, result) is result
+    assert "engine gone" in caplog.text and "training continues" in caplog.text
+    monkeypatch.setitem(weight_sync._config, "on_error", "raise")
+    with pytest.raises(wt.WeightSyncError, match="engine gone"):
+        weight_sync.weight_sync_step(opt, result)
+
+
+# ------------------------------------------------------------------ processes
+TRAINER_SPECS = f"megatron_cpu,weight_sync,{E2E / 'weight_sync_distopt_cpu.yaml'}"
+
+
+def start(args, env, log):
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(E2E), os.environ.get("PYTHONPATH", "")]),
+               "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env}
+    return subprocess.Popen([sys.executable, *map(str, args)], env=environ, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(procs, deadline):
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(max(1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append("timeout")
+    return codes
+
+
+def transport_pair(tmp, common):
+    port = models.free_port()
+    return [start([E2E / "weight_sync_transport.py", role, port, tmp / f"transport.{role}.json"], common,
+                  open(tmp / f"transport.{role}.log", "w")) for role in ("send", "receive")]
+
+
+def engine(tmp, name, common, port, engine_args):
+    return start([E2E / "weight_sync_engine.py", tmp / f"{name}.engine", "--port", port, *engine_args],
+                 {**common, "SOURCE_PATCH": "weight_sync_sglang"}, open(tmp / f"{name}.engine.log", "w"))
+
+
+def trainers(tmp, name, common, port, trainer_args):
+    """Two Megatron ranks: data parallel, distributed optimizer with overlap_param_gather."""
+    master = models.free_port()
+    return [start([E2E / "weight_sync_trainer.py", tmp / f"{name}.trainer", "--distributed-optimizer",
+                   *trainer_args],
+                  {**common, "SOURCE_PATCH": TRAINER_SPECS, "SOURCE_PATCH_WEIGHT_SYNC_ENABLE": "1",
+                   "SOURCE_PATCH_WEIGHT_SYNC_PORT": str(port), "RANK": str(r), "LOCAL_RANK": str(r),
+                   "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)},
+                  open(tmp / f"{name}.rank{r}.log", "w"))
+            for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run at once (separate ports), so the slow starts overlap.
+    transport: weight_transport's two ends, scenario after scenario on one group.
+    main: ep 2, 4 steps, real SGLang engine; update 2 gets a corrupted bucket; the
+    trainer dies while sending update 4.
+    control: ep 1, the runtime's forced param gather switched off, a bare receiver
+    (no SGLang) that dies while receiving update 2.
+    tp: tensor-parallel gathering checked against Megatron's sharded modules."""
+    for upstream in ("megatron.core", "sglang"):
+        if importlib.util.find_spec(upstream) is None:  # not imported here: the children do
+            pytest.skip(f"{upstream} is not installed")
+    tmp = tmp_path_factory.mktemp("weight_sync")
+    common = {"SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": str(TIMEOUT_S), "SOURCE_PATCH_WEIGHT_SYNC_BUCKET_BYTES": "4K",
+              "SOURCE_PATCH_CACHE": str(tmp / "cache")}
+    ports = {"main": models.free_port(), "control": models.free_port()}
+    procs = {
+        "transport": transport_pair(tmp, common),
+        "main": [engine(tmp, "main", common, ports["main"], ["--updates", "4", "--tamper", "2:1"])],
+        "control": [engine(tmp, "control", common, ports["control"],
+                           ["--updates", "2", "--die-after", "2:1", "--bare"])],
+    }
+    # Four trainers would each parse (libcst) the same Megatron modules: one process
+    # patches and caches them first.
+    warm = start(["-c", "import megatron.core.optimizer, megatron.core.models.gpt, megatron.core.distributed"],
+                 {**common, "SOURCE_PATCH": TRAINER_SPECS}, open(tmp / "warm.log", "w"))
+    warm.wait(120)
+    procs["main"] += trainers(tmp, "main", common, ports["main"], ["--steps", "4", "--ep", "2", "--die-after", "4:1"])
+    procs["control"] += trainers(tmp, "control", common, ports["control"], ["--steps", "2", "--skip-param-gather"])
+    master = models.free_port()
+    procs["tp"] = [start([E2E / "weight_sync_tp.py", tmp / "tp.json"],
+                         {**common, "SOURCE_PATCH": "megatron_cpu", "RANK": str(r), "WORLD_SIZE": "2",
+                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}, open(tmp / f"tp.rank{r}.log", "w"))
+                   for r in range(2)]
+    deadline = time.monotonic() + 300
+    codes = {name: finish(p, deadline) for name, p in procs.items()}
+    logs = {p.name: p.read_text()[-2000:] for p in tmp.glob("*.log")}
+    return tmp, codes, logs
+
+
+@pytest.fixture(scope="module")
+def transport(runs):
+    tmp, codes, logs = runs
+    assert codes["transport"] == [0, 0], logs
+    sent, received = (json.loads((tmp / f"transport.{r}.json").read_text()) for r in ("send", "receive"))
+    return {s["scenario"]: (s, r) for s, r in zip(sent, received)}
+
+
+def test_round_trips_are_exact_in_both_stages(transport):
+    for name in ("roundtrip-update", "roundtrip-bucket", "roundtrip-after-failures"):
+        sent, received = transport[name]
+        assert sent["ok"] and received["ok"] and received["handed"] == 203, (sent, received)
+
+
+def test_a_corrupted_bucket_fails_the_update_on_both_sides(transport):
+    sent, received = transport["tamper-update"]
+    assert received["error"] == "ChecksumMismatch" and "bucket(s) 1 of" in received["message"]
+    assert received["handed"] == 0  # stage "update": nothing before everything is verified
+    assert sent["error"] == "ChecksumMismatch" and "checksum mismatch" in sent["message"]
+    sent, received = transport["tamper-bucket"]
+    assert received["error"] == "ChecksumMismatch" and "bucket(s) 2 of" in received["message"]
+    assert 0 < received["handed"] < 203  # stage "bucket": buckets 0-1 were handed out (partial)
+    assert sent["error"] == "ChecksumMismatch"
+
+
+def test_a_consumer_that_stops_or_a_refused_manifest_fail_cleanly(transport):
+    sent, received = transport["abandon-bucket"]
+    assert received["handed"] == 3 and "receive error" in sent["message"]
+    sent, received = transport["refuse-manifest"]
+    assert "exceeds max_update_bytes=1000" in received["message"] and "refused" in sent["message"]
+    sent, received = transport["roundtrip-after-failures"]
+    assert sent["ok"] and received["ok"]  # the group is still in step after all of the above
+
+
+def test_a_silent_peer_times_out_instead_of_hanging(transport):
+    _, received = transport["stall"]
+    assert received["error"] == "WeightSyncTimeout" and "within 2 s" in received["message"]
+    assert 1.5 < received["seconds"] < 10
+
+
+# ------------------------------------------------------------------ end to end
+
+
+def engine_run(tmp, name):
+    from safetensors.torch import load_file
+
+    path = tmp / f"{name}.engine.json"
+    report = json.loads(path.read_text()) if path.exists() else None
+    per_update = {}
+    for key, value in load_file(tmp / f"{name}.engine.safetensors").items():
+        update, param = key.split("/", 1)
+        per_update.setdefault(int(update), {})[param] = value
+    return report, per_update
+
+
+def trainer_params(tmp, name, step, ep):
+    """Megatron's full parameters after ``step``: both ranks' (experts of EP rank r
+    renumbered r * local + i; data-parallel replicas must agree)."""
+    from safetensors.torch import load_file
+
+    full = {}
+    for rank in range(2):
+        for key, value in load_file(tmp / f"{name}.trainer.rank{rank}.safetensors").items():
+            s, param = key.split("/", 1)
+            if int(s) != step:
+                continue
+            local = re.search(r"local_experts\.(\d+)\.", param)
+            if local and ep > 1:
+                param = param.replace(local.group(0), f"local_experts.{rank * models.EXPERTS // ep + int(local.group(1))}.")
+            elif rank == 1:
+                assert torch.equal(value, full[param]), param
+            full[param] = value
+    return full
+
+
+def differ(got, expected):
+    assert sorted(got) == sorted(expected)
+    return [name for name in got if not torch.equal(got[name], expected[name])]
+
+
+def test_after_each_step_the_engine_serves_the_trainers_weights_bitwise(runs):
+    tmp, codes, logs = runs
+    assert codes["main"][0] == 0, logs
+    report, weights = engine_run(tmp, "main")
+    for update in (1, 3):
+        assert report[update - 1]["success"], report
+        expected = models.expected_engine_weights(trainer_params(tmp, "main", update, ep=2), "qwen3_moe")
+        assert differ(weights[update], expected) == []
+        assert report[update - 1]["state"]["version"] == update
+        assert report[update - 1]["sglang_version"] == str(update)  # SGLang's own weight_version
+    assert not any(torch.isnan(t).any() for t in weights[1].values())  # every parameter was written
+    step2 = models.expected_engine_weights(trainer_params(tmp, "main", 2, ep=2), "qwen3_moe")
+    assert differ(weights[3], step2) != []  # the steps do change the weights
+
+
+def test_a_corrupted_bucket_keeps_the_previous_version(runs):
+    tmp, codes, logs = runs
+    report, weights = engine_run(tmp, "main")
+    failed = report[1]
+    assert not failed["success"] and "checksum mismatch in bucket(s) 1 of" in failed["message"]
+    assert failed["state"]["version"] == 1 and failed["sglang_version"] == "1"
+    assert differ(weights[2], weights[1]) == []
+    trainer = json.loads((tmp / "main.trainer.rank0.json").read_text())
+    assert trainer[1]["version"] == 1 and "ChecksumMismatch" in trainer[1]["last_error"]
+    assert trainer[2]["version"] == 3 and trainer[2]["pushes"] == 2  # the next step syncs again
+
+
+def test_a_trainer_killed_mid_update_fails_it_cleanly(runs):
+    tmp, codes, logs = runs
+    assert codes["main"][1] == 17, logs  # rank 0 exited while sending update 4
+    report, weights = engine_run(tmp, "main")
+    failed = report[3]
+    assert not failed["success"] and failed["message"].startswith("Failed to receive weights")
+    assert "a peer failed" in failed["message"] or "no peer answered" in failed["message"]
+    assert failed["seconds"] < TIMEOUT_S + 15
+    assert failed["state"]["version"] == 3 and differ(weights[4], weights[3]) == []
+
+
+def test_an_engine_killed_mid_update_fails_the_push_with_a_clear_error(runs):
+    tmp, codes, logs = runs
+    assert codes["control"] == [17, 0, 0], logs
+    trainer = json.loads((tmp / "control.trainer.rank0.json").read_text())
+    assert trainer[1]["failures"] == 1 and trainer[1]["version"] == 1
+    assert "v2: WeightSyncError" in trainer[1]["last_error"] and "a peer failed" in trainer[1]["last_error"]
+    assert trainer[1]["step_seconds"] < TIMEOUT_S / 2  # a dead peer is noticed at once, not at the timeout
+
+
+def test_without_the_forced_param_gather_the_engine_would_get_stale_weights(runs):
+    """The control: overlap_param_gather leaves parameters outside rank 0's optimizer
+    shard stale after step(); with the runtime's forced gather switched off they are
+    sent stale, which the main run's bitwise check would catch."""
+    from source_patch.runtime import weight_names
+
+    tmp, _, _ = runs
+    _, received = engine_run(tmp, "control")
+    params = trainer_params(tmp, "control", 1, ep=1)
+    layout = weight_names.Layout.from_config(models.megatron_config("qwen3_moe"))
+    expected = {n: t for name, full in params.items() for n, t in weight_names.to_hf(name, full, layout)}
+    stale = differ(received[1], expected)
+    assert 0 < len(stale) < len(expected)
+
+
+def test_tensor_parallel_shards_gather_into_what_megatrons_modules_compute(runs):
+    """TP 2: the mapped full weights, used by plain torch, give what Megatron's
+    vocab-parallel embedding, column-parallel QKV (its own head split) and SwiGLU fc1
+    ([gate_r; up_r] per rank) and row-parallel projections give."""
+    tmp, codes, logs = runs
+    assert codes["tp"] == [0, 0], logs
+    result = json.loads((tmp / "tp.json").read_text())
+    assert result["embedding"] == result["q_proj"] == result["k_proj"] == result["v_proj"] == 0.0
+    assert result["o_proj"] < 1e-5 and result["mlp"] < 1e-5  # a sum over TP ranks: rounding only
+    assert result["shapes_planned_as_gathered"]
+    assert "model.layers.1.mlp.gate_proj.weight" in result["names"]
