@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PIP    := $(BIN)/python -m pip install -q -c requirements/constraints.txt
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup browser clean
 
 setup: $(STAMP)
 
@@ -26,8 +26,15 @@ demo: $(STAMP)
 	SOURCE_PATCH=megatron_cpu,dump SOURCE_PATCH_DUMP_DIR=sp-dumps \
 	  $(BIN)/python examples/train_moe.py --steps 5
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
+
+# The trace view's test drives Debian's headless Chromium (tests/test_trace_view.py).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null; }; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info

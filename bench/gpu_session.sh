@@ -2,8 +2,9 @@
 # Everything this project runs on a lent GPU machine, in one call:
 #   here:   pip download the cp312 wheels of megatron-core and libcst into .whl/ (see
 #           ../shared/gpu.md) and `pip wheel --no-deps --no-build-isolation . -w .whl`
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing]   (default: all; results under $OUT)
-# (each part fits one 10-minute device call; call it with fewer parts to split)
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [weights]   (default: all; results under $OUT)
+# (each part fits one 10-minute device call; call it with fewer parts to split;
+#  `weights` needs two GPUs: the nvidia-h200-x2 kind)
 # The project's wheel goes into the interpreter's own environment, so its .pth start
 # hook runs and SOURCE_PATCH works in child processes as it does for users.
 set -uo pipefail
@@ -14,7 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | ta
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import sys, torch, megatron.core, libcst, source_patch.patcher; print(sys.version.split()[0], torch.__version__)" | tee -a "$OUT/gpu.txt"
 
-parts=${*:-tests dump step routing}
+parts=${*:-tests dump step routing trace weights}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 if want tests; then
@@ -35,4 +36,17 @@ fi
 if want routing; then
 echo "== routing capture/replay step bench"
 timeout 560 python3 bench/routing_bench.py --rounds 5 --steps 25 --warmup 8 2>&1 | tee "$OUT/routing_bench.txt" | tail -10
+fi
+if want trace; then
+echo "== trace: gpu-marked tests (sync debug mode), then the step bench"
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_trace_compress.py tests/test_trace_hub.py \
+  2>&1 | tee "$OUT/pytest_trace_gpu.log" | tail -6
+timeout 60 python3 bench/compressor_bench.py 2>&1 | tee "$OUT/compressor_bench.txt"
+timeout 420 python3 bench/trace_bench.py --rounds 3 --steps 30 --warmup 8 2>&1 | tee "$OUT/trace_bench.txt" | tail -12
+fi
+if want weights; then
+echo "== weight sync: bucketed vs per-tensor vs raw broadcast, 2 GPUs over NCCL"
+nvidia-smi topo -m 2>&1 | head -4 | tee "$OUT/topo.txt"
+timeout 240 python3 bench/weight_sync_bench.py --gb 4 2>&1 | tee "$OUT/weight_sync_bench.txt" | tail -20
+timeout 240 python3 bench/weight_sync_bench.py --gb 4 --small-frac 0.5 2>&1 | tee "$OUT/weight_sync_bench_small.txt" | tail -20
 fi

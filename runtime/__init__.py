@@ -29,6 +29,14 @@ _EXPORTS = {
     "routing_step": "routing",
     "sglang_routing_topk": "routing_sglang",
     "sglang_routing_batch": "routing_sglang",
+    "weight_sync_attach": "weight_sync",
+    "weight_sync_step": "weight_sync",
+    "weight_sync_receive": "weight_sync",
+    "weight_sync_loaded": "weight_sync",
+    "weight_sync_version": "weight_sync",
+    "trace": "trace",
+    "trace_step": "trace",
+    "trace_state": "trace",
 }
 
 __all__ = sorted(_EXPORTS)

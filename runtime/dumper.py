@@ -589,34 +589,15 @@ def _parallel_tags() -> dict:
 # ---------------------------------------------------------------- filter
 
 
-class _IntSet:
-    __slots__ = ("ints", "ranges")
-
-    def __init__(self, spec: list):
-        self.ints = frozenset(i for i in spec if isinstance(i, int))
-        self.ranges = []
-        for item in spec:
-            if isinstance(item, str):
-                low, _, high = item.partition("-")
-                self.ranges.append((int(low), int(high) if high else None))
-
-    def __contains__(self, value) -> bool:
-        if isinstance(value, bool) or not isinstance(value, int):
-            return False
-        if value in self.ints:
-            return True
-        return any(lo <= value and (hi is None or value <= hi) for lo, hi in self.ranges)
-
-
 class _Filter:
     """The declarative selection: every given criterion must hold (no eval)."""
 
     def __init__(self, config: dict):
         names = config.get("names")
         self.names = re.compile("|".join(fnmatch.translate(p) for p in names)).match if names else None
-        self.layers = _IntSet(config["layers"]) if config.get("layers") else None
-        self.steps = _IntSet(config["steps"]) if config.get("steps") else None
-        self.ranks = _IntSet(config["ranks"]) if config.get("ranks") else None
+        self.layers = settings.IntSet(config["layers"]) if config.get("layers") else None
+        self.steps = settings.IntSet(config["steps"]) if config.get("steps") else None
+        self.ranks = settings.IntSet(config["ranks"]) if config.get("ranks") else None
         self.phases = frozenset(config["phases"]) if config.get("phases") else None
         self._name_cache: dict = {}
 

@@ -164,6 +164,25 @@ def int_filter(value: Any) -> list | None:
     return out or None
 
 
+class IntSet:
+    """Membership in a canonical int filter (settings.int_filter): ints and 'lo-hi' / 'lo-'."""
+
+    __slots__ = ("ints", "ranges")
+
+    def __init__(self, spec: list):
+        self.ints = frozenset(i for i in spec if isinstance(i, int))
+        self.ranges = []
+        for item in spec:
+            if isinstance(item, str):
+                low, _, high = item.partition("-")
+                self.ranges.append((int(low), int(high) if high else None))
+
+    def __contains__(self, value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return False
+        return value in self.ints or any(lo <= value and (hi is None or value <= hi) for lo, hi in self.ranges)
+
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
                "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
                "tib": 1 << 40}
@@ -245,4 +264,81 @@ SCHEMAS["routing"] = {
     "dir": Setting("", text, "capture: records are written here at each step end (and at exit); "
                              "replay: records are read from here; empty = in memory only (capture)"),
     "probs": Setting(False, boolean, "capture also the combine weights (probs) of the chosen experts"),
+}
+
+
+# -- live tensor tracing (source_patch.runtime.trace, patches/trace.yaml)
+
+
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"expected a number of seconds, got {type(value).__name__}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, got {value!r}") from None
+    if not number >= 0 or number == float("inf"):
+        raise ValueError(f"expected a finite number of seconds >= 0, got {value!r}")
+    return number
+
+
+SCHEMAS["trace"] = {
+    "enable": Setting(False, boolean, "trace at all; when false a trace() call costs one flag test"),
+    "host": Setting("127.0.0.1", _nonempty_text, "address the hub (WebSocket + page) binds"),
+    "port": Setting(0, _port, "hub port: 0 = no hub (nothing traced), else listen on port + LOCAL_RANK"),
+    "token": Setting("", text, "token clients must send; empty = generate one per process "
+                               "(written with the URL to a 0600 file under dir)"),
+    "dir": Setting("./sp-trace", _nonempty_text, "where a process writes its URL + generated token file"),
+    "ranks": Setting([0], int_filter, "global ranks that trace and serve a hub ('0,8-15'); empty = all"),
+    "max_message": Setting(64 << 10, size(low=256), "largest client-to-hub message; larger closes with 1009"),
+    "client_queue": Setting(64, integer(low=1), "frames waiting per client; more are dropped (and counted)"),
+    "stall_timeout": Setting(5.0, _seconds, "a client whose queue stays full, or whose send blocks, this "
+                                            "long is closed with 1008 'too slow'"),
+    "queue": Setting(256, integer(low=1), "results waiting for the publisher thread; more are dropped"),
+    "max_clients": Setting(8, integer(low=1), "connections one hub accepts at once"),
+    "raw_max_elements": Setting(1 << 16, integer(low=1), "the raw compressor's cap (and default)"),
+    "wait": Setting(0.0, _seconds, "seconds the process waits, when its hub starts, for a first "
+                                   "subscription (0 = never; a scripted capture sets it to miss no step)"),
+}
+
+
+# -- weight sync, trainer -> engines (source_patch.runtime.weight_sync, patches/weight_sync.yaml)
+
+
+def _positive_number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"expected a number of seconds, got {type(value).__name__}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, got {value!r}") from None
+    if not number > 0:
+        raise ValueError(f"expected a positive number of seconds, got {value!r}")
+    return number
+
+
+SCHEMAS["weight_sync"] = {
+    "enable": Setting(False, boolean, "trainer: push the weights after every `every` successful optimizer "
+                                      "steps; when false the call site costs one flag test"),
+    "host": Setting("127.0.0.1", _nonempty_text, "rendezvous address: the trainer's TCPStore, where "
+                                                 "engine ranks connect (SGLang's master_address)"),
+    "port": Setting(0, _port, "rendezvous port (SGLang's master_port); required when enabled"),
+    "world_size": Setting(2, integer(low=2), "ranks in the update group: 1 trainer + every engine rank"),
+    "group_name": Setting("source_patch_weights", _nonempty_text, "the update group's name (SGLang's group_name)"),
+    "backend": Setting("auto", choice("auto", "nccl", "gloo"), "auto: nccl when CUDA is available, else gloo"),
+    "bucket_bytes": Setting(1 << 30, size(low=16), "bytes per bucket; the sender double-buffers two of them"),
+    "checksum": Setting(True, boolean, "per-bucket checksum (int32 word sum on the device), checked by receivers"),
+    "timeout_s": Setting(300.0, _positive_number, "longest wait for any step of an update (also the first "
+                                                  "connection); then the update fails instead of hanging"),
+    "every": Setting(1, integer(low=1), "trainer: push after every N-th successful optimizer step"),
+    "on_error": Setting("log", choice("log", "raise"), "trainer: a failed push is logged and counted "
+                                                       "(training continues) or raised from optimizer.step()"),
+    "stage": Setting("update", choice("update", "bucket"), "engine: 'update' receives and verifies the whole "
+                     "update before loading (a failure changes nothing; memory: one model copy); 'bucket' "
+                     "verifies and loads bucket by bucket (memory: two buckets; a failure mid-way leaves "
+                     "a partial update, reported as such)"),
+    "max_metadata_bytes": Setting(64 << 20, size(low=1), "engine: largest manifest it accepts"),
+    "max_update_bytes": Setting(1 << 40, size(low=1), "engine: largest update (sum of tensor bytes) it accepts"),
+    "vocab_size": Setting(0, integer(low=0), "trainer: cut padded embedding / output-layer rows to this "
+                                             "vocabulary size (0 = send as is)"),
 }

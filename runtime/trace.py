@@ -1,0 +1,579 @@
+"""The trace runtime: watch chosen tensors live while a model trains or serves.
+
+Call sites (inserted by a spec, reached through ``__sp__``)::
+
+    __sp__.trace("layer_output", hidden_states, layer=self.layer_number)   # returns it unchanged
+    __sp__.trace_step(optimizer.step())                                   # after each optimizer step
+
+Clients connect to the process's hub (a WebSocket server in a daemon thread, see
+trace_hub.py), subscribe to names and layers with a compressor, and receive one small
+binary frame (trace_frame.py) per traced result.  Scripts and tools::
+
+    from source_patch.runtime.trace import configure, url, state, close
+    configure(enable=True, port=8765)      # validated as a whole, then applied
+    print(url())                           # http://127.0.0.1:8765/#token=...
+
+Design (see docs/trace.md):
+
+* Disabled, or enabled with no subscription for ``(name, layer)``, ``trace()`` is a
+  flag test, or a flag test and one dict lookup (the table is rebuilt only when
+  subscriptions change).
+* A due subscription runs its compressor (trace_compress.py) on the tensor's device:
+  torch ops only, nothing that waits for the GPU.  The small result is copied to
+  pinned host memory with ``non_blocking=True`` behind a CUDA event; a bounded queue
+  takes (event, buffer, meta).  A publisher thread waits on the events (never the
+  training thread), encodes frames and hands them to the hub's event loop, where
+  every client has a bounded queue.  Full queues drop and count; nothing blocks.
+* Failures are counted, logged once per kind, and never raised into training, except
+  a call site's own programming error (a value that is not a tensor).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import re
+import sys
+import threading
+import time
+import types
+from collections import deque
+from typing import Any
+
+import torch
+
+from source_patch.runtime import settings
+
+log = logging.getLogger("source_patch.trace")
+
+# The one thing a disabled call site reads.
+_enabled = False
+
+_step = 0
+_config: dict = {}
+_config_lock = threading.RLock()
+MAX_NAMES = 1 << 14  # (name, layer) pairs remembered; more are traced but not listed
+BATCH = 64            # results that wake the publisher before the step ends
+FLUSH_SECONDS = 0.2   # ... or this long after the last publication (no trace_step, e.g. SGLang)
+
+
+class _Table:
+    """The subscriptions of all clients, and which of them each (name, layer) hits.
+    Replaced as a whole when subscriptions change, so the training thread never
+    sees a half-built one."""
+
+    __slots__ = ("subs", "routes")
+
+    def __init__(self, subs: tuple = ()):
+        self.subs = subs
+        self.routes: dict = {}
+
+
+_table = _Table()
+_seen: dict = {}             # (name, layer) -> (shape, dtype) at first sight
+_subscribed = threading.Event()
+
+# -- results on their way to the hub (guarded by _cond)
+_cond = threading.Condition()
+_pending: deque = deque()
+_busy = 0                    # results the publisher has taken but not yet handed over
+_publisher: threading.Thread | None = None
+_stop = False
+_hub = None                  # trace_hub.Hub while serving
+_hub_key: tuple | None = None
+
+_COUNTERS = ("results", "dropped", "skipped", "errors", "compress_errors", "too_large")
+_counts: dict = dict.fromkeys(_COUNTERS, 0)
+_last_error: str | None = None
+_logged: set = set()
+_rank: int | None = None
+
+
+# ---------------------------------------------------------------- call-site API
+
+
+def trace(name: str, tensor, /, **tags):
+    """Offer ``tensor`` under ``name`` (with ``tags``, e.g. ``layer=3``) to the
+    subscribed clients; return it unchanged.  Raises TypeError only for a value that
+    is not a tensor (the call site's bug); runtime failures are counted, not raised."""
+    if not _enabled:
+        return tensor
+    table = _table
+    routes = table.routes.get((name, tags.get("layer")))
+    if routes is None:
+        routes = _first_sight(table, name, tensor, tags)
+    if routes:
+        _emit(routes, name, tensor, tags)
+    return tensor
+
+
+def trace_step(success: Any = True, *, step: int | None = None) -> Any:
+    """Advance the step counter after an optimizer step; return ``success`` unchanged.
+    Megatron's ``(ok, grad_norm, num_zeros)`` counts only when ok; ``step=N`` sets it."""
+    global _step
+    try:
+        if step is not None:
+            _step = int(step)
+        else:
+            ok = success[0] if isinstance(success, tuple) and success else success
+            if ok:
+                _step += 1
+        if _pending:
+            with _cond:
+                _cond.notify_all()  # the step's results go out together, between steps
+    except Exception as exc:  # noqa: BLE001
+        _fail("trace_step", exc)
+    return success
+
+
+# ---------------------------------------------------------------- control API
+
+
+def configure(**changes) -> dict:
+    """Change settings (keys of the ``trace`` schema); all are validated before any
+    is applied (KeyError names the valid keys).  Returns the effective configuration."""
+    with _config_lock:
+        parsed = {key: settings.check("trace", key, value) for key, value in changes.items()}
+        _apply({**_config, **parsed})
+        return public_config()
+
+
+def configure_from_settings(environ=None) -> dict:
+    """Re-read the settings (environment > active specs > defaults) and apply them."""
+    with _config_lock:
+        _apply(settings.resolve("trace", os.environ if environ is None else environ))
+        return public_config()
+
+
+def public_config() -> dict:
+    config = dict(_config)
+    if config.get("token"):
+        config["token"] = "<set>"
+    return config
+
+
+def url() -> str | None:
+    """The page of this process's hub with its token in the fragment, or None."""
+    hub = _hub
+    return hub.page_url if hub is not None else None
+
+
+def state() -> dict:
+    """Counters, hub and configuration (also the hub's ``stats`` reply)."""
+    with _cond:
+        counts = dict(_counts)
+        queued = len(_pending) + _busy
+    hub = _hub
+    return {
+        "enabled": _enabled,
+        "step": _step,
+        "rank": _global_rank(),
+        **counts,
+        "queued": queued,
+        "last_error": _last_error,
+        "series": len(_seen),
+        "subscriptions": len(_table.subs),
+        "hub": hub.stats() if hub is not None else None,
+        "url": hub.url if hub is not None else None,
+        "config": public_config(),
+    }
+
+
+def names() -> list[dict]:
+    """The names traced so far: ``{"name", "layers", "shape", "dtype"}`` each."""
+    grouped: dict = {}
+    for (name, layer), (shape, dtype) in dict(_seen).items():
+        entry = grouped.setdefault(name, {"name": name, "layers": [], "shape": shape, "dtype": dtype})
+        if layer is not None:
+            entry["layers"].append(layer)
+    for entry in grouped.values():
+        entry["layers"] = sorted(entry["layers"], key=lambda v: (not isinstance(v, int), str(v)))
+    return sorted(grouped.values(), key=lambda e: e["name"])
+
+
+def reset() -> dict:
+    """Zero the counters, the step and the names seen (not the subscriptions)."""
+    global _step, _last_error, _table
+    with _cond:
+        for key in _COUNTERS:
+            _counts[key] = 0
+        _last_error = None
+        _logged.clear()
+    _step = 0
+    _seen.clear()
+    _table = _Table(_table.subs)
+    return state()
+
+
+def flush(timeout: float = 5.0) -> bool:
+    """Wait until traced results have reached the clients' queues and those are sent."""
+    deadline = time.monotonic() + timeout
+    with _cond:
+        _cond.notify_all()
+        while _pending or _busy:
+            if not (_publisher and _publisher.is_alive()):
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            _cond.wait(min(remaining, 0.1))
+    hub = _hub
+    return hub.drain(max(0.0, deadline - time.monotonic())) if hub is not None else True
+
+
+def close(timeout: float = 2.0) -> None:
+    """Send what is queued (up to ``timeout``), close the clients (1001) and the hub,
+    stop the publisher.  Registered with atexit; configuring again restarts them."""
+    global _enabled, _publisher, _stop
+    _enabled = False
+    try:
+        flush(timeout)
+    except Exception as exc:  # noqa: BLE001
+        _fail("flush at close", exc)
+    _stop_hub()
+    with _cond:
+        publisher, _stop = _publisher, True
+        _cond.notify_all()
+    if publisher is not None and publisher is not threading.current_thread():
+        publisher.join(5)
+    with _cond:
+        _publisher, _stop = None, False
+        _pending.clear()
+
+
+# Names under which the handle exports these (runtime/__init__.py _EXPORTS).
+trace_state = state
+
+
+# ---------------------------------------------------------------- hot path
+
+
+def _first_sight(table: _Table, name: str, tensor, tags: dict) -> tuple:
+    """A (name, layer) not in the table yet: remember it for ``list``, find the
+    subscriptions it matches and cache them in this table."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"trace({name!r}, ...) takes a tensor, got {type(tensor).__name__}")
+    layer = tags.get("layer")
+    key = (name, layer)
+    if key not in _seen and len(_seen) < MAX_NAMES:
+        _seen[key] = (list(tensor.shape), str(tensor.dtype))
+    routes = tuple(sub for sub in table.subs if sub.matches(name, layer))
+    if len(table.routes) < MAX_NAMES:
+        table.routes[key] = routes
+    return routes
+
+
+def _emit(routes: tuple, name: str, tensor, tags: dict) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"trace({name!r}, ...) takes a tensor, got {type(tensor).__name__}")
+    step = _step
+    key = (name, tags.get("layer"))
+    due = []
+    for sub in routes:
+        following = sub.next_step.get(key)
+        # Due once per `every` steps; a step counter set backwards starts over.
+        if following is None or step >= following or step < following - sub.every:
+            due.append(sub)
+    if not due:
+        return
+    try:
+        _compress(due, key, name, tensor, tags, step)
+    except Exception as exc:  # noqa: BLE001 - tracing must never break the step
+        _fail(f"trace({name!r})", exc)
+
+
+def _compress(due: list, key: tuple, name: str, tensor: torch.Tensor, tags: dict, step: int) -> None:
+    if tensor.numel() == 0 or (tensor.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _count("skipped")  # nothing to reduce / no Python runs at graph replay anyway
+        return
+    groups: dict = {}
+    for sub in due:
+        sub.next_step[key] = step + sub.every
+        groups.setdefault(sub.compressor.key, []).append(sub)
+    stamp = time.time()
+    tags = {**_ambient_tags(), **tags}  # now: published later, the microbatch will have moved on
+    for subs in groups.values():
+        with _cond:
+            if len(_pending) >= _config["queue"]:  # the publisher is behind: drop, never wait
+                _counts["dropped"] += 1
+                continue
+        try:
+            result = subs[0].compressor(tensor)
+        except Exception as exc:  # noqa: BLE001 - a client's parameters that do not fit
+            _compress_failed(subs, name, exc)
+            continue
+        host, event = _to_host(result)
+        item = _Result(subs, name, tags, step, stamp, host, event, tensor)
+        with _cond:
+            if _publisher is None or not _publisher.is_alive():
+                _start_publisher()
+            _pending.append(item)
+            _counts["results"] += 1
+            if len(_pending) >= BATCH:
+                _cond.notify_all()
+
+
+def _to_host(result: torch.Tensor):
+    """A host copy of a small result and the event the publisher waits on (None on CPU)."""
+    if result.device.type == "cpu":
+        return result, None
+    if result.is_cuda:
+        host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
+        host.copy_(result, non_blocking=True)
+        event = torch.cuda.Event(blocking=True)  # the publisher sleeps on it, no spinning
+        event.record()
+        return host, event
+    return result.to("cpu"), None  # other accelerators: synchronous
+
+
+class _Result:
+    __slots__ = ("subs", "name", "tags", "step", "time", "host", "event", "shape", "dtype")
+
+    def __init__(self, subs, name, tags, step, stamp, host, event, tensor):
+        self.subs, self.name, self.tags, self.step, self.time = subs, name, tags, step, stamp
+        self.host, self.event = host, event
+        self.shape, self.dtype = list(tensor.shape), str(tensor.dtype)
+
+
+def _compress_failed(subs: list, name: str, exc: Exception) -> None:
+    from source_patch.runtime.trace_compress import TooLarge
+
+    _count("too_large" if isinstance(exc, TooLarge) else "compress_errors")
+    message = f"{name}: {exc}" if isinstance(exc, (ValueError, TypeError, IndexError, RuntimeError)) \
+        else f"{name}: {type(exc).__name__}: {exc}"
+    for sub in subs:
+        if not sub.reported:  # once per subscription
+            sub.reported = True
+            hub = _hub
+            if hub is not None:
+                hub.report(sub, message)
+
+
+# ---------------------------------------------------------------- publisher
+
+
+def _start_publisher() -> None:
+    """(caller holds _cond)"""
+    global _publisher
+    _publisher = threading.Thread(target=_publish_loop, name="source-patch-trace-publisher", daemon=True)
+    _publisher.start()
+
+
+def _publish_loop() -> None:
+    """Publish in batches: at each step end (trace_step), when BATCH results wait, or
+    every FLUSH_SECONDS.  A wake-up per result would contend for the GIL with the
+    training thread at every layer, right when it returns from a device sync."""
+    global _busy
+    while True:
+        with _cond:
+            if not _pending and not _stop:
+                _cond.wait(FLUSH_SECONDS)
+            if not _pending:
+                if _stop:
+                    return
+                continue
+            items = list(_pending)
+            _pending.clear()
+            _busy += len(items)
+        try:
+            frames = []
+            for item in items:
+                if item.event is not None:
+                    item.event.synchronize()  # this thread waits for the copy, never the trainer
+                frames += _frames(item)
+            hub = _hub
+            if frames and hub is not None:
+                hub.deliver(frames)
+        except Exception as exc:  # noqa: BLE001 - the publisher must survive anything
+            _fail("publishing", exc)
+        finally:
+            items = None
+            with _cond:
+                _busy = 0
+                _cond.notify_all()
+
+
+def _frames(item: _Result) -> list:
+    from source_patch.runtime.trace_frame import encode
+
+    array = item.host.numpy()
+    rank = _global_rank()
+    call_tags = {k: _tag_value(v) for k, v in item.tags.items()}
+    frames = []
+    for sub in item.subs:
+        compressor = sub.compressor
+        meta = {**call_tags, "sub": sub.id, "name": item.name, "layer": call_tags.get("layer"),
+                "rank": rank, "kind": compressor.kind, "params": compressor.params,
+                "source_shape": item.shape, "source_dtype": item.dtype}
+        frames.append((sub, bytearray(encode(array, meta, step=item.step, time=item.time))))
+    return frames
+
+
+def _ambient_tags() -> dict:
+    """phase, microbatch, ... when the dump runtime (patches/dump.yaml) tracks them."""
+    dumper = sys.modules.get("source_patch.runtime.dumper")
+    context = getattr(dumper, "_context", None) if dumper is not None else None
+    return dict(context) if isinstance(context, dict) else {}
+
+
+def _tag_value(value: Any) -> Any:
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else str(value)
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and value.device.type == "cpu":
+            return _tag_value(value.item())
+        return f"<tensor {list(value.shape)} {str(value.dtype).removeprefix('torch.')} {value.device}>"
+    if hasattr(value, "__index__"):
+        return int(value)
+    if isinstance(value, (list, tuple)):
+        return [_tag_value(v) for v in value]
+    return str(value)
+
+
+# ---------------------------------------------------------------- subscriptions (from the hub)
+
+
+def set_subscriptions(subs) -> None:
+    """Install the subscriptions of all clients (the hub calls this on every change)."""
+    global _table
+    _table = _Table(tuple(subs))
+    if subs:
+        _subscribed.set()
+    else:
+        _subscribed.clear()
+
+
+def current_step() -> int:
+    return _step
+
+
+# ---------------------------------------------------------------- failures
+
+
+def _count(key: str, n: int = 1) -> None:
+    with _cond:
+        _counts[key] += n
+
+
+def _fail(where: str, exc: BaseException) -> None:
+    """Count; log the first failure of each kind at WARNING; keep the latest."""
+    global _last_error
+    try:
+        message = f"{where}: {type(exc).__name__}: {exc}"
+        kind = (re.sub(r"'[^']*'|\d+", "", where), type(exc).__name__)
+        with _cond:
+            _counts["errors"] += 1
+            _last_error = message
+            first = kind not in _logged and len(_logged) < 64
+            _logged.add(kind)
+        if first:
+            log.warning("source-patch trace: %s (training continues; later failures of this kind are "
+                        "only counted: see state())", message)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+# ---------------------------------------------------------------- configuration and hub
+
+
+def _global_rank() -> int:
+    global _rank
+    if _rank is not None:
+        return _rank
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            _rank = dist.get_rank()
+            return _rank
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def _apply(config: dict) -> None:
+    global _config, _enabled
+    _enabled = False
+    _config = dict(config, dir=os.path.abspath(os.path.expanduser(config["dir"])))
+    serve = bool(_config["enable"] and _config["port"])
+    if serve and _config["ranks"] is not None:
+        serve = _global_rank() in settings.IntSet(_config["ranks"])
+    started = _sync_hub(serve)
+    _enabled = _hub is not None
+    if started and _config["wait"] and not _table.subs:
+        print(f"source-patch trace: waiting up to {_config['wait']:g} s for a client to subscribe",
+              file=sys.stderr, flush=True)
+        _subscribed.wait(_config["wait"])
+
+
+def _sync_hub(serve: bool) -> bool:
+    """Start, restart or stop the hub to match the configuration; True if one started."""
+    global _hub, _hub_key
+    key = (_config["host"], _config["port"], _config["token"], _config["max_message"], _config["dir"]) \
+        if serve else None
+    if key == _hub_key:
+        if _hub is not None:
+            _hub.config = _config  # queue sizes and timeouts apply at once
+        return False
+    _stop_hub()
+    if key is None:
+        return False
+    _hub_key = key
+    try:
+        from source_patch.runtime import trace_hub
+
+        _hub = trace_hub.Hub(sys.modules[__name__], _config)
+        return True
+    except Exception as exc:  # noqa: BLE001 - no hub: nothing traced, training goes on
+        _fail("starting the trace hub", exc)
+        return False
+
+
+def _stop_hub() -> None:
+    global _hub, _hub_key
+    hub, _hub, _hub_key = _hub, None, None
+    set_subscriptions(())
+    if hub is not None:
+        try:
+            hub.stop()
+        except Exception as exc:  # noqa: BLE001
+            _fail("stopping the trace hub", exc)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a data loader worker) inherits no threads: it does not trace."""
+    global _enabled, _cond, _pending, _busy, _publisher, _stop, _hub, _hub_key, _rank, _table
+    _enabled = False
+    _cond = threading.Condition()
+    _pending, _busy, _publisher, _stop = deque(), 0, None, False
+    if _hub is not None:
+        try:
+            _hub.close_sockets()
+        except Exception:  # noqa: BLE001
+            pass
+    _hub = _hub_key = _rank = None
+    _table = _Table()
+
+
+# ``source_patch.runtime.trace`` names both this module and the function trace() that
+# the package exports for ``__sp__.trace``; which one an import or attribute lookup
+# yields depends on what was imported first.  Both behave the same: the module is
+# callable (it calls trace()), and the function carries the control API.
+class _CallableModule(types.ModuleType):
+    __call__ = staticmethod(trace)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+for _api in (configure, configure_from_settings, public_config, url, state, names, reset, flush, close,
+             trace_step):
+    setattr(trace, _api.__name__, _api)
+trace.trace, trace.trace_state = trace, state
+configure_from_settings()
+atexit.register(close)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,309 @@
+"""Trace compressors: reduce a tensor to a small one, on the tensor's device.
+
+``parse({"kind": "tiles", "tiles": 32})`` validates the parameters (ValueError /
+TypeError with a clear message) and returns a :class:`Compressor`: a callable that
+maps a tensor to a small float tensor with torch ops only.  None of them reads a
+value back to the host (no ``.item()``, ``.cpu()``, ``nonzero``, data-dependent
+shapes), so on a GPU they queue kernels and return at once.  The same compressor
+applied offline to a saved tensor gives the frame's values (tests do exactly that).
+
+    kind        params (defaults)                                     output
+    tiles       stats [mean, absmax, rms], tiles 64, dim -1           float32 [len(stats), n_tiles]
+    histogram   bins 64, range null (auto: finite min/max)            float32 [bins + 2] = lo, hi, counts
+    topk        k 16, abs true                                        float64 [2, k]: values, flat positions
+    projection  file, key null, dim -1, normalize true                float32: shape without `dim`
+    raw         max_elements (the raw_max_elements setting)           float32, the tensor's shape
+
+No expression strings, no pickle: a projection vector is read from a safetensors
+file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Callable
+
+import torch
+
+TILE_STATS = ("mean", "absmax", "rms", "min", "max")
+MAX_TILES = 4096
+MAX_BINS = 1 << 16
+MAX_K = 1 << 16
+MAX_VECTOR = 1 << 24
+RAW_MAX_ELEMENTS = 1 << 16
+
+
+class TooLarge(ValueError):
+    """A tensor over the raw compressor's cap: not sent."""
+
+
+def defaults(raw_max_elements: int = RAW_MAX_ELEMENTS) -> dict:
+    """kind -> {param: default}: what the hub announces to clients."""
+    return {
+        "tiles": {"stats": ["mean", "absmax", "rms"], "tiles": 64, "dim": -1},
+        "histogram": {"bins": 64, "range": None},
+        "topk": {"k": 16, "abs": True},
+        "projection": {"file": None, "key": None, "dim": -1, "normalize": True},
+        "raw": {"max_elements": raw_max_elements},
+    }
+
+
+class Compressor:
+    """A validated compressor: ``kind``, canonical ``params`` (JSON), and the function."""
+
+    __slots__ = ("kind", "params", "key", "_fn")
+
+    def __init__(self, kind: str, params: dict, fn: Callable[[torch.Tensor], torch.Tensor]):
+        self.kind, self.params, self._fn = kind, params, fn
+        self.key = json.dumps([kind, params], sort_keys=True)  # equal keys compute the same thing
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.numel() == 0:
+            raise ValueError("empty tensor")
+        if tensor.is_complex():
+            raise TypeError("complex tensors are not supported")
+        return self._fn(tensor.detach())
+
+    def spec(self) -> dict:
+        return {"kind": self.kind, **self.params}
+
+    def __repr__(self) -> str:
+        return f"Compressor({self.spec()})"
+
+
+def parse(spec: Any, *, raw_max_elements: int = RAW_MAX_ELEMENTS) -> Compressor:
+    """A compressor from ``{"kind": ..., **params}``; missing params take defaults."""
+    if not isinstance(spec, dict):
+        raise TypeError(f"compressor: expected an object such as {{\"kind\": \"tiles\"}}, "
+                        f"got {type(spec).__name__}")
+    kind = spec.get("kind")
+    table = defaults(raw_max_elements)
+    if kind not in table:
+        raise ValueError(f"compressor: unknown kind {kind!r} (valid: {', '.join(table)})")
+    given = {k: v for k, v in spec.items() if k != "kind"}
+    unknown = sorted(set(given) - set(table[kind]))
+    if unknown:
+        raise ValueError(f"compressor {kind}: unknown parameter{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(map(repr, unknown))} (valid: {', '.join(table[kind])})")
+    params = {**table[kind], **given}
+    return _BUILDERS[kind](params, raw_max_elements)
+
+
+# ---------------------------------------------------------------- parameter checks
+
+
+def _int(kind: str, name: str, value: Any, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"compressor {kind}: {name} must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"compressor {kind}: {name} must be in {low}..{high}, got {value}")
+    return value
+
+
+def _bool(kind: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"compressor {kind}: {name} must be true or false, got {value!r}")
+    return value
+
+
+def _floating(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_floating_point() else x.float()
+
+
+# ---------------------------------------------------------------- tiles
+
+
+def _tiles(params: dict, _raw_max: int) -> Compressor:
+    stats = params["stats"]
+    if isinstance(stats, str):
+        stats = [stats]
+    if not isinstance(stats, list) or not stats or not all(isinstance(s, str) for s in stats):
+        raise TypeError(f"compressor tiles: stats must be a non-empty list of {', '.join(TILE_STATS)}")
+    bad = [s for s in stats if s not in TILE_STATS]
+    if bad or len(set(stats)) != len(stats):
+        raise ValueError(f"compressor tiles: stats must be distinct names from {', '.join(TILE_STATS)}, "
+                         f"got {stats}")
+    tiles = _int("tiles", "tiles", params["tiles"], 1, MAX_TILES)
+    dim = _int("tiles", "dim", params["dim"], -64, 63)
+    canonical = {"stats": list(stats), "tiles": tiles, "dim": dim}
+    return Compressor("tiles", canonical, lambda x: tile_stats(x, stats, tiles, dim))
+
+
+def tile_stats(x: torch.Tensor, stats, tiles: int, dim: int = -1) -> torch.Tensor:
+    """float32 [len(stats), n]: move ``dim`` last, flatten the rest to rows, cut that
+    dim into contiguous tiles of ceil(D / min(tiles, D)) columns (the last may be
+    shorter, so n = ceil(D / size) may be below ``tiles``); each stat is over rows x
+    tile.  Reductions run in float32 without a float32 copy of ``x``."""
+    x = _floating(x)
+    if x.dim() == 0:
+        x = x.reshape(1)
+    width = x.shape[dim]
+    rows = x.movedim(dim, -1).reshape(-1, width)
+    size = -(-width // min(tiles, width))
+    full = width // size
+    parts = [(rows[:, :full * size].unflatten(1, (full, size)), rows.shape[0] * size)]
+    if full * size < width:
+        parts.append((rows[:, full * size:].unsqueeze(1), rows.shape[0] * (width - full * size)))
+    return torch.stack([torch.cat([_stat(stat, part, count) for part, count in parts]) for stat in stats])
+
+
+def _stat(stat: str, part: torch.Tensor, count: int) -> torch.Tensor:
+    """One stat of ``part`` [rows, tiles, width] per tile, in one reduction over dims
+    (0, 2); two passes (width, then rows) measured no faster (bench/compressor_bench.py)."""
+    dims = (0, 2)
+    if stat == "mean":
+        return part.sum(dims, dtype=torch.float32) / count
+    if stat == "rms":
+        return torch.linalg.vector_norm(part, 2, dims, dtype=torch.float32) / math.sqrt(count)
+    if stat == "absmax":
+        return torch.linalg.vector_norm(part, math.inf, dims, dtype=torch.float32)
+    if stat == "min":
+        return part.amin(dims).float()
+    return part.amax(dims).float()
+
+
+# ---------------------------------------------------------------- histogram
+
+
+def _histogram(params: dict, _raw_max: int) -> Compressor:
+    bins = _int("histogram", "bins", params["bins"], 1, MAX_BINS)
+    span = params["range"]
+    if span is not None:
+        if (not isinstance(span, (list, tuple)) or len(span) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in span)):
+            raise TypeError(f"compressor histogram: range must be null or [lo, hi], got {span!r}")
+        lo, hi = float(span[0]), float(span[1])
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise ValueError(f"compressor histogram: range must be finite with lo < hi, got {span!r}")
+        span = [lo, hi]
+    return Compressor("histogram", {"bins": bins, "range": span}, lambda x: histogram(x, bins, span))
+
+
+def histogram(x: torch.Tensor, bins: int, span=None) -> torch.Tensor:
+    """float32 [bins + 2]: lo, hi, then the count of each of ``bins`` equal bins over
+    [lo, hi] (the last bin includes hi, as numpy.histogram).  Without ``span``, lo and
+    hi are the finite min and max, computed on the device; values outside [lo, hi]
+    and non-finite values are not counted."""
+    x = _floating(x).reshape(-1).double()  # float64: bins and bounds as numpy places them
+    if span is None:
+        finite = torch.isfinite(x)
+        lo = torch.where(finite, x, math.inf).amin()
+        hi = torch.where(finite, x, -math.inf).amax()
+        scale = bins / torch.where(hi > lo, hi - lo, 1.0)
+    else:
+        # Python numbers, not host tensors: a host-to-device copy would wait for the GPU.
+        lo = torch.full((), span[0], dtype=torch.float64, device=x.device)
+        hi = torch.full((), span[1], dtype=torch.float64, device=x.device)
+        scale = bins / (span[1] - span[0])
+    inside = (x >= lo) & (x <= hi)
+    # Outside values (NaN, inf) get position 0 and weight 0: a NaN cast to an index
+    # would be out of bounds (on a GPU, a device-side assert).
+    index = torch.where(inside, (x - lo) * scale, 0.0).floor_().clamp_(0, bins - 1).long()
+    counts = torch.zeros(bins, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, index, inside.long())
+    return torch.cat([torch.stack([lo, hi]), counts.double()]).float()
+
+
+# ---------------------------------------------------------------- topk
+
+
+def _topk(params: dict, _raw_max: int) -> Compressor:
+    k = _int("topk", "k", params["k"], 1, MAX_K)
+    by_abs = _bool("topk", "abs", params["abs"])
+    return Compressor("topk", {"k": k, "abs": by_abs}, lambda x: top_k(x, k, by_abs))
+
+
+def top_k(x: torch.Tensor, k: int, by_abs: bool = True) -> torch.Tensor:
+    """float64 [2, min(k, numel)]: row 0 the largest values (by magnitude when
+    ``by_abs``; signed either way), row 1 their positions in the flattened tensor."""
+    flat = _floating(x).reshape(-1)
+    k = min(k, flat.numel())
+    key = flat.abs() if by_abs else flat
+    index = torch.topk(key, k, sorted=True).indices
+    return torch.stack([flat[index].double(), index.double()])
+
+
+# ---------------------------------------------------------------- projection
+
+
+def _projection(params: dict, _raw_max: int) -> Compressor:
+    path, key = params["file"], params["key"]
+    if not isinstance(path, str) or not path.endswith(".safetensors"):
+        raise ValueError(f"compressor projection: file must be the path of a .safetensors file, got {path!r}")
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"compressor projection: key must be a string or null, got {key!r}")
+    dim = _int("projection", "dim", params["dim"], -64, 63)
+    normalize = _bool("projection", "normalize", params["normalize"])
+    vector, key = load_vector(path, key, normalize)
+    canonical = {"file": path, "key": key, "dim": dim, "normalize": normalize}
+    on_device: dict = {}
+
+    def project(x: torch.Tensor) -> torch.Tensor:
+        v = on_device.get(x.device)
+        if v is None:
+            v = on_device[x.device] = vector.to(x.device, non_blocking=True)
+        width = x.shape[dim]
+        if width != v.numel():
+            raise ValueError(f"projection: vector {key!r} has {v.numel()} elements, "
+                             f"the tensor's dim {dim} has {width} (shape {list(x.shape)})")
+        return torch.matmul(x.movedim(dim, -1).float(), v)
+
+    return Compressor("projection", canonical, project)
+
+
+def load_vector(path: str, key: str | None, normalize: bool) -> tuple[torch.Tensor, str]:
+    """A 1-D float32 vector from a safetensors file (safetensors reads no code);
+    pinned when CUDA is there so its one copy to each device is asynchronous."""
+    from safetensors import safe_open
+
+    if not os.path.isfile(path):
+        raise ValueError(f"compressor projection: no such file {path!r}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            keys = list(f.keys())
+            if key is None:
+                if len(keys) != 1:
+                    raise ValueError(f"compressor projection: {path} holds {len(keys)} tensors; "
+                                     f"name one with key (keys: {', '.join(keys[:20])})")
+                key = keys[0]
+            if key not in keys:
+                raise ValueError(f"compressor projection: no tensor {key!r} in {path} "
+                                 f"(keys: {', '.join(keys[:20])})")
+            sliced = f.get_slice(key)
+            shape = sliced.get_shape()
+            if len(shape) != 1 or not 0 < shape[0] <= MAX_VECTOR:
+                raise ValueError(f"compressor projection: {key!r} must be a 1-D vector of at most "
+                                 f"{MAX_VECTOR} elements, got shape {shape}")
+            vector = f.get_tensor(key).float()
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bad file is a bad parameter
+        raise ValueError(f"compressor projection: cannot read {path}: {type(exc).__name__}: {exc}") from None
+    if normalize:
+        norm = float(vector.norm())
+        if not math.isfinite(norm) or norm == 0:
+            raise ValueError(f"compressor projection: {key!r} has norm {norm}; cannot normalize")
+        vector = vector / norm
+    if torch.cuda.is_available():
+        vector = vector.pin_memory()
+    return vector, key
+
+
+# ---------------------------------------------------------------- raw
+
+
+def _raw(params: dict, raw_max: int) -> Compressor:
+    cap = _int("raw", "max_elements", params["max_elements"], 1, raw_max)
+
+    def raw(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > cap:
+            raise TooLarge(f"raw: tensor of {x.numel()} elements (shape {list(x.shape)}) is over "
+                           f"max_elements {cap}; not sent")
+        return x.to(torch.float32, copy=True)
+
+    return Compressor("raw", {"max_elements": cap}, raw)
+
+
+_BUILDERS = {"tiles": _tiles, "histogram": _histogram, "topk": _topk, "projection": _projection, "raw": _raw}

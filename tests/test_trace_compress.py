@@ -1,0 +1,180 @@
+"""Trace compressors (runtime/trace_compress.py) against independent numpy references."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from source_patch.runtime import trace_compress as tc
+
+
+def np_tiles(a: np.ndarray, stats, tiles: int, dim: int) -> np.ndarray:
+    rows = np.moveaxis(a.astype(np.float64), dim, -1).reshape(-1, a.shape[dim])
+    width = rows.shape[1]
+    size = math.ceil(width / min(tiles, width))
+    funcs = {"mean": np.mean, "absmax": lambda t: np.abs(t).max(), "rms": lambda t: np.sqrt(np.mean(t * t)),
+             "min": np.min, "max": np.max}
+    return np.array([[funcs[s](rows[:, i:i + size]) for i in range(0, width, size)] for s in stats])
+
+
+@pytest.mark.parametrize("shape, tiles, dim", [((4, 3, 64), 8, -1), ((5, 10), 4, -1), ((6, 7, 5), 3, 1),
+                                               ((33,), 64, 0), ((2, 3, 10), 6, -1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_tiles_equal_numpy(shape, tiles, dim, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 3).to(dtype)
+    stats = list(tc.TILE_STATS)
+    c = tc.parse({"kind": "tiles", "stats": stats, "tiles": tiles, "dim": dim})
+    got = c(x)
+    want = np_tiles(x.float().numpy(), stats, tiles, dim)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got.numpy(), want, rtol=2e-6, atol=1e-6)
+
+
+def test_tiles_defaults_and_last_tile_shorter():
+    c = tc.parse({"kind": "tiles"})
+    assert c.spec() == {"kind": "tiles", "stats": ["mean", "absmax", "rms"], "tiles": 64, "dim": -1}
+    x = torch.arange(10.0).reshape(1, 10)
+    out = tc.parse({"kind": "tiles", "stats": ["min", "max"], "tiles": 4})(x)
+    assert out.tolist() == [[0, 3, 6, 9], [2, 5, 8, 9]]  # tiles of 3, 3, 3 and the last of 1
+
+
+@pytest.mark.parametrize("span", [None, [-1.0, 2.0]])
+def test_histogram_equals_numpy(span):
+    torch.manual_seed(1)
+    x = torch.randn(3, 1000)
+    x[0, :5] = torch.tensor([math.nan, math.inf, -math.inf, 5.0, -5.0])
+    out = tc.parse({"kind": "histogram", "bins": 17, "range": span})(x).numpy()
+    a = x.numpy().astype(np.float64).ravel()
+    a = a[np.isfinite(a)]
+    lo, hi = (a.min(), a.max()) if span is None else span
+    counts, _ = np.histogram(a, bins=17, range=(lo, hi))
+    assert out.shape == (19,) and out.dtype == np.float32
+    np.testing.assert_allclose(out[:2], [lo, hi], rtol=1e-7)
+    assert out[2:].tolist() == counts.tolist()
+
+
+def test_histogram_of_a_constant_tensor_puts_everything_in_one_bin():
+    out = tc.parse({"kind": "histogram", "bins": 4})(torch.full((10,), 2.5))
+    assert out.tolist() == [2.5, 2.5, 10, 0, 0, 0]
+
+
+@pytest.mark.parametrize("by_abs", [True, False])
+def test_topk_equals_numpy(by_abs):
+    torch.manual_seed(2)
+    x = torch.randn(4, 50)
+    out = tc.parse({"kind": "topk", "k": 7, "abs": by_abs})(x).numpy()
+    a = x.numpy().ravel()
+    order = np.argsort(-(np.abs(a) if by_abs else a), kind="stable")[:7]
+    assert out.dtype == np.float64 and out.shape == (2, 7)
+    assert out[1].tolist() == order.tolist()
+    assert out[0].tolist() == a[order].astype(np.float64).tolist()  # signed values
+    assert np.unravel_index(int(out[1][0]), x.shape) == np.unravel_index(order[0], x.shape)
+
+
+def test_topk_k_larger_than_the_tensor():
+    assert tc.parse({"kind": "topk", "k": 10})(torch.tensor([1.0, -3.0])).tolist() == [[-3.0, 1.0], [1.0, 0.0]]
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_projection_from_safetensors_equals_numpy(tmp_path, normalize):
+    torch.manual_seed(3)
+    v = torch.randn(64)
+    path = tmp_path / "dir.safetensors"
+    save_file({"direction": v}, str(path))
+    x = torch.randn(8, 2, 64)
+    c = tc.parse({"kind": "projection", "file": str(path), "normalize": normalize})
+    assert c.params["key"] == "direction"  # the only tensor
+    want = x.numpy().astype(np.float64) @ (v.numpy() / (np.linalg.norm(v.numpy()) if normalize else 1))
+    got = c(x)
+    assert got.shape == (8, 2) and got.dtype == torch.float32
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+    # along another dim
+    c0 = tc.parse({"kind": "projection", "file": str(path), "dim": 0, "normalize": normalize})
+    np.testing.assert_allclose(c0(x.permute(2, 0, 1)).numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_projection_errors_are_clear(tmp_path):
+    path = tmp_path / "two.safetensors"
+    save_file({"a": torch.ones(4), "b": torch.ones(2, 2)}, str(path))
+    with pytest.raises(ValueError, match="holds 2 tensors; name one with key"):
+        tc.parse({"kind": "projection", "file": str(path)})
+    with pytest.raises(ValueError, match="must be a 1-D vector"):
+        tc.parse({"kind": "projection", "file": str(path), "key": "b"})
+    with pytest.raises(ValueError, match="no tensor 'c'"):
+        tc.parse({"kind": "projection", "file": str(path), "key": "c"})
+    with pytest.raises(ValueError, match="no such file"):
+        tc.parse({"kind": "projection", "file": str(tmp_path / "missing.safetensors")})
+    with pytest.raises(ValueError, match=r"\.safetensors file"):
+        tc.parse({"kind": "projection", "file": "/etc/passwd"})
+    not_safetensors = tmp_path / "junk.safetensors"
+    not_safetensors.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    with pytest.raises(ValueError, match="cannot read"):
+        tc.parse({"kind": "projection", "file": str(not_safetensors)})
+    c = tc.parse({"kind": "projection", "file": str(path), "key": "a"})
+    with pytest.raises(ValueError, match="has 4 elements, the tensor's dim -1 has 5"):
+        c(torch.ones(3, 5))
+
+
+def test_raw_copies_and_caps():
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    out = tc.parse({"kind": "raw"}, raw_max_elements=100)(x)
+    assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()  # a copy: later in-place changes stay out
+    with pytest.raises(tc.TooLarge, match="over max_elements 5"):
+        tc.parse({"kind": "raw", "max_elements": 5})(x)
+    with pytest.raises(ValueError, match=r"max_elements must be in 1\.\.100"):
+        tc.parse({"kind": "raw", "max_elements": 1000}, raw_max_elements=100)
+
+
+@pytest.mark.parametrize("spec, error", [
+    ("tiles", "expected an object"),
+    ({"kind": "eval"}, "unknown kind 'eval' (valid: tiles, histogram, topk, projection, raw)"),
+    ({"kind": "tiles", "reduce": "x.mean()"}, "unknown parameter 'reduce' (valid: stats, tiles, dim)"),
+    ({"kind": "tiles", "stats": ["mean", "median"]}, "stats must be distinct names"),
+    ({"kind": "tiles", "stats": []}, "stats must be a non-empty list"),
+    ({"kind": "tiles", "tiles": 0}, "tiles must be in 1..4096"),
+    ({"kind": "tiles", "tiles": True}, "tiles must be an integer"),
+    ({"kind": "histogram", "range": [1, 1]}, "lo < hi"),
+    ({"kind": "histogram", "range": "0,1"}, "range must be null or [lo, hi]"),
+    ({"kind": "topk", "abs": 1}, "abs must be true or false"),
+])
+def test_bad_parameters_are_rejected(spec, error):
+    with pytest.raises((ValueError, TypeError)) as info:
+        tc.parse(spec)
+    assert error in str(info.value)
+
+
+def test_empty_tensors_are_refused():
+    with pytest.raises(ValueError, match="empty"):
+        tc.parse({"kind": "tiles"})(torch.zeros(0, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_compressor_synchronizes_the_gpu(tmp_path):
+    """torch's sync debug mode raises on any host-device synchronisation."""
+    path = tmp_path / "v.safetensors"
+    save_file({"v": torch.randn(64)}, str(path))
+    x = torch.randn(16, 4, 64, device="cuda", dtype=torch.bfloat16)
+    compressors = [tc.parse(s) for s in ({"kind": "tiles", "stats": list(tc.TILE_STATS)}, {"kind": "histogram"},
+                                         {"kind": "histogram", "range": [-1, 1]}, {"kind": "topk"},
+                                         {"kind": "projection", "file": str(path)}, {"kind": "raw"})]
+    for c in compressors:
+        c(x)  # first use: the projection vector goes to the device
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [c(x) for c in compressors]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for c, out in zip(compressors, outs):
+        if c.kind == "topk":
+            # bf16 has ties (also x and -x by magnitude): positions and signs may differ
+            # between devices; the magnitudes, and the values the positions point at, may not
+            values, positions = out.cpu()
+            torch.testing.assert_close(values.abs(), c(x.cpu())[0].abs())
+            torch.testing.assert_close(x.cpu().reshape(-1)[positions.long()].double(), values)
+        elif c.kind != "projection":
+            torch.testing.assert_close(out.cpu(), c(x.cpu()), rtol=1e-4, atol=1e-3)
