@@ -42,6 +42,7 @@ def load_transport():
         path = Path(__file__).resolve().parents[1] / "runtime" / "weight_transport.py"
         spec = importlib.util.spec_from_file_location("weight_transport", path)
         weight_transport = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = weight_transport  # dataclasses look their module up there
         spec.loader.exec_module(weight_transport)
     return weight_transport
 
@@ -57,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (a smoke test)")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--profile", action="store_true", help="then profile the host side of bucketed updates")
     args = p.parse_args(argv)
     cpu = args.cpu
     args.gb = args.gb if args.gb is not None else (0.03 if cpu else 4.0)
@@ -176,8 +178,28 @@ def worker(rank: int, args, port: int):
                 times[name].append(seconds)
     if rank == 0:
         report(run, times, args)
+    if args.profile:
+        profile(run, rank)
     run.sync()
     run.wt.close_group(run.link.group)
+
+
+def profile(run: Run, rank: int, rounds: int = 3):
+    """Where the host time of a bucketed update goes, per side (cProfile, by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(rounds):
+        profiler.runcall(run.timed, lambda: METHODS["bucketed"](run))
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(12)
+    side = "sender" if rank == 0 else "receiver"
+    for r in range(2):
+        run.sync()
+        if r == rank:
+            print(f"\n== profile, {side} (rank {rank}), {rounds} bucketed updates\n{out.getvalue()}", flush=True)
 
 
 def check(run: Run):

@@ -327,7 +327,7 @@ SCHEMAS["weight_sync"] = {
     "group_name": Setting("source_patch_weights", _nonempty_text, "the update group's name (SGLang's group_name)"),
     "backend": Setting("auto", choice("auto", "nccl", "gloo"), "auto: nccl when CUDA is available, else gloo"),
     "bucket_bytes": Setting(1 << 30, size(low=16), "bytes per bucket; the sender double-buffers two of them"),
-    "checksum": Setting(True, boolean, "per-bucket checksum (int32 word sum on the device), checked by receivers"),
+    "checksum": Setting(True, boolean, "per-bucket checksum (int64 word sum on the device), checked by receivers"),
     "timeout_s": Setting(300.0, _positive_number, "longest wait for any step of an update (also the first "
                                                   "connection); then the update fails instead of hanging"),
     "every": Setting(1, integer(low=1), "trainer: push after every N-th successful optimizer step"),

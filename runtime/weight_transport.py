@@ -303,10 +303,11 @@ def _aligned(n: int) -> int:
 
 
 def _bucket_sum(data: torch.Tensor, out: torch.Tensor) -> None:
-    """Sum of the bucket's int32 words into ``out`` (int64, on the device: no sync).
-    No overflow below 2**32 words (16 GiB), and integer addition is exact, so it
-    does not depend on reduction order."""
-    torch.sum(data.view(torch.int32), 0, dtype=torch.int64, out=out)
+    """Sum, wrapping modulo 2**64, of the bucket's int64 words into ``out`` (on the
+    device: no sync).  Integer addition is exact and associative, so the result does
+    not depend on reduction order.  (int32 words widened to int64 took 5.5x longer on
+    an H200: 0.72 vs 0.13 ms per 512 MiB.)"""
+    torch.sum(data.view(torch.int64), 0, out=out)
 
 
 # ------------------------------------------------------------------ sender
@@ -357,11 +358,25 @@ class _Packing:
                 self.split[k] |= not whole
                 lo = hi
             self.done[min(e.offset // manifest.bucket_bytes, n - 1) if k is None else k].append(i)
+        # torch's fused _foreach_copy_ needs one dtype per call; a bucket mixes whole
+        # tensors with byte ranges of tensors cut by its ends (uint8): one call per dtype.
+        # One mixed call fell back to a copy per tensor (~8 us each, measured on an H200).
+        self.groups = [_by_dtype(dsts) for dsts in self.dsts]
         self.shapes = [[manifest.entries[i].shape for i in new] for new in self.new]
         self.dtypes = [[manifest.entries[i].dtype for i in new] for new in self.new]
 
     def matches(self, manifest: Manifest) -> bool:
         return self.key == (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
+
+
+def _by_dtype(dsts: list) -> list:
+    """[(positions in dsts, or None for all of them, the destinations)] per dtype."""
+    groups: dict = {}
+    for j, dst in enumerate(dsts):
+        groups.setdefault(dst.dtype, []).append(j)
+    if len(groups) == 1:
+        return [(None, dsts)]
+    return [(positions, [dsts[j] for j in positions]) for positions in groups.values()]
 
 
 class _Sender:
@@ -432,8 +447,8 @@ class _Sender:
         data = self.packing.buffers[slot][: end - start]
         if self.in_flight[slot] is not None:  # the buffer's previous bucket must be out
             link.wait(self.in_flight[slot], f"bucket {k - 2}")
-        if srcs:
-            torch._foreach_copy_(self.packing.dsts[k], srcs)
+        for positions, dsts in self.packing.groups[k]:
+            torch._foreach_copy_(dsts, [srcs[j] for j in positions] if positions is not None else srcs)
         self.in_flight[slot] = link.broadcast(data)
         self.works.append(self.in_flight[slot])
         if self.manifest.checksum:
