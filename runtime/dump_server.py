@@ -37,6 +37,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from source_patch.runtime import settings
+from source_patch.runtime.endpoint import local_rank, write_private_json
 
 log = logging.getLogger("source_patch.dump")
 
@@ -70,7 +71,7 @@ class ControlServer:
         self.token = config["token"] or process_token()
         self.max_request_bytes = config["max_request_bytes"]
         host = config["host"]
-        base = config["port"] + _local_rank()
+        base = config["port"] + local_rank()
         server_class = _Server6 if ":" in host else _Server
         last: OSError | None = None
         for port in range(base, min(base + PORT_TRIES, 65536)):
@@ -105,20 +106,10 @@ class ControlServer:
         info = {"url": self.url, "token": self.token, "pid": os.getpid(), "host": socket.gethostname(),
                 "rank": os.environ.get("RANK"), "local_rank": os.environ.get("LOCAL_RANK"),
                 "started": time.time()}
-        tmp = path.with_name(f".{path.name}.tmp")
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as out:
-                os.fchmod(out.fileno(), 0o600)
-                json.dump(info, out)
-            os.replace(tmp, path)
+            write_private_json(path, info)
             return path
         except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             self.runtime._fail("writing the control file", exc)
             return None
 
@@ -139,13 +130,6 @@ class ControlServer:
 
 def start(runtime, config: dict) -> ControlServer:
     return ControlServer(runtime, config)
-
-
-def _local_rank() -> int:
-    try:
-        return int(os.environ.get("LOCAL_RANK", "0") or 0)
-    except ValueError:
-        return 0
 
 
 class HTTPError(Exception):

@@ -234,10 +234,7 @@ def configure_from_settings(environ=None) -> dict:
 
 
 def public_config() -> dict:
-    config = dict(_config)
-    if config.get("token"):
-        config["token"] = "<set>"
-    return config
+    return settings.redacted(_config)
 
 
 def state() -> dict:

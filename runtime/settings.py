@@ -95,6 +95,14 @@ def choice(*options: str) -> Callable[[Any], str]:
     return parse
 
 
+def redacted(config: dict) -> dict:
+    """A copy of a component's configuration that is safe to show: no token value."""
+    config = dict(config)
+    if config.get("token"):
+        config["token"] = "<set>"
+    return config
+
+
 def text(value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError(f"expected a string, got {type(value).__name__}")
@@ -211,6 +219,23 @@ def size(low: int = 0) -> Callable[[Any], int]:
     return parse
 
 
+def seconds(positive: bool = False) -> Callable[[Any], float]:
+    """A number of seconds: finite and >= 0, or (``positive``) > 0, infinity allowed."""
+    def parse(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TypeError(f"expected a number of seconds, got {type(value).__name__}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"expected a number of seconds, got {value!r}") from None
+        if positive and not number > 0:
+            raise ValueError(f"expected a positive number of seconds, got {value!r}")
+        if not positive and (not number >= 0 or number == float("inf")):
+            raise ValueError(f"expected a finite number of seconds >= 0, got {value!r}")
+        return number
+    return parse
+
+
 def _port(value: Any) -> int:
     number = integer(low=0)(value)
     if number > 65535:
@@ -270,18 +295,6 @@ SCHEMAS["routing"] = {
 # -- live tensor tracing (source_patch.runtime.trace, patches/trace.yaml)
 
 
-def _seconds(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise TypeError(f"expected a number of seconds, got {type(value).__name__}")
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"expected a number of seconds, got {value!r}") from None
-    if not number >= 0 or number == float("inf"):
-        raise ValueError(f"expected a finite number of seconds >= 0, got {value!r}")
-    return number
-
-
 SCHEMAS["trace"] = {
     "enable": Setting(False, boolean, "trace at all; when false a trace() call costs one flag test"),
     "host": Setting("127.0.0.1", _nonempty_text, "address the hub (WebSocket + page) binds"),
@@ -292,29 +305,17 @@ SCHEMAS["trace"] = {
     "ranks": Setting([0], int_filter, "global ranks that trace and serve a hub ('0,8-15'); empty = all"),
     "max_message": Setting(64 << 10, size(low=256), "largest client-to-hub message; larger closes with 1009"),
     "client_queue": Setting(64, integer(low=1), "frames waiting per client; more are dropped (and counted)"),
-    "stall_timeout": Setting(5.0, _seconds, "a client whose queue stays full, or whose send blocks, this "
+    "stall_timeout": Setting(5.0, seconds(), "a client whose queue stays full, or whose send blocks, this "
                                             "long is closed with 1008 'too slow'"),
     "queue": Setting(256, integer(low=1), "results waiting for the publisher thread; more are dropped"),
     "max_clients": Setting(8, integer(low=1), "connections one hub accepts at once"),
     "raw_max_elements": Setting(1 << 16, integer(low=1), "the raw compressor's cap (and default)"),
-    "wait": Setting(0.0, _seconds, "seconds the process waits, when its hub starts, for a first "
+    "wait": Setting(0.0, seconds(), "seconds the process waits, when its hub starts, for a first "
                                    "subscription (0 = never; a scripted capture sets it to miss no step)"),
 }
 
 
 # -- weight sync, trainer -> engines (source_patch.runtime.weight_sync, patches/weight_sync.yaml)
-
-
-def _positive_number(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise TypeError(f"expected a number of seconds, got {type(value).__name__}")
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"expected a number of seconds, got {value!r}") from None
-    if not number > 0:
-        raise ValueError(f"expected a positive number of seconds, got {value!r}")
-    return number
 
 
 SCHEMAS["weight_sync"] = {
@@ -328,7 +329,7 @@ SCHEMAS["weight_sync"] = {
     "backend": Setting("auto", choice("auto", "nccl", "gloo"), "auto: nccl when CUDA is available, else gloo"),
     "bucket_bytes": Setting(1 << 30, size(low=16), "bytes per bucket; the sender double-buffers two of them"),
     "checksum": Setting(True, boolean, "per-bucket checksum (int64 word sum on the device), checked by receivers"),
-    "timeout_s": Setting(300.0, _positive_number, "longest wait for any step of an update (also the first "
+    "timeout_s": Setting(300.0, seconds(positive=True), "longest wait for any step of an update (also the first "
                                                   "connection); then the update fails instead of hanging"),
     "every": Setting(1, integer(low=1), "trainer: push after every N-th successful optimizer step"),
     "on_error": Setting("log", choice("log", "raise"), "trainer: a failed push is logged and counted "

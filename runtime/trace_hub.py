@@ -36,6 +36,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from source_patch.runtime import settings
+from source_patch.runtime.endpoint import local_rank, write_private_json
 
 log = logging.getLogger("source_patch.trace")
 
@@ -180,7 +181,7 @@ class Hub:
         self.runtime, self.config = runtime, config
         self.token = config["token"] or secrets.token_urlsafe(32)
         self.host = config["host"]
-        self.port = config["port"] + _local_rank()
+        self.port = config["port"] + local_rank()
         self.clients: set = set()
         self.connections = 0
         self.counts = {"frames_sent": 0, "dropped": 0, "clients_dropped": 0, "rejected": 0,
@@ -506,27 +507,11 @@ class Hub:
         rank = self.runtime._global_rank()
         path = folder / f"{socket.gethostname().split('.')[0]}-p{os.getpid()}-rank{rank}.json"
         info = {"url": self.url, "ws": self.ws_url, "token": self.token, "page": self.page_url,
-                "pid": os.getpid(), "rank": rank, "local_rank": _local_rank(), "started": time.time()}
-        tmp = path.with_name(f".{path.name}.tmp")
+                "pid": os.getpid(), "rank": rank, "local_rank": local_rank(), "started": time.time()}
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as out:
-                os.fchmod(out.fileno(), 0o600)
-                json.dump(info, out)
-            os.replace(tmp, path)
+            write_private_json(path, info)
             return path
         except OSError as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             self.runtime._fail("writing the trace token file", exc)
             return None
 
-
-def _local_rank() -> int:
-    try:
-        return int(os.environ.get("LOCAL_RANK", "0") or 0)
-    except ValueError:
-        return 0

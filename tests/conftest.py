@@ -56,3 +56,19 @@ def sglang_topk(sglang_cpu, tmp_path_factory):
 
     return import_patched_copy("sglang.srt.layers.moe.topk", "moe_sglang",
                                cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture
+def check_sglang_spec(capsys):
+    """check_sglang_spec(spec) -> the output of `source-patch check spec`, asserting it
+    passed and imported no sglang module (a dry run locates modules, never imports them)."""
+    from source_patch.patcher import cli
+
+    def check(spec: str) -> str:
+        before = {m for m in sys.modules if m.split(".")[0] == "sglang"}
+        assert cli.main(["check", spec]) == 0
+        out = capsys.readouterr().out
+        assert {m for m in sys.modules if m.split(".")[0] == "sglang"} == before
+        return out
+
+    return check

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from source_patch.runtime import routing
-from source_patch.runtime.routing_record import RoutingRecord, load
+from source_patch.runtime.routing_record import load
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "e2e" / "routing_run.py"

@@ -5,7 +5,6 @@ sglang.srt.model_executor.model_runner (ModelRunner._forward_raw's entry, with a
 real ForwardBatch)."""
 
 import importlib.util
-import sys
 import types
 
 import pytest
@@ -14,7 +13,6 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
-from source_patch.patcher import cli  # noqa: E402
 from source_patch.runtime import routing_sglang as rs  # noqa: E402
 from source_patch.runtime.routing_record import RoutingRecord, RoutingRecordError  # noqa: E402
 
@@ -40,13 +38,10 @@ def _select(topk_mod, logits, layer=0, renormalize=True, scoring_func="softmax")
     return out.topk_weights, out.topk_ids
 
 
-def test_spec_checks_without_importing_sglang(capsys):
-    before = {m for m in sys.modules if m.split(".")[0] == "sglang"}
-    assert cli.main(["check", "moe_sglang"]) == 0
-    out = capsys.readouterr().out
+def test_spec_checks_without_importing_sglang(check_sglang_spec):
+    out = check_sglang_spec("moe_sglang")
     assert "ok   sglang.srt.layers.moe.topk" in out and "ok   sglang.srt.model_executor.model_runner" in out
     assert "sglang 0.5.23" in out
-    assert {m for m in sys.modules if m.split(".")[0] == "sglang"} == before
 
 
 def test_off_by_default_changes_nothing(topk_mod):

@@ -7,7 +7,6 @@ real client; the real ModelRunner.forward numbers the step by its forward pass i
 import asyncio
 import importlib.util
 import socket
-import sys
 import types
 
 import numpy as np
@@ -17,19 +16,16 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
-from source_patch.patcher import cli, import_patched_copy  # noqa: E402
+from source_patch.patcher import import_patched_copy  # noqa: E402
 from source_patch.runtime import trace_compress as tc  # noqa: E402
 from source_patch.runtime.trace import close, configure, reset, state, url  # noqa: E402
 from source_patch.runtime.trace_client import connect  # noqa: E402
 
 
-def test_spec_checks_without_importing_sglang(capsys):
-    before = {m for m in sys.modules if m.split(".")[0] == "sglang"}
-    assert cli.main(["check", "trace_sglang"]) == 0
-    out = capsys.readouterr().out
+def test_spec_checks_without_importing_sglang(check_sglang_spec):
+    out = check_sglang_spec("trace_sglang")
     assert "ok   sglang.srt.models.qwen3_moe" in out and "ok   sglang.srt.model_executor.model_runner" in out
     assert "qwen3-moe-layer: at after 'hidden_states = self.self_attn(...)'" in out
-    assert {m for m in sys.modules if m.split(".")[0] == "sglang"} == before
 
 
 @pytest.fixture(scope="module")
