@@ -1,13 +1,25 @@
-"""Device time of each trace compressor on one hidden-state-sized tensor.
+"""What a traced tensor costs: device time of each compressor on one hidden-state-
+sized tensor, and host time of the trace() call itself.
 
     python bench/compressor_bench.py            # GPU: [1024, 4, 1024] float32 and bfloat16
     python bench/compressor_bench.py --quick    # CPU smoke run
 
-Times are CUDA-event times per call (median of --iters), the input already on the
-device; `tiles, two passes` reduces the contiguous width first, then the rows (an
-alternative measured side by side; on an H200 the two were within the noise, so the
-runtime keeps the single reduction).  A second of warm-up work runs first: the
-first variant timed used to read high.
+Table 1: CUDA-event time per call (median of --iters), the input already on the
+device; for the runtime's compressors, the device stage (reduce) only: tiles leaves
+its per-tile step to the publisher's host stage.  Two alternatives to the runtime's
+tiles run side by side: the reduction over (rows, within-tile) at once that the
+runtime used before, and a two-kernel variant (var_mean + aminmax over the rows,
+then the tiles).  A second of warm-up
+work runs first: the first variant timed used to read high.
+
+Table 2: host time of trace() on the calling thread, the way a training step calls
+it: one call per layer (50 "layers"), then trace_step().  Disabled, enabled with no
+subscription for the name, and with a tiles subscription (compressor launch, async
+copy, queueing).  On a GPU nothing waits for the device there, so this is the launch
+cost the training thread pays.  Then the CPU time per frame of the publisher thread
+(host stage, encoding) and of the hub thread (sending), with a real hub and a
+recording client (trace_client record) in another process: in a training process
+these threads take the GIL from the training thread.
 """
 
 from __future__ import annotations
@@ -28,13 +40,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout witho
 from source_patch.runtime import trace_compress as tc  # noqa: E402
 
 
-def tiles_two_passes(x: torch.Tensor, tiles: int = 64) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1]).unflatten(1, (tiles, -1))
-    count = rows.shape[0] * rows.shape[2]
-    return torch.stack([rows.sum(2, dtype=torch.float32).sum(0) / count,
-                        torch.linalg.vector_norm(rows, math.inf, 2, dtype=torch.float32).amax(0),
-                        torch.linalg.vector_norm(torch.linalg.vector_norm(rows, 2, 2, dtype=torch.float32), 2, 0)
-                        / math.sqrt(count)])
+def tiles_at_once(x: torch.Tensor, tiles: int = 64) -> torch.Tensor:
+    """The runtime's tiles before: each stat one reduction over (rows, within-tile)."""
+    part = x.reshape(-1, x.shape[-1]).unflatten(1, (tiles, -1))
+    count = part.shape[0] * part.shape[2]
+    return torch.stack([part.sum((0, 2), dtype=torch.float32) / count,
+                        torch.linalg.vector_norm(part, math.inf, (0, 2), dtype=torch.float32),
+                        torch.linalg.vector_norm(part, 2, (0, 2), dtype=torch.float32) / math.sqrt(count)])
+
+
+def tiles_two_kernels(x: torch.Tensor, tiles: int = 64) -> torch.Tensor:
+    """Mean and mean square from one var_mean pass, abs-max from one aminmax pass."""
+    rows = x.reshape(-1, x.shape[-1])
+    var, mean = torch.var_mean(rows.float() if rows.dtype != torch.float32 else rows, 0, correction=0)
+    low, high = torch.aminmax(rows, dim=0)
+    by_tile = torch.stack([mean, var + mean * mean, torch.maximum(low.abs(), high.abs()).float()]
+                          ).unflatten(1, (tiles, -1))
+    stats = torch.cat([by_tile[:2].mean(2), by_tile[2:].amax(2)])
+    return torch.cat([stats[:1], stats[2:], stats[1:2].sqrt()])
 
 
 def timed(fn, x, iters: int) -> float:
@@ -57,6 +80,80 @@ def timed(fn, x, iters: int) -> float:
     return statistics.median(samples)
 
 
+def host_loop(fn, device: str, reps: int, calls: int) -> float:
+    """Median host microseconds per call of ``fn`` over batches of ``calls`` calls."""
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def host_costs(device: str, shape, tmp: str, reps: int = 20, layers: int = 50) -> list[tuple[str, float]]:
+    """Microseconds per trace() call on the calling thread (see the module doc), and
+    the CPU time per frame of the publisher and hub threads, with a real hub and a
+    recording client (trace_client record) in another process."""
+    import importlib
+    import os
+    import socket
+    import subprocess
+
+    rt = importlib.import_module("source_patch.runtime.trace")  # the module (the package exports a function)
+    x = torch.randn(shape, device=device)
+
+    def per_call(name: str, enabled: bool) -> float:
+        rt._enabled = enabled
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for layer in range(layers):
+                rt.trace(name, x, layer=layer)
+            samples.append((time.perf_counter() - t0) / layers * 1e6)
+            rt.trace_step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            rt.flush(10)
+        rt._enabled = True
+        return statistics.median(samples)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rt.configure(enable=True, port=port, token="bench", dir=tmp, client_queue=1 << 14)
+    recorder = subprocess.Popen([sys.executable, "-m", "source_patch.runtime.trace_client", "record",
+                                 "--url", f"127.0.0.1:{port}", "--token", "bench", "--name", "traced",
+                                 "--out", os.path.join(tmp, "rec.sptrace"), "--retry", "30"],
+                                stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not rt.state()["subscriptions"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rows = [("disabled", per_call("traced", False)),
+                ("enabled, name not subscribed", per_call("idle", True))]
+        before = rt.state()
+        rows.append(("tiles subscription, due", per_call("traced", True)))
+        compressor = tc.parse({"kind": "tiles"})
+        rows += [("  of which: device stage (reduce)", host_loop(lambda: compressor.reduce(x), device, reps, layers)),
+                 ("  of which: pinned copy + event", host_loop(lambda: rt._to_host(compressor.reduce(x)), device,
+                                                               reps, layers) - host_loop(lambda: compressor.reduce(x),
+                                                                                         device, reps, layers))]
+        after = rt.state()
+        results = after["results"] - before["results"]
+        frames = after["hub"]["frames_sent"] - before["hub"]["frames_sent"]
+        cost = {k: after["cost_seconds"][k] - before["cost_seconds"][k] for k in after["cost_seconds"]}
+        rows += [("publisher CPU per result", cost["publisher_cpu"] / max(results, 1) * 1e6),
+                 (f"hub CPU per frame sent ({frames})", cost["hub_cpu"] / max(frames, 1) * 1e6)]
+    finally:
+        recorder.terminate()
+        recorder.wait(10)
+        rt.close()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -68,20 +165,31 @@ def main() -> None:
         vector = Path(tmp) / "v.safetensors"
         save_file({"v": torch.randn(shape[-1])}, str(vector))
         variants = {"tiles (mean, absmax, rms)": tc.parse({"kind": "tiles"}),
-                    "tiles, two passes": tiles_two_passes,
+                    "tiles, rows x tile at once": tiles_at_once,
+                    "tiles, var_mean + aminmax": tiles_two_kernels,
                     "histogram, 64 bins": tc.parse({"kind": "histogram"}),
                     "topk 16": tc.parse({"kind": "topk"}),
                     "projection": tc.parse({"kind": "projection", "file": str(vector)})}
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
         print(f"device {name}, torch {torch.__version__}, input {list(shape)}, median of {args.iters} calls\n")
-        print(f"{'compressor':28}" + "".join(f"{str(d).replace('torch.', ''):>12}" for d in (torch.float32, torch.bfloat16)))
+        dtypes = (torch.float32, torch.bfloat16)
+        print(f"{'compressor':28}" + "".join(f"{str(d).replace('torch.', ''):>12}" for d in dtypes))
         inputs = [torch.randn(shape, device=device, dtype=d) for d in (torch.float32, torch.bfloat16)]
         warm_until = time.perf_counter() + 1.0
         while time.perf_counter() < warm_until:  # clocks up, caches and allocator warm
             for fn in variants.values():
-                fn(inputs[0])
+                getattr(fn, "reduce", fn)(inputs[0])
         for label, fn in variants.items():
-            print(f"{label:28}" + "".join(f"{timed(fn, x, args.iters):10.3f}ms" for x in inputs))
+            stage = getattr(fn, "reduce", fn)  # the runtime's compressors: the device stage only
+            print(f"{label:28}" + "".join(f"{timed(stage, x, args.iters):10.3f}ms" for x in inputs))
+        check = inputs[0]
+        reference = variants["tiles (mean, absmax, rms)"](check)
+        for label in ("tiles, rows x tile at once", "tiles, var_mean + aminmax"):
+            assert torch.allclose(variants[label](check).cpu(), reference, rtol=1e-3, atol=1e-5), label
+        host = host_costs(device, shape, tmp)
+    print(f"\n{'host time, float32 input':40}{'us':>12}")
+    for label, us in host:
+        print(f"{label:40}{us:12.2f}")
 
 
 if __name__ == "__main__":

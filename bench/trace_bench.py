@@ -1,13 +1,21 @@
 """Step time of the real Megatron training example while its hidden states are traced
-live: no trace spec vs. the trace spec with no client (idle call sites) vs. one client
-subscribed to every layer's output (TransformerLayer output) with the tiles
-compressor, reading every frame, vs. a client that subscribes to raw router logits
-and never reads (the hub must drop it without slowing the step).
+live.
 
-Each variant is its own process (patching happens at import), run in alternating
-rounds; the first `--warmup` steps are discarded.  With a client the process waits at
-its hub's start (SOURCE_PATCH_TRACE_WAIT) until the client has subscribed, so every
-timed step is traced.
+Side by side in one process (the figure the goal is about): a client that reads
+every frame toggles its subscription to every layer's output (TransformerLayer
+output, tiles compressor) on and off every --phase steps; each step is classed by
+the frames that arrived for it: `toggling: traced` (all layers, and the step before
+too: a step also publishes the previous step's frames) and `toggling: not traced`
+(no frames, none the step before either); transition steps are left out.  This
+process runs 4 x --steps steps.  Processes
+differ from each other by a few percent in step time, so only this comparison can
+resolve a cost near 1%.  The rows also report what tracing cost that process
+(state()["cost_seconds"]: time in trace() calls, publisher and hub CPU) per step.
+
+Across processes (each variant its own process: patching happens at import; the
+first `--warmup` steps are discarded; rounds alternate the order): no trace spec,
+the trace spec with no client (idle call sites), and a client that subscribes to raw
+router logits and never reads (the hub must drop it without slowing the step).
 
     python bench/trace_bench.py            # GPU: a mid-size GPT-MoE
     python bench/trace_bench.py --quick    # CPU smoke run
@@ -27,10 +35,11 @@ import training
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout without the package installed
 
-from source_patch.runtime.trace_client import connect  # noqa: E402
+from source_patch.runtime.trace_client import TraceError, connect  # noqa: E402
 
 TOKEN = "trace-bench"
-VARIANTS = ["no trace spec", "trace spec, no client", "one client, tiles", "stalled client"]
+PROCESSES = ["no trace spec", "trace spec, no client", "toggling client", "stalled client"]
+TRACED, UNTRACED = "toggling: traced", "toggling: not traced"
 
 
 def free_port() -> int:
@@ -39,13 +48,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def reading_client(port: int, report: dict) -> None:
-    """Subscribe to every layer's output with tiles and read every frame until the end."""
+async def toggling_client(port: int, report: dict, phase: int) -> None:
+    """Subscribe to every layer's output with tiles until frames of `phase` steps have
+    arrived, unsubscribe for as long, again until the process ends; count the frames
+    of each step and the process's tracing cost over the subscribed phases."""
+    from websockets.exceptions import ConnectionClosed
+
+    frames: dict = {}
+    cost = {"steps": 0}
+    report.update(frames=frames, cost=cost)
+    loop = asyncio.get_running_loop()
     async with connect(f"127.0.0.1:{port}", TOKEN, client="bench", retry=300) as c:
-        await c.subscribe(["layer_output"], compressor={"kind": "tiles"}, id="tiles")
-        seqs = [frame.seq async for frame in c]
-        report.update(frames=len(seqs), gaps=(seqs[-1] + 1 - len(seqs)) if seqs else 0,
-                      client_dropped=c.dropped)
+        try:
+            while True:
+                before = await c.stats()
+                await c.subscribe(["layer_output"], compressor={"kind": "tiles"}, id="tiles")
+                started, steps = loop.time(), set()
+                while len(steps) <= phase:  # the first step seen may be partial
+                    frame = await c.next_frame()
+                    frames[frame.step] = frames.get(frame.step, 0) + 1
+                    steps.add(frame.step)
+                await c.unsubscribe("tiles")
+                after = await c.stats()
+                for key, seconds in after["cost_seconds"].items():
+                    cost[key] = cost.get(key, 0.0) + seconds - before["cost_seconds"][key]
+                cost["steps"] += after["step"] - before["step"]
+                off_until = loop.time() + (loop.time() - started)
+                while (left := off_until - loop.time()) > 0:  # frames still in flight land here
+                    try:
+                        frame = await c.next_frame(left)
+                        frames[frame.step] = frames.get(frame.step, 0) + 1
+                    except TimeoutError:
+                        break
+        except (StopAsyncIteration, TraceError, ConnectionClosed):
+            pass  # training ended
+        report.update(client_dropped=c.dropped)
+
+
+def split_steps(times: list[float], frames: dict, layers: int, warmup: int) -> tuple[list, list]:
+    """Times of the steps fully traced (and the step before) and of those not traced at
+    all (nor the step before); step i (0-based) traces with trace step i."""
+    traced, untraced = [], []
+    for i, t in enumerate(times):
+        if i < warmup or i == 0:
+            continue
+        now, before = frames.get(i, 0), frames.get(i - 1, 0)
+        if now == before == layers:
+            traced.append(t)
+        elif now == before == 0:
+            untraced.append(t)
+    return traced, untraced
 
 
 async def stalled_client(port: int, report: dict) -> None:
@@ -70,34 +122,55 @@ async def stalled_client(port: int, report: dict) -> None:
 
 def main() -> None:
     p = training.parser(__doc__)
+    p.add_argument("--phase", type=int, default=6, help="steps per on/off phase of the toggling client")
     args = p.parse_args()
     if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 6, 2
+        args.rounds, args.steps, args.warmup, args.phase = 1, 10, 2, 2
     training.header(args)
     reports: dict = {}
+    samples: dict = {name: [] for name in ["no trace spec", "trace spec, no client", UNTRACED, TRACED,
+                                           "stalled client"]}
 
     with tempfile.TemporaryDirectory() as root:
-        def run(name: str) -> list[float]:
+        def run(name: str) -> None:
             port = free_port()
             env = {"SOURCE_PATCH": "megatron_cpu" if name == "no trace spec" else "megatron_cpu,trace",
                    "SOURCE_PATCH_TRACE_PORT": str(port), "SOURCE_PATCH_TRACE_TOKEN": TOKEN,
                    "SOURCE_PATCH_TRACE_DIR": root, "SOURCE_PATCH_TRACE_STALL_TIMEOUT": "1",
                    # a raw router-logits frame of the GPU model is 4M elements
                    "SOURCE_PATCH_TRACE_RAW_MAX_ELEMENTS": str(1 << 24)}
-            client = {"one client, tiles": reading_client, "stalled client": stalled_client}.get(name)
             report: dict = {}
+            client = {"toggling client": lambda: toggling_client(port, report, args.phase),
+                      "stalled client": lambda: stalled_client(port, report)}.get(name)
             thread = None
             if client is not None:
-                env["SOURCE_PATCH_TRACE_WAIT"] = "300"
-                thread = threading.Thread(target=lambda: asyncio.run(client(port, report)), daemon=True)
+                if name == "stalled client":
+                    env["SOURCE_PATCH_TRACE_WAIT"] = "300"  # every timed step has the client
+                thread = threading.Thread(target=lambda: asyncio.run(client()), daemon=True)
                 thread.start()
-            times = training.train(args, training.environment("SOURCE_PATCH_TRACE", **env), name)
+            steps = args.steps * 4 if name == "toggling client" else args.steps
+            times = training.train(args, training.environment("SOURCE_PATCH_TRACE", **env), name, steps=steps)
             if thread is not None:
                 thread.join(60)
-                reports.setdefault(name, []).append(report)
-            return times[args.warmup:]
+            if name == "toggling client":
+                traced, untraced = split_steps(times, report.get("frames", {}), args.layers, args.warmup)
+                samples[TRACED] += traced
+                samples[UNTRACED] += untraced
+                cost = dict(report.get("cost", {}))
+                subscribed = max(cost.pop("steps", 0), 1)
+                reports.setdefault(name, []).append(
+                    {"traced": len(traced), "not traced": len(untraced), "client dropped": report.get("client_dropped"),
+                     "ms per subscribed step": {k: round(v / subscribed * 1e3, 3) for k, v in cost.items()}})
+            else:
+                samples[name] += times[args.warmup:]
+                if report:
+                    reports.setdefault(name, []).append(report)
 
-        training.rounds(args, VARIANTS, run)
+        for r in range(args.rounds):
+            for name in PROCESSES[r % len(PROCESSES):] + PROCESSES[:r % len(PROCESSES)]:
+                run(name)
+            training.table(samples, f"after round {r + 1}/{args.rounds}")
+            training.ratio(samples, TRACED, UNTRACED)
     for name, runs in reports.items():
         print(f"{name}: {runs}")
 

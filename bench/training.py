@@ -40,9 +40,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def train(args, environ: dict, what: str) -> list[float]:
+def train(args, environ: dict, what: str, steps: int | None = None) -> list[float]:
     """Run the example with these sizes and environment; its per-step times in ms."""
-    size = ["--steps", str(args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden),
+    size = ["--steps", str(steps or args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden),
             "--heads", str(args.heads), "--seq-len", str(args.seq_len),
             "--micro-batch", str(args.micro_batch), "--micro-batches", str(args.micro_batches),
             "--experts", str(args.experts), "--vocab", str(args.vocab)]
@@ -83,6 +83,24 @@ def table(samples: dict[str, list[float]], title: str) -> None:
     base = statistics.median(samples[next(iter(samples))])
     print(f"{title}\n{'variant':<22}{'steps':>7}{'median ms':>11}{'min ms':>9}{'vs first':>10}")
     for name, times in samples.items():
+        if not times:
+            print(f"{name:<22}{0:>7}")
+            continue
         med = statistics.median(times)
         print(f"{name:<22}{len(times):>7}{med:>11.2f}{min(times):>9.2f}{(med / base - 1) * 100:>+9.2f}%")
     print(flush=True)
+
+
+def ratio(samples: dict[str, list[float]], a: str, b: str) -> None:
+    """`a` against `b`: medians and a bootstrap 90% interval of the median's ratio."""
+    import random
+
+    x, y = samples[a], samples[b]
+    if len(x) < 3 or len(y) < 3:
+        return
+    rng = random.Random(0)
+    boot = sorted(statistics.median(rng.choices(x, k=len(x))) / statistics.median(rng.choices(y, k=len(y)))
+                  for _ in range(2000))
+    med = statistics.median(x) / statistics.median(y)
+    print(f"{a} vs {b}: {(med - 1) * 100:+.2f}% on the medians (90% interval {(boot[100] - 1) * 100:+.2f}% .. "
+          f"{(boot[1899] - 1) * 100:+.2f}%), {(min(x) / min(y) - 1) * 100:+.2f}% on the minima\n", flush=True)

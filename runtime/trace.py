@@ -18,12 +18,13 @@ Design (see docs/trace.md):
 * Disabled, or enabled with no subscription for ``(name, layer)``, ``trace()`` is a
   flag test, or a flag test and one dict lookup (the table is rebuilt only when
   subscriptions change).
-* A due subscription runs its compressor (trace_compress.py) on the tensor's device:
-  torch ops only, nothing that waits for the GPU.  The small result is copied to
-  pinned host memory with ``non_blocking=True`` behind a CUDA event; a bounded queue
-  takes (event, buffer, meta).  A publisher thread waits on the events (never the
-  training thread), encodes frames and hands them to the hub's event loop, where
-  every client has a bounded queue.  Full queues drop and count; nothing blocks.
+* A due subscription runs its compressor's device stage (trace_compress.py) on the
+  tensor's device: torch ops only, nothing that waits for the GPU.  The small result
+  is copied to pinned host memory with ``non_blocking=True`` behind a CUDA event; a
+  bounded queue takes (event, buffer, meta).  A publisher thread waits on the events
+  (never the training thread), runs the compressor's host stage, encodes frames and
+  hands them to the hub's event loop, where every client has a bounded queue.  Full
+  queues drop and count; nothing blocks.
 * Failures are counted, logged once per kind, and never raised into training, except
   a call site's own programming error (a value that is not a tensor).
 """
@@ -85,6 +86,9 @@ _hub_key: tuple | None = None
 
 _COUNTERS = ("results", "dropped", "skipped", "errors", "compress_errors", "too_large")
 _counts: dict = dict.fromkeys(_COUNTERS, 0)
+# What tracing costs the process, in seconds: the training thread's time inside due
+# trace() calls (compressor launches, copies), and the publisher's CPU time.
+_cost = {"trace_calls": 0.0, "publisher_cpu": 0.0}
 _last_error: str | None = None
 _logged: set = set()
 _rank: int | None = None
@@ -161,7 +165,9 @@ def state() -> dict:
     with _cond:
         counts = dict(_counts)
         queued = len(_pending) + _busy
+        cost = dict(_cost)
     hub = _hub
+    cost["hub_cpu"] = hub.cpu_seconds() if hub is not None else 0.0
     return {
         "enabled": _enabled,
         "step": _step,
@@ -171,6 +177,7 @@ def state() -> dict:
         "last_error": _last_error,
         "series": len(_seen),
         "subscriptions": len(_table.subs),
+        "cost_seconds": cost,
         "hub": hub.stats() if hub is not None else None,
         "url": hub.url if hub is not None else None,
         "config": public_config(),
@@ -195,6 +202,8 @@ def reset() -> dict:
     with _cond:
         for key in _COUNTERS:
             _counts[key] = 0
+        for key in _cost:
+            _cost[key] = 0.0
         _last_error = None
         _logged.clear()
     _step = 0
@@ -274,10 +283,12 @@ def _emit(routes: tuple, name: str, tensor, tags: dict) -> None:
             due.append(sub)
     if not due:
         return
+    start = time.perf_counter()
     try:
         _compress(due, key, name, tensor, tags, step)
     except Exception as exc:  # noqa: BLE001 - tracing must never break the step
         _fail(f"trace({name!r})", exc)
+    _cost["trace_calls"] += time.perf_counter() - start  # a statistic: a rare lost update is fine
 
 
 def _compress(due: list, key: tuple, name: str, tensor: torch.Tensor, tags: dict, step: int) -> None:
@@ -296,7 +307,7 @@ def _compress(due: list, key: tuple, name: str, tensor: torch.Tensor, tags: dict
                 _counts["dropped"] += 1
                 continue
         try:
-            result = subs[0].compressor(tensor)
+            result = subs[0].compressor.reduce(tensor)
         except Exception as exc:  # noqa: BLE001 - a client's parameters that do not fit
             _compress_failed(subs, name, exc)
             continue
@@ -373,12 +384,16 @@ def _publish_loop() -> None:
             items = list(_pending)
             _pending.clear()
             _busy += len(items)
+        cpu = time.thread_time()
         try:
-            frames = []
+            frames, rank = [], _global_rank()
             for item in items:
                 if item.event is not None:
                     item.event.synchronize()  # this thread waits for the copy, never the trainer
-                frames += _frames(item)
+                try:
+                    frames += _frames(item, rank)
+                except Exception as exc:  # noqa: BLE001 - one bad result must not lose the batch
+                    _fail(f"publishing {item.name!r}", exc)
             hub = _hub
             if frames and hub is not None:
                 hub.deliver(frames)
@@ -388,14 +403,14 @@ def _publish_loop() -> None:
             items = None
             with _cond:
                 _busy = 0
+                _cost["publisher_cpu"] += time.thread_time() - cpu
                 _cond.notify_all()
 
 
-def _frames(item: _Result) -> list:
+def _frames(item: _Result, rank: int) -> list:
     from source_patch.runtime.trace_frame import encode
 
-    array = item.host.numpy()
-    rank = _global_rank()
+    array = item.subs[0].compressor.finish(item.host.numpy(), item.shape)  # all subs: one compressor
     call_tags = {k: _tag_value(v) for k, v in item.tags.items()}
     frames = []
     for sub in item.subs:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 from urllib.parse import urlsplit
 
-from source_patch.runtime.trace_frame import Frame, decode
+from source_patch.runtime.trace_frame import Frame, FrameError, decode, split
 
 RECORDING_MAGIC = b"SPTRACE1"
 MAX_FRAME_BYTES = 1 << 28
@@ -149,7 +149,12 @@ class Connection:
         try:
             async for message in self.ws:
                 if isinstance(message, bytes):
-                    self._push(message)
+                    try:
+                        frames = [bytes(frame) for frame in split(message)]
+                    except FrameError:
+                        frames = [message]  # the caller's decode() says what is wrong
+                    for frame in frames:
+                        self._push(frame)
                 else:
                     self._answer(json.loads(message))
         except ConnectionClosed:

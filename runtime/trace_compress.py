@@ -1,11 +1,18 @@
 """Trace compressors: reduce a tensor to a small one, on the tensor's device.
 
 ``parse({"kind": "tiles", "tiles": 32})`` validates the parameters (ValueError /
-TypeError with a clear message) and returns a :class:`Compressor`: a callable that
-maps a tensor to a small float tensor with torch ops only.  None of them reads a
-value back to the host (no ``.item()``, ``.cpu()``, ``nonzero``, data-dependent
-shapes), so on a GPU they queue kernels and return at once.  The same compressor
-applied offline to a saved tensor gives the frame's values (tests do exactly that).
+TypeError with a clear message) and returns a :class:`Compressor` in two stages:
+
+* ``reduce(tensor)`` on the tensor's device, torch ops only, on the training
+  thread.  Nothing reads a value back to the host (no ``.item()``, ``.cpu()``,
+  ``nonzero``, data-dependent shapes), so on a GPU it queues kernels and returns.
+* ``finish(array, shape)``: numpy on the host copy, in the publisher thread.  Work
+  moved here costs the training thread nothing (tiles: the per-tile combination of
+  per-column results, which would be five more small kernel launches per call).
+
+``compressor(tensor)`` runs both and returns the frame's values as a host tensor:
+the same compressor applied offline to a saved tensor gives what a frame carries
+(tests do exactly that).
 
     kind        params (defaults)                                     output
     tiles       stats [mean, absmax, rms], tiles 64, dim -1           float32 [len(stats), n_tiles]
@@ -20,11 +27,13 @@ file.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 TILE_STATS = ("mean", "absmax", "rms", "min", "max")
@@ -50,21 +59,35 @@ def defaults(raw_max_elements: int = RAW_MAX_ELEMENTS) -> dict:
     }
 
 
+Finish = Callable[[np.ndarray, tuple], np.ndarray]
+
+
 class Compressor:
-    """A validated compressor: ``kind``, canonical ``params`` (JSON), and the function."""
+    """A validated compressor: ``kind``, canonical ``params`` (JSON), and its stages."""
 
-    __slots__ = ("kind", "params", "key", "_fn")
+    __slots__ = ("kind", "params", "key", "_reduce", "_finish")
 
-    def __init__(self, kind: str, params: dict, fn: Callable[[torch.Tensor], torch.Tensor]):
-        self.kind, self.params, self._fn = kind, params, fn
+    def __init__(self, kind: str, params: dict, reduce: Callable[[torch.Tensor], torch.Tensor],
+                 finish: Finish | None = None):
+        self.kind, self.params, self._reduce, self._finish = kind, params, reduce, finish
         self.key = json.dumps([kind, params], sort_keys=True)  # equal keys compute the same thing
 
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The device stage: a small tensor on ``tensor``'s device, without a sync."""
         if tensor.numel() == 0:
             raise ValueError("empty tensor")
         if tensor.is_complex():
             raise TypeError("complex tensors are not supported")
-        return self._fn(tensor.detach())
+        return self._reduce(tensor.detach())
+
+    def finish(self, array: np.ndarray, shape: tuple) -> np.ndarray:
+        """The host stage on the reduced result's copy; ``shape``: the traced tensor's."""
+        return array if self._finish is None else self._finish(array, tuple(shape))
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Both stages: the values a frame carries, as a host tensor (offline use)."""
+        reduced = self.reduce(tensor).cpu()
+        return reduced if self._finish is None else torch.from_numpy(self.finish(reduced.numpy(), tensor.shape))
 
     def spec(self) -> dict:
         return {"kind": self.kind, **self.params}
@@ -128,40 +151,66 @@ def _tiles(params: dict, _raw_max: int) -> Compressor:
     tiles = _int("tiles", "tiles", params["tiles"], 1, MAX_TILES)
     dim = _int("tiles", "dim", params["dim"], -64, 63)
     canonical = {"stats": list(stats), "tiles": tiles, "dim": dim}
-    return Compressor("tiles", canonical, lambda x: tile_stats(x, stats, tiles, dim))
+    return Compressor("tiles", canonical, lambda x: tile_columns(x, stats, dim),
+                      lambda columns, shape: tile_finish(columns, shape, stats, tiles))
 
 
 def tile_stats(x: torch.Tensor, stats, tiles: int, dim: int = -1) -> torch.Tensor:
-    """float32 [len(stats), n]: move ``dim`` last, flatten the rest to rows, cut that
-    dim into contiguous tiles of ceil(D / min(tiles, D)) columns (the last may be
-    shorter, so n = ceil(D / size) may be below ``tiles``); each stat is over rows x
-    tile.  Reductions run in float32 without a float32 copy of ``x``."""
+    """float32 [len(stats), n]: ``dim`` (size D) is cut into contiguous tiles of
+    ceil(D / min(tiles, D)) entries (the last may be shorter, so n = ceil(D / size)
+    may be below ``tiles``); each stat is over every other dim x tile."""
+    columns = tile_columns(x, stats, dim).cpu().numpy()
+    return torch.from_numpy(tile_finish(columns, tuple(x.shape), stats, tiles))
+
+
+def tile_columns(x: torch.Tensor, stats, dim: int = -1) -> torch.Tensor:
+    """The device stage of tiles, float32 [len(stats), D]: per stat one reduction over
+    every dim but ``dim`` (sum; 2-norm; inf-norm; min; max), written in place.  Column
+    first: reducing (rows, within-tile) at once ran slower on an H200, and the
+    per-tile step is left to the host (docs/benchmarks.md).  Float32 accumulation, no
+    float32 copy of ``x``, no copy for a ``dim`` that is not last."""
     x = _floating(x)
-    if x.dim() == 0:
-        x = x.reshape(1)
-    width = x.shape[dim]
-    rows = x.movedim(dim, -1).reshape(-1, width)
+    if x.dim() < 2:
+        x, dim = x.reshape(1, -1), -1
+    dim = dim % x.dim()
+    dims = tuple(d for d in range(x.dim()) if d != dim)
+    out = torch.empty((len(stats), x.shape[dim]), dtype=torch.float32, device=x.device)
+    for row, stat in zip(out, stats):
+        if stat == "mean":
+            torch.sum(x, dims, dtype=torch.float32, out=row)
+        elif stat in ("rms", "absmax"):
+            torch.linalg.vector_norm(x, 2 if stat == "rms" else math.inf, dims, dtype=torch.float32, out=row)
+        elif x.dtype == torch.float32:
+            (torch.amin if stat == "min" else torch.amax)(x, dims, out=row)
+        else:
+            row.copy_(x.amin(dims) if stat == "min" else x.amax(dims))
+    return out
+
+
+def tile_finish(columns: np.ndarray, shape: tuple, stats, tiles: int) -> np.ndarray:
+    """The host stage of tiles: combine the per-column results over each tile (float64)."""
+    width = columns.shape[1]
+    starts, widths = _tile_layout(width, tiles)
+    count = (math.prod(shape) // width) * widths  # elements per tile
+    out = np.empty((len(stats), len(starts)), dtype=np.float32)
+    for i, (stat, column) in enumerate(zip(stats, columns.astype(np.float64))):
+        if stat == "mean":
+            out[i] = np.add.reduceat(column, starts) / count
+        elif stat == "rms":
+            out[i] = np.sqrt(np.add.reduceat(column * column, starts) / count)
+        elif stat == "min":
+            out[i] = np.minimum.reduceat(column, starts)
+        else:  # absmax, max
+            out[i] = np.maximum.reduceat(column, starts)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_layout(width: int, tiles: int) -> tuple[np.ndarray, np.ndarray]:
+    """First column and width of each tile."""
     size = -(-width // min(tiles, width))
-    full = width // size
-    parts = [(rows[:, :full * size].unflatten(1, (full, size)), rows.shape[0] * size)]
-    if full * size < width:
-        parts.append((rows[:, full * size:].unsqueeze(1), rows.shape[0] * (width - full * size)))
-    return torch.stack([torch.cat([_stat(stat, part, count) for part, count in parts]) for stat in stats])
-
-
-def _stat(stat: str, part: torch.Tensor, count: int) -> torch.Tensor:
-    """One stat of ``part`` [rows, tiles, width] per tile, in one reduction over dims
-    (0, 2); two passes (width, then rows) measured no faster (bench/compressor_bench.py)."""
-    dims = (0, 2)
-    if stat == "mean":
-        return part.sum(dims, dtype=torch.float32) / count
-    if stat == "rms":
-        return torch.linalg.vector_norm(part, 2, dims, dtype=torch.float32) / math.sqrt(count)
-    if stat == "absmax":
-        return torch.linalg.vector_norm(part, math.inf, dims, dtype=torch.float32)
-    if stat == "min":
-        return part.amin(dims).float()
-    return part.amax(dims).float()
+    starts = np.arange(0, width, size)
+    return starts, np.diff(np.append(starts, width))
 
 
 # ---------------------------------------------------------------- histogram

@@ -1,4 +1,5 @@
-"""The binary frame of the trace protocol (v1): one trace result, server to client.
+"""The binary frame of the trace protocol (frame version 1, used by protocol v2): one
+trace result, server to client.
 
 Little-endian; the data starts at a multiple of 8 bytes so a reader can view it in
 place (``numpy.frombuffer``)::
@@ -19,7 +20,10 @@ place (``numpy.frombuffer``)::
     then              zero padding to a multiple of 8 bytes from the frame start
     then              prod(shape) elements, C order
 
-Needs numpy only (no torch): clients and plotting scripts decode frames anywhere.
+A WebSocket message (protocol v2) carries one or more frames back to back, each
+starting at a multiple of 8 bytes (zero padding between them): ``split`` cuts a
+message into frames.  Needs numpy only (no torch): clients and plotting scripts
+decode frames anywhere.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ MAX_NDIM = 32
 DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f8"), 2: np.dtype("<i8"), 3: np.dtype("<i4"),
           4: np.dtype("u1"), 5: np.dtype("<f2")}
 CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+# Built once: json.dumps with options builds an encoder per call.
+_META = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=str)
 
 
 class FrameError(ValueError):
@@ -94,7 +102,7 @@ def encode(array, meta: dict, *, seq: int = 0, step: int = -1, time: float = 0.0
                          f"{', '.join(str(d) for d in DTYPES.values())})")
     if array.ndim > MAX_NDIM or any(n >= 1 << 32 for n in array.shape):
         raise FrameError(f"shape {array.shape} does not fit a frame")
-    meta_bytes = json.dumps(meta, separators=(",", ":"), allow_nan=False, default=str).encode()
+    meta_bytes = _META.encode(meta).encode()
     head = HEADER.pack(MAGIC, VERSION, code, array.ndim, flags, len(meta_bytes), 0, seq, step, time)
     head += struct.pack(f"<{array.ndim}I", *array.shape) + meta_bytes
     head += b"\0" * (-len(head) % 8)
@@ -104,6 +112,38 @@ def encode(array, meta: dict, *, seq: int = 0, step: int = -1, time: float = 0.0
 def set_seq(frame: bytearray, seq: int) -> None:
     """Stamp a connection's frame counter into an encoded frame, in place."""
     struct.pack_into("<Q", frame, SEQ_OFFSET, seq)
+
+
+def join(frames) -> bytes:
+    """One message of several frames: each padded with zeros to a multiple of 8 bytes."""
+    parts = []
+    for frame in frames:
+        parts.append(frame)
+        if len(frame) % 8:
+            parts.append(bytes(-len(frame) % 8))
+    return b"".join(parts)
+
+
+def split(data) -> list[memoryview]:
+    """The frames of one message (see ``join``), as views; FrameError if it does not
+    parse (a truncated frame, bad magic)."""
+    view, frames, at = memoryview(data), [], 0
+    while at < len(view):
+        if len(view) - at < HEADER.size:
+            raise FrameError(f"{len(view) - at} bytes at offset {at} are shorter than a frame header")
+        magic, _, code, ndim, _, meta_len = HEADER.unpack_from(view, at)[:6]
+        if magic != MAGIC or code not in DTYPES:
+            raise FrameError(f"no frame at offset {at} (magic {bytes(magic)!r}, dtype code {code})")
+        if len(view) - at < HEADER.size + 4 * ndim:
+            raise FrameError(f"frame at offset {at} ends inside its shape")
+        shape = struct.unpack_from(f"<{ndim}I", view, at + HEADER.size)
+        start = HEADER.size + 4 * ndim + meta_len
+        end = at + start + (-start % 8) + math.prod(shape) * DTYPES[code].itemsize
+        if end > len(view):
+            raise FrameError(f"frame at offset {at} needs {end - at} bytes, {len(view) - at} left")
+        frames.append(view[at:end])
+        at = end + (-end % 8)
+    return frames
 
 
 def decode(data) -> Frame:

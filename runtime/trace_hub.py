@@ -1,7 +1,7 @@
 """The trace hub: a WebSocket server (``websockets``, asyncio) in a daemon thread.
 
 One hub per tracing process, on ``host`` (127.0.0.1 by default) and ``port +
-LOCAL_RANK``.  The protocol (v1) is in docs/trace.md; in short:
+LOCAL_RANK``.  The protocol (v2) is in docs/trace.md; in short:
 
 * HTTP ``GET /``, ``/view.js``, ``/view.css``: the browser view (static files, no
   data, no token needed); every other path but ``/ws`` is 404.
@@ -9,7 +9,8 @@ LOCAL_RANK``.  The protocol (v1) is in docs/trace.md; in short:
   within 5 s, else close 4401.  Then JSON requests (``subscribe``, ``unsubscribe``,
   ``list``, ``stats``) get JSON replies; a bad one gets ``{"op": "error"}`` and the
   connection stays open; a message over ``max_message`` bytes closes it with 1009.
-* Traced results arrive as binary frames (trace_frame.py).  Each client has a
+* Traced results arrive as binary frames (trace_frame.py), several to a message
+  when several are queued (``trace_frame.split`` cuts them apart).  Each client has a
   bounded queue: a full one drops frames (the per-connection ``seq`` shows the gap)
   and a client whose queue stays full, or whose send blocks, for ``stall_timeout``
   is closed with 1008 "too slow".  Nothing here ever waits on the training thread.
@@ -37,15 +38,17 @@ from urllib.parse import urlsplit
 
 from source_patch.runtime import settings
 from source_patch.runtime.endpoint import local_rank, write_private_json
+from source_patch.runtime.trace_frame import join, set_seq
 
 log = logging.getLogger("source_patch.trace")
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2         # 2: a binary message carries one or more frames (trace_frame.join)
 HELLO_TIMEOUT_S = 5.0
 MAX_SUBSCRIPTIONS = 32       # per client
 MAX_NAMES = 64               # patterns per subscription
 MAX_CONTROL = 256            # replies waiting for a client; more means it does not read: closed
 MAX_INFLIGHT = 1024          # batches handed to the loop and not yet queued
+MESSAGE_BYTES = 1 << 20      # frames queued for a client are sent together up to this size
 VIEW = Path(__file__).parent / "trace_view"
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
           "/view.js": ("view.js", "text/javascript; charset=utf-8"),
@@ -122,8 +125,6 @@ class Client:
 
     def offer(self, frame: bytearray) -> None:
         """Queue a frame with the next sequence number, or drop it when the queue is full."""
-        from source_patch.runtime.trace_frame import set_seq
-
         seq, self.seq = self.seq, self.seq + 1
         if len(self.frames) >= self.hub.config["client_queue"]:
             self.dropped += 1
@@ -145,23 +146,34 @@ class Client:
         self.wakeup.set()
 
     async def send_loop(self) -> None:
-        """The only task that sends on this connection: replies first, then frames."""
+        """The only task that sends on this connection: replies first, then the queued
+        frames, several to a message (one send per batch, not per frame: the hub
+        thread's CPU time is taken from the training thread's GIL)."""
         try:
             while not self.closed:
                 await self.wakeup.wait()
                 self.wakeup.clear()
                 while (self.control or self.frames) and not self.closed:
-                    message = self.control.popleft() if self.control else self.frames.popleft()
+                    frames = [] if self.control else self._take_frames()
+                    message = join(frames) if frames else self.control.popleft()
                     if len(self.frames) < self.hub.config["client_queue"]:
                         self.full_since = None
                     self.send_started = time.monotonic()
                     await self.ws.send(message)
                     self.send_started = None
-                    if not isinstance(message, str):
-                        self.sent += 1
-                        self.hub.counts["frames_sent"] += 1
+                    self.sent += len(frames)
+                    self.hub.counts["frames_sent"] += len(frames)
         except Exception:  # noqa: BLE001 - the connection is gone; the handler cleans up
             self.send_started = None
+
+    def _take_frames(self) -> list:
+        """Queued frames for one message: up to MESSAGE_BYTES, at least one."""
+        frames = [self.frames.popleft()]
+        size = len(frames[0])
+        while self.frames and size + len(self.frames[0]) + 8 <= MESSAGE_BYTES:  # + its padding
+            size += len(self.frames[0]) + 8
+            frames.append(self.frames.popleft())
+        return frames
 
     def stalled(self, now: float, timeout: float) -> bool:
         return ((self.full_since is not None and now - self.full_since > timeout)
@@ -299,6 +311,13 @@ class Hub:
             return asyncio.run_coroutine_threadsafe(self._drained(timeout), self.loop).result(timeout + 1)
         except Exception:  # noqa: BLE001
             return False
+
+    def cpu_seconds(self) -> float:
+        """CPU time of the hub's thread so far (what serving costs the process)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self.thread.ident))
+        except (OSError, AttributeError, TypeError):  # ended, or not on this platform
+            return 0.0
 
     def stats(self) -> dict:
         return {**self.counts, "clients": len(self.clients), "url": self.url,
@@ -498,7 +517,7 @@ class Hub:
                 "results": state["results"], "runtime_dropped": state["dropped"] + self.counts["late"],
                 "skipped": state["skipped"], "errors": state["errors"],
                 "compress_errors": state["compress_errors"], "too_large": state["too_large"],
-                "you": client.info()}
+                "cost_seconds": state["cost_seconds"], "you": client.info()}
 
     # -- token file
 

@@ -76,3 +76,27 @@ def test_malformed_frames_are_rejected(mutate, message):
 def test_unsupported_dtype_is_refused():
     with pytest.raises(tf.FrameError, match="unsupported dtype"):
         tf.encode(np.zeros(2, np.complex64), {})
+
+
+@settings(max_examples=40, deadline=None)
+@given(arrays=st.lists(st.sampled_from(DTYPES).flatmap(
+    lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=3, max_side=5))), min_size=1, max_size=6),
+    names=st.lists(st.text(max_size=9), min_size=6, max_size=6))
+def test_a_message_of_several_frames_splits_back_into_them(arrays, names):
+    frames = [tf.encode(a, {"name": n}, seq=i, step=i) for i, (a, n) in enumerate(zip(arrays, names))]
+    message = tf.join(frames)
+    parts = tf.split(message)
+    assert [bytes(p) for p in parts] == frames
+    base = np.frombuffer(message, np.uint8).ctypes.data
+    offsets = [np.frombuffer(p, np.uint8).ctypes.data - base for p in parts]
+    assert offsets[0] == 0 and all(o % 8 == 0 for o in offsets)  # every frame starts 8-byte aligned
+    for part, a in zip(parts, arrays):
+        np.testing.assert_array_equal(tf.decode(part).array, a)
+
+
+@pytest.mark.parametrize("cut, message", [(lambda m: m[:-3], "needs"), (lambda m: m + b"\0" * 20, "shorter"),
+                                         (lambda m: m + b"Z" * 48, "no frame at offset")])
+def test_a_damaged_message_does_not_split(cut, message):
+    joined = tf.join([tf.encode(np.ones(3, np.float32), {"a": 1}), tf.encode(np.ones(2, np.int64), {})])
+    with pytest.raises(tf.FrameError, match=message):
+        tf.split(cut(joined))

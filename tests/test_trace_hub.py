@@ -86,7 +86,7 @@ def test_frames_carry_the_compressor_output_and_the_tags(hub):
 
     async def main():
         async with connect(url()) as c:  # the token from the URL's fragment
-            assert c.welcome["version"] == 1 and c.welcome["rank"] == 0
+            assert c.welcome["version"] == 2 and c.welcome["rank"] == 0
             assert c.welcome["compressors"] == tc.defaults(65536)
             sub = await c.subscribe(["hid*"], layers="1-2", compressor={"kind": "tiles", "tiles": 4},
                                     every=2, id="s1")
@@ -109,6 +109,31 @@ def test_frames_carry_the_compressor_output_and_the_tags(hub):
         want = tc.parse({"kind": "tiles", "tiles": 4})(xs[f.layer] + f.step)
         assert f.array.shape == (3, 4) and np.array_equal(f.array, want.numpy())
     assert listing == [{"name": "hidden", "layers": [0, 1, 2], "shape": [4, 2, 32], "dtype": "torch.float32"}]
+
+
+def test_the_frames_of_a_step_travel_together_in_few_messages(hub):
+    """Protocol v2: the hub sends the frames queued for a client as one message (one
+    send per batch, not per frame); trace_frame.split cuts it back into frames."""
+    from source_patch.runtime.trace_frame import decode, split
+
+    async def main():
+        async with ws_connect(f"ws://127.0.0.1:{hub}/ws") as ws:
+            await ws.send(json.dumps({"op": "hello", "token": TOKEN}))
+            assert json.loads(await ws.recv())["version"] == 2
+            await ws.send(json.dumps({"op": "subscribe", "id": "s", "names": ["hidden"]}))
+            assert json.loads(await ws.recv())["op"] == "subscribed"
+            step(*[torch.full((2, 8), float(layer)) for layer in range(8)])
+            messages, got = 0, []
+            while len(got) < 8:
+                message = await asyncio.wait_for(ws.recv(), 10)
+                messages += 1
+                got += [decode(bytes(part)) for part in split(message)]
+            return messages, got
+
+    messages, got = run(main())
+    assert [f.seq for f in got] == list(range(8)) and [f.layer for f in got] == list(range(8))
+    assert [f.array[0].tolist() for f in got] == [[float(layer)] * 8 for layer in range(8)]  # tiles' means
+    assert messages < 8
 
 
 def test_a_non_tensor_is_the_call_sites_error(hub):

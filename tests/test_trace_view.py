@@ -222,6 +222,13 @@ def test_the_page_decodes_frames_as_the_python_encoder_writes_them(browser):
         expected = [float(v) if np.isfinite(v) else str(float(v)).replace("inf", "Infinity")
                     for v in array.reshape(-1)]
         assert got["data"] == expected, meta["name"]
+    # protocol v2: one message, several frames (each starting 8-byte aligned)
+    frames = [trace_frame.encode(a, m, seq=i, step=i) for i, (a, m, _) in enumerate(cases)]
+    got = browser.execute_script(
+        "const bytes = Uint8Array.from(atob(arguments[0]), c => c.charCodeAt(0));"
+        "return window.spView.decodeMessage(bytes.buffer).map(f => ({seq: f.seq, meta: f.meta, n: f.data.length}));",
+        base64.b64encode(trace_frame.join(frames)).decode())
+    assert got == [{"seq": i, "meta": m, "n": a.size} for i, (a, m, _) in enumerate(cases)]
     good = trace_frame.encode(np.zeros(4, np.float32), {"sub": "s1"})
     for bad, message in ((good[:20], "shorter than its header"), (b"XXXX" + good[4:], "bad magic"),
                          (good[:-4], "too short for shape"), (good[:5] + b"\x09" + good[6:], "unknown dtype")):

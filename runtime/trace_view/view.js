@@ -1,4 +1,4 @@
-// source-patch live trace view: talks trace protocol v1 to the hub that served this page
+// source-patch live trace view: talks trace protocol v2 to the hub that served this page
 // (docs/trace.md), decodes its binary frames and draws them on canvases. Plain ES2020.
 "use strict";
 (() => {
@@ -28,7 +28,7 @@
   const view = window.spView = {
     state: "idle", framesReceived: 0, framesDrawn: 0, draws: 0, gaps: 0, badFrames: 0,
     reconnects: 0, lastError: null, errors: [], subscriptions: {}, names: [], stats: {},
-    welcome: null, step: null, decodeFrame,
+    welcome: null, step: null, decodeFrame, decodeMessage,
   };
   let ws = null, backoff = 500, retryTimer = null, nextSeq = 0, timers = [], editing = null;
   let compressors = {};                    // kind -> {param: default}, from the hub's welcome
@@ -37,11 +37,12 @@
 
   // ------------------------------------------------------------------ frames
 
-  /** One binary frame (header table in docs/trace.md) -> {seq, step, time, shape, meta, data}. */
-  function decodeFrame(buf) {
-    if (buf.byteLength < HEADER) throw new Error(`frame of ${buf.byteLength} bytes is shorter than its header`);
-    const dv = new DataView(buf);
-    const magic = String.fromCharCode(...new Uint8Array(buf, 0, 4));
+  /** The frame at byte `at` of a message (header table in docs/trace.md) ->
+   *  {seq, step, time, shape, meta, data, end}; `end`: the byte after its data. */
+  function decodeFrame(buf, at = 0) {
+    if (buf.byteLength - at < HEADER) throw new Error(`frame of ${buf.byteLength - at} bytes is shorter than its header`);
+    const dv = new DataView(buf, at);
+    const magic = String.fromCharCode(...new Uint8Array(buf, at, 4));
     if (magic !== "SPTF") throw new Error(`bad magic ${JSON.stringify(magic)}`);
     const version = dv.getUint8(4), code = dv.getUint8(5), ndim = dv.getUint8(6), flags = dv.getUint8(7);
     if (version !== 1) throw new Error(`frame version ${version}, this page reads 1`);
@@ -50,17 +51,25 @@
     const shape = Array.from({ length: ndim }, (_, i) => dv.getUint32(HEADER + 4 * i, true));
     const dataAt = Math.ceil((metaAt + metaLen) / 8) * 8;   // data starts 8-byte aligned
     const count = shape.reduce((a, b) => a * b, 1), Type = DTYPES[code];
-    if (dataAt + count * Type.BYTES_PER_ELEMENT > buf.byteLength) {
-      throw new Error(`frame of ${buf.byteLength} bytes is too short for shape [${shape}]`);
-    }
-    const meta = JSON.parse(new TextDecoder().decode(new Uint8Array(buf, metaAt, metaLen)));
-    let data = new Type(buf, dataAt, count);
+    const end = at + dataAt + count * Type.BYTES_PER_ELEMENT;
+    if (end > buf.byteLength) throw new Error(`frame of ${buf.byteLength - at} bytes is too short for shape [${shape}]`);
+    const meta = JSON.parse(new TextDecoder().decode(new Uint8Array(buf, at + metaAt, metaLen)));
+    let data = new Type(buf, at + dataAt, count);            // frames start 8-byte aligned in a message
     if (code === 2) data = Float64Array.from(data, Number);
     if (code === 5) data = Float32Array.from(data, halfToFloat);
     return {
       seq: Number(dv.getBigUint64(16, true)), step: Number(dv.getBigInt64(24, true)),
-      time: dv.getFloat64(32, true), truncated: Boolean(flags & 1), shape, meta, data,
+      time: dv.getFloat64(32, true), truncated: Boolean(flags & 1), shape, meta, data, end,
     };
+  }
+
+  /** A binary message: one or more frames, each starting at a multiple of 8 bytes. */
+  function decodeMessage(buf) {
+    const frames = [];
+    for (let at = 0; at < buf.byteLength; at = Math.ceil(frames[frames.length - 1].end / 8) * 8) {
+      frames.push(decodeFrame(buf, at));
+    }
+    return frames;
   }
 
   function halfToFloat(h) {
@@ -70,10 +79,14 @@
     return sign * 2 ** (exp - 15) * (1 + frac / 1024);
   }
 
-  function onFrame(buf) {
+  function onMessage(buf) {
+    let frames;
+    try { frames = decodeMessage(buf); } catch (e) { view.badFrames++; return addError(`bad frame: ${e.message}`); }
+    frames.forEach(onFrame);
+  }
+
+  function onFrame(frame) {
     view.framesReceived++;
-    let frame;
-    try { frame = decodeFrame(buf); } catch (e) { view.badFrames++; return addError(`bad frame: ${e.message}`); }
     if (frame.seq > nextSeq) view.gaps += frame.seq - nextSeq;   // the hub dropped frames for us
     nextSeq = frame.seq + 1;
     const sub = view.subscriptions[frame.meta.sub];
@@ -91,7 +104,7 @@
     const sock = ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws`);
     sock.binaryType = "arraybuffer";
     sock.onopen = () => sock.send(JSON.stringify({ op: "hello", token, client: "browser" }));
-    sock.onmessage = (ev) => { if (sock === ws) (typeof ev.data === "string" ? onText : onFrame)(ev.data); };
+    sock.onmessage = (ev) => { if (sock === ws) (typeof ev.data === "string" ? onText : onMessage)(ev.data); };
     sock.onclose = (ev) => { if (sock === ws) onClose(ev); };
   }
 
