@@ -80,16 +80,19 @@ def timed(fn, x, iters: int) -> float:
     return statistics.median(samples)
 
 
-def host_loop(fn, device: str, reps: int, calls: int) -> float:
-    """Median host microseconds per call of ``fn`` over batches of ``calls`` calls."""
+def host_loop(fn, device: str, reps: int, calls: int, between=None) -> float:
+    """Median host microseconds per call of ``fn(i)`` over batches of ``calls`` calls;
+    after each batch the device is synchronised and ``between()`` runs (untimed)."""
     samples = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(i)
         samples.append((time.perf_counter() - t0) / calls * 1e6)
         if device == "cuda":
             torch.cuda.synchronize()
+        if between is not None:
+            between()
     return statistics.median(samples)
 
 
@@ -105,20 +108,16 @@ def host_costs(device: str, shape, tmp: str, reps: int = 20, layers: int = 50) -
     rt = importlib.import_module("source_patch.runtime.trace")  # the module (the package exports a function)
     x = torch.randn(shape, device=device)
 
+    def step_end() -> None:
+        rt.trace_step()
+        rt.flush(10)
+
     def per_call(name: str, enabled: bool) -> float:
         rt._enabled = enabled
-        samples = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for layer in range(layers):
-                rt.trace(name, x, layer=layer)
-            samples.append((time.perf_counter() - t0) / layers * 1e6)
-            rt.trace_step()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            rt.flush(10)
-        rt._enabled = True
-        return statistics.median(samples)
+        try:
+            return host_loop(lambda layer: rt.trace(name, x, layer=layer), device, reps, layers, step_end)
+        finally:
+            rt._enabled = True
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -137,10 +136,9 @@ def host_costs(device: str, shape, tmp: str, reps: int = 20, layers: int = 50) -
         before = rt.state()
         rows.append(("tiles subscription, due", per_call("traced", True)))
         compressor = tc.parse({"kind": "tiles"})
-        rows += [("  of which: device stage (reduce)", host_loop(lambda: compressor.reduce(x), device, reps, layers)),
-                 ("  of which: pinned copy + event", host_loop(lambda: rt._to_host(compressor.reduce(x)), device,
-                                                               reps, layers) - host_loop(lambda: compressor.reduce(x),
-                                                                                         device, reps, layers))]
+        reduce = host_loop(lambda _: compressor.reduce(x), device, reps, layers)
+        with_copy = host_loop(lambda _: rt._to_host(compressor.reduce(x)), device, reps, layers)
+        rows += [("  of which: device stage (reduce)", reduce), ("  of which: pinned copy + event", with_copy - reduce)]
         after = rt.state()
         results = after["results"] - before["results"]
         frames = after["hub"]["frames_sent"] - before["hub"]["frames_sent"]

@@ -151,16 +151,11 @@ def _tiles(params: dict, _raw_max: int) -> Compressor:
     tiles = _int("tiles", "tiles", params["tiles"], 1, MAX_TILES)
     dim = _int("tiles", "dim", params["dim"], -64, 63)
     canonical = {"stats": list(stats), "tiles": tiles, "dim": dim}
+    # float32 [len(stats), n]: `dim` (size D) cut into contiguous tiles of
+    # ceil(D / min(tiles, D)) entries (the last may be shorter, so n = ceil(D / size) may
+    # be below `tiles`); each stat over every other dim x tile.
     return Compressor("tiles", canonical, lambda x: tile_columns(x, stats, dim),
                       lambda columns, shape: tile_finish(columns, shape, stats, tiles))
-
-
-def tile_stats(x: torch.Tensor, stats, tiles: int, dim: int = -1) -> torch.Tensor:
-    """float32 [len(stats), n]: ``dim`` (size D) is cut into contiguous tiles of
-    ceil(D / min(tiles, D)) entries (the last may be shorter, so n = ceil(D / size)
-    may be below ``tiles``); each stat is over every other dim x tile."""
-    columns = tile_columns(x, stats, dim).cpu().numpy()
-    return torch.from_numpy(tile_finish(columns, tuple(x.shape), stats, tiles))
 
 
 def tile_columns(x: torch.Tensor, stats, dim: int = -1) -> torch.Tensor:
