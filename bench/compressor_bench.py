@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout without the package installed
 
-from source_patch.runtime import trace_compress as tc  # noqa: E402
+from source_patch.runtime.trace import compress as tc  # noqa: E402
 
 
 def tiles_at_once(x: torch.Tensor, tiles: int = 64) -> torch.Tensor:
@@ -105,7 +105,7 @@ def host_costs(device: str, shape, tmp: str, reps: int = 20, layers: int = 50) -
     import socket
     import subprocess
 
-    rt = importlib.import_module("source_patch.runtime.trace")  # the module (the package exports a function)
+    rt = importlib.import_module("source_patch.runtime.trace.api")
     x = torch.randn(shape, device=device)
 
     def step_end() -> None:
@@ -123,7 +123,7 @@ def host_costs(device: str, shape, tmp: str, reps: int = 20, layers: int = 50) -
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     rt.configure(enable=True, port=port, token="bench", dir=tmp, client_queue=1 << 14)
-    recorder = subprocess.Popen([sys.executable, "-m", "source_patch.runtime.trace_client", "record",
+    recorder = subprocess.Popen([sys.executable, "-m", "source_patch.runtime.trace.client", "record",
                                  "--url", f"127.0.0.1:{port}", "--token", "bench", "--name", "traced",
                                  "--out", os.path.join(tmp, "rec.sptrace"), "--retry", "30"],
                                 stderr=subprocess.DEVNULL)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from source_patch.runtime import dumper as D
+from source_patch.runtime.dump import api as D
 
 SITES = ("layer_input", "attn_output", "mlp_input", "mlp_output", "layer_output")
 

@@ -35,7 +35,7 @@ import training
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout without the package installed
 
-from source_patch.runtime.trace_client import TraceError, connect  # noqa: E402
+from source_patch.runtime.trace.client import TraceError, connect  # noqa: E402
 
 TOKEN = "trace-bench"
 PROCESSES = ["no trace spec", "trace spec, no client", "toggling client", "stalled client"]

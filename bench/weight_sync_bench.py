@@ -4,7 +4,7 @@ measured in the same run, on two processes (one per GPU, NCCL) or on CPU (gloo).
     python bench/weight_sync_bench.py --gb 4          # two GPUs: spawns rank 0 (sender) and rank 1
     python bench/weight_sync_bench.py --cpu           # smoke test on CPU over gloo, tiny sizes
 
-Needs only torch and runtime/weight_transport.py (imported from the installed
+Needs only torch and runtime/weights/transport.py (imported from the installed
 source_patch, else straight from this checkout).  The synthetic model has
 ``--small-frac`` of its bytes in small tensors (norms, biases, fine-grained
 experts: ``--small-kb`` and smaller), the rest in ``--large-mb`` matrices, and one
@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 
 def load_transport():
     try:
-        from source_patch.runtime import weight_transport
+        from source_patch.runtime.weights import transport as weight_transport
     except ImportError:  # a bare checkout: the module needs only torch
         path = Path(__file__).resolve().parents[1] / "runtime" / "weight_transport.py"
         spec = importlib.util.spec_from_file_location("weight_transport", path)

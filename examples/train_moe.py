@@ -293,7 +293,7 @@ def dumping() -> bool:
 
     if not any(a.spec == "dump" for a in getattr(transformer_layer, "__source_patches__", ())):
         return False
-    from source_patch.runtime import dumper
+    from source_patch.runtime.dump import api as dumper
 
     return dumper.state()["enabled"]
 
@@ -303,7 +303,7 @@ def name_dump_run(device: torch.device) -> None:
     SOURCE_PATCH_DUMP_EXP_NAME names one)."""
     if "SOURCE_PATCH_DUMP_EXP_NAME" in os.environ:
         return
-    from source_patch.runtime import dumper
+    from source_patch.runtime.dump import api as dumper
 
     stamp = torch.tensor([int(time.time())], device=device)
     torch.distributed.broadcast(stamp, src=0)
@@ -312,8 +312,8 @@ def name_dump_run(device: torch.device) -> None:
 
 def report_dumps(rank0: bool) -> None:
     """Where this run's dumps went and what they hold."""
-    from source_patch.runtime import dumper
-    from source_patch.runtime.dump_reader import load, summary
+    from source_patch.runtime.dump import api as dumper
+    from source_patch.runtime.dump.reader import load, summary
 
     dumper.flush()
     torch.distributed.barrier()  # every rank's records are on disk

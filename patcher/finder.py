@@ -33,17 +33,17 @@ class Applied:
 class RuntimeHandle:
     """The object inserted code calls (``__sp__.emit(...)``).
 
-    Attributes resolve lazily from ``source_patch.runtime`` on first use and are
-    then cached on the instance: the runtime is imported only if a patched site
-    actually runs, and later lookups are a plain attribute read.
+    Attributes resolve lazily from the runtime's facade (``source_patch.runtime.facade``)
+    on first use and are then cached on the instance: the runtime is imported only if a
+    patched site actually runs, and later lookups are a plain attribute read.
     """
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        from source_patch import runtime
+        from source_patch.runtime import facade
 
-        value = getattr(runtime, name)
+        value = getattr(facade, name)
         setattr(self, name, value)
         return value
 

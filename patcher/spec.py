@@ -284,7 +284,7 @@ class _Builder:
         """Settings of runtime components, checked against the component's schema."""
         if node is None:
             return "{}"
-        from source_patch.runtime import settings  # schemas only: no torch, no I/O
+        from source_patch.runtime.core import settings  # schemas only: no torch, no I/O
 
         out = {}
         self.mapping(node, "runtime", None)  # shape and duplicate checks

@@ -1,50 +1,23 @@
-"""What patched call sites call, through the ``__sp__`` handle.
+"""The runtime: what inserted call sites call, through the ``__sp__`` handle
+(:mod:`.facade`), organised by capability:
 
-Submodules load on first use, so a patched module that never reaches a call
-site never imports the runtime's dependencies.
+    core/      settings, events, endpoint helpers, ambient tags, ranks, failure counts
+    dump/      the dump runtime: call-site API, async writer, file format, control server, reader
+    routing/   MoE routing: record format, Megatron capture/replay, SGLang capture/replay, alignment
+    trace/     live tracing: call-site API, compressors, frames, WebSocket hub, client, browser view
+    weights/   weight sync trainer -> engines: sync API, transport, Megatron gathering, name mapping
+
+Capabilities depend on ``core`` only, never on each other (tests/test_layout.py).
+Submodules load on first use.  ``source_patch.runtime.emit``, ``.subscribe`` and
+``.capture`` (in-process events, ``core/events.py``) are kept as shortcuts.
 """
 
-import importlib
-
-_EXPORTS = {
-    "emit": "events",
-    "subscribe": "events",
-    "capture": "events",
-    "dump": "dumper",
-    "dump_context": "dumper",
-    "dump_step": "dumper",
-    "dump_microbatch": "dumper",
-    "dump_flush": "dumper",
-    "dump_state": "dumper",
-    "dump_configure": "dumper",
-    "routing_enter": "routing",
-    "routing_exit": "routing",
-    "routing_topk": "routing",
-    "routing_probs": "routing",
-    "routing_fused": "routing",
-    "routing_schedule": "routing",
-    "routing_schedule_end": "routing",
-    "routing_microbatch_begin": "routing",
-    "routing_microbatch_end": "routing",
-    "routing_step": "routing",
-    "sglang_routing_topk": "routing_sglang",
-    "sglang_routing_batch": "routing_sglang",
-    "weight_sync_attach": "weight_sync",
-    "weight_sync_step": "weight_sync",
-    "weight_sync_receive": "weight_sync",
-    "weight_sync_loaded": "weight_sync",
-    "weight_sync_version": "weight_sync",
-    "trace": "trace",
-    "trace_step": "trace",
-    "trace_state": "trace",
-}
-
-__all__ = sorted(_EXPORTS)
+_SHORTCUTS = ("emit", "subscribe", "capture")
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"source_patch.runtime has no {name!r} (available: {', '.join(__all__)})")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
+    if name in _SHORTCUTS:
+        from .core import events
+
+        return getattr(events, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

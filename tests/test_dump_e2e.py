@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("megatron.core")
 from safetensors.torch import load_file  # noqa: E402
 
-from source_patch.runtime.dump_reader import load  # noqa: E402
+from source_patch.runtime.dump.reader import load  # noqa: E402
 
 RUN = Path(__file__).parent / "e2e" / "dump_run.py"
 STEPS, MICROBATCHES, LAYERS = 2, 2, 4

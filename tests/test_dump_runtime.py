@@ -20,9 +20,12 @@ import torch
 from source_patch.patcher.finder import RuntimeHandle
 from source_patch.patcher.spec import loads
 from source_patch.patcher import SpecError
-from source_patch.runtime import dump_reader, dump_server, settings
+from source_patch.runtime.core import ranks, settings
+from source_patch.runtime.dump import files
+from source_patch.runtime.dump import reader as dump_reader
+from source_patch.runtime.dump import server as dump_server
 
-from source_patch.runtime import dumper as D
+from source_patch.runtime.dump import api as D
 
 
 @pytest.fixture
@@ -36,13 +39,13 @@ def dumper(tmp_path, monkeypatch):
     D.configure(enable=True, dir=str(tmp_path / "dumps"), exp_name="t")
     D.reset()
     D.dump_context(phase=None, microbatch=None)
-    D._parallel = None
+    ranks.forget()
     yield D
     D.close()
     D.configure_from_settings({})
     D.reset()
     D.dump_context(phase=None, microbatch=None)
-    D._parallel = None
+    ranks.forget()
 
 
 def exp_dir(d) -> Path:
@@ -156,7 +159,7 @@ def test_reused_experiment_directory_keeps_both_runs(dumper, monkeypatch):
     dumper.dump("a", torch.zeros(1))
     dumper.flush(10)
     first = dumper.state()["session"]
-    monkeypatch.setattr(D, "_session", "second-run")  # as a new process would have
+    monkeypatch.setattr(D._pipeline, "session", "second-run")  # as a new process would have
     dumper.configure(file_bytes=1)
     dumper.dump("a", torch.ones(1))
     dumper.flush(10)
@@ -177,7 +180,7 @@ def test_torn_manifest_line_is_skipped(dumper):
 
 def test_files_are_published_before_their_manifest_lines(dumper, monkeypatch):
     seen = []
-    original = D._append_manifest
+    original = files.append_manifest
 
     def check(path, data, fsync=False):
         rank_dir = Path(path).parent
@@ -186,7 +189,7 @@ def test_files_are_published_before_their_manifest_lines(dumper, monkeypatch):
         assert not list(rank_dir.glob(".*.tmp"))
         return original(path, data, fsync)
 
-    monkeypatch.setattr(D, "_append_manifest", check)
+    monkeypatch.setattr(files, "append_manifest", check)
     for i in range(5):
         dumper.dump("x", torch.full((10,), i))
     dumper.configure(fsync=True)
@@ -384,13 +387,13 @@ def test_disabled_queues_nothing(dumper, sp, monkeypatch):
 def gate_writer(monkeypatch):
     """Hold the writer before it writes a file until the returned event is set."""
     gate = threading.Event()
-    original = D._write_safetensors
+    original = files.write_safetensors
 
     def gated(*args, **kwargs):
         gate.wait(10)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(D, "_write_safetensors", gated)
+    monkeypatch.setattr(files, "write_safetensors", gated)
     return gate
 
 
@@ -464,7 +467,7 @@ def test_enospc_is_counted_and_logged_once(dumper, sp, monkeypatch, caplog):
     def full(out, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(D, "_write_bytes", full)
+    monkeypatch.setattr(files, "write_bytes", full)
     x = torch.ones(4)
     with caplog.at_level(logging.WARNING, logger="source_patch.dump"):
         for _ in range(3):
@@ -484,7 +487,7 @@ def test_enospc_is_counted_and_logged_once(dumper, sp, monkeypatch, caplog):
 
 def test_failed_write_midway_leaves_no_file(dumper, monkeypatch):
     calls = []
-    original = D._write_bytes
+    original = files.write_bytes
 
     def second_write_fails(out, data):
         calls.append(1)
@@ -492,7 +495,7 @@ def test_failed_write_midway_leaves_no_file(dumper, monkeypatch):
             raise OSError(errno.EIO, "I/O error")
         return original(out, data)
 
-    monkeypatch.setattr(D, "_write_bytes", second_write_fails)
+    monkeypatch.setattr(files, "write_bytes", second_write_fails)
     dumper.dump("x", torch.ones(4))
     dumper.flush(10)
     assert list((exp_dir(dumper) / "rank-0").iterdir()) == []
@@ -500,7 +503,7 @@ def test_failed_write_midway_leaves_no_file(dumper, monkeypatch):
 
 
 def test_manifest_failure_removes_the_file_and_truncates_partial_lines(dumper, monkeypatch, tmp_path):
-    monkeypatch.setattr(D, "_append_manifest", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    monkeypatch.setattr(files, "append_manifest", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     dumper.dump("x", torch.ones(4))
     dumper.flush(10)
     assert list((exp_dir(dumper) / "rank-0").iterdir()) == []  # no file without its lines
@@ -516,9 +519,9 @@ def test_manifest_failure_removes_the_file_and_truncates_partial_lines(dumper, m
             raise OSError(errno.ENOSPC, "full")
         return real_write(fd, data)
 
-    monkeypatch.setattr(D.os, "write", half_then_full)
+    monkeypatch.setattr(files.os, "write", half_then_full)
     with pytest.raises(OSError):
-        D._append_manifest(manifest, b'{"b": 2}\n{"c": 3}\n')
+        files.append_manifest(manifest, b'{"b": 2}\n{"c": 3}\n')
     monkeypatch.undo()
     assert manifest.read_bytes() == b'{"a": 1}\n'
 
@@ -713,16 +716,17 @@ def test_control_ports_do_not_clash(dumper, monkeypatch):
 
 
 def test_package_export_and_no_megatron_import(tmp_path):
-    """``source_patch.runtime.dump`` is the function, whatever was imported first; the
-    runtime never imports Megatron; atexit flushes."""
+    """``__sp__.dump`` is the function, whatever was imported first (the subpackage
+    ``source_patch.runtime.dump`` does not shadow it); the runtime never imports
+    Megatron; atexit flushes."""
     code = f"""
 import sys, torch
-import source_patch.runtime.dumper        # the module first must not shadow the export
-import source_patch.runtime as rt
-from source_patch.runtime.dumper import configure, state
+import source_patch.runtime.dump.api        # the subpackage first must not shadow the export
+from source_patch.runtime import facade
+from source_patch.runtime.dump import configure, state
 configure(enable=True, dir={str(tmp_path)!r}, exp_name="e")
 x = torch.ones(3)
-assert rt.dump("via_module", x) is x
+assert facade.dump("via_module", x) is x
 from source_patch.patcher.finder import RuntimeHandle
 assert RuntimeHandle().dump("via_handle", x) is x
 assert not any(m.startswith("megatron") for m in sys.modules)

@@ -22,8 +22,11 @@ def test_wheel_contents(tmp_path):
         entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert hook == (REPO / "patcher" / "source_patch.pth").read_text()
     assert hook.startswith("import os;")  # site only executes .pth lines that start with import
-    assert {"source_patch/patcher/cli.py", "source_patch/runtime/events.py",
-            "source_patch/patches/megatron_topk.yaml"} <= names
+    assert {"source_patch/patcher/cli.py", "source_patch/patches/megatron_topk.yaml"} <= names
+    # Every runtime file in the tree (each capability subpackage, the trace view) ships.
+    runtime = {f"source_patch/runtime/{p.relative_to(REPO / 'runtime').as_posix()}"
+               for p in (REPO / "runtime").rglob("*") if p.suffix in (".py", ".html", ".js", ".css")}
+    assert "source_patch/runtime/core/events.py" in runtime and runtime <= names, sorted(runtime - names)
     assert not any(n.startswith(("patcher/", "runtime/", "tests/")) for n in names)  # no generic top-level names
     assert "source-patch = source_patch.patcher.cli:main" in entry_points
     assert "source_patch = source_patch.patcher.pytest_plugin" in entry_points

@@ -6,10 +6,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from source_patch.runtime.routing_align import (BatchLayout, RoutingAlignError, align_to_megatron,
+from source_patch.runtime.routing.align import (BatchLayout, RoutingAlignError, align_to_megatron,
                                                 filler_indices, routing_diff, split_to_requests,
                                                 valid_mask)
-from source_patch.runtime.routing_record import RoutingRecord, RoutingRecordError, load, slice_for_rank
+from source_patch.runtime.routing.record import RoutingRecord, RoutingRecordError, load, slice_for_rank
 
 E, K, LAYERS = 8, 2, (1, 3)
 

@@ -24,9 +24,9 @@ if importlib.util.find_spec("sglang") is None:
 
 from safetensors.torch import load_file  # noqa: E402
 
-from source_patch.runtime import routing_sglang  # noqa: E402
-from source_patch.runtime.routing_align import BatchLayout, align_to_megatron, routing_diff  # noqa: E402
-from source_patch.runtime.routing_record import RoutingRecord  # noqa: E402
+from source_patch.runtime.routing import sglang as routing_sglang  # noqa: E402
+from source_patch.runtime.routing.align import BatchLayout, align_to_megatron, routing_diff  # noqa: E402
+from source_patch.runtime.routing.record import RoutingRecord  # noqa: E402
 
 RUN = Path(__file__).parent / "e2e" / "routing_run.py"
 # tests/e2e/routing_run.py's model: 2 MoE layers, 8 experts, top-2, seq 16 x micro-batch 4.

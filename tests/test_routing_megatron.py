@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from source_patch.runtime import routing
-from source_patch.runtime.routing_record import load
+from source_patch.runtime.routing import megatron as routing
+from source_patch.runtime.routing.record import load
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "e2e" / "routing_run.py"
@@ -110,7 +110,7 @@ def test_replay_permuted_and_error_cases(captured):
         return rec.replace(indices={1: rec.indices[1]})
 
     def sliced_cp2(rec):
-        from source_patch.runtime.routing_record import slice_for_rank
+        from source_patch.runtime.routing.record import slice_for_rank
         return slice_for_rank(rec, batch=4, cp_size=2, cp_rank=0)
 
     dirs = {name: rewrite(cap, tmp / name, fn) for name, fn in [

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from source_patch.runtime import routing_record as rr
-from source_patch.runtime.routing_record import (RoutingRecord, RoutingRecordError, gather_slices,
+from source_patch.runtime.routing import record as rr
+from source_patch.runtime.routing.record import (RoutingRecord, RoutingRecordError, gather_slices,
                                                  load, read_header, slice_for_rank)
 
 
@@ -397,7 +397,7 @@ def test_native_errors_and_layer_map(router_replay):
 
 def test_cli(tmp_path, capsys):
     path = make_record(num_experts=300, seq_lens=[6, 6], sample_ids=["a", "b"]).save(tmp_path / "r.st")
-    proc = subprocess.run([sys.executable, "-m", "source_patch.runtime.routing_record", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "source_patch.runtime.routing.record", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "source-patch-routing v1" in proc.stdout and "num_experts: 300" in proc.stdout

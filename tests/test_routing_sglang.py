@@ -1,4 +1,4 @@
-"""SGLang routing capture / replay (patches/moe_sglang.yaml, runtime/routing_sglang.py)
+"""SGLang routing capture / replay (patches/moe_sglang.yaml, runtime/routing/sglang.py)
 against real sglang 0.5.23 modules on CPU: a patched copy of
 sglang.srt.layers.moe.topk (select_experts with the torch-native top-k) and of
 sglang.srt.model_executor.model_runner (ModelRunner._forward_raw's entry, with a
@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
-from source_patch.runtime import routing_sglang as rs  # noqa: E402
-from source_patch.runtime.routing_record import RoutingRecord, RoutingRecordError  # noqa: E402
+from source_patch.runtime.routing import sglang as rs  # noqa: E402
+from source_patch.runtime.routing.record import RoutingRecord, RoutingRecordError  # noqa: E402
 
 E, K = 8, 2
 

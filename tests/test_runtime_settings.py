@@ -4,7 +4,7 @@ import pytest
 
 from source_patch.patcher import SpecError, patched
 from source_patch.patcher.spec import loads
-from source_patch.runtime import settings
+from source_patch.runtime.core import settings
 
 SPEC = """source_patch: 1
 name: r

@@ -1,4 +1,4 @@
-"""Trace compressors (runtime/trace_compress.py) against independent numpy references."""
+"""Trace compressors (runtime/trace/compress.py) against independent numpy references."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from source_patch.runtime import trace_compress as tc
+from source_patch.runtime.trace import compress as tc
 
 
 def np_tiles(a: np.ndarray, stats, tiles: int, dim: int) -> np.ndarray:

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 pytest.importorskip("megatron.core")
-from source_patch.runtime import trace_compress as tc  # noqa: E402
-from source_patch.runtime.dump_reader import load  # noqa: E402
-from source_patch.runtime.trace_client import connect  # noqa: E402
+from source_patch.runtime.trace import compress as tc  # noqa: E402
+from source_patch.runtime.dump.reader import load  # noqa: E402
+from source_patch.runtime.trace.client import connect  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
 STEPS, LAYERS = 3, 4

@@ -1,4 +1,4 @@
-"""The binary trace frame (runtime/trace_frame.py): layout, round trip, rejection."""
+"""The binary trace frame (runtime/trace/frame.py): layout, round trip, rejection."""
 
 import json
 import struct
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from source_patch.runtime import trace_frame as tf
+from source_patch.runtime.trace import frame as tf
 
 DTYPES = [np.float32, np.float64, np.int64, np.int32, np.uint8, np.float16]
 

@@ -1,5 +1,5 @@
 """The trace runtime and its hub with real WebSocket clients on 127.0.0.1
-(runtime/trace.py, trace_hub.py, trace_client.py): auth, limits, subscriptions
+(runtime/trace/api.py, trace_hub.py, trace_client.py): auth, limits, subscriptions
 changed at run time, several clients, a client that never reads, the CLI."""
 
 import asyncio
@@ -19,10 +19,10 @@ from safetensors.torch import save_file
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed
 
-from source_patch.runtime import trace_compress as tc
-from source_patch.runtime import trace_hub
+from source_patch.runtime.trace import compress as tc
+from source_patch.runtime.trace import hub as trace_hub
 from source_patch.runtime.trace import close, configure, flush, names, reset, state, trace, trace_step, url
-from source_patch.runtime.trace_client import TraceError, connect, read_recording, summary
+from source_patch.runtime.trace.client import TraceError, connect, read_recording, summary
 
 TOKEN = "test-token"
 
@@ -114,7 +114,7 @@ def test_frames_carry_the_compressor_output_and_the_tags(hub):
 def test_the_frames_of_a_step_travel_together_in_few_messages(hub):
     """Protocol v2: the hub sends the frames queued for a client as one message (one
     send per batch, not per frame); trace_frame.split cuts it back into frames."""
-    from source_patch.runtime.trace_frame import decode, split
+    from source_patch.runtime.trace.frame import decode, split
 
     async def main():
         async with ws_connect(f"ws://127.0.0.1:{hub}/ws") as ws:
@@ -406,17 +406,17 @@ def test_a_generated_token_goes_to_a_private_file(hub, tmp_path):
     assert not files[0].exists()  # removed with the hub
 
 
-def test_the_handle_and_the_module_both_reach_trace(hub):
+def test_the_handle_and_the_package_both_reach_trace(hub):
     import importlib
 
     from source_patch.patcher.finder import RuntimeHandle
 
-    module = importlib.import_module("source_patch.runtime.trace")
+    package = importlib.import_module("source_patch.runtime.trace")  # the subpackage, imported first
     x = torch.ones(2)
-    assert RuntimeHandle().trace("handle", x, layer=1) is x
-    assert module("module", x) is x  # the module is callable
-    assert module.trace.configure is module.configure  # the function carries the control API
-    assert {e["name"] for e in names()} == {"handle", "module"}
+    assert RuntimeHandle().trace("handle", x, layer=1) is x  # not shadowed by the subpackage
+    assert package.trace("package", x) is x
+    assert RuntimeHandle().trace.configure is package.configure  # the function carries the control API
+    assert {e["name"] for e in names()} == {"handle", "package"}
 
 
 # ---------------------------------------------------------------- CLI
@@ -426,7 +426,7 @@ def test_cli_records_a_stream_and_reads_it_back(hub, tmp_path):
     out = tmp_path / "run.sptrace"
     token_file = tmp_path / "token.txt"
     token_file.write_text(TOKEN + "\n")
-    cmd = [sys.executable, "-m", "source_patch.runtime.trace_client", "record", "--url", f"127.0.0.1:{hub}",
+    cmd = [sys.executable, "-m", "source_patch.runtime.trace.client", "record", "--url", f"127.0.0.1:{hub}",
            "--token-file", str(token_file), "--name", "hidden", "--compressor", "tiles", "--param", "tiles=2",
            "--param", 'stats=["min","max"]', "--out", str(out), "--frames", "4", "--retry", "30"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -444,17 +444,17 @@ def test_cli_records_a_stream_and_reads_it_back(hub, tmp_path):
     for f in recorded:
         assert f.array.tolist() == compressor(x + 10 * f.layer).tolist()
     assert recorded[0].array.tolist() == [[0, 2], [5, 7]]
-    table = subprocess.run([sys.executable, "-m", "source_patch.runtime.trace_client", "summary", str(out)],
+    table = subprocess.run([sys.executable, "-m", "source_patch.runtime.trace.client", "summary", str(out)],
                            capture_output=True, text=True, check=True, timeout=60).stdout
     assert "hidden" in table and "4 frames" in table and summary(recorded).splitlines()[-1] == "4 frames, 2 series"
-    shown = subprocess.run([sys.executable, "-m", "source_patch.runtime.trace_client", "show", str(out),
+    shown = subprocess.run([sys.executable, "-m", "source_patch.runtime.trace.client", "show", str(out),
                             "--layer", "1"], capture_output=True, text=True, check=True, timeout=60).stdout
     assert shown.count("hidden layer 1 tiles [2, 2]") == 2 and "min 10 mean 13.5 max 17" in shown
 
 
 def test_a_torn_recording_stops_at_the_last_whole_frame(tmp_path):
-    from source_patch.runtime.trace_client import RECORDING_MAGIC, write_frame
-    from source_patch.runtime.trace_frame import encode
+    from source_patch.runtime.trace.client import RECORDING_MAGIC, write_frame
+    from source_patch.runtime.trace.frame import encode
 
     path = tmp_path / "torn.sptrace"
     with open(path, "wb") as f:

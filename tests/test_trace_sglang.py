@@ -17,9 +17,9 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
 from source_patch.patcher import import_patched_copy  # noqa: E402
-from source_patch.runtime import trace_compress as tc  # noqa: E402
+from source_patch.runtime.trace import compress as tc  # noqa: E402
 from source_patch.runtime.trace import close, configure, reset, state, url  # noqa: E402
-from source_patch.runtime.trace_client import connect  # noqa: E402
+from source_patch.runtime.trace.client import connect  # noqa: E402
 
 
 def test_spec_checks_without_importing_sglang(check_sglang_spec):

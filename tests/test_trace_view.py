@@ -1,9 +1,9 @@
-"""The trace hub's browser view (runtime/trace_view/), in a real headless Chromium.
+"""The trace hub's browser view (runtime/trace/view/), in a real headless Chromium.
 
 The hub is the one the real tiny Megatron training serves (examples/train_moe.py under
 SOURCE_PATCH=megatron_cpu,trace); Selenium drives the page like a user: it connects,
 subscribes through the form, and the test checks what the canvases drew. Frame
-decoding is checked against the Python encoder (runtime/trace_frame.py).
+decoding is checked against the Python encoder (runtime/trace/frame.py).
 
 Needs Debian's chromium and chromedriver (apt-get install -y chromium chromium-driver)
 and selenium (the `test` extra). To refresh the screenshot in the docs:
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-VIEW = REPO / "runtime" / "trace_view"
+VIEW = REPO / "runtime" / "trace" / "view"
 SCREENSHOT = REPO / "docs" / "trace_view.png"
 LAYERS = 4
 INSTALL = ("the browser-view test needs Debian's chromium and chromedriver, and selenium: "
@@ -194,7 +194,7 @@ def test_the_page_decodes_frames_as_the_python_encoder_writes_them(browser):
     """Every dtype, an odd metadata length (padding), the truncated flag, int64 beyond
     2**32, and bad frames rejected with a message (page opened from disk: no token,
     so it connects nowhere)."""
-    from source_patch.runtime import trace_frame
+    from source_patch.runtime.trace import frame as trace_frame
 
     open_page(browser, (VIEW / "index.html").as_uri())
     wait_for(browser, "window.spView && window.spView.state === 'no-token'", "the page")
@@ -242,7 +242,7 @@ def test_the_page_decodes_frames_as_the_python_encoder_writes_them(browser):
 # A hub alone, in a process of its own, tracing a real tensor (the runtime's API, no spec).
 SMALL_HUB = """
 import importlib, sys, time, torch
-trace = importlib.import_module("source_patch.runtime.trace")
+trace = importlib.import_module("source_patch.runtime.trace.api")
 trace.configure(enable=True, port=int(sys.argv[1]), token=sys.argv[2])
 hidden = torch.randn(16, 32)
 while True:

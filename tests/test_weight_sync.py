@@ -1,4 +1,4 @@
-"""Weight sync (runtime/weight_sync.py, weight_transport.py, weight_megatron.py;
+"""Weight sync (runtime/weights/sync.py, weight_transport.py, weight_megatron.py;
 patches/weight_sync.yaml + weight_sync_sglang.yaml).
 
 Unit: manifest validation, bucket layout, settings, the call sites' pass-through.
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from source_patch.runtime import settings
-from source_patch.runtime import weight_sync
-from source_patch.runtime import weight_transport as wt
+from source_patch.runtime.core import settings
+from source_patch.runtime.weights import sync as weight_sync
+from source_patch.runtime.weights import transport as wt
 
 E2E = Path(__file__).parent / "e2e"
 sys.path.insert(0, str(E2E))
@@ -350,7 +350,7 @@ def test_without_the_forced_param_gather_the_engine_would_get_stale_weights(runs
     """The control: overlap_param_gather leaves parameters outside rank 0's optimizer
     shard stale after step(); with the runtime's forced gather switched off they are
     sent stale, which the main run's bitwise check would catch."""
-    from source_patch.runtime import weight_names
+    from source_patch.runtime.weights import names as weight_names
 
     tmp, _, _ = runs
     _, received = engine_run(tmp, "control")

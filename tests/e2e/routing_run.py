@@ -23,7 +23,7 @@ from example import counting_forward_step, train_moe  # tests/e2e/example.py
 
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
-from source_patch.runtime import routing  # noqa: E402
+from source_patch.runtime.routing import megatron as routing  # noqa: E402
 
 
 def run(args, out, prefix, device):

@@ -63,7 +63,7 @@ def hooks(cli, current):
 
 
 def bare(cli):
-    from source_patch.runtime import weight_transport
+    from source_patch.runtime.weights import transport as weight_transport
 
     group = weight_transport.open_group("127.0.0.1", cli.port, 1, cli.world_size, GROUP, "gloo", 120)
     link = weight_transport.Link(group, 60)
@@ -98,7 +98,8 @@ def main():
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-    from source_patch.runtime import weight_sync, weight_transport
+    from source_patch.runtime.weights import sync as weight_sync
+    from source_patch.runtime.weights import transport as weight_transport
 
     model = models.sglang_model("qwen3_moe")
     with torch.no_grad():

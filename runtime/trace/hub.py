@@ -9,13 +9,16 @@ LOCAL_RANK``.  The protocol (v2) is in docs/trace.md; in short:
   within 5 s, else close 4401.  Then JSON requests (``subscribe``, ``unsubscribe``,
   ``list``, ``stats``) get JSON replies; a bad one gets ``{"op": "error"}`` and the
   connection stays open; a message over ``max_message`` bytes closes it with 1009.
-* Traced results arrive as binary frames (trace_frame.py), several to a message
-  when several are queued (``trace_frame.split`` cuts them apart).  Each client has a
+* Traced results arrive as binary frames (frame.py), several to a message
+  when several are queued (``frame.split`` cuts them apart).  Each client has a
   bounded queue: a full one drops frames (the per-connection ``seq`` shows the gap)
   and a client whose queue stays full, or whose send blocks, for ``stall_timeout``
   is closed with 1008 "too slow".  Nothing here ever waits on the training thread.
 
 This module imports ``websockets`` only when a hub starts.
+
+Over 400 lines on purpose: the hub's protocol (auth, subscriptions, per-client
+queues, static page) runs on one event loop with state shared by all handlers.
 """
 
 from __future__ import annotations
@@ -36,20 +39,21 @@ from collections import deque
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from source_patch.runtime import settings
-from source_patch.runtime.endpoint import local_rank, write_private_json
-from source_patch.runtime.trace_frame import join, set_seq
+from ..core import settings
+from ..core.ranks import global_rank
+from ..core.endpoint import local_rank, write_private_json
+from .frame import join, set_seq
 
 log = logging.getLogger("source_patch.trace")
 
-PROTOCOL_VERSION = 2         # 2: a binary message carries one or more frames (trace_frame.join)
+PROTOCOL_VERSION = 2         # 2: a binary message carries one or more frames (frame.join)
 HELLO_TIMEOUT_S = 5.0
 MAX_SUBSCRIPTIONS = 32       # per client
 MAX_NAMES = 64               # patterns per subscription
 MAX_CONTROL = 256            # replies waiting for a client; more means it does not read: closed
 MAX_INFLIGHT = 1024          # batches handed to the loop and not yet queued
 MESSAGE_BYTES = 1 << 20      # frames queued for a client are sent together up to this size
-VIEW = Path(__file__).parent / "trace_view"
+VIEW = Path(__file__).parent / "view"
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
           "/view.js": ("view.js", "text/javascript; charset=utf-8"),
           "/view.css": ("view.css", "text/css; charset=utf-8")}
@@ -79,7 +83,7 @@ class Subscription:
 
 def parse_subscription(message: dict, client=None, raw_max_elements: int = 1 << 16) -> Subscription:
     """A Subscription from a ``subscribe`` request; ValueError/TypeError say what is wrong."""
-    from source_patch.runtime import trace_compress
+    from . import compress as trace_compress
 
     unknown = sorted(set(message) - {"op", "id", "names", "layers", "compressor", "every"})
     if unknown:
@@ -222,7 +226,7 @@ class Hub:
             where = f"open {self.page_url}"
         else:
             where = "token from the 'token' setting"
-        print(f"source-patch trace: hub {self.url} (rank {runtime._global_rank()}, pid {os.getpid()}); {where}",
+        print(f"source-patch trace: hub {self.url} (rank {global_rank()}, pid {os.getpid()}); {where}",
               file=sys.stderr, flush=True)
 
     # -- thread and server
@@ -450,13 +454,13 @@ class Hub:
         client = Client(self, ws, name[:64] if isinstance(name, str) else "anonymous")
         self.clients.add(client)
         runtime = self.runtime
-        client.say({"op": "welcome", "version": PROTOCOL_VERSION, "rank": runtime._global_rank(),
+        client.say({"op": "welcome", "version": PROTOCOL_VERSION, "rank": global_rank(),
                     "step": runtime.current_step(), "names": sorted({e["name"] for e in runtime.names()}),
                     "compressors": self._compressors()})
         return client
 
     def _compressors(self) -> dict:
-        from source_patch.runtime.trace_compress import defaults
+        from .compress import defaults
 
         return defaults(self.config["raw_max_elements"])
 
@@ -523,7 +527,7 @@ class Hub:
 
     def _write_token_file(self) -> Path | None:
         folder = Path(self.config["dir"])
-        rank = self.runtime._global_rank()
+        rank = global_rank()
         path = folder / f"{socket.gethostname().split('.')[0]}-p{os.getpid()}-rank{rank}.json"
         info = {"url": self.url, "ws": self.ws_url, "token": self.token, "page": self.page_url,
                 "pid": os.getpid(), "rank": rank, "local_rank": local_rank(), "started": time.time()}

@@ -6,7 +6,7 @@ then generated tokens in generation order).  Megatron trains on a micro-batch
 ``[seq, batch]`` whose rows hold those samples right-padded, left-padded or packed
 several to a row.  This module turns the former into the latter::
 
-    from source_patch.runtime.routing_align import BatchLayout, align_to_megatron, routing_diff
+    import source_patch.runtime.routing.align as align   # BatchLayout, align_to_megatron, routing_diff
 
     layout = BatchLayout.padded([("req-7", 5), ("req-9", 3)], seq_len=8)     # one sample a row
     layout = BatchLayout.pack_greedy([("a", 5), ("b", 3), ("c", 6)], seq_len=8)  # packed rows
@@ -34,6 +34,9 @@ right padding (left padding and gaps between packed samples are only in the mask
 ``routed``: SGLang never forwards the last sampled token, so a request record may
 be up to ``missing_tail`` tokens shorter than the sample's length in the layout;
 those tail positions get the filler and count as not valid.
+
+Over 400 lines on purpose: the batch layout, the alignment that uses it and the
+diff report over its result are one algorithm; splitting would scatter its invariants.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .routing_record import RoutingRecord, RoutingRecordError, _is_int
+from .record import RoutingRecord, RoutingRecordError, _is_int
 
 FILLERS = ("spread", "lowest")
 ALIGN_KEY = "aligned"

@@ -1,6 +1,6 @@
-"""Read dumps written by ``source_patch.runtime.dumper``: manifests in, tensors lazily.
+"""Read dumps written by ``source_patch.runtime.dump.api``: manifests in, tensors lazily.
 
-    from source_patch.runtime.dump_reader import load
+    import source_patch.runtime.dump.reader as reader   # reader.load(...)
     for r in load("sp-dumps/default", name="attn_*", layer=3, step=0):
         print(r.name, r.tags, r.shape, r.tensor.float().norm())
 
@@ -8,7 +8,7 @@ Nothing is unpickled and no file name is parsed: every record comes from a line 
 ``rank-<r>/manifest.jsonl``; its tensor is read from the safetensors file on first
 access.  CLI summary::
 
-    python -m source_patch.runtime.dump_reader sp-dumps/default [--name 'attn_*'] [--step 0]
+    python -m source_patch.runtime.dump.reader sp-dumps/default [--name 'attn_*'] [--step 0]
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def summary(records: list[Record]) -> str:
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m source_patch.runtime.dump_reader",
+    parser = argparse.ArgumentParser(prog="python -m source_patch.runtime.dump.reader",
                                      description="Summarise a dump directory.")
     parser.add_argument("dir", help="a dump root, an experiment directory or a rank directory")
     parser.add_argument("--exp-name")

@@ -6,19 +6,19 @@ Call sites (inserted by a spec, reached through ``__sp__``)::
     __sp__.trace_step(optimizer.step())                                   # after each optimizer step
 
 Clients connect to the process's hub (a WebSocket server in a daemon thread, see
-trace_hub.py), subscribe to names and layers with a compressor, and receive one small
-binary frame (trace_frame.py) per traced result.  Scripts and tools::
+trace/hub.py), subscribe to names and layers with a compressor, and receive one small
+binary frame (trace/frame.py) per traced result.  Scripts and tools::
 
-    from source_patch.runtime.trace import configure, url, state, close
-    configure(enable=True, port=8765)      # validated as a whole, then applied
-    print(url())                           # http://127.0.0.1:8765/#token=...
+    import source_patch.runtime.trace as trace   # configure, url, state, close
+    trace.configure(enable=True, port=8765)   # validated as a whole, then applied
+    print(trace.url())                        # http://127.0.0.1:8765/#token=...
 
 Design (see docs/trace.md):
 
 * Disabled, or enabled with no subscription for ``(name, layer)``, ``trace()`` is a
   flag test, or a flag test and one dict lookup (the table is rebuilt only when
   subscriptions change).
-* A due subscription runs its compressor's device stage (trace_compress.py) on the
+* A due subscription runs its compressor's device stage (compress.py) on the
   tensor's device: torch ops only, nothing that waits for the GPU.  The small result
   is copied to pinned host memory with ``non_blocking=True`` behind a CUDA event; a
   bounded queue takes (event, buffer, meta).  A publisher thread waits on the events
@@ -27,26 +27,25 @@ Design (see docs/trace.md):
   queues drop and count; nothing blocks.
 * Failures are counted, logged once per kind, and never raised into training, except
   a call site's own programming error (a value that is not a tensor).
+
+Over 400 lines on purpose: the hot path, the publisher thread and their shared
+queue and locks are one concurrency unit.
 """
 
 from __future__ import annotations
 
 import atexit
-import logging
 import os
-import re
 import sys
 import threading
 import time
-import types
 from collections import deque
 from typing import Any
 
 import torch
 
-from source_patch.runtime import settings
-
-log = logging.getLogger("source_patch.trace")
+from ..core import ranks, settings, tags as ambient
+from ..core.failures import Counters
 
 # The one thing a disabled call site reads.
 _enabled = False
@@ -81,17 +80,15 @@ _pending: deque = deque()
 _busy = 0                    # results the publisher has taken but not yet handed over
 _publisher: threading.Thread | None = None
 _stop = False
-_hub = None                  # trace_hub.Hub while serving
+_hub = None                  # hub.Hub while serving
 _hub_key: tuple | None = None
 
 _COUNTERS = ("results", "dropped", "skipped", "errors", "compress_errors", "too_large")
-_counts: dict = dict.fromkeys(_COUNTERS, 0)
+_counters = Counters(_COUNTERS, "source_patch.trace", "trace", lock=_cond)
+_counts = _counters.counts  # written under _cond, like the queue
 # What tracing costs the process, in seconds: the training thread's time inside due
 # trace() calls (compressor launches, copies), and the publisher's CPU time.
 _cost = {"trace_calls": 0.0, "publisher_cpu": 0.0}
-_last_error: str | None = None
-_logged: set = set()
-_rank: int | None = None
 
 
 # ---------------------------------------------------------------- call-site API
@@ -171,10 +168,10 @@ def state() -> dict:
     return {
         "enabled": _enabled,
         "step": _step,
-        "rank": _global_rank(),
+        "rank": ranks.global_rank(),
         **counts,
         "queued": queued,
-        "last_error": _last_error,
+        "last_error": _counters.last_error,
         "series": len(_seen),
         "subscriptions": len(_table.subs),
         "cost_seconds": cost,
@@ -198,14 +195,11 @@ def names() -> list[dict]:
 
 def reset() -> dict:
     """Zero the counters, the step and the names seen (not the subscriptions)."""
-    global _step, _last_error, _table
+    global _step, _table
+    _counters.reset()
     with _cond:
-        for key in _COUNTERS:
-            _counts[key] = 0
         for key in _cost:
             _cost[key] = 0.0
-        _last_error = None
-        _logged.clear()
     _step = 0
     _seen.clear()
     _table = _Table(_table.subs)
@@ -248,7 +242,7 @@ def close(timeout: float = 2.0) -> None:
         _pending.clear()
 
 
-# Names under which the handle exports these (runtime/__init__.py _EXPORTS).
+# Names under which the handle exports these (runtime/facade.py).
 trace_state = state
 
 
@@ -300,7 +294,7 @@ def _compress(due: list, key: tuple, name: str, tensor: torch.Tensor, tags: dict
         sub.next_step[key] = step + sub.every
         groups.setdefault(sub.compressor.key, []).append(sub)
     stamp = time.time()
-    tags = {**_ambient_tags(), **tags}  # now: published later, the microbatch will have moved on
+    tags = {**ambient.context(), **tags}  # now: published later, the microbatch will have moved on
     for subs in groups.values():
         with _cond:
             if len(_pending) >= _config["queue"]:  # the publisher is behind: drop, never wait
@@ -345,7 +339,7 @@ class _Result:
 
 
 def _compress_failed(subs: list, name: str, exc: Exception) -> None:
-    from source_patch.runtime.trace_compress import TooLarge
+    from .compress import TooLarge
 
     _count("too_large" if isinstance(exc, TooLarge) else "compress_errors")
     message = f"{name}: {exc}" if isinstance(exc, (ValueError, TypeError, IndexError, RuntimeError)) \
@@ -386,7 +380,7 @@ def _publish_loop() -> None:
             _busy += len(items)
         cpu = time.thread_time()
         try:
-            frames, rank = [], _global_rank()
+            frames, rank = [], ranks.global_rank()
             for item in items:
                 if item.event is not None:
                     item.event.synchronize()  # this thread waits for the copy, never the trainer
@@ -408,10 +402,10 @@ def _publish_loop() -> None:
 
 
 def _frames(item: _Result, rank: int) -> list:
-    from source_patch.runtime.trace_frame import encode
+    from .frame import encode
 
     array = item.subs[0].compressor.finish(item.host.numpy(), item.shape)  # all subs: one compressor
-    call_tags = {k: _tag_value(v) for k, v in item.tags.items()}
+    call_tags = {k: ambient.tag_value(v) for k, v in item.tags.items()}
     frames = []
     for sub in item.subs:
         compressor = sub.compressor
@@ -420,29 +414,6 @@ def _frames(item: _Result, rank: int) -> list:
                 "source_shape": item.shape, "source_dtype": item.dtype}
         frames.append((sub, bytearray(encode(array, meta, step=item.step, time=item.time))))
     return frames
-
-
-def _ambient_tags() -> dict:
-    """phase, microbatch, ... when the dump runtime (patches/dump.yaml) tracks them."""
-    dumper = sys.modules.get("source_patch.runtime.dumper")
-    context = getattr(dumper, "_context", None) if dumper is not None else None
-    return dict(context) if isinstance(context, dict) else {}
-
-
-def _tag_value(value: Any) -> Any:
-    if value is None or isinstance(value, (str, bool, int)):
-        return value
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else str(value)
-    if isinstance(value, torch.Tensor):
-        if value.numel() == 1 and value.device.type == "cpu":
-            return _tag_value(value.item())
-        return f"<tensor {list(value.shape)} {str(value.dtype).removeprefix('torch.')} {value.device}>"
-    if hasattr(value, "__index__"):
-        return int(value)
-    if isinstance(value, (list, tuple)):
-        return [_tag_value(v) for v in value]
-    return str(value)
 
 
 # ---------------------------------------------------------------- subscriptions (from the hub)
@@ -466,46 +437,15 @@ def current_step() -> int:
 
 
 def _count(key: str, n: int = 1) -> None:
-    with _cond:
-        _counts[key] += n
+    _counters.add(key, n)
 
 
 def _fail(where: str, exc: BaseException) -> None:
     """Count; log the first failure of each kind at WARNING; keep the latest."""
-    global _last_error
-    try:
-        message = f"{where}: {type(exc).__name__}: {exc}"
-        kind = (re.sub(r"'[^']*'|\d+", "", where), type(exc).__name__)
-        with _cond:
-            _counts["errors"] += 1
-            _last_error = message
-            first = kind not in _logged and len(_logged) < 64
-            _logged.add(kind)
-        if first:
-            log.warning("source-patch trace: %s (training continues; later failures of this kind are "
-                        "only counted: see state())", message)
-    except Exception:  # noqa: BLE001
-        pass
+    _counters.fail(where, exc)
 
 
 # ---------------------------------------------------------------- configuration and hub
-
-
-def _global_rank() -> int:
-    global _rank
-    if _rank is not None:
-        return _rank
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            _rank = dist.get_rank()
-            return _rank
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        return int(os.environ.get("RANK", "0") or 0)
-    except ValueError:
-        return 0
 
 
 def _apply(config: dict) -> None:
@@ -514,7 +454,7 @@ def _apply(config: dict) -> None:
     _config = dict(config, dir=os.path.abspath(os.path.expanduser(config["dir"])))
     serve = bool(_config["enable"] and _config["port"])
     if serve and _config["ranks"] is not None:
-        serve = _global_rank() in settings.IntSet(_config["ranks"])
+        serve = ranks.global_rank() in settings.IntSet(_config["ranks"])
     started = _sync_hub(serve)
     _enabled = _hub is not None
     if started and _config["wait"] and not _table.subs:
@@ -537,9 +477,9 @@ def _sync_hub(serve: bool) -> bool:
         return False
     _hub_key = key
     try:
-        from source_patch.runtime import trace_hub
+        from . import hub
 
-        _hub = trace_hub.Hub(sys.modules[__name__], _config)
+        _hub = hub.Hub(sys.modules[__name__], _config)
         return True
     except Exception as exc:  # noqa: BLE001 - no hub: nothing traced, training goes on
         _fail("starting the trace hub", exc)
@@ -559,28 +499,24 @@ def _stop_hub() -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child (a data loader worker) inherits no threads: it does not trace."""
-    global _enabled, _cond, _pending, _busy, _publisher, _stop, _hub, _hub_key, _rank, _table
+    global _enabled, _cond, _pending, _busy, _publisher, _stop, _hub, _hub_key, _table, _counters, _counts
     _enabled = False
     _cond = threading.Condition()
+    _counters = Counters(_COUNTERS, "source_patch.trace", "trace", lock=_cond)
+    _counts = _counters.counts
     _pending, _busy, _publisher, _stop = deque(), 0, None, False
     if _hub is not None:
         try:
             _hub.close_sockets()
         except Exception:  # noqa: BLE001
             pass
-    _hub = _hub_key = _rank = None
+    _hub = _hub_key = None
+    ranks.forget()
     _table = _Table()
 
 
-# ``source_patch.runtime.trace`` names both this module and the function trace() that
-# the package exports for ``__sp__.trace``; which one an import or attribute lookup
-# yields depends on what was imported first.  Both behave the same: the module is
-# callable (it calls trace()), and the function carries the control API.
-class _CallableModule(types.ModuleType):
-    __call__ = staticmethod(trace)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+# ``__sp__.trace`` is the function; it also carries the control API, so a script that
+# holds only the handle can configure tracing (``__sp__.trace.configure(...)``).
 for _api in (configure, configure_from_settings, public_config, url, state, names, reset, flush, close,
              trace_step):
     setattr(trace, _api.__name__, _api)

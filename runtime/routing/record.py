@@ -2,7 +2,7 @@
 
 The data layer under routing capture and replay (docs/routing.md)::
 
-    from source_patch.runtime.routing_record import RoutingRecord, load, slice_for_rank
+    import source_patch.runtime.routing.record as record   # RoutingRecord, load, slice_for_rank
 
     rec = RoutingRecord(indices={1: idx1, 2: idx2}, num_experts=64, topk=8,
                         seq_lens=[4096] * 2, sample_ids=["a", "b"])
@@ -24,7 +24,11 @@ what Megatron's ``RouterReplay`` gathers with).
 
 CLI::
 
-    python -m source_patch.runtime.routing_record FILE
+    python -m source_patch.runtime.routing.record FILE
+
+Over 400 lines on purpose: the record is one contract (model, file format, CP/SP
+slicing checked against Megatron's helpers, RouterReplay interop, inspect CLI) and
+changes to it must be read together.
 """
 
 from __future__ import annotations
@@ -670,7 +674,7 @@ def describe(path: str | os.PathLike) -> str:
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m source_patch.runtime.routing_record",
+    parser = argparse.ArgumentParser(prog="python -m source_patch.runtime.routing.record",
                                      description="Show a routing record file.")
     parser.add_argument("file")
     args = parser.parse_args(argv)

@@ -109,7 +109,7 @@ def text(value: Any) -> str:
     return value
 
 
-# -- the dump runtime (source_patch.runtime.dumper)
+# -- the dump runtime (source_patch.runtime.dump.api)
 #
 # Parsers accept both the forms a spec or a JSON request gives (lists, ints, bools)
 # and the comma-separated strings an environment variable gives.  Their outputs are
@@ -280,7 +280,7 @@ SCHEMAS["dump"] = {
 }
 
 
-# -- routing capture / replay (source_patch.runtime.routing, patches/moe.yaml)
+# -- routing capture / replay (source_patch.runtime.routing.megatron, patches/moe.yaml)
 
 SCHEMAS["routing"] = {
     "mode": Setting("off", choice("off", "capture", "replay"),
@@ -292,7 +292,7 @@ SCHEMAS["routing"] = {
 }
 
 
-# -- live tensor tracing (source_patch.runtime.trace, patches/trace.yaml)
+# -- live tensor tracing (source_patch.runtime.trace.api, patches/trace.yaml)
 
 
 SCHEMAS["trace"] = {
@@ -315,7 +315,7 @@ SCHEMAS["trace"] = {
 }
 
 
-# -- weight sync, trainer -> engines (source_patch.runtime.weight_sync, patches/weight_sync.yaml)
+# -- weight sync, trainer -> engines (source_patch.runtime.weights.sync, patches/weight_sync.yaml)
 
 
 SCHEMAS["weight_sync"] = {

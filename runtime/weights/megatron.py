@@ -26,7 +26,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from source_patch.runtime.weight_names import strip_wrappers
+from .names import strip_wrappers
 
 _EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)|(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)\Z")
 _FC1 = re.compile(r"\.linear_fc1\.(?:weight|bias)\d*\Z")

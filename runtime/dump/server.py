@@ -12,9 +12,9 @@ LOCAL_RANK`` (the next free port if that one is taken).  Every request needs
 ``Authorization: Bearer <token>``.  Each process writes its URL and token to
 ``<dir>/<exp_name>/control/<host>-p<pid>.json`` (mode 0600); the CLI reads those::
 
-    python -m source_patch.runtime.dump_server DIR/EXP state
-    python -m source_patch.runtime.dump_server DIR/EXP configure names='["attn_*"]' steps=10-12
-    python -m source_patch.runtime.dump_server DIR/EXP reset
+    python -m source_patch.runtime.dump.server DIR/EXP state
+    python -m source_patch.runtime.dump.server DIR/EXP configure names='["attn_*"]' steps=10-12
+    python -m source_patch.runtime.dump.server DIR/EXP reset
 
 Errors are JSON bodies ``{"error": ..., "status": N}``: 400 bad JSON / unknown key
 (with ``valid_keys``) / wrong value, 401 missing or wrong token, 404, 405, 411,
@@ -36,8 +36,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from source_patch.runtime import settings
-from source_patch.runtime.endpoint import local_rank, write_private_json
+from ..core import settings
+from ..core.endpoint import local_rank, write_private_json
 
 log = logging.getLogger("source_patch.dump")
 
@@ -312,7 +312,7 @@ def _value(text: str):
 def main(argv=None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m source_patch.runtime.dump_server",
+    parser = argparse.ArgumentParser(prog="python -m source_patch.runtime.dump.server",
                                      description="Talk to every dumping process of an experiment.")
     parser.add_argument("dir", help="the experiment directory <dir>/<exp_name> (or the dump root)")
     parser.add_argument("action", choices=["state", "configure", "reset"])

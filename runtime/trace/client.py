@@ -1,22 +1,22 @@
 """Python client of the trace hub, and a CLI that records a trace stream to a file.
 
-    from source_patch.runtime.trace_client import connect
+    import source_patch.runtime.trace.client as client   # client.connect(...)
 
-    async with connect("http://127.0.0.1:8765/#token=...") as c:
+    async with client.connect("http://127.0.0.1:8765/#token=...") as c:
         await c.subscribe(["layer_output"], compressor={"kind": "tiles", "tiles": 32}, layers="0-3")
-        async for frame in c:                     # trace_frame.Frame: header, meta, array (numpy)
+        async for frame in c:                     # frame.Frame: header, meta, array (numpy)
             print(frame.step, frame.name, frame.layer, frame.array.shape)
 
 CLI::
 
-    python -m source_patch.runtime.trace_client record --url URL [--token T | --token-file F] \\
+    python -m source_patch.runtime.trace.client record --url URL [--token T | --token-file F] \\
         --name layer_output [--layers 0-3] [--compressor tiles] [--param tiles=32] [--every 1] \\
         --out run.sptrace [--frames N | --seconds S] [--retry S]
-    python -m source_patch.runtime.trace_client summary run.sptrace
-    python -m source_patch.runtime.trace_client show run.sptrace [--name N] [--layer L] [--limit K]
+    python -m source_patch.runtime.trace.client summary run.sptrace
+    python -m source_patch.runtime.trace.client show run.sptrace [--name N] [--layer L] [--limit K]
 
 A recording (``.sptrace``) is the 8 bytes ``SPTRACE1`` and then, per frame, its
-length (u32, little-endian) and the frame exactly as received (trace_frame.py):
+length (u32, little-endian) and the frame exactly as received (frame.py):
 :func:`read_recording` yields the decoded frames.  No pickle anywhere.  Needs
 ``websockets`` and numpy, not torch.
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 from urllib.parse import urlsplit
 
-from source_patch.runtime.trace_frame import Frame, FrameError, decode, split
+from .frame import Frame, FrameError, decode, split
 
 RECORDING_MAGIC = b"SPTRACE1"
 MAX_FRAME_BYTES = 1 << 28
@@ -342,7 +342,7 @@ def _token(args) -> tuple[str, str | None]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m source_patch.runtime.trace_client",
+    p = argparse.ArgumentParser(prog="python -m source_patch.runtime.trace.client",
                                 description="Record a live trace stream, and read recordings back.")
     sub = p.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="subscribe and write frames to a file")

@@ -21,7 +21,7 @@ Call sites (``__sp__.<name>``, all cost one flag test when the mode is ``off``):
   entry / returns.
 - ``routing_step(success)``: optimizer step returns; a successful step advances the step.
 
-Python API (``source_patch.runtime.routing``)::
+Python API (``source_patch.runtime.routing.megatron``)::
 
     configure(mode="capture", dir="routes", probs=False)   # or settings component "routing"
     records()            # captured RoutingRecords, one per (step, microbatch), in order
@@ -32,6 +32,9 @@ Python API (``source_patch.runtime.routing``)::
 
 On disk: ``<dir>/rank-<r>/step-<S>-mb-<M>.safetensors`` (one RoutingRecord, token_order
 ``megatron-sbh``, ``extra={"step", "microbatch"}``) and ``<dir>/rank-<r>/index.json``.
+
+Over 400 lines on purpose: capture and replay share the per-step state machine
+(schedule, microbatch, recompute bookkeeping) that both must agree on.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from .routing_record import RoutingRecord, RoutingRecordError, load, slice_for_rank
-from .settings import resolve
+from .record import RoutingRecord, RoutingRecordError, load, slice_for_rank
+from ..core.settings import resolve
 
 
 class RoutingReplayError(RuntimeError):
@@ -89,7 +92,7 @@ _forwards: dict = {}
 def configure(**changes) -> dict:
     """Set settings (mode, dir, probs); returns the effective settings."""
     global _OFF
-    from .settings import check
+    from ..core.settings import check
 
     for key, value in changes.items():
         _config[key] = check("routing", key, value)

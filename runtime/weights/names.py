@@ -6,7 +6,7 @@
         ...   # model.layers.0.self_attn.q_proj.weight, ...k_proj..., ...v_proj...
 
 The input is a *full* parameter (tensor-parallel shards gathered, expert index
-global; see weight_megatron.py) under its Megatron name, with any ``module.``
+global; see megatron.py) under its Megatron name, with any ``module.``
 prefixes of the DDP / Float16Module wrappers.  The outputs are views or copies
 in the engine's layout.  Called with a ``meta`` tensor, it gives the output
 shapes without touching data, which is how the sender plans its buckets.

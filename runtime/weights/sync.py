@@ -12,13 +12,13 @@ Call sites (patches/weight_sync.yaml, reached through ``__sp__``)::
 
 Scripts::
 
-    from source_patch.runtime import weight_sync
+    import source_patch.runtime.weights.sync as weight_sync
     weight_sync.push(model_chunks)      # explicit push (raises on failure)
     weight_sync.state()                 # trainer: pushes, failures, last error, timings
     weight_sync.engine_state()          # engine: the version it serves, partial, failures
 
-The work is done by weight_megatron (gather), weight_names (mapping) and
-weight_transport (buckets over the group).  See docs/weight_sync.md.
+The work is done by megatron.py (gather), names.py (mapping) and
+transport.py (buckets over the group).  See docs/weight_sync.md.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from source_patch.runtime import settings
-from source_patch.runtime import weight_transport as transport
-from source_patch.runtime.weight_transport import WeightSyncError
+from ..core import settings
+from . import transport
+from .transport import WeightSyncError
 
 log = logging.getLogger("source_patch.weight_sync")
 
@@ -102,7 +102,8 @@ def weight_sync_step(optimizer: Any, result: Any) -> Any:
 def push(model_chunks, version: int | None = None) -> None:
     """Push the weights of ``model_chunks`` (collective over the data-, tensor- and
     expert-parallel ranks: all must call it).  Rank 0 sends; raises WeightSyncError."""
-    from source_patch.runtime import weight_megatron, weight_names
+    from . import megatron as weight_megatron
+    from . import names as weight_names
 
     version = _trainer["step"] if version is None else int(version)
     start = time.perf_counter()
@@ -136,7 +137,7 @@ def push(model_chunks, version: int | None = None) -> None:
 
 
 def _plan(chunk, params, layout) -> list:
-    from source_patch.runtime import weight_names
+    from . import names as weight_names
 
     names = [name for name, _ in params.params]
     cached = _plans.get(id(chunk))

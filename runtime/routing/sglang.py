@@ -13,13 +13,13 @@ Two call sites (``patches/moe_sglang.yaml``) reach this module through ``__sp__`
   captures them per layer, or overrides them in place from a replay record and
   recomputes the weights.
 
-Records use :mod:`source_patch.runtime.routing_record`: one ``RoutingRecord`` per
+Records use :mod:`source_patch.runtime.routing.record`: one ``RoutingRecord`` per
 request (``token_order="requests"``, ``sample_ids=[rid]``, ``source="sglang"``,
 ``extra={"rank", "start_pos"}``), written by :func:`flush` to
 ``<dir>/rank<R>/<rid>.safetensors``; :func:`merge_rank_files` merges a directory of
 rank folders by request.
 
-Settings (read from the environment directly until ``runtime/settings.py`` has an
+Settings (read from the environment directly until ``runtime/core/settings.py`` has an
 ``sglang_routing`` component):
 
 * ``SOURCE_PATCH_SGLANG_ROUTING_MODE``: ``off`` (default), ``capture``, ``replay``;
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from .routing_record import RoutingRecord, RoutingRecordError, load
+from .record import RoutingRecord, RoutingRecordError, load
 
 _RENORM_EPS = 1e-20  # sglang.srt.layers.moe.topk._RENORMALIZE_SUM_EPSILON
 

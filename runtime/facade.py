@@ -1,0 +1,50 @@
+"""The ``__sp__`` facade: every name that inserted call sites may call, and the
+module that defines it.  The handle (patcher/finder.py ``RuntimeHandle``) resolves a
+name here on first use, so a patched module that never reaches a call site never
+imports a capability or its dependencies (torch, websockets, ...)."""
+
+import importlib
+
+_EXPORTS = {
+    "emit": "core.events",
+    "subscribe": "core.events",
+    "capture": "core.events",
+    "dump": "dump.api",
+    "dump_context": "dump.api",
+    "dump_step": "dump.api",
+    "dump_microbatch": "dump.api",
+    "dump_flush": "dump.api",
+    "dump_state": "dump.api",
+    "dump_configure": "dump.api",
+    "routing_enter": "routing.megatron",
+    "routing_exit": "routing.megatron",
+    "routing_topk": "routing.megatron",
+    "routing_probs": "routing.megatron",
+    "routing_fused": "routing.megatron",
+    "routing_schedule": "routing.megatron",
+    "routing_schedule_end": "routing.megatron",
+    "routing_microbatch_begin": "routing.megatron",
+    "routing_microbatch_end": "routing.megatron",
+    "routing_step": "routing.megatron",
+    "sglang_routing_topk": "routing.sglang",
+    "sglang_routing_batch": "routing.sglang",
+    "weight_sync_attach": "weights.sync",
+    "weight_sync_step": "weights.sync",
+    "weight_sync_receive": "weights.sync",
+    "weight_sync_loaded": "weights.sync",
+    "weight_sync_version": "weights.sync",
+    "trace": "trace.api",
+    "trace_step": "trace.api",
+    "trace_state": "trace.api",
+}
+
+__all__ = sorted(_EXPORTS)
+_PACKAGE = __name__.rpartition(".")[0]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"the source-patch runtime has no {name!r} (available: {', '.join(__all__)})")
+    value = getattr(importlib.import_module(f"{_PACKAGE}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
