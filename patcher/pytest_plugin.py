@@ -6,6 +6,19 @@ and the ``source_patch_import`` fixture for patched-module tests:
 
     def test_capture(source_patch_import):
         moe_utils = source_patch_import("megatron.core.transformer.moe.moe_utils", "moe")
+
+A real SGLang engine with specs active in its processes (patcher/sglang_harness.py;
+skipped when SGLang is not installed; ``sglang_cpu`` is always added):
+
+    def test_routes(sglang_server):
+        server = sglang_server(specs=["moe_sglang"], env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture"})
+        server.generate(input_ids=[1, 2, 3], max_new_tokens=4)
+
+``sglang_server(specs, args, env, model)`` starts ``python -m sglang.launch_server``,
+``sglang_engine(specs, engine_args, env, model)`` the offline ``sglang.Engine`` in a
+driver process; equal arguments share one engine for the whole test session (start-up
+costs ~20-30 s on 2 cores).  ``sglang_checkpoint`` is the tiny Qwen3-MoE they serve by
+default (cached in $SOURCE_PATCH_SGLANG_CACHE or ~/.cache/source-patch/sglang).
 """
 
 from __future__ import annotations
@@ -56,3 +69,58 @@ def source_patch_import(tmp_path_factory):
         return import_patched_copy(module, *specs, cache_dir=cache_dir)
 
     return load
+
+
+def _need_sglang():
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed")
+
+
+@pytest.fixture(scope="session")
+def sglang_checkpoint():
+    """The tiny random Qwen3-MoE checkpoint (and tokenizer) the engine fixtures serve."""
+    _need_sglang()
+    from .sglang_harness import tiny_checkpoint
+
+    return tiny_checkpoint()
+
+
+def _shared(kind: str, checkpoint, tmp_path_factory):
+    """A factory of engines of ``kind`` shared by equal arguments; all closed at the end."""
+    from . import sglang_harness
+
+    started: dict = {}
+
+    def start(specs=(), args=(), env=None, model=None, **options):
+        key = (tuple(specs), tuple(args), tuple(sorted((env or {}).items())), str(model),
+               repr(sorted(options.items())))
+        if key not in started:
+            workdir = tmp_path_factory.mktemp(f"sglang-{kind}")
+            cls = sglang_harness.SGLangServer if kind == "server" else sglang_harness.SGLangEngine
+            extra = {"args": args} if kind == "server" else {"engine_args": dict(args or {})}
+            started[key] = cls(model or checkpoint, specs=specs, env=env, workdir=workdir, **extra, **options)
+        return started[key]
+
+    return started, start
+
+
+@pytest.fixture(scope="session")
+def sglang_server(sglang_checkpoint, tmp_path_factory):
+    """``sglang_server(specs=(), args=(), env=None, model=None)``: a real SGLang HTTP
+    server on 127.0.0.1 (SGLangServer), shared by equal arguments for the session."""
+    started, start = _shared("server", sglang_checkpoint, tmp_path_factory)
+    yield start
+    for server in started.values():
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def sglang_engine(sglang_checkpoint, tmp_path_factory):
+    """``sglang_engine(specs=(), args={engine kwargs}, env=None, model=None)``: the offline
+    sglang.Engine in a driver process (SGLangEngine), shared by equal arguments."""
+    started, start = _shared("engine", sglang_checkpoint, tmp_path_factory)
+    yield start
+    for engine in started.values():
+        engine.close()

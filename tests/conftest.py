@@ -72,3 +72,61 @@ def check_sglang_spec(capsys):
         return out
 
     return check
+
+
+@pytest.fixture
+def dumper(tmp_path, monkeypatch):
+    """The dump runtime (source_patch.runtime.dump.api), enabled, writing under
+    tmp_path/dumps/t; clean before and after."""
+    from source_patch.runtime.core import ranks
+    from source_patch.runtime.dump import api as dump_api
+
+    for key in list(os.environ):
+        if key.startswith("SOURCE_PATCH_DUMP_"):
+            monkeypatch.delenv(key)
+    dump_api.close()
+    dump_api.configure_from_settings({})
+    dump_api.configure(enable=True, dir=str(tmp_path / "dumps"), exp_name="t")
+    dump_api.reset()
+    dump_api.dump_context(phase=None, microbatch=None)
+    ranks.forget()
+    yield dump_api
+    dump_api.close()
+    dump_api.configure_from_settings({})
+    dump_api.reset()
+    dump_api.dump_context(phase=None, microbatch=None)
+    ranks.forget()
+
+
+@pytest.fixture(scope="session")
+def instrumented_sglang(sglang_cpu, sglang_server, tmp_path_factory):
+    """One real SGLang HTTP server for the session with routing capture (moe_sglang),
+    inference dumps (dump_sglang, /dumper/* mounted on SGLang's server) and live
+    tracing (trace_sglang) active in its scheduler, plus SGLang's own routed-experts
+    capture for an independent check.  Radix caching is off: every request's prompt
+    is prefilled whole, so its routes cover every token."""
+    from types import SimpleNamespace
+
+    from source_patch.patcher.sglang_harness import free_port
+
+    root = tmp_path_factory.mktemp("instrumented")
+    trace_port, token = free_port(), "instrumented-test-token"
+    env = {"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(root / "routes"),
+           "SOURCE_PATCH_DUMP_DIR": str(root / "dumps"), "SOURCE_PATCH_DUMP_EXP_NAME": "serve",
+           "DUMPER_SERVER_PORT": "reuse", "SOURCE_PATCH_TRACE_PORT": str(trace_port),
+           "SOURCE_PATCH_TRACE_TOKEN": token, "SOURCE_PATCH_TRACE_DIR": str(root / "trace")}
+    server = sglang_server(specs=["moe_sglang", "dump_sglang", "trace_sglang"],
+                           args=["--enable-return-routed-experts", "--disable-radix-cache", "--skip-server-warmup"],
+                           env=env)
+    return SimpleNamespace(server=server, routes=root / "routes", dumps=root / "dumps" / "serve",
+                           trace_url=f"http://127.0.0.1:{trace_port}/#token={token}")
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3(sglang_cpu, sglang_checkpoint):
+    """transformers' Qwen3MoeForCausalLM on the engine's checkpoint (fp32, eval): the
+    independent reference for what the engine computes."""
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM.from_pretrained(sglang_checkpoint, torch_dtype=torch.float32).eval()

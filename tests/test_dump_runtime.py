@@ -28,26 +28,6 @@ from source_patch.runtime.dump import server as dump_server
 from source_patch.runtime.dump import api as D
 
 
-@pytest.fixture
-def dumper(tmp_path, monkeypatch):
-    """The dump runtime, enabled, writing under tmp_path/dumps/t; clean before and after."""
-    for key in list(os.environ):
-        if key.startswith("SOURCE_PATCH_DUMP_"):
-            monkeypatch.delenv(key)
-    D.close()
-    D.configure_from_settings({})
-    D.configure(enable=True, dir=str(tmp_path / "dumps"), exp_name="t")
-    D.reset()
-    D.dump_context(phase=None, microbatch=None)
-    ranks.forget()
-    yield D
-    D.close()
-    D.configure_from_settings({})
-    D.reset()
-    D.dump_context(phase=None, microbatch=None)
-    ranks.forget()
-
-
 def exp_dir(d) -> Path:
     return Path(d.state()["exp_dir"])
 

@@ -250,6 +250,15 @@ def _exp_name(value: Any) -> str:
     return name
 
 
+def _rank_dir(value: Any) -> str:
+    name = text(value).strip()
+    if name.count("{rank}") != 1 or name.replace("{rank}", "").strip("-_.").count("{") or \
+            "}" in name.replace("{rank}", "") or "/" in name or "\\" in name or name in (".", ".."):
+        raise ValueError(f"expected a plain folder name with one {{rank}} in it (e.g. 'rank-{{rank}}'), "
+                         f"got {value!r}")
+    return name
+
+
 def _nonempty_text(value: Any) -> str:
     if not text(value).strip():
         raise ValueError("expected a non-empty string")
@@ -260,6 +269,8 @@ SCHEMAS["dump"] = {
     "enable": Setting(False, boolean, "dump at all; when false a dump() call costs one flag test"),
     "dir": Setting("./sp-dumps", _nonempty_text, "root directory; records go to <dir>/<exp_name>/rank-<r>/"),
     "exp_name": Setting("default", _exp_name, "experiment name: the directory under dir"),
+    "rank_dir": Setting("rank-{rank}", _rank_dir, "each process's folder under dir/exp_name; {rank} is its "
+                        "global rank (the SGLang dump spec uses engine_{rank})"),
     "names": Setting(None, string_list, "record names to keep (fnmatch globs such as 'attn_*'); empty = all"),
     "layers": Setting(None, int_filter, "layer tags to keep ('0-3,7'); records without a layer tag are skipped"),
     "steps": Setting(None, int_filter, "steps to keep ('0-3,100-')"),

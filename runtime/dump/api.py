@@ -250,7 +250,8 @@ def _leaves(name: str, value: Any, depth: int):
 def _rank_dir(rank: int) -> Path:
     folder = _rank_dirs.get(rank)
     if folder is None:
-        folder = _rank_dirs[rank] = Path(_config["dir"]) / _config["exp_name"] / f"rank-{rank}"
+        name = _config["rank_dir"].replace("{rank}", str(rank))
+        folder = _rank_dirs[rank] = Path(_config["dir"]) / _config["exp_name"] / name
     return folder
 
 

@@ -75,22 +75,28 @@ def rank_dirs(path: str | Path, exp_name: str | None = None) -> list[Path]:
         return [root]
     if exp_name is not None:
         root = root / exp_name
-    found = [d for d in root.glob("rank-*") if (d / MANIFEST).is_file()]
+    found = _with_manifest(root)
     if not found and exp_name is None:
-        experiments = sorted(d for d in root.iterdir() if d.is_dir() and any(d.glob(f"rank-*/{MANIFEST}"))) \
+        experiments = sorted(d for d in root.iterdir() if d.is_dir() and _with_manifest(d)) \
             if root.is_dir() else []
         if len(experiments) == 1:
-            found = [d for d in experiments[0].glob("rank-*") if (d / MANIFEST).is_file()]
+            found = _with_manifest(experiments[0])
         elif len(experiments) > 1:
             names = ", ".join(d.name for d in experiments)
             raise ValueError(f"{root} holds several experiments ({names}): pass exp_name= or a deeper path")
     if not found:
-        raise FileNotFoundError(f"no dump manifests under {Path(path)} (looked for rank-*/{MANIFEST})")
+        raise FileNotFoundError(f"no dump manifests under {Path(path)} (looked for */{MANIFEST}: "
+                                "rank-<r>/ or engine_<r>/ folders)")
     return sorted(found, key=_rank_number)
 
 
+def _with_manifest(folder: Path) -> list:
+    """Process folders (``rank-<r>``, ``engine_<r>``: the ``rank_dir`` setting) of one experiment."""
+    return [d for d in folder.iterdir() if (d / MANIFEST).is_file()] if folder.is_dir() else []
+
+
 def _rank_number(folder: Path):
-    suffix = folder.name.partition("-")[2]
+    suffix = folder.name.rpartition("-" if "-" in folder.name else "_")[2]
     return (0, int(suffix)) if suffix.isdigit() else (1, suffix)
 
 

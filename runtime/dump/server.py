@@ -245,6 +245,12 @@ def _configure(runtime, body: bytes) -> dict:
         changes = json.loads(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise HTTPError(400, f"malformed JSON: {exc}") from None
+    return configure_changes(runtime, changes)
+
+
+def configure_changes(runtime, changes) -> dict:
+    """Validate ``changes`` (a JSON object of dump settings) as a whole, then apply them;
+    HTTPError(400) says what is wrong.  Also SGLang's ``/dumper/configure`` (dump/sglang.py)."""
     if not isinstance(changes, dict):
         raise HTTPError(400, f"expected a JSON object of settings, got {type(changes).__name__}")
     schema = settings.SCHEMAS["dump"]

@@ -46,6 +46,7 @@ class Pipeline:
         self.thread: threading.Thread | None = None
         self.stopping = False
         self.hurry = 0         # threads waiting in flush() or for room: the writer skips its linger
+        self.urgent = False    # write what is queued now (the end of a forward pass), without waiting
         self.side_streams: dict = {}
         self.pool: dict = {}   # nbytes -> idle uint8 host buffers (CPU snapshots)
         self.pool_bytes = 0
@@ -189,6 +190,14 @@ class Pipeline:
                 self.hurry -= 1
         return True
 
+    def nudge(self) -> None:
+        """Write what is queued now instead of lingering for more: a unit of work ended
+        (an SGLang forward pass) and the process may be killed right after it."""
+        with self.cond:
+            if self.queue:
+                self.urgent = True
+                self.cond.notify_all()
+
     def stop(self, timeout: float | None = None) -> None:
         """Stop the writer thread (after flush); enqueueing again starts it again."""
         with self.cond:
@@ -240,11 +249,12 @@ class Pipeline:
             # Linger a little so records that come in a burst share a file: fewer
             # files and syscalls, and less of this thread competing with training.
             until = time.monotonic() + LINGER_S
-            while not self.stopping and not self.hurry and self.queued_bytes < limit:
+            while not self.stopping and not self.hurry and not self.urgent and self.queued_bytes < limit:
                 remaining = until - time.monotonic()
                 if remaining <= 0:
                     break
                 self.cond.wait(remaining)
+            self.urgent = False
             batch, size = [], 0
             while self.queue and (not batch or size + self.queue[0].nbytes <= limit):
                 item = self.queue.popleft()

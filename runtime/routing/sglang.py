@@ -15,8 +15,9 @@ Two call sites (``patches/moe_sglang.yaml``) reach this module through ``__sp__`
 
 Records use :mod:`source_patch.runtime.routing.record`: one ``RoutingRecord`` per
 request (``token_order="requests"``, ``sample_ids=[rid]``, ``source="sglang"``,
-``extra={"rank", "start_pos"}``), written by :func:`flush` to
-``<dir>/rank<R>/<rid>.safetensors``; :func:`merge_rank_files` merges a directory of
+``extra={"rank", "start_pos"}``), written to ``<dir>/rank<R>/<rid>.safetensors`` when
+the request finishes (:func:`sglang_routing_release`, at ``release_kv_cache``) and by
+:func:`flush` (at exit: what is left); :func:`merge_rank_files` merges a directory of
 rank folders by request.
 
 Settings (read from the environment directly until ``runtime/core/settings.py`` has an
@@ -48,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.sglang_batch import BatchRows, Unattributed, batch_rows
 from .record import RoutingRecord, RoutingRecordError, load
 
 _RENORM_EPS = 1e-20  # sglang.srt.layers.moe.topk._RENORMALIZE_SUM_EPSILON
@@ -154,42 +156,18 @@ def _captured_len(rid):
     return max(layer_rows.values(), default=0)
 
 
-def _as_list(x):
-    if x is None:
-        return None
-    if isinstance(x, torch.Tensor):
-        return [int(v) for v in x.tolist()]
-    return [int(v) for v in x]
-
-
 def sglang_routing_batch(forward_batch) -> None:
     """Call site at ``ModelRunner._forward_raw`` entry: the ambient batch from an
     SGLang ``ForwardBatch``. Does nothing when the mode is off."""
     if _mode() == "off":
         return
-    mode = forward_batch.forward_mode
-    rids = forward_batch.rids
-    if rids is None or mode.is_idle():
+    rows = batch_rows(forward_batch)
+    if isinstance(rows, Unattributed):
+        _warn_once(rows.key, rows.reason)
+    if not isinstance(rows, BatchRows):
         _S.batch = None
         return
-    if mode.is_decode():
-        seq = _as_list(forward_batch.seq_lens_cpu)
-        lens = [1] * len(rids)
-        starts = [s - 1 for s in seq] if seq is not None else None
-    elif mode.is_extend(include_draft_extend_v2=True) or mode.is_mixed():
-        lens = _as_list(forward_batch.extend_seq_lens_cpu)
-        if lens is None:
-            lens = _as_list(forward_batch.extend_seq_lens)
-        starts = _as_list(forward_batch.extend_prefix_lens_cpu)
-        if mode.is_target_verify() or (hasattr(mode, "is_draft_extend") and mode.is_draft_extend()):
-            _warn_once("spec", f"speculative forward mode {mode} is not attributed; its rows are skipped")
-            _S.batch = None
-            return
-    else:
-        _warn_once(("mode", str(mode)), f"forward mode {mode} is not attributed; its rows are skipped")
-        _S.batch = None
-        return
-    set_batch(rids, lens, starts)
+    set_batch(rows.rids, rows.lens, rows.starts)
 
 
 # ---------------------------------------------------------------- select_experts
@@ -306,15 +284,18 @@ def sglang_routing_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor, rout
 # ---------------------------------------------------------------- records and files
 
 
-def records() -> dict:
+def records(only=None) -> dict:
     """What was captured so far: ``{rid: RoutingRecord}`` (one per request, rows in
-    generation order: prefill tokens then each decode token)."""
+    generation order: prefill tokens then each decode token); ``only``: that request."""
     per = {}  # rid -> {"start": int, "next": int, "layers": {layer: [tensors]}}
     with _S.lock:
         forwards = list(_S.forwards)
     for fw in forwards:
         off = 0
         for rid, n, start in zip(fw["rids"], fw["lens"], fw["starts"]):
+            if only is not None and rid != only:
+                off += n
+                continue
             entry = per.setdefault(rid, {"start": start, "next": start, "layers": {}})
             if start != entry["next"]:
                 raise RoutingRecordError(f"request {rid!r}: rows resume at position {start}, expected "
@@ -355,6 +336,44 @@ def flush(dir=None, *, clear: bool = True) -> list:
         with _S.lock:
             _S.forwards = []
     return paths
+
+
+def sglang_routing_release(req) -> None:
+    """Call site at ``release_kv_cache`` entry: a finished request's record is written
+    now (a scheduler is killed at shutdown, so waiting for exit would lose it) and
+    its rows leave memory.  A retracted request (not finished) keeps its rows."""
+    if _S.mode != "capture" or not _S.dir:
+        return
+    try:
+        if not req.finished():
+            return
+        rid = req.rid
+        rec = records(only=rid).get(rid)
+        if rec is not None:
+            folder = Path(_S.dir) / f"rank{_rank()}"
+            folder.mkdir(parents=True, exist_ok=True)
+            rec.save(folder / f"{_safe_name(rid)}.safetensors")
+        _drop(rid)
+    except Exception as exc:  # noqa: BLE001 - capture must never break serving
+        _warn_once(("release", type(exc).__name__), f"writing a finished request's routes failed: {exc}")
+
+
+def _drop(rid) -> None:
+    """Remove ``rid``'s rows from every captured forward."""
+    with _S.lock:
+        kept = []
+        for fw in _S.forwards:
+            if rid not in fw["rids"]:
+                kept.append(fw)
+                continue
+            i = fw["rids"].index(rid)
+            off, n = sum(fw["lens"][:i]), fw["lens"][i]
+            rest = [j for j in range(len(fw["rids"])) if j != i]
+            if rest:
+                kept.append({**fw, "rids": [fw["rids"][j] for j in rest], "lens": [fw["lens"][j] for j in rest],
+                             "starts": [fw["starts"][j] for j in rest],
+                             "layers": {k: torch.cat([v[:off], v[off + n:]]) for k, v in fw["layers"].items()}})
+        _S.forwards = kept
 
 
 def _by_request(recs, rank_of=None) -> dict:

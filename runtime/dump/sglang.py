@@ -1,0 +1,141 @@
+"""The dump runtime inside SGLang's scheduler processes (patches/dump_sglang.yaml).
+
+Call sites::
+
+    __sp__.dump_sglang_forward(self, input_ids, positions, forward_batch)   # model forward entry
+    __sp__.dump_sglang_forward_end()                                      # after the logits
+    if __sp__.dump_sglang_control(self, recv_req): return                 # Scheduler.handle_dumper_control
+
+Each forward pass of the model is one dump ``step`` (counted per process), tagged
+``phase=inference``, ``forward_mode`` (extend | decode | ...) and ``cuda_graph=false``
+(a CUDA-graph replay runs no Python: nothing is dumped for it, never stale data).
+Per pass it records ``input_ids``, ``positions`` and ``row_request`` (for every row,
+the index of its request in the ``rids`` tag), so any dumped row maps back to a
+(request, token position).  Once per process it writes ``model.json`` (class,
+layer count, parameter names, shapes and dtypes, parallel ranks, whether CUDA graphs
+are on) beside its manifest.
+
+Control: SGLang's HTTP server mounts ``POST /dumper/{configure,get_state,reset}``
+when ``DUMPER_SERVER_PORT=reuse`` and forwards each to every scheduler; the patched
+handler answers from this runtime (the same validation as the loopback endpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ..core import ranks
+from ..core.sglang_batch import BatchRows, batch_rows
+from . import api, server
+
+_forward_pass = 0
+_summary_dirs: set = set()
+
+# SGLang's dumper setting names that mean the same here (DUMPER_* / /dumper/configure).
+SGLANG_NAMES = {"enable": "enable", "dir": "dir", "exp_name": "exp_name"}
+UNSUPPORTED = {"filter": "a Python expression SGLang evaluates; use names/layers/steps/ranks/phases"}
+
+
+def dump_sglang_forward(model, input_ids, positions, forward_batch) -> None:
+    """Start of one forward pass: step, ambient tags, the row map, the model summary."""
+    global _forward_pass
+    step, _forward_pass = _forward_pass, _forward_pass + 1
+    if not api._enabled:
+        return
+    try:
+        api.dump_step(step=step)
+        rows = batch_rows(forward_batch)
+        mode = rows.mode if isinstance(rows, BatchRows) else _mode_name(forward_batch)
+        api.dump_context(forward_mode=mode, cuda_graph=False)
+        _write_summary(model)
+        api.dump("input_ids", input_ids)
+        api.dump("positions", positions)
+        if isinstance(rows, BatchRows):
+            index = torch.repeat_interleave(torch.arange(len(rows.rids), dtype=torch.int32),
+                                            torch.tensor(rows.lens, dtype=torch.int64))
+            api.dump("row_request", index, rids=[str(r) for r in rows.rids], rows_per_request=rows.lens)
+    except Exception as exc:  # noqa: BLE001 - a dump must never break serving
+        api._counters.fail("dump_sglang_forward", exc)
+
+
+def dump_sglang_forward_end(logits_output=None):
+    """End of one forward pass: its records are written now, not after the writer's
+    linger (SGLang kills its schedulers at shutdown; a finished pass is not lost)."""
+    if api._enabled:
+        api._pipeline.nudge()
+    return logits_output
+
+
+def _mode_name(forward_batch) -> str:
+    name = getattr(forward_batch.forward_mode, "name", str(forward_batch.forward_mode))
+    return str(name).lower()
+
+
+def _write_summary(model) -> None:
+    folder = api._rank_dir(ranks.global_rank())
+    if folder in _summary_dirs:
+        return
+    _summary_dirs.add(folder)
+    params = [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+              for n, p in model.named_parameters()]
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    summary = {
+        "model": type(model).__name__, "layers": len(layers) if layers is not None else None,
+        "parameters": params, "ranks": {"rank": ranks.global_rank(), **ranks.parallel_tags()},
+        "cuda_graph": _cuda_graph_enabled(), "pid": os.getpid(),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".model.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, folder / "model.json")
+
+
+def _cuda_graph_enabled() -> bool | None:
+    """Whether this engine replays CUDA graphs (decode batches then dump nothing)."""
+    context = sys.modules.get("sglang.srt.runtime_context")
+    try:
+        args = context.get_server_args()  # the operator's input, as SGLang 0.5.23 publishes it
+        return bool(torch.cuda.is_available() and not args.disable_cuda_graph)
+    except Exception:  # noqa: BLE001 - an SGLang without that accessor
+        return None
+
+
+# ---------------------------------------------------------------- /dumper/{method} on SGLang's server
+
+
+def dump_sglang_control(scheduler, recv_req) -> bool:
+    """Answer SGLang's DumperControlReqInput from this runtime; True when answered
+    (the patched handler then returns)."""
+    from sglang.srt.managers.io_struct import DumperControlReqOutput
+
+    try:
+        response = [handle_control(recv_req.method, recv_req.body)]
+        reply = DumperControlReqOutput(success=True, response=response)
+    except (server.HTTPError, ValueError) as exc:
+        reply = DumperControlReqOutput(success=False, response=[], error=f"rank {ranks.global_rank()}: {exc}")
+    scheduler.ipc_channels.send_to_tokenizer.send_output(reply, recv_req)
+    return True
+
+
+def handle_control(method: str, body: dict) -> dict:
+    """``configure`` (SGLang's names where they overlap, or this runtime's), ``get_state``
+    (or ``state``), ``reset``: the reply of this process, tagged with its rank."""
+    if method == "configure":
+        changes = {}
+        for key, value in (body or {}).items():
+            if key in UNSUPPORTED:
+                raise ValueError(f"{key!r} is not supported: {UNSUPPORTED[key]}")
+            changes[SGLANG_NAMES.get(key, key)] = value
+        reply = server.configure_changes(api, changes)
+    elif method in ("get_state", "state"):
+        reply = api.state()
+    elif method == "reset":
+        reply = api.reset()
+    else:
+        raise ValueError(f"unknown method {method!r} (configure, get_state, reset)")
+    return {"rank": ranks.global_rank(), **ranks.parallel_tags(), **reply}

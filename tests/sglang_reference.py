@@ -1,0 +1,40 @@
+"""What transformers' Qwen3MoeForCausalLM computes on the engine's checkpoint: the
+independent reference for the real-engine tests (greedy tokens, per-layer values)."""
+
+import torch
+
+
+def greedy(model, prompt: list, new_tokens: int) -> list:
+    """Greedy continuation of ``prompt`` (fp32, no cache: slow but plain)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def activations(model, tokens: list) -> dict:
+    """Per-token values at the points dump_sglang records, for one sequence:
+    ``layer_input[i]``, ``attention_output[i]``, ``mlp_output[i]``, ``router_logits[i]``
+    (``[tokens, ...]``), ``final_hidden`` and ``logits``."""
+    out, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        hooks += [
+            layer.self_attn.register_forward_hook(lambda m, a, o, i=i: out.__setitem__(("attention_output", i), o[0][0])),
+            layer.mlp.register_forward_hook(
+                lambda m, a, o, i=i: out.__setitem__(("mlp_output", i), (o[0] if isinstance(o, tuple) else o)[0])),
+            layer.mlp.gate.register_forward_hook(
+                lambda m, a, o, i=i: out.__setitem__(("router_logits", i), o[0] if isinstance(o, tuple) else o)),
+        ]
+    try:
+        with torch.no_grad():
+            result = model(torch.tensor([tokens]), output_hidden_states=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for i in range(len(model.model.layers)):
+        out[("layer_input", i)] = result.hidden_states[i][0]
+        out[("router_logits", i)] = out[("router_logits", i)].reshape(len(tokens), -1)
+    out[("final_hidden", None)] = result.hidden_states[-1][0]
+    out[("logits", None)] = result.logits[0]
+    return out
