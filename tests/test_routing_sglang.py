@@ -7,6 +7,8 @@ real ForwardBatch)."""
 import importlib.util
 import types
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -14,6 +16,7 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
 from source_patch.runtime.routing import sglang as rs  # noqa: E402
+from source_patch.runtime.routing import record as rr  # noqa: E402
 from source_patch.runtime.routing.record import RoutingRecord, RoutingRecordError  # noqa: E402
 
 E, K = 8, 2
@@ -146,11 +149,14 @@ def _bad(topk_mod, indices, num_experts=E):
 
 def test_replay_errors_are_clear(topk_mod):
     good = dict(num_experts=E, token_order="requests", sample_ids=["r"], source="sglang", extra={"start_pos": 0})
-    # too few rows for the batch
+    # too few rows for the batch: those rows keep the router's own routes (a serving
+    # engine must not die), with a warning
     rs.configure("replay", replay={"r": RoutingRecord(indices={0: torch.tensor([[0, 1]] * 3)}, **good)})
     rs.set_batch(["r"], [4], [0])
-    with pytest.raises(RoutingRecordError, match=r"request 'r' needs rows \[0, 4\) of layer 0, its record has 3"):
-        _select(topk_mod, torch.randn(4, E), layer=0)
+    logits = torch.randn(4, E)
+    with pytest.warns(RuntimeWarning, match=r"request 'r' needs rows \[0, 4\) of layer 0, its record has 3"):
+        _, ids = _select(topk_mod, logits, layer=0)
+    assert torch.equal(ids.long(), torch.topk(logits.softmax(-1), K).indices)
     # a single record replayed without attribution: wrong row count
     rs.reset()
     rs.configure("replay", replay={"r": RoutingRecord(indices={0: torch.tensor([[0, 1]] * 3)}, **good)})
@@ -162,9 +168,12 @@ def test_replay_errors_are_clear(topk_mod):
     rs.set_batch(["r"], [4], [0])
     with pytest.raises(RoutingRecordError, match="request 'r' has no layer 5"):
         _select(topk_mod, torch.randn(4, E), layer=5)
-    rs.set_batch(["zz"], [4], [0])
-    with pytest.raises(RoutingRecordError, match="no record for request 'zz'"):
-        _select(topk_mod, torch.randn(4, E), layer=0)
+    rs.set_batch(["zz", "r"], [4, 4], [0, 0])  # a request nobody recorded keeps its live routes
+    logits = torch.randn(8, E)
+    with pytest.warns(RuntimeWarning, match="no record for request 'zz'"):
+        _, ids = _select(topk_mod, logits, layer=0)
+    assert torch.equal(ids[:4].long(), torch.topk(logits[:4].softmax(-1), K).indices)
+    assert ids[4:].tolist() == [[0, 1]] * 4
     # out of range / duplicate ids (a record built for more experts; a corrupted one)
     rs.reset()
     with pytest.raises(RoutingRecordError, match=r"row 2: expert id out of range \[0, 8\) \(row \[9, 1\]\)"):
@@ -213,25 +222,88 @@ def test_flush_writes_per_rank_files(topk_mod, tmp_path):
     assert rs.records() == {}
 
 
-def test_forward_raw_sets_the_ambient_batch(sglang_cpu, tmp_path):
-    """The real ModelRunner._forward_raw entry with a real ForwardBatch (extend, then
-    decode); the rest of _forward_raw cannot run on CPU and fails right after."""
-    from source_patch.patcher import import_patched_copy
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+# ---------------------------------------------------------------- a real engine
 
-    mr = import_patched_copy("sglang.srt.model_executor.model_runner", "moe_sglang", cache_dir=tmp_path)
-    rs.configure("capture")
 
-    def run(fb):
-        with pytest.raises(AttributeError):  # self.model: the runner is a bare object
-            mr.ModelRunner._forward_raw(object(), fb, None)
+def _routed_experts(meta, layers=2, topk=2):
+    """SGLang's own capture (return_routed_experts): base64 int32 [tokens, layers, topk]."""
+    import base64
 
-    z = torch.zeros(1, dtype=torch.long)
-    run(ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=2, input_ids=torch.zeros(5), req_pool_indices=z,
-                     seq_lens=torch.tensor([3, 4]), out_cache_loc=z, seq_lens_sum=7, rids=["a", "b"],
-                     extend_seq_lens_cpu=[3, 2], extend_prefix_lens_cpu=[0, 2]))
-    assert rs._S.batch == (["a", "b"], [3, 2], [0, 2])
-    run(ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=2, input_ids=torch.zeros(2), req_pool_indices=z,
-                     seq_lens=torch.tensor([4, 5]), out_cache_loc=z, seq_lens_sum=9, rids=["a", "b"],
-                     seq_lens_cpu=torch.tensor([4, 5])))
-    assert rs._S.batch == (["a", "b"], [1, 1], [3, 4])
+    import numpy as np
+
+    raw = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+    return torch.from_numpy(raw.copy()).reshape(-1, layers, topk).long()
+
+
+def _record_of(folder, rid, timeout=20.0):
+    """The record the scheduler writes when ``rid`` finishes (release_kv_cache)."""
+    import time
+
+    path = Path(folder) / "rank0" / f"{rid}.safetensors"
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return rr.load(path)
+
+
+@pytest.mark.slow
+def test_captured_routes_equal_sglangs_own_capture(instrumented_sglang):
+    """Independent check: for the same requests, the moe_sglang record equals what
+    SGLang's own enable_return_routed_experts returns, row for row (logical ids)."""
+    prompts = {"cap-a": [1, 2, 3, 4, 5, 6], "cap-b": [40, 41, 42]}
+    out = instrumented_sglang.server.generate(input_ids=list(prompts.values()), max_new_tokens=5,
+                                              rid=list(prompts), return_routed_experts=True,
+                                              sampling={"ignore_eos": True})
+    for (rid, prompt), result in zip(prompts.items(), out):
+        theirs = _routed_experts(result["meta_info"])
+        rec = _record_of(instrumented_sglang.routes, rid)
+        assert rec.sample_ids == [rid] and rec.extra["start_pos"] == 0 and rec.layers == [0, 1]
+        assert rec.num_tokens == len(prompt) + 5 - 1 == theirs.shape[0]  # the last token is never routed
+        ours = torch.stack([rec.indices[layer] for layer in rec.layers], dim=1)
+        assert torch.equal(ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def replay_server(instrumented_sglang, sglang_server, tmp_path_factory):
+    """A captured request, replayed twice in a second real server: as recorded
+    ("same"), and with every route moved to the next experts ("moved")."""
+    prompt, new = [7, 3, 9, 1, 12, 5], 5
+    captured = instrumented_sglang.server.generate(input_ids=prompt, max_new_tokens=new, rid="replay-src",
+                                                   sampling={"ignore_eos": True})
+    rec = _record_of(instrumented_sglang.routes, "replay-src")
+    folder = tmp_path_factory.mktemp("replay")
+    moved = {layer: (ids + 3) % rec.num_experts for layer, ids in rec.indices.items()}
+    rec.replace(sample_ids=["same"]).save(folder / "same.safetensors")
+    rec.replace(sample_ids=["moved"], indices=moved).save(folder / "moved.safetensors")
+    dumps = tmp_path_factory.mktemp("replay-dumps")
+    server = sglang_server(specs=["moe_sglang", "dump_sglang"], args=["--disable-radix-cache", "--skip-server-warmup"],
+                           env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "replay",
+                                "SOURCE_PATCH_SGLANG_ROUTING_REPLAY": str(folder),
+                                "SOURCE_PATCH_DUMP_DIR": str(dumps), "SOURCE_PATCH_DUMP_NAMES": "topk_ids,row_request"})
+    return server, prompt, new, captured["output_ids"], moved, dumps / "default"
+
+
+@pytest.mark.slow
+def test_replay_of_the_recorded_routes_generates_the_same_tokens(replay_server):
+    server, prompt, new, captured, _, _ = replay_server
+    out = server.generate(input_ids=prompt, max_new_tokens=new, rid="same", sampling={"ignore_eos": True})
+    assert out["output_ids"] == captured
+
+
+@pytest.mark.slow
+def test_replay_forces_the_recorded_routes_and_changes_generation(replay_server):
+    from source_patch.runtime.dump import reader
+
+    server, prompt, new, captured, moved, dumps = replay_server
+    out = server.generate(input_ids=prompt, max_new_tokens=new, rid="moved", sampling={"ignore_eos": True})
+    assert out["output_ids"] != captured  # other experts, other tokens
+    server.post("/flush_cache")  # a scheduler round trip: the last pass's records are queued by now
+    records = reader.load(dumps)
+    maps = {r.tags["step"]: r for r in records if r.name == "row_request" and "moved" in r.tags["rids"]}
+    routed = {layer: [] for layer in moved}
+    for r in records:
+        if r.name == "topk_ids" and r.tags["step"] in maps:
+            rows = maps[r.tags["step"]]
+            routed[r.tags["layer"]].append(r.tensor[rows.tensor == rows.tags["rids"].index("moved")])
+    for layer, ids in moved.items():
+        assert torch.equal(torch.cat(routed[layer]), ids)  # every row took the record's experts

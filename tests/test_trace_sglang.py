@@ -1,13 +1,9 @@
-"""patches/trace_sglang.yaml against real sglang 0.5.23 modules on CPU: the spec checks
-without importing sglang; a patched copy of sglang.srt.models.qwen3_moe runs the real
-Qwen3MoeDecoderLayer.forward (its attention, MLP and boundaries stubbed: building the
-real ones needs a distributed, CUDA-backed model runner) and streams both outputs to a
-real client; the real ModelRunner.forward numbers the step by its forward pass id."""
+"""patches/trace_sglang.yaml: the spec checks without importing sglang; a real SGLang
+server on CPU (the instrumented_sglang fixture) streams its decoder layers' outputs
+from its scheduler process to a real client, one step per forward pass."""
 
 import asyncio
 import importlib.util
-import socket
-import types
 
 import numpy as np
 import pytest
@@ -16,9 +12,6 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
-from source_patch.patcher import import_patched_copy  # noqa: E402
-from source_patch.runtime.trace import compress as tc  # noqa: E402
-from source_patch.runtime.trace import close, configure, reset, state, url  # noqa: E402
 from source_patch.runtime.trace.client import connect  # noqa: E402
 
 
@@ -28,91 +21,38 @@ def test_spec_checks_without_importing_sglang(check_sglang_spec):
     assert "qwen3-moe-layer: at after 'hidden_states = self.self_attn(...)'" in out
 
 
-@pytest.fixture(scope="module")
-def qwen3(sglang_cpu, tmp_path_factory):
-    return import_patched_copy("sglang.srt.models.qwen3_moe", "trace_sglang",
-                               cache_dir=tmp_path_factory.mktemp("cache"))
+@pytest.mark.slow
+def test_a_client_sees_the_schedulers_layers_as_they_run(instrumented_sglang):
+    """A real server with trace_sglang: the hub runs in the scheduler process (where
+    the model runs), and every frame is exactly what the model computed (the raw
+    compressor's values equal the same pass's dump_sglang records)."""
+    from source_patch.runtime.dump import reader
 
-
-@pytest.fixture
-def hub(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    configure(enable=True, port=port, token="t", dir=str(tmp_path), ranks=[0], wait=0)
-    reset()
-    yield port
-    close()
-    configure(enable=False, port=0)
-
-
-class _Boundary:
-    """Stands in for SGLang's stage boundaries: hands the tensor on."""
-
-    def prepare(self, hidden_states, forward_batch, **kwargs):
-        return hidden_states
-
-    def finish(self, hidden_states, forward_batch):
-        return hidden_states
-
-
-def _layer(layer_id: int, attn_scale: float, mlp_shift: float):
-    return types.SimpleNamespace(
-        layer_id=layer_id, attn_boundary=_Boundary(), ffn_boundary=_Boundary(),
-        self_attn=lambda positions, hidden_states, forward_batch: hidden_states * attn_scale,
-        mlp=lambda hidden_states, forward_batch: hidden_states + mlp_shift)
-
-
-def test_decoder_layer_streams_attention_and_mlp_outputs(qwen3, hub):
-    forward = qwen3.Qwen3MoeDecoderLayer.forward
-    torch.manual_seed(0)
-    hidden = torch.randn(5, 32)  # SGLang's [tokens, hidden]
-    layers = [_layer(0, 2.0, 1.0), _layer(1, -1.0, 0.5)]
-    tiles = {"kind": "tiles", "tiles": 4}
+    server = instrumented_sglang.server
+    server.generate(input_ids=[1], max_new_tokens=1)  # the hub starts with the first traced pass
 
     async def main():
-        async with connect(url()) as c:
-            await c.subscribe(["attention_output", "mlp_output"], compressor=tiles)
-            outputs = []
-            for layer in layers:
-                outputs.append(forward(layer, torch.arange(5), hidden, forward_batch=None))
-            frames = [await c.next_frame(10) for _ in range(4)]
-            return outputs, frames
+        async with connect(instrumented_sglang.trace_url, retry=30) as c:
+            await c.subscribe(["attention_output", "mlp_output"], compressor={"kind": "raw"})
+            loop = asyncio.get_running_loop()
+            reply = loop.run_in_executor(None, lambda: server.generate(input_ids=[5, 6, 7, 8], max_new_tokens=3))
+            frames = [await c.next_frame(60) for _ in range(3 * 2 * 2)]  # passes x layers x names
+            await reply
+            return frames, await c.stats()
 
-    outputs, frames = run(main())
-    assert [(f.name, f.layer) for f in frames] == [("attention_output", 0), ("mlp_output", 0),
-                                                   ("attention_output", 1), ("mlp_output", 1)]
-    compress = tc.parse(tiles)
-    for f, layer in zip(frames, [layers[0], layers[0], layers[1], layers[1]]):
-        expected_attn = layer.self_attn(None, hidden, None)
-        expected = expected_attn if f.name == "attention_output" else layer.mlp(expected_attn, None)
-        assert f.meta["source_shape"] == [5, 32]
-        assert np.array_equal(f.array, compress(expected).numpy())
-    assert torch.equal(outputs[1], layers[1].mlp(layers[1].self_attn(None, hidden, None), None))
-
-
-def test_an_empty_batch_is_skipped_not_traced(qwen3, hub):
-
-    async def main():
-        async with connect(url()) as c:
-            await c.subscribe(["mlp_output"])
-            qwen3.Qwen3MoeDecoderLayer.forward(_layer(0, 1.0, 0.0), torch.arange(0), torch.zeros(0, 8),
-                                               forward_batch=None)
-            return await c.stats()
-
-    stats = run(main())
-    assert stats["skipped"] == 1 and stats["results"] == 0  # an idle DP rank's zero tokens
-
-
-def test_the_step_is_the_model_runners_forward_pass_id(sglang_cpu, tmp_path):
-    runner = import_patched_copy("sglang.srt.model_executor.model_runner", "trace_sglang",
-                                 cache_dir=tmp_path / "cache")
-    fake = types.SimpleNamespace(forward_pass_id=41, msprobe_debugger=None, is_draft_worker=False)
-    batch = types.SimpleNamespace(apply_deprecated_skip_attn_backend_init=lambda _: None)
-    # The real forward runs up to its step span, which needs a real batch and fails there.
-    with pytest.raises(AttributeError, match="forward_mode"):
-        runner.ModelRunner.forward(fake, batch)
-    assert fake.forward_pass_id == 42 and state()["step"] == 42
+    frames, stats = run(main())
+    assert [(f.name, f.layer) for f in frames[:4]] == [("attention_output", 0), ("mlp_output", 0),
+                                                       ("attention_output", 1), ("mlp_output", 1)]
+    steps = sorted({f.step for f in frames})
+    assert len(steps) == 3 and steps == list(range(steps[0], steps[0] + 3))  # ModelRunner's forward pass ids
+    assert [f.meta["source_shape"] for f in frames[:4]] == [[4, 64]] * 4  # the extend pass: 4 prompt tokens
+    assert stats["results"] >= 12 and stats["errors"] == 0
+    server.post("/flush_cache")  # a scheduler round trip: this pass's dumps are queued
+    dumped = [r for r in reader.load(instrumented_sglang.dumps) if r.name in ("attention_output", "mlp_output")]
+    for f in frames:
+        same = [r for r in dumped if r.name == f.name and r.tags["layer"] == f.layer
+                and tuple(r.tensor.shape) == f.array.shape and np.array_equal(r.tensor.numpy(), f.array)]
+        assert same, f"no dumped {f.name} of layer {f.layer} equals frame {f.seq}"
 
 
 def run(coro):

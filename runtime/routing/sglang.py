@@ -215,29 +215,44 @@ def check_ids(ids: torch.Tensor, *, rows: int, topk: int, num_experts: int, what
         raise RoutingRecordError(f"{what}: row {r}: an expert is chosen twice (row {ids[r].tolist()})")
 
 
-def _replay_rows(layer: int, rows: int, topk: int, device) -> torch.Tensor | None:
+def _replay_rows(layer: int, live: torch.Tensor) -> torch.Tensor | None:
+    """The ids to route the ambient batch's rows with: each request's recorded rows;
+    a request without a record (SGLang's own health checks, a request nobody
+    captured) or rows past its record's end keep the router's choice (``live``),
+    with a warning: a serving engine must not die for a missing route."""
     if _S.batch is None:
         if len(_S.replay) == 1:  # one record, no attribution: the batch is that record
             (rec,) = _S.replay.values()
             if layer not in rec.indices:
                 raise RoutingRecordError(f"replay record has no layer {layer} (it has {rec.layers})")
-            return rec.indices[layer].to(device)
+            return rec.indices[layer].to(live.device)
         _warn_once("nobatch", "no ambient batch (ModelRunner._forward_raw not patched?): replay skipped")
         return None
     rids, lens, starts = _S.batch
-    parts = []
+    parts, row = [], 0
     for rid, n, start in zip(rids, lens, starts):
         rec = _S.replay.get(rid)
-        if rec is None:
-            raise RoutingRecordError(f"replay: no record for request {rid!r}")
-        if layer not in rec.indices:
-            raise RoutingRecordError(f"replay: request {rid!r} has no layer {layer} (it has {rec.layers})")
-        off = start - int((rec.extra or {}).get("start_pos", 0))
-        if off < 0 or off + n > rec.num_tokens:
-            raise RoutingRecordError(f"replay: request {rid!r} needs rows [{off}, {off + n}) of layer {layer}, "
-                                     f"its record has {rec.num_tokens}")
-        parts.append(rec.indices[layer][off:off + n])
-    return torch.cat(parts).to(device) if parts else torch.empty(0, topk, dtype=torch.long, device=device)
+        recorded = _recorded(rec, rid, layer, start, n)
+        parts.append(live[row:row + n] if recorded is None else recorded.to(live.device))
+        row += n
+    return torch.cat(parts) if parts else live[:0]
+
+
+def _recorded(rec, rid, layer: int, start: int, n: int) -> torch.Tensor | None:
+    """Rows [start, start + n) of ``rid``'s record at ``layer``, or None (warned)."""
+    if rec is None:
+        if not str(rid).startswith("HEALTH_CHECK"):  # SGLang's /health_generate probes
+            _warn_once(("norecord", len(_S.warned) // 64), f"replay: no record for request {rid!r} "
+                       "(it keeps the router's own routes; later ones are not reported)")
+        return None
+    if layer not in rec.indices:
+        raise RoutingRecordError(f"replay: request {rid!r} has no layer {layer} (it has {rec.layers})")
+    off = start - int((rec.extra or {}).get("start_pos", 0))
+    if off < 0 or off + n > rec.num_tokens:
+        _warn_once(("short", rid), f"replay: request {rid!r} needs rows [{off}, {off + n}) of layer {layer}, "
+                   f"its record has {rec.num_tokens}: those rows keep the router's own routes")
+        return None
+    return rec.indices[layer][off:off + n]
 
 
 def sglang_routing_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor, router_logits: torch.Tensor,
@@ -272,7 +287,7 @@ def sglang_routing_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor, rout
             _S.forwards[-1]["layers"][int(layer_id)] = routed[:rows].detach().clone()
             _S.num_experts = num_experts
         return
-    ids = _replay_rows(int(layer_id), rows, num_routed_topk, routed.device)
+    ids = _replay_rows(int(layer_id), routed[:rows])
     if ids is None:
         return
     check_ids(ids, rows=rows, topk=num_routed_topk, num_experts=num_experts, what=f"layer {layer_id} replay ids")
