@@ -2,13 +2,14 @@
 #   make demo   - build .venv if needed, then train Megatron-Core's GPT-MoE on CPU under
 #                 source patches and show the activations it dumped
 #   make test   - build .venv if needed, then run the test suite
+# and: make rollout - a real SGLang engine on CPU under source patches (examples/rollout_sglang.py)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PIP    := $(BIN)/python -m pip install -q -c requirements/constraints.txt
 
-.PHONY: demo test setup browser clean
+.PHONY: demo rollout test setup browser clean
 
 setup: $(STAMP)
 
@@ -25,6 +26,9 @@ $(STAMP): pyproject.toml setup.py requirements/*.txt
 demo: $(STAMP)
 	SOURCE_PATCH=megatron_cpu,dump SOURCE_PATCH_DUMP_DIR=sp-dumps \
 	  $(BIN)/python examples/train_moe.py --steps 5
+
+rollout: $(STAMP)
+	$(BIN)/python examples/rollout_sglang.py --out sp-rollout
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
