@@ -307,3 +307,50 @@ def test_replay_forces_the_recorded_routes_and_changes_generation(replay_server)
             routed[r.tags["layer"]].append(r.tensor[rows.tensor == rows.tags["rids"].index("moved")])
     for layer, ids in moved.items():
         assert torch.equal(torch.cat(routed[layer]), ids)  # every row took the record's experts
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_capture_and_dump_the_same_routes(instrumented_sglang, sglang_server, tmp_path_factory):
+    """tp=2 on CPU (one core per rank): every rank captures every request with the same
+    routes, equal to the tp=1 server's, and dumps into its own engine_<rank> folder."""
+    from source_patch.runtime.dump import reader
+
+    prompt = [8, 6, 7, 5, 3, 0, 9]
+    single = instrumented_sglang.server.generate(input_ids=prompt, max_new_tokens=4, rid="tp1-ref",
+                                                 sampling={"ignore_eos": True})
+    root = tmp_path_factory.mktemp("tp2")
+    server = sglang_server(specs=["moe_sglang", "dump_sglang"],
+                           args=["--tp-size", "2", "--disable-radix-cache", "--skip-server-warmup"],
+                           env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture",
+                                "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(root / "routes"),
+                                "SOURCE_PATCH_DUMP_DIR": str(root / "dumps"),
+                                "SOURCE_PATCH_DUMP_NAMES": "mlp_output,row_request"})
+    out = server.generate(input_ids=prompt, max_new_tokens=4, rid="tp2-a", sampling={"ignore_eos": True})
+    assert out["output_ids"] == single["output_ids"]
+    ranks = [_record_of(root / "routes", "tp2-a")] + [rr.load(root / "routes" / "rank1" / "tp2-a.safetensors")]
+    reference = _record_of(instrumented_sglang.routes, "tp1-ref")
+    assert [r.extra["rank"] for r in ranks] == [0, 1]
+    for rec in ranks:
+        assert all(torch.equal(rec.indices[layer], reference.indices[layer]) for layer in reference.layers)
+    assert sorted(rs.merge_rank_files(root / "routes")) == ["tp2-a"]  # no health-check records
+    server.post("/flush_cache")
+    instrumented_sglang.server.post("/flush_cache")
+    dumps = {d.name: reader.load(d) for d in reader.rank_dirs(root / "dumps" / "default")}
+    assert sorted(dumps) == ["engine_0", "engine_1"]
+    assert {r.tags["tp"] for r in dumps["engine_1"]} == {1}
+    # Each rank's MoE output is its partial sum (SGLang all-reduces in the layer boundary
+    # after the dump point): the two add up to the tp=1 server's output for the same tokens.
+    partial = [_rows_of(records, "tp2-a", "mlp_output") for records in dumps.values()]
+    whole = _rows_of(reader.load(instrumented_sglang.dumps), "tp1-ref", "mlp_output")
+    assert sorted(whole) == sorted(partial[0]) == [0, 1]
+    for layer in whole:
+        torch.testing.assert_close(partial[0][layer] + partial[1][layer], whole[layer], rtol=1e-4, atol=1e-6)
+
+
+def _rows_of(records, rid, name):
+    """{layer: rows of ``rid`` in its prefill pass} of the dumped ``name``."""
+    (rows,) = [r for r in records if r.name == "row_request" and rid in r.tags["rids"]
+               and r.tags["forward_mode"] == "extend"]
+    mine = rows.tensor == rows.tags["rids"].index(rid)
+    return {r.tags["layer"]: r.tensor[mine] for r in records
+            if r.name == name and r.tags["step"] == rows.tags["step"]}

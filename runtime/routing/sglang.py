@@ -364,7 +364,7 @@ def sglang_routing_release(req) -> None:
             return
         rid = req.rid
         rec = records(only=rid).get(rid)
-        if rec is not None:
+        if rec is not None and not str(rid).startswith("HEALTH_CHECK"):  # SGLang's own /health probes
             folder = Path(_S.dir) / f"rank{_rank()}"
             folder.mkdir(parents=True, exist_ok=True)
             rec.save(folder / f"{_safe_name(rid)}.safetensors")
