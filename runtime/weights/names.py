@@ -178,3 +178,42 @@ def plan(named_shapes, layout: Layout, layer_offset: int = 0) -> Iterator[tuple[
     for name, shape, dtype in named_shapes:
         for hf_name, out in to_hf(name, torch.empty(shape, dtype=dtype, device="meta"), layout, layer_offset):
             yield hf_name, tuple(out.shape), out.dtype
+
+
+# ----------------------------------------------------------------- the other way: engine -> Megatron
+
+
+def join_qkv(parts: dict, layout: Layout, kind: str) -> torch.Tensor:
+    """q, k, v (Hugging Face layout) -> Megatron's fused, group-interleaved linear_qkv."""
+    groups, head_dim = layout.num_query_groups, layout.head_dim
+    per_group = layout.num_attention_heads // groups
+    q, k, v = (parts[f"{p}_proj.{kind}"] for p in "qkv")
+    rest = q.shape[1:]
+    return torch.cat([q.reshape(groups, per_group, head_dim, *rest), k.reshape(groups, 1, head_dim, *rest),
+                      v.reshape(groups, 1, head_dim, *rest)], dim=1).reshape(-1, *rest)
+
+
+def _inverse(convert, parts: dict, layout: Layout, kind: str, shape) -> torch.Tensor:
+    if convert is split_qkv:
+        return join_qkv(parts, layout, kind)
+    if convert is split_fc1 and layout.gated:
+        return torch.cat([parts[f"gate_proj.{kind}"], parts[f"up_proj.{kind}"]], dim=0)
+    (tensor,) = parts.values()
+    if convert is vocab_rows and tensor.shape[0] < shape[0]:  # Megatron pads the vocabulary
+        tensor = torch.cat([tensor, tensor.new_zeros(shape[0] - tensor.shape[0], *tensor.shape[1:])])
+    return tensor
+
+
+def from_hf(name: str, shape, hf: dict, layout: Layout, layer_offset: int = 0) -> torch.Tensor:
+    """The full Megatron parameter ``name`` (of ``shape``) from Hugging Face / SGLang
+    tensors ``hf`` (name -> tensor): the inverse of :func:`to_hf`.  KeyError names a
+    missing engine tensor."""
+    prefix, convert, kind = _rule(name, layer_offset)
+    wanted = [n for n, _ in to_hf(name, torch.empty(shape, device="meta"), layout, layer_offset)]
+    missing = [n for n in wanted if n not in hf]
+    if missing:
+        raise KeyError(f"{name}: the checkpoint has no {', '.join(missing)}")
+    tensor = _inverse(convert, {n[len(prefix):]: hf[n] for n in wanted}, layout, kind, shape)
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name}: the checkpoint gives shape {list(tensor.shape)}, the model has {list(shape)}")
+    return tensor
