@@ -1,0 +1,208 @@
+"""Compare a rollout's dumps (SGLang, patches/dump_sglang.yaml) with a training
+framework's dumps of the same tokens (Megatron, patches/dump.yaml), layer by layer.
+
+    python -m source_patch.runtime.dump.compare ROLLOUT_DIR TRAIN_DIR [--json report.json] [--rtol 1e-4]
+
+    from source_patch.runtime.dump.compare import compare
+    report = compare("sp-dumps/rollout", "sp-dumps/train")
+    print(report.table()); report.first_divergent     # (name, layer) or None
+
+Every row on both sides is mapped to (request id, token position) first:
+
+* rollout: each forward pass's ``row_request`` (+ its ``rids`` tag) and ``positions``;
+* training: each step's ``row_request`` / ``positions`` records of the same ``[s, b]``
+  layout as the activations (written by whoever builds the batch; -1 marks padding).
+
+A layout self-test runs before any number is compared: the token id of every paired
+(request, position) must be the same on both sides, or the comparison stops with the
+first mismatch (a misaligned batch can have matching shapes and still pair the wrong
+tokens).  Then, per (name, layer) in layer order: the rows compared, max |a - b|,
+relative L2 ``||a - b|| / ||b||`` and cosine similarity; the first pair whose relative
+L2 exceeds ``rtol`` is the first divergent layer.  SGLang's ``layer_id`` is 0-based,
+Megatron's ``layer_number`` 1-based (``layer_offset``, default 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from . import reader
+
+# rollout name -> training name: the quantities both specs dump with the same meaning
+NAMES = {"layer_input": "layer_input", "attention_output": "attention_output",
+         "pre_mlp_residual": "pre_mlp_residual", "mlp_output": "mlp_output",
+         "final_hidden": "final_hidden", "logits": "logits"}
+
+
+class Rec(NamedTuple):
+    """A record with its tensor in memory (reader.Record reads the file at each access)."""
+
+    name: str
+    tags: dict
+    tensor: torch.Tensor
+
+
+def load(path, names=None) -> list:
+    """The records of a dump directory that a comparison needs, tensors read once."""
+    wanted = set(NAMES) | {"input_ids", "positions", "row_request"} if names is None else set(names)
+    return [Rec(r.name, r.tags, r.tensor) for r in reader.load(path) if r.name in wanted]
+
+
+class LayoutError(ValueError):
+    """The two sides do not hold the same tokens at the rows they claim."""
+
+
+@dataclass
+class Row:
+    name: str
+    layer: int | None           # the rollout's layer id
+    rows: int                   # (request, position) pairs compared
+    max_abs: float
+    rel_l2: float
+    cosine: float
+    ok: bool
+
+
+@dataclass
+class Report:
+    rows: list = field(default_factory=list)
+    tokens: int = 0             # (request, position) pairs both sides hold
+    requests: int = 0
+    rtol: float = 1e-4
+
+    @property
+    def first_divergent(self):
+        bad = next((r for r in self.rows if not r.ok), None)
+        return None if bad is None else (bad.name, bad.layer)
+
+    def table(self) -> str:
+        lines = [f"{self.requests} requests, {self.tokens} tokens paired; rtol {self.rtol:g}",
+                 f"{'name':18} {'layer':>5} {'rows':>6} {'max|a-b|':>10} {'rel L2':>10} {'cosine':>9}  ok"]
+        for r in self.rows:
+            layer = "-" if r.layer is None else str(r.layer)
+            lines.append(f"{r.name:18} {layer:>5} {r.rows:>6} {r.max_abs:>10.3g} {r.rel_l2:>10.3g} "
+                         f"{r.cosine:>9.6f}  {'ok' if r.ok else 'DIVERGES'}")
+        first = self.first_divergent
+        lines.append("no divergence" if first is None else f"first divergent: {first[0]} layer {first[1]}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"requests": self.requests, "tokens": self.tokens, "rtol": self.rtol,
+                "first_divergent": self.first_divergent, "rows": [asdict(r) for r in self.rows]}
+
+
+def _by_step(records) -> dict:
+    steps: dict = {}
+    for r in records:
+        steps.setdefault(r.tags.get("step"), []).append(r)
+    return steps
+
+
+def _keys(row_map, positions) -> list:
+    """(rid, position) of every element of a row map; None for padding (-1)."""
+    rids = row_map.tags["rids"]
+    return [None if i < 0 else (rids[i], p)
+            for i, p in zip(row_map.tensor.reshape(-1).tolist(), positions.tensor.reshape(-1).tolist())]
+
+
+def index_rows(records) -> dict:
+    """{(name, layer): {(rid, position): row tensor}} of one side's dumps, plus
+    ``("input_ids", None)`` for the layout self-test.  Logits are keyed by each
+    request's last row only where a pass computes logits per request (SGLang)."""
+    out: dict = {}
+    for step, recs in _by_step(records).items():
+        named = {(r.name, r.tags.get("layer")): r for r in recs}
+        row_map, positions = named.get(("row_request", None)), named.get(("positions", None))
+        if row_map is None or positions is None:
+            continue
+        keys = _keys(row_map, positions)
+        for (name, layer), rec in named.items():
+            if name not in NAMES and name != "input_ids":
+                continue
+            flat = rec.tensor.reshape(len(keys), -1) if rec.tensor.numel() % len(keys) == 0 and \
+                rec.tensor.shape[: row_map.tensor.dim()] == row_map.tensor.shape else None
+            target = out.setdefault((name, layer), {})
+            if flat is not None:
+                for key, row in zip(keys, flat):
+                    if key is not None:
+                        target[key] = row
+            elif name == "logits":  # one row per request: its last row in this pass
+                last = {}
+                for key in keys:
+                    if key is not None:
+                        last[key[0]] = key if key[0] not in last or key[1] > last[key[0]][1] else last[key[0]]
+                for i, rid in enumerate(row_map.tags["rids"]):
+                    if rid in last and i < rec.tensor.shape[0]:
+                        target[last[rid]] = rec.tensor[i]
+    return out
+
+
+def compare(rollout, train, *, rtol: float = 1e-4, layer_offset: int = 1) -> Report:
+    """The report for two dump directories (or lists of :class:`Rec`)."""
+    a = index_rows(rollout if isinstance(rollout, list) else load(rollout))
+    b = index_rows(train if isinstance(train, list) else load(train))
+    ids_a, ids_b = a.get(("input_ids", None), {}), b.get(("input_ids", None), {})
+    shared = sorted(set(ids_a) & set(ids_b))
+    if not shared:
+        raise LayoutError("no (request, position) is held by both sides: different request ids, or a side "
+                          "without row_request / positions records")
+    for key in shared:
+        if int(ids_a[key]) != int(ids_b[key]):
+            raise LayoutError(f"layout self-test: request {key[0]!r} position {key[1]}: token "
+                              f"{int(ids_a[key])} in the rollout, {int(ids_b[key])} in training")
+    report = Report(tokens=len(shared), requests=len({k[0] for k in shared}), rtol=rtol)
+    order = sorted((k for k in a if k[0] in NAMES), key=lambda k: (k[1] is None, k[1] or 0, _ORDER[k[0]]))
+    for name, layer in order:
+        other = (NAMES[name], None if layer is None else layer + layer_offset)
+        if other not in b:
+            continue
+        keys = sorted(set(a[(name, layer)]) & set(b[other]))
+        if keys:
+            report.rows.append(_row(name, layer, [a[(name, layer)][k] for k in keys],
+                                    [b[other][k] for k in keys], rtol))
+    return report
+
+
+_ORDER = {name: i for i, name in enumerate(NAMES)}
+
+
+def _row(name, layer, xs, ys, rtol) -> Row:
+    x = torch.stack([t.float().reshape(-1) for t in xs])
+    y = torch.stack([t.float().reshape(-1) for t in ys])
+    diff = x - y
+    ref = float(y.norm())
+    rel = float(diff.norm()) / ref if ref > 0 else (0.0 if float(diff.norm()) == 0 else math.inf)
+    cos = float(torch.nn.functional.cosine_similarity(x.reshape(1, -1), y.reshape(1, -1)))
+    return Row(name, layer, len(xs), float(diff.abs().max()), rel, cos, rel <= rtol)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m source_patch.runtime.dump.compare",
+                                description="Compare rollout (SGLang) and training (Megatron) dumps layer by layer.")
+    p.add_argument("rollout")
+    p.add_argument("train")
+    p.add_argument("--rtol", type=float, default=1e-4, help="relative L2 above which a layer diverges")
+    p.add_argument("--layer-offset", type=int, default=1, help="training layer = rollout layer + this")
+    p.add_argument("--json", help="write the report here as JSON")
+    args = p.parse_args(argv)
+    try:
+        report = compare(args.rollout, args.train, rtol=args.rtol, layer_offset=args.layer_offset)
+    except (LayoutError, FileNotFoundError, ValueError) as exc:
+        print(f"compare: {exc}", file=sys.stderr)
+        return 2
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=1))
+    return 0 if report.first_divergent is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
