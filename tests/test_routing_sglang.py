@@ -139,7 +139,7 @@ def test_capture_then_replay_by_request_and_position(topk_mod, tmp_path):
 
 
 def _bad(topk_mod, indices, num_experts=E):
-    # a stand-in with the record's fields, unvalidated: a record that got corrupted
+    # an object with a record's fields that skipped validation, as a corrupted record would
     rec = types.SimpleNamespace(indices={0: indices}, extra={"start_pos": 0}, layers=[0],
                                 num_tokens=indices.shape[0])
     rs.configure("replay", replay={"r": rec})
