@@ -1,0 +1,142 @@
+"""Weight sync into a REAL SGLang server: Megatron trains (two ranks, expert parallel,
+distributed optimizer) and pushes after every step; the server receives through its
+own admin HTTP path (init_weights_update_group, begin / update_weights_from_distributed
+with load_format "source_patch" / end) with patches/weight_sync_sglang.yaml active in
+its scheduler.  After each update the server generates what transformers generates
+with the trainer's weights of that step, and serves the trainer's version; a trainer
+killed in the middle of an update leaves the server alive, serving the previous
+weights and version."""
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("megatron.core")
+
+E2E = Path(__file__).parent / "e2e"
+sys.path.insert(0, str(E2E))
+import weight_sync_models as models  # noqa: E402
+
+GROUP = "source_patch_weights"
+STEPS, DIE = 3, "3:1"   # the trainer dies after sending bucket 1 of update 3
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
+NEW = 5
+TRAINER_SPECS = f"megatron_cpu,weight_sync,{E2E / 'weight_sync_distopt_cpu.yaml'}"
+
+
+def checkpoint_config() -> dict:
+    """The Qwen3-MoE config of the trainer's model (tests/e2e/weight_sync_models.py)."""
+    return dict(vocab_size=models.VOCAB, hidden_size=models.HIDDEN, num_hidden_layers=models.LAYERS,
+                num_attention_heads=models.HEADS, num_key_value_heads=models.GROUPS, head_dim=models.HEAD_DIM,
+                num_experts=models.EXPERTS, num_experts_per_tok=2, moe_intermediate_size=models.MOE_FFN,
+                intermediate_size=models.FFN, rms_norm_eps=1e-6)
+
+
+def trainer_ranks(tmp: Path, port: int) -> list:
+    master = models.free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(E2E), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "SOURCE_PATCH": TRAINER_SPECS, "SOURCE_PATCH_WEIGHT_SYNC_ENABLE": "1",
+           "SOURCE_PATCH_WEIGHT_SYNC_PORT": str(port), "SOURCE_PATCH_WEIGHT_SYNC_BUCKET_BYTES": "4K",
+           "SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "60", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(master)}
+    return [subprocess.Popen([sys.executable, str(E2E / "weight_sync_trainer.py"), str(tmp / "trainer"),
+                              "--distributed-optimizer", "--steps", str(STEPS), "--ep", "2", "--die-after", DIE],
+                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             stdout=open(tmp / f"trainer.rank{r}.log", "w"), stderr=subprocess.STDOUT)
+            for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def synced(sglang_server, tmp_path_factory):
+    """The orchestration an RL framework does over HTTP, step after step; what the
+    server generated and served after each update."""
+    from source_patch.patcher.sglang_harness import tiny_checkpoint
+
+    tmp = tmp_path_factory.mktemp("weight-sync-engine")
+    model = tiny_checkpoint(**checkpoint_config())
+    server = sglang_server(specs=["weight_sync_sglang"], args=["--skip-server-warmup", "--disable-radix-cache"],
+                           env={"SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "60"}, model=model)
+    port = models.free_port()
+    seen = {"before": server.generate(input_ids=PROMPTS, max_new_tokens=NEW, sampling={"ignore_eos": True})}
+    init = {}
+    joiner = threading.Thread(target=lambda: init.update(reply=server.post("/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": GROUP, "backend": "gloo"}, timeout=300)))
+    joiner.start()
+    procs = trainer_ranks(tmp, port)
+    joiner.join(300)
+    assert init.get("reply", (0,))[0] == 200 and init["reply"][1]["success"], (init, _logs(tmp))
+    updates = []
+    for update in range(1, STEPS + 1):
+        assert server.post("/begin_weight_update")[0] == 200
+        status, reply = server.post("/update_weights_from_distributed", {
+            "names": [], "dtypes": [], "shapes": [], "group_name": GROUP, "load_format": "source_patch"},
+            timeout=300)
+        assert server.post("/end_weight_update")[0] == 200
+        out = server.generate(input_ids=PROMPTS, max_new_tokens=NEW, sampling={"ignore_eos": True})
+        updates.append({"status": status, "reply": reply, "outputs": out})
+    codes = [p.wait(120) for p in procs]
+    return model, tmp, seen, updates, codes, server
+
+
+def _logs(tmp: Path) -> str:
+    return "\n".join(p.read_text()[-1500:] for p in sorted(tmp.glob("*.log")))
+
+
+def reference(model_dir: Path, tmp: Path, step: int) -> list:
+    """transformers' greedy tokens with the trainer's full weights after ``step``."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3MoeForCausalLM
+
+    from source_patch.runtime.weights import names
+
+    full = {}
+    for rank in range(2):  # expert parallel: rank r holds experts r*2, r*2+1 as local 0, 1
+        for key, value in load_file(tmp / f"trainer.rank{rank}.safetensors").items():
+            s, name = key.split("/", 1)
+            if int(s) == step:
+                local = name.split("local_experts.")
+                if len(local) == 2:
+                    index, rest = local[1].split(".", 1)
+                    name = f"{local[0]}local_experts.{rank * models.EXPERTS // 2 + int(index)}.{rest}"
+                full[name] = value
+    layout = names.Layout(num_attention_heads=models.HEADS, num_query_groups=models.GROUPS,
+                          head_dim=models.HEAD_DIM, gated=True, vocab_size=models.VOCAB)
+    hf = dict(pair for name, t in full.items() for pair in names.to_hf(name, t, layout))
+    folder = tmp / f"reference-step{step}"  # transformers converts per-expert names as it loads
+    folder.mkdir(exist_ok=True)
+    shutil.copy(model_dir / "config.json", folder / "config.json")
+    save_file({k: v.contiguous() for k, v in hf.items()}, folder / "model.safetensors")
+    reference_model = Qwen3MoeForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    from sglang_reference import greedy
+
+    return [greedy(reference_model, p, NEW) for p in PROMPTS]
+
+
+def test_each_update_serves_the_trainers_weights_and_version(synced, sglang_cpu):
+    model, tmp, seen, updates, codes, _ = synced
+    for step in (1, 2):
+        update = updates[step - 1]
+        assert update["status"] == 200 and update["reply"]["success"], (update["reply"], _logs(tmp))
+        assert [o["output_ids"] for o in update["outputs"]] == reference(model, tmp, step)
+        assert {o["meta_info"]["weight_version"] for o in update["outputs"]} == {str(step)}
+    assert [o["output_ids"] for o in updates[0]["outputs"]] != [o["output_ids"] for o in seen["before"]]
+
+
+def test_a_trainer_killed_mid_update_leaves_the_server_on_the_previous_weights(synced, sglang_cpu):
+    model, tmp, seen, updates, codes, server = synced
+    failed = updates[2]
+    assert not (failed["status"] == 200 and failed["reply"].get("success")), failed["reply"]
+    assert codes[0] != 0  # the sending rank died on purpose
+    assert server.alive() and server.get("/health")[0] == 200
+    assert [o["output_ids"] for o in failed["outputs"]] == [o["output_ids"] for o in updates[1]["outputs"]]
+    assert {o["meta_info"]["weight_version"] for o in failed["outputs"]} == {"2"}
