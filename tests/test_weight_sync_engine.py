@@ -7,6 +7,7 @@ with the trainer's weights of that step, and serves the trainer's version; a tra
 killed in the middle of an update leaves the server alive, serving the previous
 weights and version."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -26,7 +27,7 @@ sys.path.insert(0, str(E2E))
 import weight_sync_models as models  # noqa: E402
 
 GROUP = "source_patch_weights"
-STEPS, DIE = 3, "3:1"   # the trainer dies after sending bucket 1 of update 3
+STEPS, TAMPER, DIE = 4, "2:1", "4:1"   # update 2: a corrupted bucket; update 4: the trainer dies
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 NEW = 5
 TRAINER_SPECS = f"megatron_cpu,weight_sync,{E2E / 'weight_sync_distopt_cpu.yaml'}"
@@ -49,7 +50,8 @@ def trainer_ranks(tmp: Path, port: int) -> list:
            "SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "60", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(master)}
     return [subprocess.Popen([sys.executable, str(E2E / "weight_sync_trainer.py"), str(tmp / "trainer"),
-                              "--distributed-optimizer", "--steps", str(STEPS), "--ep", "2", "--die-after", DIE],
+                              "--distributed-optimizer", "--steps", str(STEPS), "--ep", "2", "--die-after", DIE,
+                              "--tamper", TAMPER],
                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                              stdout=open(tmp / f"trainer.rank{r}.log", "w"), stderr=subprocess.STDOUT)
             for r in range(2)]
@@ -122,21 +124,39 @@ def reference(model_dir: Path, tmp: Path, step: int) -> list:
     return [greedy(reference_model, p, NEW) for p in PROMPTS]
 
 
+def tokens(update) -> list:
+    return [o["output_ids"] for o in update["outputs"]]
+
+
+def versions(update) -> set:
+    return {o["meta_info"]["weight_version"] for o in update["outputs"]}
+
+
 def test_each_update_serves_the_trainers_weights_and_version(synced, sglang_cpu):
     model, tmp, seen, updates, codes, _ = synced
-    for step in (1, 2):
+    for step in (1, 3):
         update = updates[step - 1]
         assert update["status"] == 200 and update["reply"]["success"], (update["reply"], _logs(tmp))
-        assert [o["output_ids"] for o in update["outputs"]] == reference(model, tmp, step)
-        assert {o["meta_info"]["weight_version"] for o in update["outputs"]} == {str(step)}
-    assert [o["output_ids"] for o in updates[0]["outputs"]] != [o["output_ids"] for o in seen["before"]]
+        assert tokens(update) == reference(model, tmp, step)
+        assert versions(update) == {str(step)}
+    assert tokens(updates[0]) != [o["output_ids"] for o in seen["before"]]
+    assert tokens(updates[2]) != tokens(updates[0])  # training moved the weights
+
+
+def test_a_corrupted_bucket_is_refused_and_the_previous_weights_stay(synced, sglang_cpu):
+    model, tmp, seen, updates, codes, _ = synced
+    failed = updates[1]
+    assert not failed["reply"]["success"] and "checksum mismatch in bucket(s) 1 of" in failed["reply"]["message"]
+    assert tokens(failed) == tokens(updates[0]) and versions(failed) == {"1"}
+    trainer = json.loads((tmp / "trainer.rank0.json").read_text())  # the trainer's side of it
+    assert trainer[1]["version"] == 1 and "ChecksumMismatch" in trainer[1]["last_error"]
+    assert trainer[2]["version"] == 3  # the next step syncs again
 
 
 def test_a_trainer_killed_mid_update_leaves_the_server_on_the_previous_weights(synced, sglang_cpu):
     model, tmp, seen, updates, codes, server = synced
-    failed = updates[2]
+    failed = updates[3]
     assert not (failed["status"] == 200 and failed["reply"].get("success")), failed["reply"]
-    assert codes[0] != 0  # the sending rank died on purpose
+    assert codes[0] == 17  # the sending rank exited while sending update 4, on purpose
     assert server.alive() and server.get("/health")[0] == 200
-    assert [o["output_ids"] for o in failed["outputs"]] == [o["output_ids"] for o in updates[1]["outputs"]]
-    assert {o["meta_info"]["weight_version"] for o in failed["outputs"]} == {"2"}
+    assert tokens(failed) == tokens(updates[2]) and versions(failed) == {"3"}

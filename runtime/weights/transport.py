@@ -62,9 +62,11 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
         DTYPES[_name] = getattr(torch, _name)
 
 # Test hooks (tests/e2e/weight_sync_*.py): called with (bucket index, its bytes)
-# after a bucket was sent / received, before the receiver checks it.
+# after a bucket was sent / received, before the receiver checks it; and with
+# (bucket index, its checksum) before the sender sends the checksum.
 after_send: Optional[Callable[[int, torch.Tensor], None]] = None
 before_verify: Optional[Callable[[int, torch.Tensor], None]] = None
+before_sum_send: Optional[Callable[[int, torch.Tensor], None]] = None
 
 
 class WeightSyncError(RuntimeError):
@@ -456,6 +458,8 @@ class _Sender:
         self.works.append(self.in_flight[slot])
         if self.manifest.checksum:
             _bucket_sum(data, self.packing.sums[k])
+            if before_sum_send is not None:
+                before_sum_send(k, self.packing.sums[k: k + 1])
             self.works.append(link.broadcast(self.packing.sums[k: k + 1]))
         if after_send is not None:
             after_send(k, data)

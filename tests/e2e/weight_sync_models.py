@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import sys
-import types
 
 import torch
 import torch.nn.functional as F
@@ -79,28 +77,18 @@ def define_torchvision_ops() -> None:
 
 
 @contextlib.contextmanager
-def rotary_kernel_stand_in():
-    """SGLang's RotaryEmbedding binds a compiled rotary kernel when it is built:
-    sglang.kernels on CUDA, sgl_kernel on ROCm, else ``vllm._custom_ops`` (on a
-    CPU without SGLANG_USE_CPU_ENGINE, which needs sgl_kernel's CPU ops).  None
-    exists here; the kernel only runs in a forward, which these tests never do.
-    A stand-in module that raises if called is present while models are built."""
-    if "vllm" in sys.modules:
-        yield
-        return
-    vllm, ops = types.ModuleType("vllm"), types.ModuleType("vllm._custom_ops")
+def native_rotary():
+    """What patches/sglang_cpu.yaml does in an engine process, for SGLang models built
+    in this one: RotaryEmbedding takes its native path (no compiled kernel) without
+    CUDA.  The module is already imported here, so its flag is set, then restored."""
+    from sglang.srt.layers.rotary_embedding import base
 
-    def rotary_embedding(*args, **kwargs):
-        raise RuntimeError("stand-in for vllm's rotary kernel: no forward on CPU in these tests")
-
-    ops.rotary_embedding = rotary_embedding
-    vllm._custom_ops = ops
-    sys.modules.update({"vllm": vllm, "vllm._custom_ops": ops})
+    before = base._is_cpu
+    base._is_cpu = before or not torch.cuda.is_available()
     try:
         yield
     finally:
-        sys.modules.pop("vllm", None)
-        sys.modules.pop("vllm._custom_ops", None)
+        base._is_cpu = before
 
 
 def sglang_on_cpu() -> None:
@@ -121,7 +109,7 @@ def sglang_on_cpu() -> None:
 def sglang_model(style: str):
     """SGLang's Qwen3MoeForCausalLM or Starcoder2ForCausalLM with the shape above."""
     torch.set_default_dtype(torch.float32)
-    with rotary_kernel_stand_in():
+    with native_rotary():
         if style == "gpt":
             from sglang.srt.models.starcoder2 import Starcoder2ForCausalLM
             from transformers import Starcoder2Config

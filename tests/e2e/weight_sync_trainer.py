@@ -6,7 +6,7 @@ patched optimizer.step() (patches/weight_sync.yaml) pushes each step's weights.
     SOURCE_PATCH_WEIGHT_SYNC_ENABLE=1 SOURCE_PATCH_WEIGHT_SYNC_PORT=P ... \
     [RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=Q] \
         python tests/e2e/weight_sync_trainer.py OUT --steps 3 [--ep 2] [--distributed-optimizer]
-        [--die-after V:K] [--skip-param-gather]
+        [--die-after V:K] [--tamper V:K] [--skip-param-gather]
 
 Megatron's own data, schedule, DDP and optimizer (examples/train_moe.py's pieces).
 With --distributed-optimizer, DDP uses overlap_param_gather: after step() each
@@ -15,7 +15,8 @@ Writes (after every step) OUT.rank<r>.safetensors: after step s, ``s/<name>`` fo
 parameters once Megatron's own param sync ran (the reference the engine must
 match); OUT.rank<r>.json: weight_sync.state() after each step.
 --skip-param-gather turns the runtime's forced gather off (a control: the engine
-then gets stale weights).  --die-after V:K exits once bucket K of update V is sent.
+then gets stale weights).  --die-after V:K exits once bucket K of update V is sent; --tamper V:K sends a wrong
+checksum for it (a bucket corrupted in transit, as the receiver sees it).
 """
 
 import argparse
@@ -42,6 +43,7 @@ def main():
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--die-after", help="V:K")
+    p.add_argument("--tamper", help="V:K: send a wrong checksum for bucket K of update V")
     p.add_argument("--skip-param-gather", action="store_true")
     cli = p.parse_args()
     torch.set_num_threads(1)
@@ -64,6 +66,13 @@ def main():
             if weight_sync.state()["step"] == version and k == bucket:
                 os._exit(17)
         weight_transport.after_send = after_send
+    if cli.tamper:  # as if bucket K of update V were corrupted in transit: its checksum no longer matches
+        tampered = tuple(int(x) for x in cli.tamper.split(":"))
+
+        def before_sum_send(k, checksum):
+            if (weight_sync.state()["step"], k) == tampered:
+                checksum.add_(1)
+        weight_transport.before_sum_send = before_sum_send
 
     torch.manual_seed(1234)
     model = models.megatron_model("qwen3_moe", ep=cli.ep)
