@@ -150,12 +150,15 @@ def split_refs(value: str) -> list[str]:
     return [r.strip() for r in re.split(rf"[,{re.escape(os.pathsep)}]", value) if r.strip()]
 
 
-def activate_from_env(environ=os.environ) -> Activation | None:
-    """Activate the specs named by SOURCE_PATCH; on a bad spec, make its targets fail.
+ON_ERROR = "SOURCE_PATCH_ON_ERROR"  # "error" (default) | "warn"
 
-    Called from the ``.pth`` start hook, where ``site`` would swallow an exception:
-    a spec that cannot be loaded must not degrade into a silently unpatched run.
-    """
+
+def activate_from_env(environ=os.environ) -> Activation | None:
+    """Activate the specs named by SOURCE_PATCH.  Called from the ``.pth`` start hook,
+    where ``site`` would swallow an exception, so a failure is *armed* instead: the
+    error is printed, and every later import of a non-standard-library module raises
+    it (the program stops at its first real import, never runs silently unpatched).
+    ``SOURCE_PATCH_ON_ERROR=warn`` turns that into a warning and an unpatched run."""
     value = environ.get(ENV, "")
     refs = split_refs(value)
     if not refs:
@@ -165,22 +168,23 @@ def activate_from_env(environ=os.environ) -> Activation | None:
         environ[ENV] = ",".join(paths)
         return activate(paths)
     except SourcePatchError as exc:
-        _install_failure(exc, refs)
+        _fail(exc, environ.get(ON_ERROR, "error").strip().lower())
         return None
 
 
 class FailedActivation:
-    """Stands in for a spec that failed to load: importing its targets raises the error."""
+    """Installed first on sys.meta_path when SOURCE_PATCH could not be activated:
+    every import of a module outside the standard library raises the error."""
 
     _source_patch_finder = True
 
-    def __init__(self, error: SourcePatchError, modules: set[str]):
-        self.error, self.modules = error, modules
+    def __init__(self, error: SourcePatchError):
+        self.error = error
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname in self.modules or (not self.modules and _is_third_party(fullname)):
-            raise ActivationError(f"source-patch: {ENV} could not be activated, so {fullname} "
-                                  f"would run unpatched: {self.error}")
+        if _is_third_party(fullname):
+            raise ActivationError(f"source-patch: {ENV} could not be activated, so {fullname} would run "
+                                  f"unpatched (set {ON_ERROR}=warn to run unpatched anyway):\n{self.error}")
         return None
 
 
@@ -193,12 +197,11 @@ def _is_third_party(fullname: str) -> bool:
 _NEVER_BLOCKED = ("source_patch", "_distutils_hack", "sitecustomize", "usercustomize")
 
 
-def _install_failure(error: SourcePatchError, refs: list[str]) -> None:
-    """Block the targets a broken spec names (read leniently), or all non-stdlib imports."""
-    modules: set[str] = set()
-    for ref in refs:
-        with contextlib.suppress(OSError, SpecError):
-            text = spec_mod.resolve(ref).read_text(encoding="utf-8", errors="replace")
-            modules |= set(re.findall(r"^\s*-?\s*module:\s*['\"]?([\w.]+)", text, re.M))
+def _fail(error: SourcePatchError, policy: str) -> None:
+    if policy == "warn":
+        print(f"source-patch: warning: {error} ({ON_ERROR}=warn: running UNPATCHED)", file=sys.stderr)
+        return
+    if policy != "error":
+        print(f"source-patch: {ON_ERROR}={policy!r} is not 'error' or 'warn': treated as 'error'", file=sys.stderr)
     print(f"source-patch: error: {error}", file=sys.stderr)
-    sys.meta_path.insert(0, FailedActivation(error, modules))
+    sys.meta_path.insert(0, FailedActivation(error))

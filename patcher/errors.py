@@ -10,8 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+LINE_LIMIT = 1000  # characters of one message line: user text (ids, anchors, names) can be huge
+
+
+def clip(text: str, limit: int = LINE_LIMIT) -> str:
+    """Each line of ``text`` cut to ``limit`` characters, saying how long it was."""
+    return "\n".join(line if len(line) <= limit else f"{line[:limit]}... ({len(line)} characters)"
+                     for line in str(text).split("\n"))
+
+
 class SourcePatchError(Exception):
-    """Base class of every error source-patch raises on bad input."""
+    """Base class of every error source-patch raises on bad input.  Its message's
+    lines are clipped (:func:`clip`): a 5 MB patch id makes a short error, not a 5 MB one."""
+
+    def __init__(self, *args):
+        super().__init__(*(clip(a) if isinstance(a, str) else a for a in args))
 
 
 @dataclass(frozen=True)
@@ -34,7 +47,7 @@ class SpecError(SourcePatchError):
     """A spec file that cannot be read, parsed or validated."""
 
     def __init__(self, message: str, location: Location):
-        self.message = message
+        self.message = clip(message)
         self.location = location
         super().__init__(f"{location}: {message}")
 

@@ -319,7 +319,7 @@ def test_invalid_yaml_spec_fails_the_target_import(write_spec):
     assert proc.returncode != 0
     assert f"source-patch: error: {bad}:" in proc.stderr
     assert "invalid YAML" in proc.stderr
-    assert "ActivationError" in proc.stderr and "spfix.basic would run unpatched" in proc.stderr
+    assert "ActivationError" in proc.stderr and "so procfix would run unpatched" in proc.stderr
 
 
 def test_invalid_spec_fails_even_under_except_importerror(write_spec):
