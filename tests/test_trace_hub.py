@@ -199,11 +199,14 @@ def test_an_oversized_message_closes_with_1009(hub):
 
 
 def test_more_clients_than_max_clients_are_turned_away(hub):
+    """max_clients counts authenticated clients: the second one, with the token, is refused."""
     configure(max_clients=1)
+    token = url().split("#token=")[1]
 
     async def main():
         async with connect(url()):
             async with ws_connect(f"ws://127.0.0.1:{hub}/ws") as second:
+                await second.send(json.dumps({"op": "hello", "token": token}))
                 with pytest.raises(ConnectionClosed) as info:
                     await second.recv()
                 return info.value.rcvd.code

@@ -37,7 +37,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..core import settings
-from ..core.endpoint import local_rank, write_private_json
+from ..core.endpoint import local_rank, parse_json, write_private_json
 
 log = logging.getLogger("source_patch.dump")
 
@@ -56,7 +56,32 @@ def process_token() -> str:
 
 
 class _Server(ThreadingHTTPServer):
+    """A thread per request, at most WORKERS at once; further connections wait in the
+    kernel's accept backlog (not refused: Python's default backlog of 5 overflowed
+    under 200 concurrent clients)."""
+
     daemon_threads = True
+    request_queue_size = 256
+    WORKERS = 16
+
+    def server_activate(self):
+        self._slots = threading.BoundedSemaphore(self.WORKERS)
+        super().server_activate()
+
+    def process_request(self, request, client_address):
+        self._slots.acquire()  # the accept loop waits here while every worker is busy
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
     # SO_REUSEADDR (the default) skips TIME_WAIT leftovers; on Linux it never lets two
     # processes listen on one port, so ranks still do not share one.
 
@@ -110,7 +135,7 @@ class ControlServer:
             write_private_json(path, info)
             return path
         except OSError as exc:
-            self.runtime._fail("writing the control file", exc)
+            self.runtime._counters.fail("writing the control file", exc)
             return None
 
     def stop(self) -> None:
@@ -141,7 +166,7 @@ class HTTPError(Exception):
 class _Handler(BaseHTTPRequestHandler):
     server_version = "source-patch-dump/1"
     protocol_version = "HTTP/1.0"  # one request per connection: no leftover body to misread
-    timeout = 10  # a client that stalls mid-request loses its thread after this
+    timeout = 5  # a client that stalls mid-request loses its worker after this
 
     ROUTES = {
         "/state": ("GET", "state"), "/dumper/get_state": ("GET", "state"),
@@ -194,7 +219,7 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as exc:  # noqa: BLE001 - answer, and keep serving
             runtime = getattr(control, "runtime", None)
             if runtime is not None:
-                runtime._fail("control request", exc)
+                runtime._counters.fail("control request", exc)
             self._send(500, {"error": f"{type(exc).__name__}: {exc}", "status": 500})
 
     def _authorize(self, token: str) -> None:
@@ -242,7 +267,7 @@ def _configure(runtime, body: bytes) -> dict:
     if not body.strip():
         raise HTTPError(400, "empty body: send a JSON object of settings, e.g. {\"enable\": true}")
     try:
-        changes = json.loads(body)
+        changes = parse_json(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise HTTPError(400, f"malformed JSON: {exc}") from None
     return configure_changes(runtime, changes)

@@ -41,13 +41,15 @@ from urllib.parse import urlsplit
 
 from ..core import settings
 from ..core.ranks import global_rank
-from ..core.endpoint import local_rank, write_private_json
+from ..core.endpoint import local_rank, parse_json, write_private_json
 from .frame import join, set_seq
 
 log = logging.getLogger("source_patch.trace")
 
 PROTOCOL_VERSION = 2         # 2: a binary message carries one or more frames (frame.join)
-HELLO_TIMEOUT_S = 5.0
+HELLO_TIMEOUT_S = 2.0        # an unauthenticated socket gets this long to say hello
+MAX_UNAUTHENTICATED = 64     # sockets still to say hello, capped apart from max_clients
+BACKLOG = 256                # accept queue: a burst of clients waits, it is not refused
 MAX_SUBSCRIPTIONS = 32       # per client
 MAX_NAMES = 64               # patterns per subscription
 MAX_CONTROL = 256            # replies waiting for a client; more means it does not read: closed
@@ -199,7 +201,7 @@ class Hub:
         self.host = config["host"]
         self.port = config["port"] + local_rank()
         self.clients: set = set()
-        self.connections = 0
+        self.unauthenticated = 0
         self.counts = {"frames_sent": 0, "dropped": 0, "clients_dropped": 0, "rejected": 0,
                        "late": 0}
         self._inflight = 0
@@ -252,7 +254,7 @@ class Hub:
         self._server = await serve(
             self._connection, self.host, self.port, process_request=self._http,
             max_size=self.config["max_message"], max_queue=16, compression=None,
-            ping_interval=20, ping_timeout=20, close_timeout=2, server_header=None,
+            ping_interval=20, ping_timeout=20, close_timeout=2, server_header=None, backlog=BACKLOG,
             logger=logging.getLogger("source_patch.trace.websockets"))
         self._sockets = list(self._server.sockets)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
@@ -410,38 +412,43 @@ class Hub:
         return Response(200, "OK", headers, body)
 
     async def _connection(self, ws) -> None:
+        """Authenticate first: only clients that said hello with the token count toward
+        max_clients; sockets still to do so are capped and timed out on their own."""
         from websockets.exceptions import ConnectionClosed
 
-        self.connections += 1
+        if self.unauthenticated >= MAX_UNAUTHENTICATED:
+            self.counts["rejected"] += 1
+            await ws.close(1013, "too many connections waiting to authenticate")
+            return
+        self.unauthenticated += 1
         try:
-            if self.connections > self.config["max_clients"]:
-                self.counts["rejected"] += 1
-                await ws.close(1013, "too many clients")
-                return
             client = await self._hello(ws)
-            if client is None:
-                return
-            sender = asyncio.get_running_loop().create_task(client.send_loop())
-            try:
-                async for message in ws:
-                    await self._on_message(client, message)
-                    if sender.done():
-                        break
-            except ConnectionClosed:
-                pass
-            finally:
-                self._forget(client)
-                sender.cancel()
         finally:
-            self.connections -= 1
+            self.unauthenticated -= 1
+        if client is None:
+            return
+        sender = asyncio.get_running_loop().create_task(client.send_loop())
+        try:
+            async for message in ws:
+                await self._on_message(client, message)
+                if sender.done():
+                    break
+        except ConnectionClosed:
+            pass
+        except Exception as exc:  # noqa: BLE001 - a client's input never reaches the host's stderr
+            log.debug("trace hub: closing client %s: %s: %s", client.name, type(exc).__name__, exc)
+            await ws.close(1011, "internal error")
+        finally:
+            self._forget(client)
+            sender.cancel()
 
     async def _hello(self, ws) -> Client | None:
         from websockets.exceptions import ConnectionClosed
 
         try:
             first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S)
-            hello = json.loads(first) if isinstance(first, str) else None
-        except (asyncio.TimeoutError, ValueError):
+            hello = parse_json(first) if isinstance(first, str) else None
+        except (asyncio.TimeoutError, ValueError):  # also JSON nested too deep
             hello = None
         except ConnectionClosed:
             return None
@@ -449,6 +456,10 @@ class Hub:
         if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
             self.counts["rejected"] += 1
             await ws.close(4401, "unauthorized")
+            return None
+        if len(self.clients) >= self.config["max_clients"]:
+            self.counts["rejected"] += 1
+            await ws.close(1013, "too many clients")
             return None
         name = hello.get("client")
         client = Client(self, ws, name[:64] if isinstance(name, str) else "anonymous")
@@ -469,7 +480,7 @@ class Hub:
             client.say({"op": "error", "id": None, "error": "expected JSON text messages, got binary"})
             return
         try:
-            request = json.loads(message)
+            request = parse_json(message)
         except ValueError as exc:
             client.say({"op": "error", "id": None, "error": f"malformed JSON: {exc}"})
             return

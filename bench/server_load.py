@@ -1,0 +1,123 @@
+"""Load on the runtime's two loopback servers: N concurrent clients at once.
+
+    python bench/server_load.py [--clients 200] [--rounds 5]
+
+dump control endpoint: N concurrent authenticated GET /state (one connection each);
+trace hub: N concurrent authenticated WebSocket hellos (max_clients get in; the rest
+are refused with 1013: at most 64 sockets may wait to say hello, and only
+max_clients authenticated ones are served).  Prints min / median / p90 / p99 / max latency per round, and the
+failures (anything but a 200, or but welcome/1013).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+TOKEN = "bench-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def dump_round(port: int, clients: int) -> tuple:
+    def one(_):
+        start = time.perf_counter()
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", "/state", headers={"Authorization": f"Bearer {TOKEN}"})
+            ok = conn.getresponse().status == 200
+            conn.close()
+        except OSError:
+            ok = False
+        return time.perf_counter() - start, ok
+
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(one, range(clients)))
+    return [r[0] for r in results], sum(not r[1] for r in results)
+
+
+async def hub_round(port: int, clients: int, max_clients: int) -> tuple:
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    async def one():
+        start = time.perf_counter()
+        try:
+            async with connect(f"ws://127.0.0.1:{port}/ws", open_timeout=30) as ws:
+                await ws.send(json.dumps({"op": "hello", "token": TOKEN}))
+                try:
+                    reply = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                    outcome = "welcome" if reply.get("op") == "welcome" else "other"
+                    await asyncio.sleep(0.5)  # hold the slot while the others arrive
+                except ConnectionClosed as exc:
+                    outcome = exc.rcvd.code if exc.rcvd else "closed"
+        except ConnectionClosed as exc:  # refused before its hello (more than 64 waiting to say it)
+            outcome = exc.rcvd.code if exc.rcvd else type(exc).__name__
+        except Exception as exc:  # noqa: BLE001 - counted as a failure
+            outcome = type(exc).__name__
+        return time.perf_counter() - start, outcome
+
+    results = await asyncio.gather(*(one() for _ in range(clients)))
+    outcomes = [r[1] for r in results]
+    welcomed = outcomes.count("welcome")
+    refused = outcomes.count(1013)
+    failures = clients - welcomed - refused
+    if failures:
+        from collections import Counter
+        print('  outcomes:', Counter(map(str, outcomes)).most_common(4))
+    return [r[0] for r in results], failures, welcomed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    from source_patch.runtime.dump import api as dump
+    from source_patch.runtime.trace import api as trace
+
+    tmp = tempfile.mkdtemp(prefix="sp-load-")
+    dump.configure(enable=True, dir=tmp, port=free_port(), token=TOKEN)
+    dump_port = int(dump.state()["control"].rsplit(":", 1)[1])
+    hub_port = free_port()
+    trace.configure(enable=True, port=hub_port, token=TOKEN, dir=tmp, max_clients=8)
+    print(f"{args.clients} concurrent clients, {args.rounds} rounds (latency in ms)")
+    print(f"{'server':22} {'round':>5} {'min':>7} {'median':>7} {'p90':>7} {'p99':>7} {'max':>7} {'failed':>6}")
+    for r in range(args.rounds):
+        lat, failed = dump_round(dump_port, args.clients)
+        row("dump /state", r, lat, failed)
+    for r in range(args.rounds):
+        lat, failed, welcomed = asyncio.run(hub_round(hub_port, args.clients, 8))
+        row(f"hub hello ({welcomed} in)", r, lat, failed)
+    trace.close()
+    dump.close()
+    return 0
+
+
+def row(name, r, lat, failed):
+    ms = [x * 1000 for x in lat]
+    print(f"{name:22} {r:>5} {min(ms):7.1f} {statistics.median(ms):7.1f} {percentile(ms, 0.9):7.1f} "
+          f"{percentile(ms, 0.99):7.1f} {max(ms):7.1f} {failed:>6}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
