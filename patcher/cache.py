@@ -3,16 +3,28 @@
 A file per (source, spec slice, tool/libcst/Python version), never inside
 ``__pycache__``.  Written to a temporary file and renamed, so concurrent
 writers race harmlessly; a corrupt, short or foreign file is a miss.
+
+Trust (the code is ``marshal.loads``-ed and executed): the directory is created
+0700 and files 0600; a cache directory owned by another user, or writable by
+group or others, is not used at all (one warning), as ssh treats its files.
+Cold start: the first process to miss a key takes a lock on it, parses and
+writes; the others wait on the lock and load what it wrote (a holder that dies
+releases the lock with its process; a waiter gives up after LOCK_WAIT_S and
+parses itself).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import marshal
 import os
+import stat
 import sys
 import tempfile
+import time
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from types import CodeType
@@ -28,29 +40,43 @@ def default_dir() -> Path:
     return Path(base) / "source-patch"
 
 
+LOCK_WAIT_S = 120.0  # a waiter parses itself after this (the holder is stuck, not dead)
+
+
 @lru_cache(maxsize=1)
 def _tool_versions() -> bytes:
-    """What else shapes the compiled code: this tool's sources, libcst, the interpreter.
-
-    File sizes and modification times, not contents or package metadata: this
-    runs once per process on the warm path, where a stat costs microseconds and
-    hashing or a metadata scan costs a millisecond.  Editing the patcher in a
-    checkout changes its mtimes, so stale entries are never hit.
-    """
+    """What else shapes the compiled code: this tool's sources (their contents: 0.2 ms
+    once per process; sizes and mtimes can repeat across builds, e.g. reproducible
+    wheels with fixed timestamps), libcst's version file, and the interpreter."""
     here = os.path.dirname(os.path.abspath(__file__))
     files = [os.path.join(here, n) for n in sorted(os.listdir(here)) if n.endswith(".py")]
     # libcst's version file, found the way an import would find the package (but
     # without importlib's machinery, which costs more than these few stats).
     files += [v for v in (os.path.join(entry or ".", "libcst", "_version.py") for entry in sys.path)
               if os.path.isfile(v)][:1]
-    parts = [importlib.util.MAGIC_NUMBER, sys.version.encode()]
+    h = hashlib.sha256(importlib.util.MAGIC_NUMBER + sys.version.encode())
     for f in files:
         try:
-            st = os.stat(f)
-            parts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+            with open(f, "rb") as handle:
+                h.update(f"{os.path.basename(f)}\0".encode() + handle.read())
         except OSError:
-            parts.append(f"{f}:-".encode())
-    return hashlib.sha256(b"\0".join(parts)).digest()
+            h.update(f"{f}:-".encode())
+    return h.digest()
+
+
+def untrusted(directory: Path) -> str | None:
+    """Why a cache directory must not be used (None: it may), as ssh judges its files."""
+    try:
+        st = os.stat(directory)
+    except OSError:  # absent (created 0700 on first write) or unreachable (writes fail: no cache)
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
 def key(source: bytes, slice_digest: str, file: str) -> bytes:
@@ -65,12 +91,26 @@ class CodeCache:
     def __init__(self, directory: Path | None = None):
         self.dir = Path(directory) if directory else default_dir()
         self.writable = True
+        self._trusted: bool | None = None  # checked on first use
 
     def path(self, k: bytes) -> Path:
         name = k.hex()
         return self.dir / name[:2] / f"{name}.spc"
 
+    def usable(self) -> bool:
+        if self._trusted is None:
+            reason = untrusted(self.dir)
+            self._trusted = reason is None
+            if reason:
+                warnings.warn(f"source-patch: not using the code cache {self.dir}: {reason} (its files "
+                              "would be executed); every patched import parses again. Set SOURCE_PATCH_CACHE "
+                              "to a directory only you can write", RuntimeWarning, stacklevel=2)
+                self.writable = False
+        return self._trusted
+
     def get(self, k: bytes) -> CodeType | None:
+        if not self.usable():
+            return None
         try:
             data = self.path(k).read_bytes()
         except OSError:
@@ -89,16 +129,15 @@ class CodeCache:
 
     def put(self, k: bytes, code: CodeType) -> bool:
         """Store; a cache that cannot be written is skipped, never an error."""
-        if not self.writable:
+        if not self.writable or not self.usable():
             return False
         payload = marshal.dumps(code)
         blob = MAGIC + k + len(payload).to_bytes(8, "little") + hashlib.sha256(payload).digest() + payload
         target = self.path(k)
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+            self._mkdir(target.parent)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")  # 0600
             try:
-                os.chmod(tmp, 0o644)  # mkstemp makes 0600; a shared cache must be readable
                 with os.fdopen(fd, "wb") as f:
                     f.write(blob)
                 os.replace(tmp, target)
@@ -109,3 +148,44 @@ class CodeCache:
             self.writable = False
             return False
         return True
+
+    def _mkdir(self, folder: Path) -> None:
+        if not folder.is_dir():
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+
+    @contextlib.contextmanager
+    def lock(self, k: bytes):
+        """Hold the key's lock while compiling it (others wait, then hit the cache).
+        Best effort: without a usable directory or fcntl, no lock."""
+        try:
+            import fcntl
+        except ImportError:  # not POSIX
+            yield
+            return
+        handle = None
+        if self.writable and self.usable():
+            try:
+                self._mkdir(self.path(k).parent)
+                handle = open(self.path(k).with_suffix(".lock"), "a")
+            except OSError:
+                handle = None
+        if handle is None:
+            yield
+            return
+        try:
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        break  # stuck holder: parse ourselves, the rename keeps the file whole
+                    time.sleep(0.05)
+            yield
+        finally:
+            if self.path(k).exists():  # done: later processes hit the entry and never lock
+                with contextlib.suppress(OSError):
+                    os.unlink(handle.name)
+            handle.close()  # releases the lock

@@ -222,8 +222,11 @@ class PatchingLoader(importlib.machinery.SourceFileLoader):
         k = key(source, slice_digest(self.patches), self.path)
         code = self.code_cache.get(k)
         if code is None:
-            code = patch_source(source, self.patches, fullname, self.path)
-            self.code_cache.put(k, code)
+            with self.code_cache.lock(k):  # one process parses; the others wait, then hit
+                code = self.code_cache.get(k)
+                if code is None:
+                    code = patch_source(source, self.patches, fullname, self.path)
+                    self.code_cache.put(k, code)
         return code
 
     def exec_module(self, module: ModuleType) -> None:

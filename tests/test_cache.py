@@ -73,3 +73,71 @@ def test_a_hit_does_not_import_libcst(write_spec, tmp_path):
     runs = [subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True,
                            timeout=60) for _ in range(2)]
     assert [r.stdout.strip() for r in runs] == ["True", "False"], [r.stderr for r in runs]
+
+
+# ---------------------------------------------------------------- trust and cold start
+
+
+def test_a_cache_others_can_write_is_not_used(write_spec, tmp_path, recwarn):
+    spec = write_spec(SPEC)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    assert import_add(spec, shared) == 300  # still patched: parsed, not loaded
+    assert entries(shared) == []  # and nothing written there for others to swap
+    assert any("writable by group or others (mode 777)" in str(w.message) for w in recwarn)
+
+
+def test_a_new_cache_is_private(write_spec, tmp_path):
+    spec = write_spec(SPEC)
+    cache = tmp_path / "fresh" / "cache"
+    assert import_add(spec, cache) == 300
+    (entry,) = entries(cache)
+    assert oct(entry.stat().st_mode & 0o777) == "0o600"
+    assert oct(cache.stat().st_mode & 0o777) == "0o700" and oct(entry.parent.stat().st_mode & 0o777) == "0o700"
+    assert not list(cache.rglob("*.lock"))
+
+
+def test_the_key_covers_the_patchers_source_contents(tmp_path, monkeypatch):
+    """Same sizes and times (a reproducible rebuild) but other contents: another key."""
+    from source_patch.patcher import cache as cache_mod
+
+    copy = tmp_path / "patcher"
+    copy.mkdir()
+    original = Path(cache_mod.__file__).parent
+    for f in original.glob("*.py"):
+        (copy / f.name).write_bytes(f.read_bytes())
+        os.utime(copy / f.name, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))
+    monkeypatch.setattr(cache_mod, "__file__", str(copy / "cache.py"))
+    cache_mod._tool_versions.cache_clear()
+    before = cache_mod._tool_versions()
+    edited = copy / "engine.py"
+    stamp = edited.stat()
+    text = edited.read_bytes()
+    edited.write_bytes(text.replace(b"a", b"b", 1))  # one byte: same size
+    os.utime(edited, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    cache_mod._tool_versions.cache_clear()
+    try:
+        assert cache_mod._tool_versions() != before
+    finally:
+        cache_mod._tool_versions.cache_clear()
+
+
+def test_a_dead_lock_holder_does_not_block(tmp_path):
+    """A process that dies holding a key's lock releases it with its life (flock)."""
+    cache = CodeCache(tmp_path / "c")
+    k = bytes(32)
+    cache._mkdir(cache.path(k).parent)
+    lock = cache.path(k).with_suffix(".lock")
+    holder = subprocess.Popen([sys.executable, "-c", f"import fcntl, os, time; f = open({str(lock)!r}, 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()
+    holder.wait()
+    import time
+
+    start = time.monotonic()
+    with cache.lock(k):
+        waited = time.monotonic() - start
+    assert waited < 2

@@ -245,7 +245,8 @@ def test_spawn_children_of_a_patched_parent_in_another_cwd(tmp_path):
 
 @pytest.mark.slow
 def test_concurrent_cold_imports_share_one_cache_entry(spec_file, tmp_path, monkeypatch):
-    """8 spawn children import the target at once against one empty cache directory."""
+    """8 spawn children import the target at once against one empty cache directory:
+    exactly one parses (the key's lock), the others load what it wrote."""
     from procfix import workers
 
     n = 8
@@ -268,7 +269,7 @@ def test_concurrent_cold_imports_share_one_cache_entry(spec_file, tmp_path, monk
     assert sorted(i["tag"] for i in infos) == list(range(n))
     for info in infos:
         assert_patched(info)
-    assert any(i["rewrote"] for i in infos), "no child rewrote the module: the cache was not cold"
+    assert sum(i["rewrote"] for i in infos) == 1, infos  # one parses, the others wait and load it
 
     files = sorted(p for p in cache_dir.rglob("*") if p.is_file())
     assert len(files) == 1 and files[0].suffix == ".spc", files  # no temp files left over
