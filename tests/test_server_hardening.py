@@ -124,3 +124,31 @@ def test_idle_unauthenticated_sockets_do_not_lock_out_the_client_and_time_out(hu
     stats, codes, waited = run(main())
     assert stats["errors"] == 0
     assert set(codes) == {4401} and waited < 10  # closed after the 2 s hello timeout
+
+
+@pytest.mark.slow
+def test_200_concurrent_hub_clients_are_served_or_refused_fast(hub):
+    """max_clients (2 here) get in; every other client is refused with 1013, at its
+    hello or before it (64 may wait to authenticate); none hangs or errs otherwise."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    async def one():
+        start = time.perf_counter()
+        try:
+            async with connect(f"ws://127.0.0.1:{hub}/ws", open_timeout=30) as ws:
+                await ws.send(json.dumps({"op": "hello", "token": TOKEN}))
+                reply = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                await asyncio.sleep(0.5)  # hold the slot while the others arrive
+                outcome = reply.get("op")
+        except ConnectionClosed as exc:
+            outcome = exc.rcvd.code if exc.rcvd else "closed"
+        return outcome, time.perf_counter() - start
+
+    async def main():
+        return await asyncio.gather(*(one() for _ in range(200)))
+
+    results = run(main())
+    outcomes = [o for o, _ in results]
+    assert outcomes.count("welcome") == 2 and outcomes.count(1013) == 198, sorted(map(str, set(outcomes)))
+    assert max(t for _, t in results) < 10
