@@ -60,7 +60,16 @@ def _parser() -> argparse.ArgumentParser:
                    "(wheel installs have it; editable installs need 'hook install')",
                    specs=False, against=False)
     hook.add_argument("action", choices=("install", "uninstall", "status"))
+    compare = command("compare", _compare, "compare rollout (SGLang) and training (Megatron) dumps layer by "
+                      "layer; exit 1 past the threshold (see docs/sglang.md)", specs=False, against=False)
+    compare.add_argument("args", nargs=argparse.REMAINDER, help="ROLLOUT_DIR TRAIN_DIR [--rtol R] [--json F] ...")
     return parser
+
+
+def _compare(args) -> int:
+    from source_patch.runtime.dump import compare  # torch: only this command pays for it
+
+    return compare.main(args.args)
 
 
 def _load_all(refs: list[str]) -> list[spec_mod.Spec]:

@@ -50,7 +50,9 @@ def test_the_twin_and_the_engine_agree_on_every_layer(sglang_checkpoint, rollout
             ("logits", None)} <= names
     assert all(r.cosine > 0.99999 for r in report.rows)
     out = tmp_path / "report.json"
-    assert compare.main([str(rollout), str(train), "--json", str(out)]) == 0
+    from source_patch.patcher import cli
+
+    assert cli.main(["compare", str(rollout), str(train), "--json", str(out)]) == 0
     assert json.loads(out.read_text())["first_divergent"] is None
 
 
