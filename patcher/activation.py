@@ -20,7 +20,7 @@ from typing import Iterable, Iterator
 
 from . import spec as spec_mod
 from .cache import CodeCache
-from .errors import ActivationError, SourcePatchError, SpecError
+from .errors import ActivationError, NotActivatedError, SourcePatchError, shorten, show
 from .finder import PatchFinder, PatchingLoader
 from .locate import find_source
 
@@ -75,8 +75,9 @@ def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
     new = [s for s in loaded if (s.file, s) not in active]
     late = sorted({m for s in new for m in s.modules if m in sys.modules})
     if late:
+        names = ", ".join(shorten(m) for m in late[:10]) + (f" and {len(late) - 10} more" if len(late) > 10 else "")
         raise ActivationError(
-            f"already imported, so they cannot be patched: {', '.join(late)}. Activate earlier "
+            f"already imported, so they cannot be patched: {names}. Activate earlier "
             f"(SOURCE_PATCH=... in the environment, or activate() before the first import)")
     finder = _finder(cache_dir)
     for s in new:
@@ -157,7 +158,9 @@ def activate_from_env(environ=os.environ) -> Activation | None:
     """Activate the specs named by SOURCE_PATCH.  Called from the ``.pth`` start hook,
     where ``site`` would swallow an exception, so a failure is *armed* instead: the
     error is printed, and every later import of a non-standard-library module raises
-    it (the program stops at its first real import, never runs silently unpatched).
+    NotActivatedError carrying it (the program stops at its first real import, never
+    runs silently unpatched).  Any failure counts, not only a SourcePatchError (an
+    unusable path, a bug): an exception escaping here would be swallowed by ``site``.
     ``SOURCE_PATCH_ON_ERROR=warn`` turns that into a warning and an unpatched run."""
     value = environ.get(ENV, "")
     refs = split_refs(value)
@@ -168,8 +171,11 @@ def activate_from_env(environ=os.environ) -> Activation | None:
         environ[ENV] = ",".join(paths)
         return activate(paths)
     except SourcePatchError as exc:
-        _fail(exc, environ.get(ON_ERROR, "error").strip().lower())
-        return None
+        error = exc
+    except Exception as exc:  # noqa: BLE001 - fail closed on anything
+        error = ActivationError(f"{ENV}={show(value)}: {type(exc).__name__}: {shorten(exc, 1000)}")
+    _fail(error, environ.get(ON_ERROR, "error").strip().lower())
+    return None
 
 
 class FailedActivation:
@@ -183,8 +189,10 @@ class FailedActivation:
 
     def find_spec(self, fullname, path=None, target=None):
         if _is_third_party(fullname):
-            raise ActivationError(f"source-patch: {ENV} could not be activated, so {fullname} would run "
-                                  f"unpatched (set {ON_ERROR}=warn to run unpatched anyway):\n{self.error}")
+            raise NotActivatedError(
+                f"source-patch: {ENV} could not be activated, so importing {shorten(fullname)} is refused "
+                f"(the program would run unpatched; {ON_ERROR}=warn runs it unpatched anyway):\n{self.error}",
+                self.error)
         return None
 
 
@@ -199,9 +207,14 @@ _NEVER_BLOCKED = ("source_patch", "_distutils_hack", "sitecustomize", "usercusto
 
 def _fail(error: SourcePatchError, policy: str) -> None:
     if policy == "warn":
-        print(f"source-patch: warning: {error} ({ON_ERROR}=warn: running UNPATCHED)", file=sys.stderr)
+        _say(f"source-patch: warning: {error} ({ON_ERROR}=warn: running UNPATCHED)")
         return
+    sys.meta_path.insert(0, FailedActivation(error))  # armed before anything that could fail
     if policy != "error":
-        print(f"source-patch: {ON_ERROR}={policy!r} is not 'error' or 'warn': treated as 'error'", file=sys.stderr)
-    print(f"source-patch: error: {error}", file=sys.stderr)
-    sys.meta_path.insert(0, FailedActivation(error))
+        _say(f"source-patch: {ON_ERROR}={show(policy)} is not 'error' or 'warn': treated as 'error'")
+    _say(f"source-patch: error: {error}")
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(Exception):  # no stderr (pythonw), a closed pipe: the finder still stops the run
+        print(line, file=sys.stderr, flush=True)

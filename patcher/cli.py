@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import spec as spec_mod
 from .activation import ENV
-from .errors import AnchorError, SourcePatchError
+from .errors import AnchorError, SourcePatchError, shorten
 from .finder import unmet_requirement
 from .locate import dist_version, find_source
 
@@ -129,7 +129,7 @@ def _check(args) -> int:
     for s in specs:
         problem = unmet_requirement(s, args.against)
         ok = "requirements met" if s.requires else "no requirements"
-        print(f"spec {s.name} ({s.file}): {problem or ok}")
+        print(f"spec {shorten(s.name)} ({shorten(s.file)}): {problem or ok}")
         if problem and s.on_unmet == "error":
             status = 1
     for module, patches in _by_module(specs).items():
@@ -140,25 +140,25 @@ def _check(args) -> int:
             status = 1
             continue
         except SourcePatchError as exc:
-            print(f"FAIL {module}: {exc}")
+            print(f"FAIL {shorten(module)}: {exc}")
             status = 1
             continue
-        print(f"ok   {module} ({path}, {dist_version(module.partition('.')[0], args.against)})")
+        print(f"ok   {shorten(module)} ({path}, {dist_version(module.partition('.')[0], args.against)})")
         for patch, edit, lines in result.hits:
-            print(f"       {patch.id}: {edit.describe()} -> line{'s' if len(lines) > 1 else ''} "
+            print(f"       {shorten(patch.id)}: {edit.describe()} -> line{'s' if len(lines) > 1 else ''} "
                   f"{', '.join(map(str, lines))}")
     return status
 
 
 def _list(args) -> int:
     for s in _load_all(args.specs):
-        print(f"{s.name}  ({s.file})")
+        print(f"{shorten(s.name)}  ({shorten(s.file)})")
         if s.description:
             print(f"  {s.description.strip()}")
         for dist, wanted in s.requires:
             print(f"  requires {dist}{wanted} (on_unmet: {s.on_unmet})")
         for p in s.patches:
-            print(f"  {p.id}: {p.module}:{p.target}")
+            print(f"  {shorten(p.id)}: {shorten(p.module)}:{shorten(p.target)}")
             for e in p.edits:
                 count = "" if e.at == "entry" else f" (count: {'all' if e.count is None else e.count})"
                 print(f"    {e.describe()}{count}")

@@ -2,26 +2,52 @@
 
 Every error a user can cause derives from :class:`SourcePatchError`. None of them
 derives from ``ImportError``: upstream code often wraps optional imports in
-``try: ... except ImportError`` and would silently run unpatched.
+``try: ... except ImportError`` (and ``pytest.importorskip`` skips on it), which
+would turn a patching failure into a silently unpatched, or silently skipped, run.
+
+User-supplied text (ids, names, anchors, paths, YAML values) can be huge: where it
+enters a message it goes through :func:`show` or :func:`shorten` (200 characters),
+and every message is clipped again as a whole (:func:`clip`) as a safety net.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+SHOW_LIMIT = 200  # characters of one piece of user text in a message
+LINE_LIMIT = 1000  # characters of one message line
+LINES_LIMIT = 200  # lines of one message
 
-LINE_LIMIT = 1000  # characters of one message line: user text (ids, anchors, names) can be huge
+
+def shorten(text, limit: int = SHOW_LIMIT) -> str:
+    """``text`` (a str, or anything: str() of it) cut to ``limit`` characters, saying how long it was."""
+    text = text if isinstance(text, str) else str(text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def clip(text: str, limit: int = LINE_LIMIT) -> str:
-    """Each line of ``text`` cut to ``limit`` characters, saying how long it was."""
-    return "\n".join(line if len(line) <= limit else f"{line[:limit]}... ({len(line)} characters)"
-                     for line in str(text).split("\n"))
+def show(value, limit: int = SHOW_LIMIT) -> str:
+    """``repr(value)`` for a message, a long string cut to ``limit`` characters first."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    return shorten(repr(value), limit)
+
+
+def clip(text: str, limit: int = LINE_LIMIT, lines: int = LINES_LIMIT) -> str:
+    """At most ``lines`` lines of at most ``limit`` characters: a long line keeps its
+    start and its end (where a message usually says what is wrong) around the cut."""
+    parts = str(text).split("\n")
+    more = len(parts) - lines
+    if more > 0:
+        parts = parts[:lines] + [f"... ({more} more lines)"]
+    head, tail = limit * 6 // 10, limit * 3 // 10
+    return "\n".join(line if len(line) <= limit else
+                     f"{line[:head]} ...({len(line) - head - tail} characters cut)... {line[-tail:]}"
+                     for line in parts)
 
 
 class SourcePatchError(Exception):
-    """Base class of every error source-patch raises on bad input.  Its message's
-    lines are clipped (:func:`clip`): a 5 MB patch id makes a short error, not a 5 MB one."""
+    """Base class of every error source-patch raises on bad input.  Its message is
+    clipped (:func:`clip`): a 5 MB patch id makes a short error, not a 5 MB one."""
 
     def __init__(self, *args):
         super().__init__(*(clip(a) if isinstance(a, str) else a for a in args))
@@ -37,10 +63,10 @@ class Location:
     field: str = ""
 
     def __str__(self) -> str:
-        where = self.file
+        where = shorten(self.file)
         if self.line:
             where += f":{self.line}:{self.column}"
-        return f"{where}: {self.field}" if self.field else where
+        return f"{where}: {shorten(self.field)}" if self.field else where
 
 
 class SpecError(SourcePatchError):
@@ -61,7 +87,7 @@ class AnchorError(SourcePatchError):
 
     def __init__(self, module: str, file: str, version: str, problems: list[str]):
         self.module, self.file, self.version, self.problems = module, file, version, problems
-        head = f"cannot patch module {module} ({file}, {version}):"
+        head = f"cannot patch module {shorten(module)} ({shorten(file)}, {shorten(version)}):"
         super().__init__("\n".join([head, *problems]))
 
 
@@ -71,3 +97,12 @@ class RequirementError(SourcePatchError):
 
 class ActivationError(SourcePatchError):
     """Patching was activated too late (a target is already imported) or misused."""
+
+
+class NotActivatedError(ActivationError):
+    """Raised by every import of a module outside the standard library once the start
+    hook could not activate SOURCE_PATCH (``error``: the spec or activation error)."""
+
+    def __init__(self, message: str, error: BaseException):
+        self.error = error
+        super().__init__(message)

@@ -38,6 +38,9 @@ START_TIMEOUT = 300.0   # seconds; an engine starts in 25-60 s on 2 busy cores
 ENGINE_ARGS = {         # what a real engine needs on CPU (see docs/sglang.md)
     "device": "cpu", "attention_backend": "torch_native", "sampling_backend": "pytorch",
     "disable_cuda_graph": True, "mem_fraction_static": 0.5, "max_total_tokens": 4096, "dtype": "float32",
+    # An idle scheduler otherwise spins at 25-55% of a core: a few shared engines left
+    # idle in a test session would starve every other test on a small machine.
+    "sleep_on_idle": True,
 }
 TINY_QWEN3_MOE = dict(  # Qwen3MoeConfig fields of the tiny model (seed 0)
     vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -13,13 +13,14 @@ import json
 import keyword
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 from yaml.constructor import SafeConstructor
 
-from .errors import Location, SpecError
+from .errors import Location, SpecError, shorten, show
 
 FORMAT_VERSION = 1
 DEFAULT_HANDLE = "__sp__"
@@ -61,7 +62,7 @@ class Edit:
     location: Location = field(default=Location(""), compare=False)
 
     def describe(self) -> str:
-        return f"at {self.at} {self.match!r}" if self.match else f"at {self.at}"
+        return f"at {self.at} {show(self.match)}" if self.match else f"at {self.at}"
 
 
 @dataclass(frozen=True)
@@ -113,14 +114,17 @@ def slice_digest(patches: list[Patch]) -> str:
 
 def resolve(ref: str) -> Path:
     """A spec reference is a file path or the name of a bundled spec (``megatron_cpu``)."""
-    path = Path(ref).expanduser()
-    if path.suffix in (".yaml", ".yml") or os.sep in ref or path.exists():
-        return path.resolve()
-    bundled = BUNDLED_DIR / f"{ref}.yaml"
-    if bundled.exists():
-        return bundled
+    try:
+        path = Path(ref).expanduser()
+        if path.suffix in (".yaml", ".yml") or os.sep in ref or path.exists():
+            return path.resolve()
+        bundled = BUNDLED_DIR / f"{ref}.yaml"
+        if bundled.exists():
+            return bundled
+    except (OSError, RuntimeError, ValueError) as exc:  # name too long, ~nosuchuser, NUL
+        raise SpecError(f"not a usable spec path: {_why(exc)}", Location(ref)) from None
     names = ", ".join(sorted(bundled_names())) or "none"
-    raise SpecError(f"no spec file or bundled spec named {ref!r} (bundled: {names})", Location(ref))
+    raise SpecError(f"no spec file or bundled spec named {show(ref)} (bundled: {names})", Location(ref))
 
 
 def bundled_names() -> list[str]:
@@ -129,11 +133,27 @@ def bundled_names() -> list[str]:
 
 def load(ref: str | os.PathLike) -> Spec:
     path = resolve(os.fspath(ref))
+    return loads(_read(path), str(path))
+
+
+MAX_SPEC_BYTES = 64 << 20
+
+
+def _read(path: Path) -> str:
+    """A spec file's text: a regular file of at most MAX_SPEC_BYTES, UTF-8.  Opened
+    without blocking, so a FIFO or a device is refused instead of hanging or filling memory."""
     try:
-        text = path.read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise SpecError("cannot read spec: not a regular file", Location(str(path)))
+            data = f.read(MAX_SPEC_BYTES + 1)
+        if len(data) > MAX_SPEC_BYTES:
+            raise SpecError(f"cannot read spec: larger than {MAX_SPEC_BYTES >> 20} MiB", Location(str(path)))
+        return data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"cannot read spec: {exc}", Location(str(path))) from None
-    return loads(text, str(path))
+        raise SpecError(f"cannot read spec: {_why(exc)}", Location(str(path))) from None
 
 
 def loads(text: str, file: str = "<string>") -> Spec:
@@ -143,7 +163,7 @@ def loads(text: str, file: str = "<string>") -> Spec:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         loc = Location(file, mark.line + 1, mark.column + 1) if mark else Location(file, 1, 1)
-        raise SpecError(f"invalid YAML: {exc.problem or exc.context}", loc) from None
+        raise SpecError(f"invalid YAML: {shorten(exc.problem or exc.context)}", loc) from None
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow
         line = text.count("\n", 0, exc.position) + 1
         column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
@@ -151,7 +171,7 @@ def loads(text: str, file: str = "<string>") -> Spec:
         raise SpecError(f"invalid YAML: unacceptable character #x{char:04x}: {exc.reason}",
                         Location(file, line, column)) from None
     except yaml.YAMLError as exc:
-        raise SpecError(f"invalid YAML: {exc}", Location(file, 1, 1)) from None
+        raise SpecError(f"invalid YAML: {shorten(exc)}", Location(file, 1, 1)) from None
     except RecursionError:
         raise SpecError("invalid YAML: nested too deeply", Location(file, 1, 1)) from None
     return _Builder(file).spec(root)
@@ -183,12 +203,12 @@ class _Builder:
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
                 self.fail("keys must be plain strings", key_node, path)
             key = key_node.value
-            where = f"{path}.{key}" if path else key
+            where = f"{path}.{shorten(key)}" if path else shorten(key)
             if key in out:
-                self.fail(f"duplicate key {key!r}", key_node, where)
+                self.fail(f"duplicate key {show(key)}", key_node, where)
             if keys and key not in required | optional:
                 valid = ", ".join(sorted(required | optional))
-                self.fail(f"unknown key {key!r} (valid keys: {valid})", key_node, where)
+                self.fail(f"unknown key {show(key)} (valid keys: {valid})", key_node, where)
             out[key] = value
         missing = sorted(required - out.keys())
         if missing:
@@ -203,13 +223,13 @@ class _Builder:
             try:
                 return SafeConstructor().construct_yaml_int(node)
             except (ValueError, TypeError, IndexError):
-                self.fail(f"not an integer: {node.value!r}", node, path)
+                self.fail(f"not an integer: {show(node.value)}", node, path)
         return node.value
 
     def word(self, node, path: str, pattern: re.Pattern, what: str) -> str:
         value = self.scalar(node, path)
         if not pattern.match(value):
-            self.fail(f"{what} expected, got {value!r}", node, path)
+            self.fail(f"{what} expected, got {show(value)}", node, path)
         return value
 
     def python(self, node, path: str) -> str:
@@ -221,7 +241,7 @@ class _Builder:
                 line = node.start_mark.line + 1 + lineno
             else:  # folded or quoted text: lines do not correspond, point at the value
                 line = node.start_mark.line + 1
-            raise SpecError(f"invalid Python: {error}",
+            raise SpecError(f"invalid Python: {shorten(error)}",
                             Location(self.file, line, node.start_mark.column + 1, path))
         return text
 
@@ -240,7 +260,7 @@ class _Builder:
         if "handle" in top:
             handle = self.scalar(top["handle"], "handle")
             if not _is_name(handle):
-                self.fail(f"a Python identifier expected, got {handle!r}", top["handle"], "handle")
+                self.fail(f"a Python identifier expected, got {show(handle)}", top["handle"], "handle")
         on_unmet = "error"
         if "on_unmet" in top:
             on_unmet = self.scalar(top["on_unmet"], "on_unmet")
@@ -253,7 +273,7 @@ class _Builder:
         for i, node in enumerate(patches_node.value):
             patch = self.patch(node, f"patches[{i}]", name, handle)
             if patch.id in seen:
-                self.fail(f"duplicate patch id {patch.id!r} (first at line {seen[patch.id]})",
+                self.fail(f"duplicate patch id {show(patch.id)} (first at line {seen[patch.id]})",
                           node, f"patches[{i}].id")
             seen[patch.id] = patch.location.line
             patches.append(patch)
@@ -271,12 +291,12 @@ class _Builder:
 
         out = []
         for dist, value in self.mapping(node, "requires", None).items():
-            spec = self.scalar(value, f"requires.{dist}")
+            spec = self.scalar(value, f"requires.{shorten(dist)}")
             try:
                 SpecifierSet(spec)
             except InvalidSpecifier:
-                self.fail(f"invalid version specifier {spec!r} (e.g. '>=0.16,<0.17')",
-                          value, f"requires.{dist}")
+                self.fail(f"invalid version specifier {show(spec)} (e.g. '>=0.16,<0.17')",
+                          value, f"requires.{shorten(dist)}")
             out.append((dist, spec))
         return tuple(out)
 
@@ -289,10 +309,10 @@ class _Builder:
         out = {}
         self.mapping(node, "runtime", None)  # shape and duplicate checks
         for key_node, values in node.value:
-            component, path = key_node.value, f"runtime.{key_node.value}"
+            component, path = key_node.value, f"runtime.{shorten(key_node.value)}"
             if component not in settings.SCHEMAS:
                 known = ", ".join(sorted(settings.SCHEMAS)) or "none"
-                self.fail(f"unknown runtime component {component!r} (known: {known})",
+                self.fail(f"unknown runtime component {show(component)} (known: {known})",
                           key_node, path)
             self.mapping(values, path, None)
             out[component] = {}
@@ -302,9 +322,9 @@ class _Builder:
                     value = SafeConstructor().construct_object(value_node, deep=True)
                     out[component][key] = settings.check(component, key, value)
                 except KeyError as exc:
-                    self.fail(str(exc.args[0]), name_node, f"{path}.{key}")
+                    self.fail(shorten(exc.args[0], 1000), name_node, f"{path}.{shorten(key)}")
                 except (ValueError, TypeError, yaml.YAMLError) as exc:
-                    self.fail(str(exc), value_node, f"{path}.{key}")
+                    self.fail(shorten(exc, 1000), value_node, f"{path}.{shorten(key)}")
         return json.dumps(out, sort_keys=True)
 
     def patch(self, node, path: str, spec_name: str, handle: str) -> Patch:
@@ -329,7 +349,7 @@ class _Builder:
             self.fail(f"missing required key 'at' (one of: {', '.join(ANCHORS)})", node, path)
         at = self.scalar(at_node, f"{path}.at")
         if at not in ANCHORS:
-            self.fail(f"unknown anchor {at!r} (one of: {', '.join(ANCHORS)})", at_node, f"{path}.at")
+            self.fail(f"unknown anchor {show(at)} (one of: {', '.join(ANCHORS)})", at_node, f"{path}.at")
         required, optional = _EDIT_KEYS[at]
         keys = self.mapping(node, path, (required | {"at"}, optional))
         kw: dict = {"at": at, "location": self.loc(node, path)}
@@ -342,7 +362,7 @@ class _Builder:
         if "bind" in keys:
             kw["bind"] = self.scalar(keys["bind"], f"{path}.bind")
             if not _is_name(kw["bind"]):
-                self.fail(f"a Python identifier expected, got {kw['bind']!r}", keys["bind"], f"{path}.bind")
+                self.fail(f"a Python identifier expected, got {show(kw['bind'])}", keys["bind"], f"{path}.bind")
         if "count" in keys:
             kw["count"] = self.count(keys["count"], f"{path}.count")
         return Edit(**kw)
@@ -364,16 +384,16 @@ class _Builder:
         try:
             parse_pattern(text, call=at == "call")
         except SyntaxError as exc:
-            raise SpecError(f"invalid pattern: {exc.msg}", loc) from None
+            raise SpecError(f"invalid pattern: {shorten(exc.msg)}", loc) from None
         except (ValueError, RecursionError, MemoryError) as exc:
-            raise SpecError(f"invalid pattern: {_describe(exc)}", loc) from None
+            raise SpecError(f"invalid pattern: {shorten(_describe(exc))}", loc) from None
         return text
 
     def wrap(self, node, path: str) -> str:
         text = self.scalar(node, path).strip()
         tree, error, _ = _parse(text, mode="eval")
         if error:
-            self.fail(f"invalid Python expression: {error}", node, path)
+            self.fail(f"invalid Python expression: {shorten(error)}", node, path)
         uses = sum(isinstance(n, ast.Name) and n.id == CALL_PLACEHOLDER for n in ast.walk(tree))
         if uses != 1:
             self.fail(f"the wrap expression must use the name {CALL_PLACEHOLDER} exactly once "
@@ -389,6 +409,13 @@ def _parse(text: str, mode: str = "exec") -> tuple[ast.AST | None, str, int]:
         return None, exc.msg, exc.lineno or 1
     except (ValueError, RecursionError, MemoryError) as exc:  # lone surrogates, absurd nesting
         return None, _describe(exc), 1
+
+
+def _why(exc: BaseException) -> str:
+    """An exception's reason without the (possibly huge) file name an OSError repeats."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return shorten(exc)
 
 
 def _describe(exc: BaseException) -> str:

@@ -320,7 +320,7 @@ def test_invalid_yaml_spec_fails_the_target_import(write_spec):
     assert proc.returncode != 0
     assert f"source-patch: error: {bad}:" in proc.stderr
     assert "invalid YAML" in proc.stderr
-    assert "ActivationError" in proc.stderr and "so procfix would run unpatched" in proc.stderr
+    assert "NotActivatedError" in proc.stderr and "so importing procfix is refused" in proc.stderr
 
 
 def test_invalid_spec_fails_even_under_except_importerror(write_spec):
@@ -344,14 +344,14 @@ def test_missing_spec_file_fails_the_target_import(tmp_path):
     proc = run_py(REPORT, spec=missing)
     assert proc.returncode != 0
     assert f"source-patch: error: {missing}: cannot read spec" in proc.stderr
-    assert "ActivationError" in proc.stderr
+    assert "NotActivatedError" in proc.stderr
 
 
 def test_missing_spec_does_not_blame_sitecustomize(tmp_path):
     proc = run_py("pass", spec=tmp_path / "missing.yaml")
     assert "cannot read spec" in proc.stderr
     # (an environment's own sitecustomize may still fail on a blocked third-party import)
-    assert "so sitecustomize would run unpatched" not in proc.stderr
+    assert "so importing sitecustomize is refused" not in proc.stderr
 
 
 def test_unmatched_anchor_raises_anchor_error(write_spec):

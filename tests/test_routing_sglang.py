@@ -313,8 +313,6 @@ def test_replay_forces_the_recorded_routes_and_changes_generation(replay_server)
 def test_tensor_parallel_ranks_capture_and_dump_the_same_routes(instrumented_sglang, sglang_server, tmp_path_factory):
     """tp=2 on CPU (one core per rank): every rank captures every request with the same
     routes, equal to the tp=1 server's, and dumps into its own engine_<rank> folder."""
-    from source_patch.runtime.dump import reader
-
     prompt = [8, 6, 7, 5, 3, 0, 9]
     single = instrumented_sglang.server.generate(input_ids=prompt, max_new_tokens=4, rid="tp1-ref",
                                                  sampling={"ignore_eos": True})
@@ -325,6 +323,15 @@ def test_tensor_parallel_ranks_capture_and_dump_the_same_routes(instrumented_sgl
                                 "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(root / "routes"),
                                 "SOURCE_PATCH_DUMP_DIR": str(root / "dumps"),
                                 "SOURCE_PATCH_DUMP_NAMES": "mlp_output,row_request"})
+    try:
+        _check_tensor_parallel(server, root, prompt, single, instrumented_sglang)
+    finally:
+        server.close()  # its TP rank 1 scheduler polls even when idle: do not leave it running
+
+
+def _check_tensor_parallel(server, root, prompt, single, instrumented_sglang):
+    from source_patch.runtime.dump import reader
+
     out = server.generate(input_ids=prompt, max_new_tokens=4, rid="tp2-a", sampling={"ignore_eos": True})
     assert out["output_ids"] == single["output_ids"]
     ranks = [_record_of(root / "routes", "tp2-a")] + [rr.load(root / "routes" / "rank1" / "tp2-a.safetensors")]
