@@ -3,8 +3,8 @@ framework's dumps of the same tokens (Megatron, patches/dump.yaml), layer by lay
 
     python -m source_patch.runtime.dump.compare ROLLOUT_DIR TRAIN_DIR [--json report.json] [--rtol 1e-4]
 
-    from source_patch.runtime.dump.compare import compare
-    report = compare("sp-dumps/rollout", "sp-dumps/train")
+    import source_patch.runtime.dump.compare as dump_compare
+    report = dump_compare.compare("sp-dumps/rollout", "sp-dumps/train")
     print(report.table()); report.first_divergent     # (name, layer) or None
 
 Every row on both sides is mapped to (request id, token position) first:

@@ -36,6 +36,9 @@ is set. Any ``correction_bias`` only changes *which* experts are chosen, never t
 weights (as in SGLang's biased top-k), so it plays no part. Only the routed columns
 (the first ``top_k - num_shared_topk_slots``) are captured or replaced; fused shared
 expert columns keep what the router gave them.
+
+Over 400 lines on purpose: capture, replay and the per-request records share the
+ambient batch and its row bookkeeping, which must be read together.
 """
 
 from __future__ import annotations
