@@ -3,13 +3,14 @@
 #                 source patches and show the activations it dumped
 #   make test   - build .venv if needed, then run the test suite
 # and: make rollout - a real SGLang engine on CPU under source patches (examples/rollout_sglang.py)
+#      make compat  - check the shipped specs against upstream releases, write docs/compat.md
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PIP    := $(BIN)/python -m pip install -q -c requirements/constraints.txt
 
-.PHONY: demo rollout test setup browser clean
+.PHONY: demo rollout test setup browser compat clean
 
 setup: $(STAMP)
 
@@ -32,6 +33,23 @@ rollout: $(STAMP)
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
+
+# `source-patch matrix` over the releases the shipped specs support (docs/compat.md).
+# Wheels are fetched once into $(RELEASES) (megatron-core >= 0.17 exists for Python 3.12
+# only: fetched, never installed); a release that cannot be fetched is left out, said so.
+MEGATRON_RELEASES := 0.14.0 0.15.0 0.15.1 0.15.2 0.15.3 0.16.0 0.16.1 0.17.0 0.17.1 0.18.0 0.18.2 0.19.0 0.19.2
+SGLANG_RELEASES   := 0.5.20 0.5.21 0.5.22 0.5.23
+RELEASES          := $(HOME)/.cache/source-patch/wheels
+COMPAT_SPECS      := moe dump trace weight_sync megatron_cpu sglang_cpu megatron_topk sglang_topk
+FETCH             := $(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d $(RELEASES)
+
+compat: $(STAMP)
+	@mkdir -p $(RELEASES)
+	@for v in $(MEGATRON_RELEASES); do ls $(RELEASES)/megatron_core-$$v-*.whl >/dev/null 2>&1 || \
+	  $(FETCH) --python-version 3.12 megatron-core==$$v 2>/dev/null || echo "compat: could not fetch megatron-core $$v"; done
+	@for v in $(SGLANG_RELEASES); do ls $(RELEASES)/sglang-$$v-*.whl >/dev/null 2>&1 || \
+	  $(FETCH) sglang==$$v 2>/dev/null || echo "compat: could not fetch sglang $$v"; done
+	$(BIN)/source-patch matrix $(COMPAT_SPECS) --releases $(RELEASES)/*.whl --write docs/compat.md
 
 # The trace view's test drives Debian's headless Chromium (tests/test_trace_view.py).
 browser:

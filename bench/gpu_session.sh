@@ -2,7 +2,9 @@
 # Everything this project runs on a lent GPU machine, in one call:
 #   here:   pip download the cp312 wheels of megatron-core and libcst into .whl/ (see
 #           ../shared/gpu.md) and `pip wheel --no-deps --no-build-isolation . -w .whl`
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [weights]   (default: all; results under $OUT)
+#           and for `newest`: the cp312 wheel of megatron-core 0.19.2 into .whl/next/
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [weights] [newest]
+#           (default: all; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
 #  `weights` needs two GPUs: the nvidia-h200-x2 kind)
 # The project's wheel goes into the interpreter's own environment, so its .pth start
@@ -15,7 +17,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | ta
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import sys, torch, megatron.core, libcst, source_patch.patcher; print(sys.version.split()[0], torch.__version__)" | tee -a "$OUT/gpu.txt"
 
-parts=${*:-tests dump step routing trace weights}
+parts=${*:-tests dump step routing trace weights newest}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 if want tests; then
@@ -49,4 +51,18 @@ echo "== weight sync: bucketed vs per-tensor vs raw broadcast, 2 GPUs over NCCL"
 nvidia-smi topo -m 2>&1 | head -4 | tee "$OUT/topo.txt"
 timeout 240 python3 bench/weight_sync_bench.py --gb 4 2>&1 | tee "$OUT/weight_sync_bench.txt" | tail -20
 timeout 240 python3 bench/weight_sync_bench.py --gb 4 --small-frac 0.5 2>&1 | tee "$OUT/weight_sync_bench_small.txt" | tail -20
+fi
+if want newest; then
+echo "== megatron-core 0.19.2 (the newest release): the demo under the shipped specs"
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade .whl/next/megatron_core-0.19.2-*.whl 2>&1 | tail -2
+python3 -c "import importlib.metadata as m; print('megatron-core', m.version('megatron-core'))" | tee "$OUT/newest.txt"
+SOURCE_PATCH_STRICT=1 python3 -m source_patch.patcher check moe dump megatron_cpu 2>&1 | grep -v "^       " | tee -a "$OUT/newest.txt"
+echo "-- GPU, SOURCE_PATCH=moe,dump (no megatron_cpu: 0.19 binds the router gemm itself)" | tee -a "$OUT/newest.txt"
+SOURCE_PATCH=moe,dump SOURCE_PATCH_DUMP_DIR=/tmp/sp-dumps-gpu SOURCE_PATCH_REPORT=1 \
+  timeout 240 python3 examples/train_moe.py --steps 5 > "$OUT/newest-gpu.log" 2>&1; echo "exit $?"
+grep -v "Warning\|warnings.warn\|^ *\"\"\"" "$OUT/newest-gpu.log" | tail -45 | tee -a "$OUT/newest.txt"
+echo "-- CPU (GPUs hidden), SOURCE_PATCH=megatron_cpu,moe,dump" | tee -a "$OUT/newest.txt"
+CUDA_VISIBLE_DEVICES= SOURCE_PATCH=megatron_cpu,moe,dump SOURCE_PATCH_DUMP_DIR=/tmp/sp-dumps-cpu SOURCE_PATCH_REPORT=1 \
+  timeout 240 python3 examples/train_moe.py --steps 5 > "$OUT/newest-cpu.log" 2>&1; echo "exit $?"
+grep -v "Warning\|warnings.warn\|^ *\"\"\"" "$OUT/newest-cpu.log" | tail -45 | tee -a "$OUT/newest.txt"
 fi

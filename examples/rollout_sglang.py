@@ -7,8 +7,8 @@ on a tiny random Qwen3-MoE checkpoint, on CPU, with three specs active in every 
 process:
 
     sglang_cpu   lifts SGLang's CUDA assumptions (patches/sglang_cpu.yaml)
-    moe_sglang   captures each request's routed experts (patches/moe_sglang.yaml)
-    dump_sglang  dumps every forward pass's activations (patches/dump_sglang.yaml)
+    moe          captures each request's routed experts (patches/moe.yaml)
+    dump         dumps every forward pass's activations (patches/dump.yaml)
 
 then generates a few prompts and prints the dump summary and one request's routing
 record.  Everything lands under --out (default ./sp-rollout).
@@ -42,8 +42,8 @@ def main() -> int:
     env = {"SOURCE_PATCH_DUMP_DIR": str(run / "dumps"), "SOURCE_PATCH_DUMP_EXP_NAME": "rollout",
            "SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(run / "routes")}
     started = time.monotonic()
-    print("starting sglang.Engine (sglang_cpu, moe_sglang, dump_sglang) ...", flush=True)
-    with SGLangEngine(model, specs=["moe_sglang", "dump_sglang"], env=env, workdir=run,
+    print("starting sglang.Engine (sglang_cpu, moe, dump) ...", flush=True)
+    with SGLangEngine(model, specs=["moe", "dump"], env=env, workdir=run,
                       engine_args={"skip_tokenizer_init": False, "disable_radix_cache": True}) as engine:
         print(f"engine ready in {time.monotonic() - started:.1f} s (log: {run / 'engine.log'})")
         prompts = (PROMPTS * cli.prompts)[:cli.prompts]

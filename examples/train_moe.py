@@ -5,11 +5,12 @@
     SOURCE_PATCH=megatron_cpu python examples/train_moe.py               # GPU, nccl
     SOURCE_PATCH=megatron_cpu,dump python examples/train_moe.py          # + activation dumps
 
-Megatron-Core 0.16.1 assumes CUDA in a few places, and without Transformer Engine
-its router gemm is unbound (on GPU too). The bundled spec `megatron_cpu` fixes
-each at its source as the modules import (see patches/megatron_cpu.yaml), so this
-script neither forks nor monkey-patches Megatron. Where CUDA is available its
-device edits change nothing, so the spec may stay active on GPU machines.
+Megatron-Core (0.16 - 0.19) assumes CUDA in a few places, and before 0.17 its router
+gemm is unbound without Transformer Engine (on GPU too). The bundled spec
+`megatron_cpu` fixes each at its source as the modules import (see
+patches/megatron_cpu.yaml), so this script neither forks nor monkey-patches
+Megatron. Where CUDA is available its device edits change nothing, so the spec may
+stay active on GPU machines; from 0.17 a GPU run needs no spec at all.
 
 The task is a synthetic "ramp": every sequence counts up by one from a random
 start (modulo the vocabulary), so the next token is always the current one
@@ -91,15 +92,18 @@ def init_distributed(device: torch.device, ep: int) -> None:
 
 def check_cpu_spec(device: torch.device) -> None:
     """Fail early and clearly where Megatron-Core needs the megatron_cpu source patch:
-    on CPU, and wherever Transformer Engine is missing (its router gemm is unbound)."""
-    if device.type == "cuda" and moe_utils.HAVE_TE:
+    on CPU, and on GPU where the router gemm is unbound without Transformer Engine
+    (before 0.17; from 0.17 Megatron binds it to None itself)."""
+    if device.type == "cuda" and (moe_utils.HAVE_TE or hasattr(moe_utils, "te_general_gemm")):
         return
-    # A patched module lists the patches applied to it; moe_utils is one megatron_cpu patches.
-    applied = getattr(moe_utils, "__source_patches__", ())
-    if not any(a.spec == CPU_SPEC for a in applied):
+    # The active specs (which of megatron_cpu's patches apply depends on the release).
+    from source_patch.patcher.activation import installed_finder
+
+    finder = installed_finder()
+    if not any(s.name == CPU_SPEC for s in (finder.specs if finder else ())):
         why = "on CPU" if device.type == "cpu" else "without Transformer Engine"
         current = os.environ.get("SOURCE_PATCH")
-        sys.exit(f"error: {why}, Megatron-Core 0.16 needs the {CPU_SPEC!r} source patch: run "
+        sys.exit(f"error: {why}, Megatron-Core needs the {CPU_SPEC!r} source patch: run "
                  f"with SOURCE_PATCH={CPU_SPEC} (SOURCE_PATCH is {current!r})")
     if device.type == "cpu" and torch.cuda.is_available():
         # The spec changes nothing where CUDA is available, so Megatron's buffers would

@@ -14,17 +14,20 @@ import importlib.util
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Iterable, Iterator
 
 from . import spec as spec_mod
 from .cache import CodeCache
-from .errors import ActivationError, NotActivatedError, SourcePatchError, shorten, show
-from .finder import PatchFinder, PatchingLoader
-from .locate import find_source
+from .errors import ActivationError, NotActivatedError, SourcePatchError, SourcePatchWarning, shorten, show
+from .finder import PatchFinder, PatchingLoader, installed_version
+from .locate import NotFound, find_source, nearest_modules
 
 ENV = "SOURCE_PATCH"
+STRICT = "SOURCE_PATCH_STRICT"  # 1: a target module that cannot be found is an error
+REPORT = "SOURCE_PATCH_REPORT"  # 1: at exit, print what applied, what was skipped and why
 
 
 class Activation:
@@ -36,6 +39,9 @@ class Activation:
     @property
     def modules(self) -> list[str]:
         return sorted({m for s in self.specs for m in s.modules})
+
+    def report(self) -> str:
+        return report(self.finder, self.specs)
 
     def deactivate(self) -> None:
         for spec in self.specs:
@@ -79,10 +85,55 @@ def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
         raise ActivationError(
             f"already imported, so they cannot be patched: {names}. Activate earlier "
             f"(SOURCE_PATCH=... in the environment, or activate() before the first import)")
+    _check_targets(new, strict=os.environ.get(STRICT, "").strip() in ("1", "true", "yes"))
     finder = _finder(cache_dir)
     for s in new:
         finder.add(s)
     return Activation(finder, new)
+
+
+def _check_targets(specs: list[spec_mod.Spec], strict: bool) -> None:
+    """Report target modules that cannot be found (a misspelled ``module:`` would
+    otherwise never apply, silently).  A patch whose required distribution is not
+    installed is not reported: that is the other framework of a two-framework spec."""
+    for s in specs:
+        for module in s.modules:
+            try:
+                find_source(module)
+                continue
+            except NotFound as exc:
+                error = exc
+            patches = [p for p in s.patches if p.module == module]
+            if all(_gated(s.requires + p.requires) for p in patches):
+                continue
+            near = nearest_modules(error)
+            message = (f"{patches[0].location}: spec {s.name!r} patches {shorten(module)}, which cannot "
+                       f"be found ({error}); nearest: {', '.join(near) if near else 'none'}")
+            if strict:
+                raise ActivationError(message)
+            warnings.warn(f"source-patch: {message} ({STRICT}=1 makes this an error)",
+                          SourcePatchWarning, stacklevel=3)
+
+
+def _gated(requires) -> bool:
+    return any(installed_version(dist) is None for dist, _ in requires)
+
+
+def report(finder: PatchFinder, specs: list[spec_mod.Spec]) -> str:
+    """What applied, what was skipped and why, and targets never imported."""
+    lines = []
+    skipped = {id(k.patch): k.reason for k in finder.skipped}
+    for s in specs:
+        lines.append(f"spec {s.name} ({s.file}):")
+        for p in s.patches:
+            if id(p) in skipped:
+                state = f"skipped: {skipped[id(p)].splitlines()[0]}"
+            elif p.module in finder.imported:
+                state = "applied"
+            else:
+                state = "not imported"
+            lines.append(f"  {p.id} ({p.module}): {state}")
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager
@@ -169,7 +220,12 @@ def activate_from_env(environ=os.environ) -> Activation | None:
     try:
         paths = [str(spec_mod.resolve(r)) for r in refs]
         environ[ENV] = ",".join(paths)
-        return activate(paths)
+        activation = activate(paths)
+        if environ.get(REPORT, "").strip() in ("1", "true", "yes"):
+            import atexit
+
+            atexit.register(lambda: _say(f"source-patch report (pid {os.getpid()}):\n{activation.report()}"))
+        return activation
     except SourcePatchError as exc:
         error = exc
     except Exception as exc:  # noqa: BLE001 - fail closed on anything

@@ -6,6 +6,7 @@ Dry runs (diff, check, list) never import the target packages.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import site
@@ -16,7 +17,7 @@ from pathlib import Path
 from . import spec as spec_mod
 from .activation import ENV
 from .errors import AnchorError, SourcePatchError, shorten
-from .finder import unmet_requirement
+from .finder import unmet, unmet_requirement
 from .locate import dist_version, find_source
 
 _COLORS = {"+": "\033[32m", "-": "\033[31m", "@": "\033[36m"}
@@ -50,8 +51,23 @@ def _parser() -> argparse.ArgumentParser:
 
     command("diff", _diff, "print the unified diff each spec makes to its target modules") \
         .add_argument("--color", choices=("auto", "always", "never"), default="auto")
-    command("check", _check, "check that every anchor still matches; exit 1 if any does not")
+    command("check", _check, "check that every anchor still matches: exit 1 if one does not, "
+            "3 if a spec's requirement is unmet")
     command("list", _list, "list specs, their patches, targets and anchors", against=False)
+    anchors = command("anchors", _anchors, "list a function's statements, calls and returns with "
+                      "their lines, as patterns ready to paste into a spec", specs=False)
+    anchors.add_argument("target", metavar="MODULE:QUALNAME", help="e.g. megatron.core.transformer."
+                         "moe.router:TopKRouter.routing (or MODULE:<module>)")
+    new = command("new", _new, "write a commented skeleton spec", specs=False, against=False)
+    new.add_argument("name", help="the spec's name; written to NAME.yaml unless -o is given")
+    new.add_argument("--module", help="the module to patch")
+    new.add_argument("--target", help="the function or Class.method to patch")
+    new.add_argument("-o", "--output", metavar="FILE", help="where to write it ('-': stdout)")
+    matrix = command("matrix", _matrix, "check specs against many upstream releases (wheels or "
+                     "unpacked dirs); exit 1 if an anchor is broken", against=False)
+    matrix.add_argument("--releases", nargs="+", required=True, metavar="WHEEL_OR_DIR")
+    matrix.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': stdout)")
+    matrix.add_argument("--write", metavar="FILE", help="also write the table as Markdown (docs/compat.md)")
     run = command("run", _run, "run a command with SOURCE_PATCH set to the given specs",
                   specs=False, against=False)
     run.add_argument("-s", "--spec", action="append", required=True, dest="specs", metavar="SPEC")
@@ -76,11 +92,19 @@ def _load_all(refs: list[str]) -> list[spec_mod.Spec]:
     return [spec_mod.load(r) for r in refs]
 
 
-def _by_module(specs: list[spec_mod.Spec]) -> dict[str, list[spec_mod.Patch]]:
+def _by_module(specs: list[spec_mod.Spec], against: str | None,
+               gated: list | None = None) -> dict[str, list[spec_mod.Patch]]:
+    """Patches by target module, leaving out (into ``gated``) those whose own
+    ``requires`` the installed (or ``against``) upstream does not meet."""
     out: dict[str, list[spec_mod.Patch]] = {}
     for s in specs:
         for p in s.patches:
-            out.setdefault(p.module, []).append(p)
+            reason = unmet(p.requires, against)
+            if reason:
+                if gated is not None:
+                    gated.append((p, reason))
+                continue
+            out.setdefault(p.module, []).append(dataclasses.replace(p, on_drift="error"))
     return out
 
 
@@ -98,7 +122,7 @@ def _rewrite(module: str, patches, against: str | None):
 def _diff(args) -> int:
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     status = 0
-    for module, patches in _by_module(_load_all(args.specs)).items():
+    for module, patches in _by_module(_load_all(args.specs), args.against).items():
         try:
             path, source, result = _rewrite(module, patches, args.against)
         except SourcePatchError as exc:
@@ -123,6 +147,9 @@ def _relative(path: Path, module: str) -> str:
     return "/".join(path.parts[-depth:])
 
 
+BROKEN, UNMET = 1, 3  # exit codes of check (2: a bad spec or usage, as every command)
+
+
 def _check(args) -> int:
     status = 0
     specs = _load_all(args.specs)
@@ -131,23 +158,77 @@ def _check(args) -> int:
         ok = "requirements met" if s.requires else "no requirements"
         print(f"spec {shorten(s.name)} ({shorten(s.file)}): {problem or ok}")
         if problem and s.on_unmet == "error":
-            status = 1
-    for module, patches in _by_module(specs).items():
+            status = UNMET
+    gated: list = []
+    by_module = _by_module(specs, args.against, gated)
+    for patch, reason in gated:
+        print(f"gated {shorten(patch.id)} ({shorten(patch.module)}): {reason}")
+    for module, patches in by_module.items():
         try:
             path, _, result = _rewrite(module, patches, args.against)
         except AnchorError as exc:
             print(f"FAIL {exc}")
-            status = 1
+            status = BROKEN
             continue
         except SourcePatchError as exc:
             print(f"FAIL {shorten(module)}: {exc}")
-            status = 1
+            status = BROKEN
             continue
         print(f"ok   {shorten(module)} ({path}, {dist_version(module.partition('.')[0], args.against)})")
         for patch, edit, lines in result.hits:
             print(f"       {shorten(patch.id)}: {edit.describe()} -> line{'s' if len(lines) > 1 else ''} "
                   f"{', '.join(map(str, lines))}")
     return status
+
+
+def _anchors(args) -> int:
+    from .authoring import anchors
+
+    print(anchors(args.target, args.against))
+    return 0
+
+
+def _new(args) -> int:
+    from .authoring import skeleton
+
+    text = skeleton(args.name, args.module, args.target)
+    if args.output == "-":
+        sys.stdout.write(text)
+        return 0
+    path = Path(args.output or f"{args.name}.yaml")
+    try:
+        with open(path, "x", encoding="utf-8") as f:  # never overwrite someone's spec
+            f.write(text)
+    except FileExistsError:
+        raise SourcePatchError(f"{path} exists; choose another name or -o FILE") from None
+    print(f"wrote {path}; check it with: source-patch check {path}")
+    return 0
+
+
+def _matrix(args) -> int:
+    from . import matrix
+
+    specs = _load_all(args.specs)
+    releases, grid = matrix.run(specs, args.releases, matrix.progress_bar())
+    text = matrix.table(specs, releases, grid)
+    print(text)
+    if args.write:
+        Path(args.write).write_text(_COMPAT_HEAD + text + "\n", encoding="utf-8")
+    if args.json:
+        doc = matrix.as_json(specs, releases, grid)
+        sys.stdout.write(doc + "\n") if args.json == "-" else Path(args.json).write_text(doc)
+    return matrix.exit_code(grid)
+
+
+_COMPAT_HEAD = """# Compatibility: shipped specs x upstream releases
+
+Written by `make compat` (`source-patch matrix`); do not edit by hand. A row per
+release, a column per spec; a cell counts the spec's patches that target that release: `ok n/m` n apply (the others are `gated`: left
+out by their own `requires`, usually because an alternative patch covers that release),
+`BROKEN` an anchor no longer matches, `refused` the spec's own `requires` excludes the
+release, `-` the spec has no patch for that framework. The reasons follow the table.
+
+"""
 
 
 def _list(args) -> int:

@@ -3,8 +3,11 @@
 ``rewrite(source, patches, ...)`` returns a code object compiled from the patched
 source whose line numbers are remapped to the original file: every original
 line keeps its number, and inserted code reports the line of its anchor.  All
-edits are located and counted before any is applied, so a module is patched
-whole or not at all.
+edits of a patch are located and counted before any is applied, so a patch
+applies whole or not at all; a patch that no longer matches stops the module
+(``on_drift: error``) or is left out while the others apply (``warn``, ``skip``).
+Inserted statements run inside ``try``, whose handler adds a PEP 678 note naming
+the spec, patch and YAML line to any exception they raise (free until one does).
 
 This module imports libcst; the loader imports it only on a cache miss.
 """
@@ -36,6 +39,7 @@ class Rewritten:
     tree: ast.Module  # its ast, line numbers already mapped to the original file
     line_map: list[int]  # patched line -> original line (index 0 unused)
     hits: list[tuple[Patch, Edit, list[int]]]  # each edit with the original lines it matched
+    dropped: list[tuple[Patch, AnchorError]] = field(default_factory=list)  # drifted, on_drift warn|skip
 
 
 @dataclass
@@ -50,6 +54,17 @@ class _Plan:
     calls: dict[int, list[str]] = field(default_factory=dict)
     hits: list = field(default_factory=list)
 
+    def merge(self, other: "_Plan") -> list[int]:
+        """Add another patch's plan; the keys of statements both would replace."""
+        for name in ("entry", "before", "after", "returns", "calls"):
+            mine = getattr(self, name)
+            for key, items in getattr(other, name).items():
+                mine.setdefault(key, []).extend(items)
+        clashes = [key for key in other.replace if key in self.replace]
+        self.replace.update({k: v for k, v in other.replace.items() if k not in self.replace})
+        self.hits += other.hits
+        return clashes
+
 
 def rewrite(source: str, patches: Sequence[Patch], *, module: str, file: str,
             version: Callable[[], str] = lambda: "unknown version") -> Rewritten:
@@ -57,13 +72,21 @@ def rewrite(source: str, patches: Sequence[Patch], *, module: str, file: str,
     wrapper = MetadataWrapper(tree, unsafe_skip_copy=True)
     positions = wrapper.resolve(PositionProvider)
     locator = _Locator(tree, positions)
-    plan, problems = _Plan(), []
+    plan, problems, dropped = _Plan(), [], []
     for handle in sorted({p.handle for p in patches}):
         if re.search(rf"\b{re.escape(handle)}\b", source):
             problems.append(f"  the module already uses the name {handle!r}, the runtime handle "
                             f"of the patches; set another with the spec's 'handle' field")
     for patch in patches:
-        problems += locator.plan_patch(patch, plan)
+        own = _Plan()
+        drift = locator.plan_patch(patch, own)
+        if drift and patch.on_drift != "error":
+            dropped.append((patch, AnchorError(module, file, version(), drift)))
+            continue
+        problems += drift
+        problems += [f"  line {locator.line(plan.replace[k][0])} is replaced by two patches "
+                     f"(one is {patch.id!r}); only one edit may replace a statement"
+                     for k in plan.merge(own)]
     problems += locator.replace_conflicts(plan)
     if problems:
         raise AnchorError(module, file, version(), problems)
@@ -71,7 +94,7 @@ def rewrite(source: str, patches: Sequence[Patch], *, module: str, file: str,
     new_tree = tree.visit(transformer)
     line_map = _line_map(new_tree, positions, transformer.origin, transformer.inserted)
     patched = new_tree.code
-    return Rewritten(patched, _remap(patched, source, file, line_map), line_map, plan.hits)
+    return Rewritten(patched, _remap(patched, source, file, line_map), line_map, plan.hits, dropped)
 
 
 # --------------------------------------------------------------------------- locate
@@ -199,9 +222,10 @@ class _Locator:
         return problems
 
     def plan_edit(self, fn, edit: Edit, plan: _Plan, patch: Patch) -> str | None:
+        code = _noted(edit.code, patch, edit) if edit.code else ""
         if edit.at == "entry":
             line = 1 if isinstance(fn, cst.Module) else self.line(fn.name)
-            plan.entry.setdefault(id(fn), []).append((edit.code, line))
+            plan.entry.setdefault(id(fn), []).append((code, line))
             plan.hits.append((patch, edit, [line]))
             return None
         if edit.at == "return" and isinstance(fn, cst.Module):
@@ -226,15 +250,15 @@ class _Locator:
         for node in found:
             key = id(node)
             if edit.at == "return":
-                plan.returns.setdefault(key, []).append((edit.bind, edit.code))
+                plan.returns.setdefault(key, []).append((edit.bind, code))
             elif edit.at == "call":
                 plan.calls.setdefault(key, []).append(edit.wrap)
             elif edit.at == "replace":
                 if key in plan.replace:
                     return f"line {self.line(node)} is already replaced by another edit"
-                plan.replace[key] = (node, edit.code)
+                plan.replace[key] = (node, code)
             else:
-                getattr(plan, edit.at).setdefault(key, []).append(edit.code)
+                getattr(plan, edit.at).setdefault(key, []).append(code)
         return None
 
     def mismatch(self, edit: Edit, found, candidates) -> str:
@@ -243,7 +267,9 @@ class _Locator:
         if found:
             text += " at line" + ("s " if len(found) > 1 else " ")
             text += ", ".join(str(self.line(n)) for n in found)
-            return text + " (set count to match, or make the pattern more specific)"
+            text += " (set count to match, or make the pattern more specific):"
+            return text + "".join(f"\n      line {self.line(n)}: {_first_code_line(self.code(n))}"
+                                  for n in found)
         if not candidates:
             return text
         first_lines = {id(c): _first_code_line(self.code(c)) for c in candidates}
@@ -251,6 +277,21 @@ class _Locator:
             None, edit.match, first_lines[id(c)]).ratio())[:3]
         near = "".join(f"\n      line {self.line(c)}: {first_lines[id(c)]}" for c in ranked)
         return text + "; nearest candidates:" + near
+
+
+NOTE_NAME = "__sp_exc__"  # dunder-suffixed: never name-mangled inside a class body
+
+
+def note_text(patch: Patch, edit: Edit) -> str:
+    return (f"source-patch: raised in code inserted by patch {patch.id!r} of spec "
+            f"{patch.spec_name!r} ({patch.location.file}:{edit.location.line})")
+
+
+def _noted(code: str, patch: Patch, edit: Edit) -> str:
+    """The code inside ``try``; its handler notes the patch on the exception (PEP 678)."""
+    body = textwrap.indent(textwrap.dedent(code).strip("\n") + "\n", "    ")
+    return (f"try:\n{body}except Exception as {NOTE_NAME}:\n"
+            f"    {NOTE_NAME}.add_note({note_text(patch, edit)!r})\n    raise\n")
 
 
 def _first_code_line(code: str) -> str:

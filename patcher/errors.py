@@ -106,3 +106,8 @@ class NotActivatedError(ActivationError):
     def __init__(self, message: str, error: BaseException):
         self.error = error
         super().__init__(message)
+
+
+class SourcePatchWarning(UserWarning):
+    """Something a spec author should fix that does not stop the run (SOURCE_PATCH_STRICT=1
+    makes the activation-time ones errors)."""

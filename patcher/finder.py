@@ -54,6 +54,14 @@ class RuntimeHandle:
 HANDLE = RuntimeHandle()
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """A patch left out of a module, and why (an unmet requirement, or drift)."""
+
+    patch: Patch
+    reason: str
+
+
 class PatchFinder:
     _source_patch_finder = True  # lets locate.py and others skip us
 
@@ -61,7 +69,10 @@ class PatchFinder:
         self.cache = cache
         self.specs: list[Spec] = []
         self.targets: frozenset[str] = frozenset()  # the one lookup every import pays
-        self._checked: dict[str, str | None] = {}  # spec file -> unmet requirement message
+        self._checked: dict[tuple, str | None] = {}  # (requires, site dir) -> unmet message
+        self.imported: set[str] = set()  # targets seen by an import
+        self.skipped: list[Skipped] = []
+        self.applied_dists: set[str] = set()  # distributions required by applied patches
 
     # -- registry
 
@@ -92,6 +103,7 @@ class PatchFinder:
                 break
         else:
             return None
+        self.imported.add(fullname)
         patches = self._applicable(fullname, spec.origin)
         if not patches:
             return spec
@@ -99,46 +111,66 @@ class PatchFinder:
             raise ActivationError(
                 f"cannot patch {fullname}: it is loaded by {type(spec.loader).__name__} from "
                 f"{spec.origin}, not from a Python source file")
-        spec.loader = PatchingLoader(fullname, spec.origin, patches, self.cache)
+        spec.loader = PatchingLoader(fullname, spec.origin, patches, self.cache, self)
         return spec
 
     def _applicable(self, fullname: str, origin: str | None) -> list[Patch]:
-        """The target's patches whose specs' ``requires`` hold (checked once per spec)."""
+        """The target's patches whose specs' and own ``requires`` hold.  An unmet spec
+        requirement follows the spec's ``on_unmet``; an unmet patch requirement skips
+        just that patch (one spec can target several frameworks)."""
+        near = site_dir_of(fullname, origin)
         out = []
         for spec in self.specs:
             mine = [p for p in spec.patches if p.module == fullname]
             if not mine:
                 continue
-            if spec.file not in self._checked:
-                self._checked[spec.file] = unmet_requirement(
-                    spec, near=site_dir_of(fullname, origin))
-            problem = self._checked[spec.file]
-            if problem is None:
-                out += mine
-            elif spec.on_unmet == "error":
+            problem = self._unmet(spec.requires, near)
+            if problem and spec.on_unmet == "error":
                 raise RequirementError(f"{spec.file}: spec {spec.name!r}: {problem}; "
                                        f"{fullname} would be imported unpatched (set on_unmet: "
                                        f"skip in the spec to allow that)")
-            else:
+            if problem:
                 warnings.warn(f"source-patch: skipping spec {spec.name!r} for {fullname}: {problem}",
                               stacklevel=2)
+                self.skipped += [Skipped(p, problem) for p in mine]
+                continue
+            for patch in mine:
+                reason = self._unmet(patch.requires, near)
+                if reason:
+                    self.skipped.append(Skipped(patch, reason))
+                else:
+                    out.append(patch)
+                    self.applied_dists.update(d for d, _ in spec.requires + patch.requires)
         return out
+
+    def _unmet(self, requires, near: str | None) -> str | None:
+        if not requires:
+            return None
+        key = (requires, near)
+        if key not in self._checked:
+            self._checked[key] = unmet(requires, near=near)
+        return self._checked[key]
 
     def invalidate_caches(self) -> None:
         pass
 
 
 def unmet_requirement(spec: Spec, against: str | None = None, near: str | None = None) -> str | None:
-    """None when every ``requires`` range holds, else a sentence saying which does not.
+    """None when every ``requires`` range of the spec holds, else a sentence saying which does not."""
+    return unmet(spec.requires, against, near)
+
+
+def unmet(requires, against: str | None = None, near: str | None = None) -> str | None:
+    """None when every ``(distribution, specifier)`` holds, else a sentence saying which does not.
 
     ``near`` is a target's site directory, searched first for the distribution's
     metadata: one directory listing instead of a scan of every path entry.
     """
-    if not spec.requires:
+    if not requires:
         return None
     from packaging.specifiers import SpecifierSet
 
-    for dist, wanted in spec.requires:
+    for dist, wanted in requires:
         have = installed_version(dist, against, near)
         if have is None:
             return f"requires {dist}{wanted}, which is not installed"
@@ -212,10 +244,13 @@ def _metadata_version(path: str) -> str | None:
 class PatchingLoader(importlib.machinery.SourceFileLoader):
     """A source loader whose code is the patched source, never written to __pycache__."""
 
-    def __init__(self, fullname: str, path: str, patches: list[Patch], cache: CodeCache):
+    def __init__(self, fullname: str, path: str, patches: list[Patch], cache: CodeCache,
+                 finder: PatchFinder | None = None):
         super().__init__(fullname, path)
         self.patches = patches
         self.code_cache = cache
+        self.finder = finder
+        self.applied = patches
 
     def get_code(self, fullname: str) -> CodeType:
         source = self.get_data(self.path)
@@ -225,23 +260,39 @@ class PatchingLoader(importlib.machinery.SourceFileLoader):
             with self.code_cache.lock(k):  # one process parses; the others wait, then hit
                 code = self.code_cache.get(k)
                 if code is None:
-                    code = patch_source(source, self.patches, fullname, self.path)
-                    self.code_cache.put(k, code)
+                    code, dropped = patch_source(source, self.patches, fullname, self.path)
+                    if dropped:  # degraded: not cached, so every run says so again
+                        self._drifted(dropped)
+                    else:
+                        self.code_cache.put(k, code)
         return code
 
+    def _drifted(self, dropped) -> None:
+        left_out = {id(p) for p, _ in dropped}
+        self.applied = [p for p in self.patches if id(p) not in left_out]
+        for patch, error in dropped:
+            if self.finder is not None:
+                self.finder.skipped.append(Skipped(patch, f"anchor drifted: {error}"))
+            if patch.on_drift == "warn":
+                warnings.warn(f"source-patch: patch {patch.id!r} of spec {patch.spec_name!r} left out "
+                              f"(on_drift: warn; the module's other patches apply): {error}",
+                              stacklevel=2)
+
     def exec_module(self, module: ModuleType) -> None:
-        for handle in {p.handle for p in self.patches}:
+        code = self.get_code(module.__name__)
+        for handle in {p.handle for p in self.applied}:
             module.__dict__[handle] = HANDLE
         module.__source_patches__ = tuple(
-            Applied(p.spec_name, p.id, p.target, p.location.file) for p in self.patches)
-        super().exec_module(module)
+            Applied(p.spec_name, p.id, p.target, p.location.file) for p in self.applied)
+        importlib._bootstrap._call_with_frames_removed(exec, code, module.__dict__)  # as SourceFileLoader
 
 
-def patch_source(source: bytes, patches: list[Patch], module: str, path: str) -> CodeType:
-    """Rewrite and compile (the cache-miss path: the only one that imports libcst)."""
+def patch_source(source: bytes, patches: list[Patch], module: str, path: str):
+    """Rewrite and compile (the cache-miss path: the only one that imports libcst);
+    returns the code and the drifted patches left out."""
     from .engine import rewrite
     from .locate import dist_version
 
     result = rewrite(importlib.util.decode_source(source), patches, module=module, file=path,
                      version=lambda: dist_version(module.partition(".")[0]))
-    return compile(result.tree, path, "exec", dont_inherit=True)
+    return compile(result.tree, path, "exec", dont_inherit=True), result.dropped

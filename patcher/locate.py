@@ -18,7 +18,9 @@ from .errors import SourcePatchError
 
 
 class NotFound(SourcePatchError):
-    pass
+    def __init__(self, message: str, missing: str = "", locations=None):
+        super().__init__(message)
+        self.missing, self.locations = missing, locations  # the first level not found, where it was sought
 
 
 def find_source(module: str, against: str | None = None) -> Path:
@@ -30,7 +32,7 @@ def find_source(module: str, against: str | None = None) -> Path:
         spec = _find_spec(name, locations, against is not None)
         if spec is None:
             where = f" under {against}" if against else " on the search path"
-            raise NotFound(f"module {name} not found{where}")
+            raise NotFound(f"module {name} not found{where}", name, locations)
         if i < len(parts) - 1:
             locations = spec.submodule_search_locations
             if locations is None:
@@ -104,3 +106,14 @@ def dist_version(top_level: str, against: str | None = None) -> str:
         if top_level in tops or any(f.parts and f.parts[0] in (top_level, f"{top_level}.py") for f in files):
             return f"{dist.metadata['Name']} {dist.version} (under {against})"
     return f"unknown version (under {against})"
+
+
+def nearest_modules(error: NotFound, n: int = 3) -> list[str]:
+    """Importable names closest to the level ``find_source`` could not find."""
+    import difflib
+    import pkgutil
+
+    parent, _, leaf = error.missing.rpartition(".")
+    names = [m.name for m in pkgutil.iter_modules(error.locations)]  # None: all of sys.path
+    near = difflib.get_close_matches(leaf, names, n=n, cutoff=0.6)
+    return [f"{parent}.{name}" if parent else name for name in near]

@@ -11,7 +11,7 @@ A real SGLang engine with specs active in its processes (patcher/sglang_harness.
 skipped when SGLang is not installed; ``sglang_cpu`` is always added):
 
     def test_routes(sglang_server):
-        server = sglang_server(specs=["moe_sglang"], env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture"})
+        server = sglang_server(specs=["moe"], env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture"})
         server.generate(input_ids=[1, 2, 3], max_new_tokens=4)
 
 ``sglang_server(specs, args, env, model)`` starts ``python -m sglang.launch_server``,
@@ -66,9 +66,26 @@ def source_patch_import(tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("source-patch-cache")
 
     def load(module: str, *specs):
-        return import_patched_copy(module, *specs, cache_dir=cache_dir)
+        return import_patched_copy(module, *near_caller(specs), cache_dir=cache_dir)
 
     return load
+
+
+def near_caller(specs, depth: int = 2) -> list:
+    """Spec paths relative to the calling test file, where a file of that name exists
+    there (else as given: the working directory, or a bundled spec name)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    base = Path(sys._getframe(depth).f_code.co_filename).parent
+    out = []
+    for spec in specs:
+        if isinstance(spec, (str, os.PathLike)) and not Path(spec).is_absolute() \
+                and (base / spec).is_file():
+            spec = str(base / spec)
+        out.append(spec)
+    return out
 
 
 def _need_sglang():
@@ -94,6 +111,7 @@ def _shared(kind: str, checkpoint, tmp_path_factory):
     started: dict = {}
 
     def start(specs=(), args=(), env=None, model=None, **options):
+        specs = near_caller(specs)
         key = (tuple(specs), tuple(args), tuple(sorted((env or {}).items())), str(model),
                repr(sorted(options.items())))
         if key not in started:

@@ -1,4 +1,4 @@
-"""Spec format v1: load a YAML patch spec into frozen dataclasses.
+"""Spec format 1.1 (and 1): load a YAML patch spec into frozen dataclasses.
 
 The YAML is composed into nodes (never constructed into arbitrary objects) so
 every value keeps its line and column; every error names file:line:column and
@@ -22,7 +22,8 @@ from yaml.constructor import SafeConstructor
 
 from .errors import Location, SpecError, shorten, show
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = "1.1"
+FORMAT_VERSIONS = ("1", "1.1")  # every format this loader reads; 1.1 only adds fields
 DEFAULT_HANDLE = "__sp__"
 DEFAULT_BIND = "result"
 CALL_PLACEHOLDER = "__call__"
@@ -40,8 +41,11 @@ _EDIT_KEYS = {
 }
 _SPEC_KEYS = ({"source_patch", "name", "patches"},
               {"description", "handle", "requires", "on_unmet", "runtime"})
-_PATCH_KEYS = ({"id", "module", "target", "edits"}, {"description"})
+_PATCH_KEYS = ({"id", "module", "target", "edits"}, {"description", "requires", "on_drift"})
+_NEW_IN_1_1 = {"requires", "on_drift"}  # patch keys a version-1 file may not use
 ON_UNMET = ("error", "skip")
+ON_DRIFT = ("error", "warn", "skip")
+_SCOPED_RE = re.compile(r"([a-z_]+)\[([A-Za-z0-9][A-Za-z0-9._\-]*)\]\Z")  # runtime: dump[sglang]
 
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*\Z")
 _DOTTED_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
@@ -76,6 +80,8 @@ class Patch:
     spec_name: str = ""
     handle: str = DEFAULT_HANDLE  # the name inserted code uses to reach the runtime
     description: str = ""
+    requires: tuple[tuple[str, str], ...] = ()  # unmet: the patch is skipped (the spec's: on_unmet)
+    on_drift: str = "error"
     location: Location = field(default=Location(""), compare=False)
 
 
@@ -98,12 +104,25 @@ class Spec:
     @property
     def runtime(self) -> dict[str, dict]:
         """``{component: {key: value}}`` from the spec's ``runtime`` section."""
-        return json.loads(self.runtime_json)
+        return {k: v for k, v in json.loads(self.runtime_json).items() if "[" not in k}
+
+    @property
+    def scoped_runtime(self) -> dict[tuple[str, str], dict]:
+        """``{(component, distribution): {key: value}}``: settings written
+        ``component[distribution]``, which apply once a patch requiring that
+        distribution has been applied in the process."""
+        out = {}
+        for key, values in json.loads(self.runtime_json).items():
+            m = _SCOPED_RE.match(key)
+            if m:
+                out[m.group(1), m.group(2)] = values
+        return out
 
 
 def slice_digest(patches: list[Patch]) -> str:
     """A stable digest of what a set of patches does to one module (cache key part)."""
-    doc = [[p.spec_name, p.id, p.module, p.target, p.handle,
+    doc = [[p.spec_name, p.id, p.module, p.target, p.handle, p.on_drift, p.location.file,
+             p.location.line,
             [[e.at, e.code, e.match, e.wrap, e.bind, e.count] for e in p.edits]]
            for p in patches]
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
@@ -112,19 +131,38 @@ def slice_digest(patches: list[Patch]) -> str:
 # --------------------------------------------------------------------------- loading
 
 
+# Bundled names of format 1, when each capability had a file per framework; kept for
+# one release (0.3) as aliases of the two-framework files.
+ALIASES = {"moe_sglang": "moe", "dump_sglang": "dump", "trace_sglang": "trace",
+           "weight_sync_sglang": "weight_sync"}
+
+
 def resolve(ref: str) -> Path:
     """A spec reference is a file path or the name of a bundled spec (``megatron_cpu``)."""
     try:
         path = Path(ref).expanduser()
         if path.suffix in (".yaml", ".yml") or os.sep in ref or path.exists():
+            if path.stem in ALIASES and path.parent.resolve() == BUNDLED_DIR and not path.exists():
+                return BUNDLED_DIR / f"{_alias(path.stem)}.yaml"
             return path.resolve()
-        bundled = BUNDLED_DIR / f"{ref}.yaml"
+        bundled = BUNDLED_DIR / f"{_alias(ref)}.yaml"
         if bundled.exists():
             return bundled
     except (OSError, RuntimeError, ValueError) as exc:  # name too long, ~nosuchuser, NUL
         raise SpecError(f"not a usable spec path: {_why(exc)}", Location(ref)) from None
     names = ", ".join(sorted(bundled_names())) or "none"
     raise SpecError(f"no spec file or bundled spec named {show(ref)} (bundled: {names})", Location(ref))
+
+
+def _alias(name: str) -> str:
+    if name in ALIASES:
+        import warnings
+
+        warnings.warn(f"source-patch: the bundled spec {name!r} is now part of {ALIASES[name]!r}, which "
+                      f"covers both frameworks; the old name goes away in the next release",
+                      DeprecationWarning, stacklevel=3)
+        return ALIASES[name]
+    return name
 
 
 def bundled_names() -> list[str]:
@@ -161,9 +199,10 @@ def loads(text: str, file: str = "<string>") -> Spec:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        loc = Location(file, mark.line + 1, mark.column + 1) if mark else Location(file, 1, 1)
-        raise SpecError(f"invalid YAML: {shorten(exc.problem or exc.context)}", loc) from None
+        from .yaml_words import explain
+
+        message, line, column = explain(exc, text)
+        raise SpecError(f"invalid YAML: {shorten(message, 1000)}", Location(file, line, column)) from None
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow
         line = text.count("\n", 0, exc.position) + 1
         column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
@@ -182,6 +221,7 @@ class _Builder:
 
     def __init__(self, file: str):
         self.file = file
+        self.version = FORMAT_VERSION
 
     def loc(self, node: yaml.Node | None, path: str) -> Location:
         if node is None:
@@ -251,10 +291,7 @@ class _Builder:
         if root is None:
             self.fail("the spec is empty", None, "")
         top = self.mapping(root, "", _SPEC_KEYS)
-        version = self.scalar(top["source_patch"], "source_patch", "int")
-        if version != FORMAT_VERSION:
-            self.fail(f"unsupported format version {version} (this tool reads {FORMAT_VERSION})",
-                      top["source_patch"], "source_patch")
+        self.version = self.format_version(top["source_patch"])
         name = self.word(top["name"], "name", _ID_RE, "a name of letters, digits, '_', '.', '-'")
         handle = DEFAULT_HANDLE
         if "handle" in top:
@@ -269,6 +306,7 @@ class _Builder:
         patches_node = top["patches"]
         if not isinstance(patches_node, yaml.SequenceNode) or not patches_node.value:
             self.fail("expected a non-empty list of patches", patches_node, "patches")
+        requires = self.requires(top.get("requires"), "requires")
         patches, seen = [], {}
         for i, node in enumerate(patches_node.value):
             patch = self.patch(node, f"patches[{i}]", name, handle)
@@ -280,23 +318,36 @@ class _Builder:
         return Spec(
             name=name, file=self.file, patches=tuple(patches), handle=handle,
             description=self.scalar(top["description"], "description") if "description" in top else "",
-            requires=self.requires(top.get("requires")), on_unmet=on_unmet,
+            requires=requires, on_unmet=on_unmet,
             runtime_json=self.runtime(top.get("runtime")), location=self.loc(root, ""),
         )
 
-    def requires(self, node) -> tuple[tuple[str, str], ...]:
+    def format_version(self, node) -> str:
+        """``source_patch: 1`` or ``1.1`` (YAML reads 1.1 as a number: compare its text)."""
+        if not isinstance(node, yaml.ScalarNode) or node.tag not in (
+                "tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:str"):
+            self.fail(f"expected a format version such as {FORMAT_VERSION}, got {_kind(node)}",
+                      node, "source_patch")
+        version = node.value.strip()
+        version = {"1.0": "1"}.get(version, version)
+        if version not in FORMAT_VERSIONS:
+            self.fail(f"unsupported format version {shorten(version)} (this tool reads "
+                      f"{', '.join(FORMAT_VERSIONS)})", node, "source_patch")
+        return version
+
+    def requires(self, node, path: str) -> tuple[tuple[str, str], ...]:
         if node is None:
             return ()
         from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
         out = []
-        for dist, value in self.mapping(node, "requires", None).items():
-            spec = self.scalar(value, f"requires.{shorten(dist)}")
+        for dist, value in self.mapping(node, path, None).items():
+            spec = self.scalar(value, f"{path}.{shorten(dist)}")
             try:
                 SpecifierSet(spec)
             except InvalidSpecifier:
                 self.fail(f"invalid version specifier {show(spec)} (e.g. '>=0.16,<0.17')",
-                          value, f"requires.{shorten(dist)}")
+                          value, f"{path}.{shorten(dist)}")
             out.append((dist, spec))
         return tuple(out)
 
@@ -310,17 +361,23 @@ class _Builder:
         self.mapping(node, "runtime", None)  # shape and duplicate checks
         for key_node, values in node.value:
             component, path = key_node.value, f"runtime.{shorten(key_node.value)}"
+            scoped = _SCOPED_RE.match(component)
+            if scoped and self.version == "1":
+                self.fail("runtime settings for one distribution (component[distribution]) "
+                          "need source_patch: 1.1", key_node, path)
+            if scoped:
+                component = scoped.group(1)
             if component not in settings.SCHEMAS:
                 known = ", ".join(sorted(settings.SCHEMAS)) or "none"
                 self.fail(f"unknown runtime component {show(component)} (known: {known})",
                           key_node, path)
             self.mapping(values, path, None)
-            out[component] = {}
+            section = out[key_node.value] = {}
             for name_node, value_node in values.value:
                 key = name_node.value
                 try:
                     value = SafeConstructor().construct_object(value_node, deep=True)
-                    out[component][key] = settings.check(component, key, value)
+                    section[key] = settings.check(component, key, value)
                 except KeyError as exc:
                     self.fail(shorten(exc.args[0], 1000), name_node, f"{path}.{shorten(key)}")
                 except (ValueError, TypeError, yaml.YAMLError) as exc:
@@ -329,6 +386,10 @@ class _Builder:
 
     def patch(self, node, path: str, spec_name: str, handle: str) -> Patch:
         keys = self.mapping(node, path, _PATCH_KEYS)
+        for key_node, _ in node.value:
+            if self.version == "1" and key_node.value in _NEW_IN_1_1:
+                self.fail(f"{show(key_node.value)} on a patch needs source_patch: 1.1",
+                          key_node, f"{path}.{key_node.value}")
         pid = self.word(keys["id"], f"{path}.id", _ID_RE, "an id of letters, digits, '_', '.', '-'")
         module = self.word(keys["module"], f"{path}.module", _DOTTED_RE, "a dotted module name")
         target = self.word(keys["target"], f"{path}.target", _TARGET_RE,
@@ -338,7 +399,14 @@ class _Builder:
             self.fail("expected a non-empty list of edits", edits_node, f"{path}.edits")
         edits = tuple(self.edit(n, f"{path}.edits[{i}]") for i, n in enumerate(edits_node.value))
         desc = self.scalar(keys["description"], f"{path}.description") if "description" in keys else ""
-        return Patch(pid, module, target, edits, spec_name, handle, desc, self.loc(node, path))
+        requires = self.requires(keys.get("requires"), f"{path}.requires")
+        on_drift = "error"
+        if "on_drift" in keys:
+            on_drift = self.scalar(keys["on_drift"], f"{path}.on_drift")
+            if on_drift not in ON_DRIFT:
+                self.fail(f"must be one of {', '.join(ON_DRIFT)}", keys["on_drift"], f"{path}.on_drift")
+        return Patch(pid, module, target, edits, spec_name, handle, desc, requires, on_drift,
+                     self.loc(node, path))
 
     def edit(self, node, path: str) -> Edit:
         if not isinstance(node, yaml.MappingNode):

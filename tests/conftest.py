@@ -51,10 +51,10 @@ def sglang_cpu():
 
 @pytest.fixture(scope="module")
 def sglang_topk(sglang_cpu, tmp_path_factory):
-    """A patched copy of sglang.srt.layers.moe.topk under the moe_sglang spec."""
+    """A patched copy of sglang.srt.layers.moe.topk under the moe spec."""
     from source_patch.patcher import import_patched_copy
 
-    return import_patched_copy("sglang.srt.layers.moe.topk", "moe_sglang",
+    return import_patched_copy("sglang.srt.layers.moe.topk", "moe",
                                cache_dir=tmp_path_factory.mktemp("cache"))
 
 
@@ -100,9 +100,9 @@ def dumper(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def instrumented_sglang(sglang_cpu, sglang_server, tmp_path_factory):
-    """One real SGLang HTTP server for the session with routing capture (moe_sglang),
-    inference dumps (dump_sglang, /dumper/* mounted on SGLang's server) and live
-    tracing (trace_sglang) active in its scheduler, plus SGLang's own routed-experts
+    """One real SGLang HTTP server for the session with routing capture (moe),
+    inference dumps (dump, /dumper/* mounted on SGLang's server) and live
+    tracing (trace) active in its scheduler, plus SGLang's own routed-experts
     capture for an independent check.  Radix caching is off: every request's prompt
     is prefilled whole, so its routes cover every token."""
     from types import SimpleNamespace
@@ -115,7 +115,7 @@ def instrumented_sglang(sglang_cpu, sglang_server, tmp_path_factory):
            "SOURCE_PATCH_DUMP_DIR": str(root / "dumps"), "SOURCE_PATCH_DUMP_EXP_NAME": "serve",
            "DUMPER_SERVER_PORT": "reuse", "SOURCE_PATCH_TRACE_PORT": str(trace_port),
            "SOURCE_PATCH_TRACE_TOKEN": token, "SOURCE_PATCH_TRACE_DIR": str(root / "trace")}
-    server = sglang_server(specs=["moe_sglang", "dump_sglang", "trace_sglang"],
+    server = sglang_server(specs=["moe", "dump", "trace"],
                            args=["--enable-return-routed-experts", "--disable-radix-cache", "--skip-server-warmup"],
                            env=env)
     return SimpleNamespace(server=server, routes=root / "routes", dumps=root / "dumps" / "serve",

@@ -14,7 +14,7 @@ def greedy(model, prompt: list, new_tokens: int) -> list:
 
 
 def activations(model, tokens: list) -> dict:
-    """Per-token values at the points dump_sglang records, for one sequence:
+    """Per-token values at the points the dump spec records, for one sequence:
     ``layer_input[i]``, ``attention_output[i]``, ``mlp_output[i]``, ``router_logits[i]``
     (``[tokens, ...]``), ``final_hidden`` and ``logits``."""
     out, hooks = {}, []

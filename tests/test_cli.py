@@ -27,10 +27,10 @@ def test_diff_prints_a_plain_unified_diff_when_not_a_terminal(write_spec):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[:2] == ["--- a/spfix/basic.py", "+++ b/spfix/basic.py"]
-    assert "+    __sp__.emit('add', a)" in lines
+    assert "+        __sp__.emit('add', a)" in lines  # inside the try that notes the patch
     assert "\033[" not in result.stdout
     colored = cli("diff", "--color", "always", str(spec))
-    assert "\033[32m+    __sp__.emit('add', a)\033[0m" in colored.stdout
+    assert "\033[32m+        __sp__.emit('add', a)\033[0m" in colored.stdout
 
 
 def test_dry_runs_do_not_import_the_target(write_spec, tmp_path):

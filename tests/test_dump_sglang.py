@@ -1,4 +1,4 @@
-"""Inference-phase dumps from SGLang (patches/dump_sglang.yaml, runtime/dump/sglang.py).
+"""Inference-phase dumps from SGLang (patches/dump.yaml, runtime/dump/sglang.py).
 
 Without an engine: the process folder setting, the reader over engine folders, and
 the handler behind SGLang's /dumper/{method}.  With a real engine: see the
@@ -12,7 +12,7 @@ from source_patch.runtime.dump import sglang as dump_sglang
 
 
 def test_spec_checks_without_importing_sglang(check_sglang_spec):
-    out = check_sglang_spec("dump_sglang")
+    out = check_sglang_spec("dump")
     assert out.count("ok   sglang.srt.") == 3 and "dumper-control: at entry" in out
 
 

@@ -1,7 +1,7 @@
 """Rollout routing replay end to end, with the real upstreams on CPU.
 
 SGLang 0.5.23's select_experts (a patched copy, torch-native top-k, under
-patches/moe_sglang.yaml) captures the routing of rollout requests; the records are
+patches/moe.yaml) captures the routing of rollout requests; the records are
 aligned to Megatron's training batch layout and replayed in Megatron-Core 0.16.1's
 routers (tiny GPT-MoE under megatron_cpu + moe, real training steps in a
 subprocess). The routes Megatron takes must be exactly SGLang's, and the report says

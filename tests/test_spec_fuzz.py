@@ -605,12 +605,13 @@ def test_empty_and_blank_specs():
     assert "expected a mapping, got null" in err.message
 
 
-def test_unterminated_quote_is_reported_at_the_end_of_the_stream():
-    """PyYAML's problem mark for an unclosed quote is where the stream ends, not the quote."""
+def test_unterminated_quote_is_reported_at_the_end_of_the_file_never_past_it():
+    """PyYAML's problem mark for an unclosed quote is past the last line: clamped to it."""
     text = HEAD + "    edits:\n      - at: entry\n        code: 'pass\n"
     err = _error(text)
-    assert "invalid YAML" in err.message and "end of stream" in err.message
-    assert err.location.line == text.count("\n") + 1
+    assert err.message == ("invalid YAML: at the end of the file: a quote that is never closed; it "
+                           "opened at line 9 (found unexpected end of stream)")
+    assert err.location.line == text.count("\n")
 
 
 def test_unknown_key_column_is_the_keys():

@@ -1,4 +1,4 @@
-"""patches/trace_sglang.yaml: the spec checks without importing sglang; a real SGLang
+"""patches/trace.yaml: the spec checks without importing sglang; a real SGLang
 server on CPU (the instrumented_sglang fixture) streams its decoder layers' outputs
 from its scheduler process to a real client, one step per forward pass."""
 
@@ -16,16 +16,16 @@ from source_patch.runtime.trace.client import connect  # noqa: E402
 
 
 def test_spec_checks_without_importing_sglang(check_sglang_spec):
-    out = check_sglang_spec("trace_sglang")
+    out = check_sglang_spec("trace")
     assert "ok   sglang.srt.models.qwen3_moe" in out and "ok   sglang.srt.model_executor.model_runner" in out
     assert "qwen3-moe-layer: at after 'hidden_states = self.self_attn(...)'" in out
 
 
 @pytest.mark.slow
 def test_a_client_sees_the_schedulers_layers_as_they_run(instrumented_sglang):
-    """A real server with trace_sglang: the hub runs in the scheduler process (where
+    """A real server with trace: the hub runs in the scheduler process (where
     the model runs), and every frame is exactly what the model computed (the raw
-    compressor's values equal the same pass's dump_sglang records)."""
+    compressor's values equal the same pass's dump spec records)."""
     from source_patch.runtime.dump import reader
 
     server = instrumented_sglang.server

@@ -1,5 +1,5 @@
 """Weight sync (runtime/weights/sync.py, weight_transport.py, weight_megatron.py;
-patches/weight_sync.yaml + weight_sync_sglang.yaml).
+patches/weight_sync.yaml, both sides).
 
 Unit: manifest validation, bucket layout, settings, the call sites' pass-through.
 Transport: two processes over gloo run scenario after scenario on one group
@@ -80,9 +80,8 @@ def test_a_bad_manifest_is_refused_with_a_reason(change, error):
 def test_the_bundled_specs_anchor_in_the_installed_upstreams():
     from source_patch.patcher import cli
 
-    for spec, upstream in (("weight_sync", "megatron.core"), ("weight_sync_sglang", "sglang")):
-        if importlib.util.find_spec(upstream) is not None:
-            assert cli.main(["check", spec]) == 0
+    assert all(importlib.util.find_spec(u) for u in ("megatron.core", "sglang"))
+    assert cli.main(["check", "weight_sync"]) == 0
 
 
 def test_settings_schema():

@@ -1,7 +1,7 @@
 """Weight sync into a REAL SGLang server: Megatron trains (two ranks, expert parallel,
 distributed optimizer) and pushes after every step; the server receives through its
 own admin HTTP path (init_weights_update_group, begin / update_weights_from_distributed
-with load_format "source_patch" / end) with patches/weight_sync_sglang.yaml active in
+with load_format "source_patch" / end) with patches/weight_sync.yaml active in
 its scheduler.  After each update the server generates what transformers generates
 with the trainer's weights of that step, and serves the trainer's version; a trainer
 killed in the middle of an update leaves the server alive, serving the previous
@@ -65,7 +65,7 @@ def synced(sglang_server, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("weight-sync-engine")
     model = tiny_checkpoint(**checkpoint_config())
-    server = sglang_server(specs=["weight_sync_sglang"], args=["--skip-server-warmup", "--disable-radix-cache"],
+    server = sglang_server(specs=["weight_sync"], args=["--skip-server-warmup", "--disable-radix-cache"],
                            env={"SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "60"}, model=model)
     port = models.free_port()
     seen = {"before": server.generate(input_ids=PROMPTS, max_new_tokens=NEW, sampling={"ignore_eos": True})}

@@ -2,7 +2,8 @@
 
 A value is taken, in order of precedence, from the environment
 (``SOURCE_PATCH_<COMPONENT>_<KEY>``), then from the ``runtime:`` section of the
-active specs (later specs win), then from the schema's default.  This module
+active specs (later specs win; a ``component[distribution]`` section counts once a
+patch requiring that distribution has applied), then from the schema's default.  This module
 imports nothing heavy: the spec loader uses it to validate ``runtime:`` sections.
 """
 
@@ -38,8 +39,12 @@ def resolve(component: str, environ=os.environ) -> dict[str, Any]:
     """Effective settings of a component: environment over specs over defaults."""
     schema = SCHEMAS[component]
     values = {key: setting.default for key, setting in schema.items()}
-    for spec in _active_specs():
+    finder = _finder()
+    for spec in finder.specs if finder else ():
         values.update(spec.runtime.get(component, {}))
+        for (name, dist), scoped in spec.scoped_runtime.items():  # `dump[sglang]:` in a spec
+            if name == component and dist in finder.applied_dists:
+                values.update(scoped)
     prefix = f"SOURCE_PATCH_{component.upper()}_"
     for key in schema:
         raw = environ.get(prefix + key.upper())
@@ -51,12 +56,11 @@ def resolve(component: str, environ=os.environ) -> dict[str, Any]:
     return values
 
 
-def _active_specs():
+def _finder():
     import sys
 
     activation = sys.modules.get("source_patch.patcher.activation")
-    finder = activation.installed_finder() if activation else None
-    return finder.specs if finder else []
+    return activation.installed_finder() if activation else None
 
 
 # -- parsers shared by components
@@ -353,4 +357,33 @@ SCHEMAS["weight_sync"] = {
     "max_update_bytes": Setting(1 << 40, size(low=1), "engine: largest update (sum of tensor bytes) it accepts"),
     "vocab_size": Setting(0, integer(low=0), "trainer: cut padded embedding / output-layer rows to this "
                                              "vocabulary size (0 = send as is)"),
+}
+
+
+# -- feature capture in SGLang (source_patch.runtime.features.capture, patches/features.yaml)
+
+
+def _layer_list(value: Any) -> list[int] | None:
+    """0-based layer ids; None / '' / [] = EAGLE3's default (layers 2, L//2, L-3)."""
+    if value is None or value == "" or value == []:
+        return None
+    items = [int(v) for v in (value.split(",") if isinstance(value, str) else _items(value, "layer ids"))]
+    if any(v < 0 for v in items):
+        raise ValueError(f"layer ids are >= 0, got {items}")
+    return sorted(set(items))
+
+
+SCHEMAS["features"] = {
+    "enable": Setting(False, boolean, "capture extend (prefill) features per request; when false every "
+                                      "call site costs one flag test"),
+    "store": Setting("", text, "where tensors go: dir:///path (safetensors files) or "
+                               "mooncake://127.0.0.1:PORT?store=NAME (required when enabled)"),
+    "stream": Setting("", text, "the ref stream file (JSON lines) the trainer tails (required when enabled)"),
+    "db": Setting("", text, "the SQLite control plane shared with the trainer (default: stream + '.db')"),
+    "layers": Setting(None, _layer_list, "0-based layers whose input hidden state is captured; "
+                                         "empty = EAGLE3's low/middle/high (2, L//2, L-3)"),
+    "final": Setting(True, boolean, "capture the final hidden state (after the last norm) too"),
+    "high_watermark": Setting(64, integer(low=1), "samples committed but not acked by the trainer above "
+                                                  "which the engine pauses before publishing"),
+    "ranks": Setting([0], int_filter, "global ranks that publish (tensor-parallel ranks hold copies)"),
 }

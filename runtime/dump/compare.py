@@ -1,4 +1,4 @@
-"""Compare a rollout's dumps (SGLang, patches/dump_sglang.yaml) with a training
+"""Compare a rollout's dumps (SGLang, patches/dump.yaml) with a training
 framework's dumps of the same tokens (Megatron, patches/dump.yaml), layer by layer.
 
     python -m source_patch.runtime.dump.compare ROLLOUT_DIR TRAIN_DIR [--json report.json] [--rtol 1e-4]

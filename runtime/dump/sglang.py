@@ -1,4 +1,4 @@
-"""The dump runtime inside SGLang's scheduler processes (patches/dump_sglang.yaml).
+"""The dump runtime inside SGLang's scheduler processes (patches/dump.yaml).
 
 Call sites::
 

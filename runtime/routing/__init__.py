@@ -2,6 +2,6 @@
 
     record.py    the versioned safetensors record format, slicing for CP/SP, RouterReplay interop
     megatron.py  capture/replay in Megatron-Core's routers (patches/moe.yaml)
-    sglang.py    capture/replay in SGLang's select_experts (patches/moe_sglang.yaml)
+    sglang.py    capture/replay in SGLang's select_experts (patches/moe.yaml)
     align.py     lay rollout routes out as the training batch; routing diffs
 """

@@ -1,6 +1,6 @@
 """SGLang routing capture and replay (issue 4, SGLang side).
 
-Two call sites (``patches/moe_sglang.yaml``) reach this module through ``__sp__``:
+Two call sites (``patches/moe.yaml``) reach this module through ``__sp__``:
 
 * ``ModelRunner._forward_raw`` (entry): :func:`sglang_routing_batch` reads the
   ``ForwardBatch`` and makes it the *ambient batch*: which request each row of the

@@ -1,0 +1,288 @@
+"""Authoring helpers: ``source-patch anchors`` and ``source-patch new``.
+
+``anchors`` lists, for one function, every place an edit can anchor, each with a
+pattern that is known to match it (checked with the same matcher the engine
+uses), printed ready to paste into a spec.  ``skeleton`` writes a commented
+starting spec.  Neither imports the target module: sources are found with
+``locate.find_source`` and read with libcst.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+
+import libcst as cst
+import yaml
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from .engine import _qualnames, _ScopeCollector
+from .errors import SourcePatchError
+from .locate import find_source
+from .patterns import Pattern
+from .spec import _DOTTED_RE, _ID_RE, _TARGET_RE, MODULE_TARGET
+
+ARGS_LIMIT = 60  # a call's arguments longer than this print as `...`
+_BODY_MARK = "__source_patch_body__"  # stands in for a compound statement's body
+
+
+# --------------------------------------------------------------------------- anchors
+
+
+def anchors(target: str, against: str | None = None) -> str:
+    """The anchors of ``MODULE:QUALNAME`` (``MODULE:<module>`` for top-level code)."""
+    module, sep, qualname = target.partition(":")
+    if not sep or not module or not qualname:
+        raise SourcePatchError(f"expected MODULE:QUALNAME (or MODULE:{MODULE_TARGET}), "
+                               f"got {target!r}")
+    path = find_source(module, against)
+    tree = cst.parse_module(path.read_bytes())  # bytes: libcst honours a coding declaration
+    positions = MetadataWrapper(tree, unsafe_skip_copy=True).resolve(PositionProvider)
+    defs = _qualnames(tree)
+    if qualname == MODULE_TARGET:
+        span = f"lines 1-{max(len(tree.code.splitlines()), 1)}"
+        return _Listing(tree, tree, positions).render(f"{path}: {qualname} ({span})")
+    node = _find(defs, qualname, path, positions)
+    span = f"lines {positions[node].start.line}-{positions[node].end.line}"
+    if isinstance(node, cst.ClassDef):
+        return _methods(defs, qualname, positions, f"{path}: {qualname} (class, {span})")
+    return _Listing(tree, node, positions).render(f"{path}: {qualname} ({span})")
+
+
+def _find(defs: dict, qualname: str, path, positions) -> cst.CSTNode:
+    nodes = defs.get(qualname, [])
+    if not nodes:
+        near = difflib.get_close_matches(qualname, list(defs), n=5, cutoff=0.5)
+        hint = f"; nearest: {', '.join(near)}" if near else ""
+        raise SourcePatchError(f"target {qualname!r} not found in {path}{hint}")
+    if len(nodes) > 1:  # the engine refuses such a target, so listing one copy would mislead
+        lines = ", ".join(str(positions[n].start.line) for n in nodes)
+        raise SourcePatchError(f"target {qualname!r} is defined {len(nodes)} times in {path} "
+                               f"(lines {lines}); patch a name defined once")
+    return nodes[0]
+
+
+def _methods(defs: dict, qualname: str, positions, header: str) -> str:
+    """A class is no target: list what inside it is."""
+    prefix = qualname + "."
+    children = sorted((positions[n].start.line, name, n) for name, nodes in defs.items()
+                      if name.startswith(prefix) and "." not in name[len(prefix):] for n in nodes)
+    rows = [(line, name + ("  (class)" if isinstance(n, cst.ClassDef) else ""))
+            for line, name, n in children]
+    return "\n".join([header, f"methods (target one as {qualname}.NAME):", *_rows(rows)]) + "\n"
+
+
+def _section(title: str, rows: list[tuple[int, str]], empty: str = "") -> list[str]:
+    return [f"{title}:", *_rows(rows)] if rows else [empty or f"{title.split()[0]}: none"]
+
+
+def _rows(rows: list[tuple[int, str]]) -> list[str]:
+    width = max((len(str(line)) for line, _ in rows), default=1)
+    return [f"  {line:>{width}}  {text}" for line, text in rows]
+
+
+class _Listing:
+    """Statements, calls and returns of one function's own scope, with their patterns."""
+
+    def __init__(self, tree: cst.Module, fn, positions):
+        self.tree, self.positions = tree, positions
+        self.scope = _ScopeCollector(fn)
+        for stmt in fn.body if isinstance(fn, cst.Module) else [fn.body]:
+            stmt.visit(self.scope)
+        self.counts: dict[tuple[str, bool], int] = {}
+        self.docstring = _docstring(fn)
+
+    def render(self, header: str) -> str:
+        returns = self.scope.returns
+        out = [header]
+        out += _section("statements (at: before | after | replace)",
+                        [self.row(s, call=False) for s in self.scope.statements])
+        out += _section("calls (at: call)", [self.row(c, call=True) for c in self.scope.calls])
+        out += _section(f"returns (at: return, count: {len(returns)})",
+                        [self.row(r, call=False) for r in returns],
+                        "returns: none (use at: after on the last statement)")
+        return "\n".join(out) + "\n"
+
+    def row(self, node, call: bool) -> tuple[int, str]:
+        if node is self.docstring:  # its pattern would be the whole text: say what it is
+            return self.positions[node].start.line, "# docstring (at: entry goes after it)"
+        code = self.tree.code_for_node(node)
+        text = pattern_for(node, code, call)
+        if text is None:  # the matcher cannot express `try:` / `match x:` headers, nor a
+            # call whose source does not parse alone (a method chain broken across lines)
+            note = ("# no pattern can match this call; anchor on its statement" if call else
+                    "# no pattern can match this statement; anchor on one inside it")
+            return self.positions[node].start.line, note
+        shown, k = json.dumps(text), self.count(text, call)
+        if k > 1:
+            kind = "calls" if call else "statements"
+            shown += f"   # matches {k} {kind}: use count: {k} or a more specific pattern"
+        return self.positions[node].start.line, shown
+
+    def count(self, text: str, call: bool) -> int:
+        """How many candidates of this scope the pattern matches, as the engine counts them."""
+        if (text, call) not in self.counts:
+            pattern = Pattern(text, call=call)
+            candidates = self.scope.calls if call else [
+                s for s in self.scope.statements
+                if isinstance(s, cst.BaseCompoundStatement) == pattern.compound]
+            self.counts[text, call] = sum(pattern.matches(self.tree.code_for_node(c))
+                                          for c in candidates)
+        return self.counts[text, call]
+
+
+def _docstring(fn) -> cst.CSTNode | None:
+    """The docstring's expression statement, if the body starts with one."""
+    body = fn.body if isinstance(fn, cst.Module) else fn.body.body
+    first = body[0] if body else None
+    if isinstance(first, cst.SimpleStatementLine) and len(first.body) == 1:
+        expr = first.body[0]
+        if isinstance(expr, cst.Expr) and isinstance(expr.value, (cst.SimpleString,
+                                                                   cst.ConcatenatedString)):
+            return expr
+    return None
+
+
+# --------------------------------------------------------------------------- patterns
+
+
+def pattern_for(node: cst.CSTNode, code: str, call: bool) -> str | None:
+    """A pattern matching ``node`` (whose source is ``code``): its own text on one line
+    when that works, else Python's normalized form; long call arguments become ``...``."""
+    compact = node.visit(_CompactCalls())
+    if isinstance(compact, cst.BaseCompoundStatement):
+        text = _header(compact)
+    elif isinstance(compact, cst.BaseSmallStatement):
+        text = _code(compact.with_changes(semicolon=cst.MaybeSentinel.DEFAULT))
+    else:
+        text = _code(compact)
+    text = text.strip()
+    candidates = [text] if "\n" not in text else []
+    candidates.append(_normalized(text))
+    for candidate in candidates:
+        if candidate and _round_trips(candidate, code, call):
+            return candidate
+    return None
+
+
+def _round_trips(text: str, code: str, call: bool) -> bool:
+    try:
+        return Pattern(text, call=call).matches(code)
+    except (SyntaxError, ValueError):
+        return False
+
+
+def _normalized(text: str) -> str:
+    """``ast.unparse``: one line per statement, comments and line breaks gone (decorators
+    keep their own lines: they are part of what a def pattern must match)."""
+    header = text.endswith(":")
+    try:
+        tree = ast.parse(text + "\n    pass" if header else text)
+    except SyntaxError:
+        return ""
+    lines = ast.unparse(tree).splitlines()
+    return "\n".join(lines[:-1] if header else lines)
+
+
+def _header(node: cst.BaseCompoundStatement) -> str:
+    """A compound statement's header ending in ':', without body, clauses or comments."""
+    if isinstance(node, cst.Match):
+        return f"match {_code(node.subject)}:"
+    mark = cst.IndentedBlock([cst.SimpleStatementLine([cst.Expr(cst.Name(_BODY_MARK))])])
+    text = _code(node.with_changes(body=mark, leading_lines=()))
+    return text[: text.index(_BODY_MARK)].rstrip()
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module(body=[]).code_for_node(node)
+
+
+class _CompactCalls(cst.CSTTransformer):
+    """Write a call's arguments as ``...`` when they span lines or run long: ``...``
+    matches any arguments, so the pattern still matches, and stays one short line."""
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        args = _code(updated.with_changes(func=cst.Name("f"), lpar=(), rpar=()))[2:-1]
+        if "\n" in args or len(args.strip()) > ARGS_LIMIT:
+            return updated.with_changes(args=[cst.Arg(cst.Ellipsis())],
+                                        whitespace_before_args=cst.SimpleWhitespace(""))
+        return updated
+
+
+# --------------------------------------------------------------------------- new
+
+
+def skeleton(name: str, module: str | None = None, target: str | None = None) -> str:
+    """A commented starting spec (format 1.1) for ``source-patch new NAME``."""
+    module = module or "your_package.your_module"
+    target = target or "your_function"
+    # Checked here, as the loader would: a bad value could also break the YAML text.
+    if not _ID_RE.match(name):
+        raise SourcePatchError(f"spec name {name!r}: use letters, digits, '_', '.', '-' "
+                               f"(starting with a letter or digit)")
+    if not _DOTTED_RE.match(module):
+        raise SourcePatchError(f"module {module!r}: expected a dotted module name")
+    if not _TARGET_RE.match(target):
+        raise SourcePatchError(f"target {target!r}: expected a function, Class.method, "
+                               f"or {MODULE_TARGET}")
+    pid = (target if target != MODULE_TARGET else "module").lstrip("_") or "patch"
+    return _SKELETON.format(name=_scalar(name), module=module, target=target, pid=_scalar(pid),
+                            event=name)
+
+
+def _scalar(text: str) -> str:
+    """``text`` as a YAML string: quoted where YAML would read it otherwise (1.1, yes, null)."""
+    return text if isinstance(yaml.safe_load(text), str) else json.dumps(text)
+
+
+_SKELETON = """\
+# source-patch spec: rewrites {module} as it is imported.
+# Reference: docs/spec.md (every field); walk-through: docs/authoring.md.
+# List the anchors of the target, with patterns ready to paste:
+#   source-patch anchors {module}:{target}
+# Verify where each edit lands (run it in CI):  source-patch check THIS_FILE
+source_patch: 1.1
+name: {name}
+description: >
+  What this spec observes or changes, and why.
+# requires:                         # whole spec: distribution -> PEP 440 specifier (quote it)
+#   megatron-core: ">=0.16,<0.17"
+# on_unmet: error                   # error | skip, when the spec's requires is unmet
+patches:
+  - id: {pid}
+    module: {module}
+    # target: a function, Class.method, outer.inner, or <module> (top-level code)
+    target: {target}
+    description: What this patch does.
+    requires:                       # this patch only: when unmet, the patch is skipped
+      megatron-core: ">=0.16"
+    on_drift: error                 # anchors no longer match upstream: error (the import
+                                    # fails) | warn (skip this patch, warn) | skip (silently)
+    edits:
+      # Anchor kinds (at:), each described in docs/spec.md#edits:
+      #   at: entry    the start of the body, after the docstring (always one site)
+      #   at: return   every `return X` of the function itself: `result = X`, your
+      #                code, then `return result` (name it with bind:)
+      #   at: before   before each statement that matches `match`
+      #   at: after    after each statement that matches `match`
+      #   at: replace  instead of each matching statement (`code: pass` removes it)
+      #   at: call     each matching call C becomes `wrap`, with __call__ standing for C
+      # Patterns: `_` matches any expression, `...` any further arguments, and a
+      # compound statement matches by its header ending in ':' ("for _ in range(_):").
+      # count: how many matches to expect (default 1, or all); any other number
+      # fails the import, so upstream drift cannot go unnoticed.
+      - at: entry
+        code: |
+          pass  # your code; __sp__ reaches source_patch.runtime, e.g. __sp__.emit("{event}.entry", x)
+      # - at: return
+      #   count: 1
+      #   code: __sp__.emit("{event}.result", result)
+      # - at: after
+      #   match: "_, top_indices = compute_topk(...)"
+      #   count: 1
+      #   code: __sp__.emit("{event}.indices", top_indices)
+      # - at: call
+      #   match: "torch.topk(...)"
+      #   wrap: __sp__.emit("{event}.topk", __call__)
+"""
