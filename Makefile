@@ -40,7 +40,7 @@ test: $(STAMP) browser
 MEGATRON_RELEASES := 0.14.0 0.15.0 0.15.1 0.15.2 0.15.3 0.16.0 0.16.1 0.17.0 0.17.1 0.18.0 0.18.2 0.19.0 0.19.2
 SGLANG_RELEASES   := 0.5.20 0.5.21 0.5.22 0.5.23
 RELEASES          := $(HOME)/.cache/source-patch/wheels
-COMPAT_SPECS      := moe dump trace weight_sync megatron_cpu sglang_cpu megatron_topk sglang_topk
+COMPAT_SPECS      := moe dump trace weight_sync features megatron_cpu sglang_cpu megatron_topk sglang_topk
 FETCH             := $(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d $(RELEASES)
 
 compat: $(STAMP)
@@ -51,12 +51,15 @@ compat: $(STAMP)
 	  $(FETCH) sglang==$$v 2>/dev/null || echo "compat: could not fetch sglang $$v"; done
 	$(BIN)/source-patch matrix $(COMPAT_SPECS) --releases $(RELEASES)/*.whl --write docs/compat.md
 
-# The trace view's test drives Debian's headless Chromium (tests/test_trace_view.py).
+# Debian packages the tests need: headless Chromium for the trace view's test
+# (tests/test_trace_view.py), and the three libraries the Mooncake wheel links
+# (tests/test_feature_store.py starts a real Mooncake master).
+DEBIAN := chromium chromium-driver libibverbs1 ibverbs-providers libnuma1
 browser:
-	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	@dpkg -s $(DEBIAN) >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
-	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium chromium-driver >/dev/null; }; }
+	  $$SUDO apt-get install -y -q $(DEBIAN) >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q $(DEBIAN) >/dev/null; }; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -101,10 +101,11 @@ def dumper(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def instrumented_sglang(sglang_cpu, sglang_server, tmp_path_factory):
     """One real SGLang HTTP server for the session with routing capture (moe),
-    inference dumps (dump, /dumper/* mounted on SGLang's server) and live
-    tracing (trace) active in its scheduler, plus SGLang's own routed-experts
-    capture for an independent check.  Radix caching is off: every request's prompt
-    is prefilled whole, so its routes cover every token."""
+    inference dumps (dump, /dumper/* mounted on SGLang's server), live tracing
+    (trace) and feature capture (features, into a shared-directory store) active in
+    its scheduler, plus SGLang's own routed-experts capture for an independent check.
+    Radix caching is off: every request's prompt is prefilled whole, so its routes
+    and features cover every token."""
     from types import SimpleNamespace
 
     from source_patch.patcher.sglang_harness import free_port
@@ -114,11 +115,16 @@ def instrumented_sglang(sglang_cpu, sglang_server, tmp_path_factory):
     env = {"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(root / "routes"),
            "SOURCE_PATCH_DUMP_DIR": str(root / "dumps"), "SOURCE_PATCH_DUMP_EXP_NAME": "serve",
            "DUMPER_SERVER_PORT": "reuse", "SOURCE_PATCH_TRACE_PORT": str(trace_port),
-           "SOURCE_PATCH_TRACE_TOKEN": token, "SOURCE_PATCH_TRACE_DIR": str(root / "trace")}
-    server = sglang_server(specs=["moe", "dump", "trace"],
+           "SOURCE_PATCH_TRACE_TOKEN": token, "SOURCE_PATCH_TRACE_DIR": str(root / "trace"),
+           "SOURCE_PATCH_FEATURES_ENABLE": "1", "SOURCE_PATCH_FEATURES_STORE": f"dir://{root / 'features'}",
+           "SOURCE_PATCH_FEATURES_STREAM": str(root / "features.jsonl"),
+           # Every request of the session is a sample; only one test consumes them.
+           "SOURCE_PATCH_FEATURES_HIGH_WATERMARK": "1000000"}
+    server = sglang_server(specs=["moe", "dump", "trace", "features"],
                            args=["--enable-return-routed-experts", "--disable-radix-cache", "--skip-server-warmup"],
                            env=env)
     return SimpleNamespace(server=server, routes=root / "routes", dumps=root / "dumps" / "serve",
+                           features=root / "features", stream=root / "features.jsonl",
                            trace_url=f"http://127.0.0.1:{trace_port}/#token={token}")
 
 

@@ -38,3 +38,30 @@ def activations(model, tokens: list) -> dict:
     out[("final_hidden", None)] = result.hidden_states[-1][0]
     out[("logits", None)] = result.logits[0]
     return out
+
+
+def wait_for(records_of, predicate, timeout=20.0):
+    """Records (re-read) until ``predicate`` holds: the writer is asynchronous."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        records = records_of()
+        if predicate(records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def request_records(dumps, rid):
+    """{step: (mode, row mask, {(name, layer): tensor})} of the forward passes that served ``rid``."""
+    from source_patch.runtime.dump import reader
+
+    records = reader.load(dumps)
+    maps = [r for r in records if r.name == "row_request" and rid in r.tags["rids"]]
+    out = {}
+    for rows in maps:
+        step = rows.tags["step"]
+        mask = rows.tensor == rows.tags["rids"].index(rid)
+        values = {(r.name, r.tags.get("layer")): r.tensor for r in records if r.tags["step"] == step}
+        out[step] = (rows.tags["forward_mode"], mask, values)
+    return out

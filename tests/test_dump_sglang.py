@@ -9,6 +9,7 @@ import torch
 
 from source_patch.runtime.dump import reader
 from source_patch.runtime.dump import sglang as dump_sglang
+from sglang_reference import request_records, wait_for
 
 
 def test_spec_checks_without_importing_sglang(check_sglang_spec):
@@ -56,29 +57,6 @@ def test_dumper_control_speaks_sglangs_names_and_validates_as_a_whole(dumper):
 # ---------------------------------------------------------------- a real engine
 
 
-def _wait_for(records_of, predicate, timeout=20.0):
-    """Records (re-read) until ``predicate`` holds: the writer is asynchronous."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        records = records_of()
-        if predicate(records) or time.monotonic() > deadline:
-            return records
-        time.sleep(0.2)
-
-
-def _request_records(dumps, rid):
-    """{step: (mode, row mask, {(name, layer): tensor})} of the forward passes that served ``rid``."""
-    records = reader.load(dumps)
-    maps = [r for r in records if r.name == "row_request" and rid in r.tags["rids"]]
-    out = {}
-    for rows in maps:
-        step = rows.tags["step"]
-        mask = rows.tensor == rows.tags["rids"].index(rid)
-        values = {(r.name, r.tags.get("layer")): r.tensor for r in records if r.tags["step"] == step}
-        out[step] = (rows.tags["forward_mode"], mask, values)
-    return out
 
 
 @pytest.mark.slow
@@ -89,7 +67,7 @@ def test_dumped_layers_equal_transformers_on_the_same_tokens(instrumented_sglang
     out = instrumented_sglang.server.generate(input_ids=prompt, max_new_tokens=new, rid="dump-check",
                                               sampling={"ignore_eos": True})
     tokens = prompt + out["output_ids"]
-    passes = _wait_for(lambda: _request_records(instrumented_sglang.dumps, "dump-check"),
+    passes = wait_for(lambda: request_records(instrumented_sglang.dumps, "dump-check"),
                        lambda p: len(p) == new and all(("logits", None) in v for _, _, v in p.values()))
     assert [mode for mode, _, _ in passes.values()] == ["extend"] + ["decode"] * (new - 1)
     reference = activations(hf_qwen3, tokens)
@@ -115,7 +93,7 @@ def _request_index(values, mask) -> int:
 @pytest.mark.slow
 def test_dumped_topk_ids_are_the_topk_of_the_dumped_router_logits(instrumented_sglang):
     instrumented_sglang.server.generate(input_ids=[[3, 1, 4, 1, 5], [9, 2, 6]], max_new_tokens=3)
-    records = _wait_for(lambda: reader.load(instrumented_sglang.dumps),
+    records = wait_for(lambda: reader.load(instrumented_sglang.dumps),
                         lambda rs: any(r.name == "topk_ids" for r in rs))
     logits = {(r.tags["step"], r.tags["layer"]): r.tensor for r in records if r.name == "router_logits"}
     checked = 0
@@ -132,7 +110,7 @@ def test_the_model_summary_and_the_engine_folder(instrumented_sglang):
     import json
 
     instrumented_sglang.server.generate(input_ids=[1, 2], max_new_tokens=1)
-    summary = json.loads(_wait_for(lambda: instrumented_sglang.dumps / "engine_0" / "model.json",
+    summary = json.loads(wait_for(lambda: instrumented_sglang.dumps / "engine_0" / "model.json",
                                    lambda p: p.exists()).read_text())
     names = {p["name"]: p for p in summary["parameters"]}
     assert summary["model"] == "Qwen3MoeForCausalLM" and summary["layers"] == 2
@@ -160,7 +138,7 @@ def test_dumper_endpoints_on_sglangs_own_server_control_every_scheduler(instrume
         status, reply = server.post("/dumper/configure", {"enable": True, "names": ["router_logits"]})
         assert status == 200 and reply[0]["config"]["names"] == ["router_logits"]
         server.generate(input_ids=[4, 4, 4], max_new_tokens=2)
-        new = _wait_for(lambda: reader.load(dumps)[before:], lambda rs: len(rs) >= 4)
+        new = wait_for(lambda: reader.load(dumps)[before:], lambda rs: len(rs) >= 4)
         assert {r.name for r in new} == {"router_logits"} and len(new) == 4  # 2 passes x 2 layers
         status, state = server.post("/dumper/get_state")
         assert status == 200 and state[0]["enabled"] and state[0]["filtered"] > 0

@@ -60,7 +60,7 @@ def cross_imports(root: Path = RUNTIME) -> list:
 
 
 def test_the_layout_has_the_documented_subpackages():
-    assert CAPABILITIES == ["dump", "routing", "trace", "weights"]
+    assert CAPABILITIES == ["dump", "features", "routing", "trace", "weights"]
     architecture = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
     for sub in ["core", *CAPABILITIES]:
         assert f"`{sub}/`" in architecture, f"docs/architecture.md does not describe runtime/{sub}/"

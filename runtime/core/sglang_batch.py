@@ -51,3 +51,8 @@ def batch_rows(forward_batch) -> BatchRows | Unattributed | None:
             lens = _as_list(forward_batch.extend_seq_lens)
         return BatchRows("extend", list(rids), lens, _as_list(forward_batch.extend_prefix_lens_cpu))
     return Unattributed(("mode", str(mode)), f"forward mode {mode} is not attributed; its rows are skipped")
+
+
+def is_probe(rid) -> bool:
+    """SGLang's own /health and /health_generate requests: no user's request."""
+    return str(rid).startswith("HEALTH_CHECK")

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.sglang_batch import BatchRows, Unattributed, batch_rows
+from ..core.sglang_batch import BatchRows, Unattributed, batch_rows, is_probe
 from .record import RoutingRecord, RoutingRecordError, load
 
 _RENORM_EPS = 1e-20  # sglang.srt.layers.moe.topk._RENORMALIZE_SUM_EPSILON
@@ -244,7 +244,7 @@ def _replay_rows(layer: int, live: torch.Tensor) -> torch.Tensor | None:
 def _recorded(rec, rid, layer: int, start: int, n: int) -> torch.Tensor | None:
     """Rows [start, start + n) of ``rid``'s record at ``layer``, or None (warned)."""
     if rec is None:
-        if not str(rid).startswith("HEALTH_CHECK"):  # SGLang's /health_generate probes
+        if not is_probe(rid):
             _warn_once(("norecord", len(_S.warned) // 64), f"replay: no record for request {rid!r} "
                        "(it keeps the router's own routes; later ones are not reported)")
         return None
@@ -367,7 +367,7 @@ def sglang_routing_release(req) -> None:
             return
         rid = req.rid
         rec = records(only=rid).get(rid)
-        if rec is not None and not str(rid).startswith("HEALTH_CHECK"):  # SGLang's own /health probes
+        if rec is not None and not is_probe(rid):
             folder = Path(_S.dir) / f"rank{_rank()}"
             folder.mkdir(parents=True, exist_ok=True)
             rec.save(folder / f"{_safe_name(rid)}.safetensors")
