@@ -22,7 +22,6 @@ import marshal
 import os
 import stat
 import sys
-import tempfile
 import time
 import warnings
 from functools import lru_cache
@@ -79,9 +78,22 @@ def untrusted(directory: Path) -> str | None:
     return None
 
 
-def key(source: bytes, slice_digest: str, file: str) -> bytes:
+def spec_key(text: str, file: str) -> bytes:
+    """The key of a compiled spec: its text and file (locations name it), this tool's
+    sources, and the runtime settings schemas its `runtime:` sections were checked with."""
+    settings = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "runtime", "core", "settings.py")
+    try:
+        with open(settings, "rb") as f:
+            schemas = f.read()
+    except OSError:
+        schemas = b"-"
+    return key(b"spec\0" + text.encode("utf-8", "surrogatepass"), "", file, extra=schemas)
+
+
+def key(source: bytes, slice_digest: str, file: str, extra: bytes = b"") -> bytes:
     h = hashlib.sha256()
-    for part in (source, slice_digest.encode(), file.encode(), _tool_versions()):
+    for part in (source, slice_digest.encode(), file.encode(), _tool_versions(), extra):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.digest()
@@ -109,6 +121,15 @@ class CodeCache:
         return self._trusted
 
     def get(self, k: bytes) -> CodeType | None:
+        code = self._load(k)
+        return code if isinstance(code, CodeType) else None
+
+    def get_data(self, k: bytes) -> tuple | None:
+        """A stored tuple (a compiled spec), or None."""
+        data = self._load(k)
+        return data if isinstance(data, tuple) else None
+
+    def _load(self, k: bytes):
         if not self.usable():
             return None
         try:
@@ -122,19 +143,21 @@ class CodeCache:
         if len(payload) != size or hashlib.sha256(payload).digest() != data[44:76]:
             return None
         try:
-            code = marshal.loads(payload)
+            return marshal.loads(payload)
         except (ValueError, EOFError, TypeError):
             return None
-        return code if isinstance(code, CodeType) else None
 
-    def put(self, k: bytes, code: CodeType) -> bool:
-        """Store; a cache that cannot be written is skipped, never an error."""
+    def put(self, k: bytes, value) -> bool:
+        """Store a code object or a tuple of plain values; a cache that cannot be
+        written is skipped, never an error."""
         if not self.writable or not self.usable():
             return False
-        payload = marshal.dumps(code)
+        payload = marshal.dumps(value)
         blob = MAGIC + k + len(payload).to_bytes(8, "little") + hashlib.sha256(payload).digest() + payload
         target = self.path(k)
         try:
+            import tempfile  # only writes pay for it
+
             self._mkdir(target.parent)
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")  # 0600
             try:

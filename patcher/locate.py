@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.machinery
 import sys
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 
 from .errors import SourcePatchError
@@ -93,6 +92,8 @@ def _path_entry_finder(entry: str):
 @lru_cache(maxsize=None)
 def dist_version(top_level: str, against: str | None = None) -> str:
     """``name version`` of the distribution that ships a top-level package."""
+    from importlib import metadata  # only messages and dry runs ask: not the start-up path
+
     if against is None:
         for dist in metadata.packages_distributions().get(top_level, []):
             try:

@@ -14,13 +14,24 @@ import keyword
 import os
 import re
 import stat
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
 
-import yaml
-from yaml.constructor import SafeConstructor
-
 from .errors import Location, SpecError, shorten, show
+
+# PyYAML is imported by loads() on first use: a spec read before comes from the code
+# cache (load), so a warm start-up never imports it.  The builder below runs only
+# after loads() has bound these.
+yaml = SafeConstructor = None
+
+
+def _import_yaml() -> None:
+    global yaml, SafeConstructor
+    if yaml is None:
+        import yaml as module
+        from yaml.constructor import SafeConstructor as constructor
+
+        yaml, SafeConstructor = module, constructor
 
 FORMAT_VERSION = "1.1"
 FORMAT_VERSIONS = ("1", "1.1")  # every format this loader reads; 1.1 only adds fields
@@ -171,7 +182,37 @@ def bundled_names() -> list[str]:
 
 def load(ref: str | os.PathLike) -> Spec:
     path = resolve(os.fspath(ref))
-    return loads(_read(path), str(path))
+    return _compiled(_read(path), str(path))
+
+
+def _compiled(text: str, file: str) -> Spec:
+    """loads() through the code cache: a spec read before (the same text, file, tool
+    and runtime schemas) is rebuilt from its stored form, without YAML, validation or
+    their imports; an invalid spec is never stored, so its error is always fresh."""
+    from .cache import CodeCache, spec_key
+
+    cache, k = CodeCache(), spec_key(text, file)
+    stored = cache.get_data(k)
+    if stored is not None:
+        try:
+            return _rebuild(Spec, stored)
+        except (TypeError, ValueError, IndexError):
+            pass  # another layout: validate again
+    spec = loads(text, file)
+    cache.put(k, astuple(spec))
+    return spec
+
+
+def _rebuild(cls, values: tuple):
+    """A Spec (Patch, Edit) from dataclasses.astuple's nested tuples."""
+    kw = {}
+    for f, value in zip(fields(cls), values, strict=True):
+        if f.name == "location":
+            value = Location(*value)
+        elif f.name in ("patches", "edits"):
+            value = tuple(_rebuild(Patch if f.name == "patches" else Edit, v) for v in value)
+        kw[f.name] = value
+    return cls(**kw)
 
 
 MAX_SPEC_BYTES = 64 << 20
@@ -196,6 +237,7 @@ def _read(path: Path) -> str:
 
 def loads(text: str, file: str = "<string>") -> Spec:
     """Parse and validate spec text; ``file`` is used in error locations."""
+    _import_yaml()
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:

@@ -141,3 +141,20 @@ def test_a_dead_lock_holder_does_not_block(tmp_path):
     with cache.lock(k):
         waited = time.monotonic() - start
     assert waited < 2
+
+
+def test_a_spec_read_before_is_rebuilt_without_yaml(tmp_path):
+    """The compiled-spec cache: the second interpreter gets an equal Spec and never
+    imports PyYAML or packaging (what start-up with SOURCE_PATCH set pays)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from source_patch.patcher import spec; s = spec.load('moe'); "
+            "print(len(s.patches), s.patches[0].location, 'yaml' in sys.modules, 'packaging' in sys.modules, "
+            "sep='|')")
+    env = {**os.environ, "SOURCE_PATCH_CACHE": str(tmp_path / "cache")}
+    cold, warm = (subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                                 timeout=60).stdout.strip().split("|") for _ in range(2))
+    assert cold[:2] == warm[:2] and cold[2] == "True"
+    assert warm[2:] == ["False", "False"]
