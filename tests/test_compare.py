@@ -77,3 +77,66 @@ def test_a_misaligned_batch_fails_the_layout_self_test():
 
     with pytest.raises(compare.LayoutError, match="request 'r' position 0: token 7 in the rollout, 9 in training"):
         compare.compare(side([7, 8, 9], [0, 1, 2]), side([7, 8, 9], [2, 1, 0]))
+
+
+def _batch(seq=8, batch=2, hidden=4, layers=2):
+    """An unsplit [s, b] training batch: per-layer activations, token ids, row maps."""
+    import torch
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (seq, batch))
+    tensors = {("input_ids", None): ids,
+               ("positions", None): torch.arange(seq).unsqueeze(1).expand(seq, batch).contiguous(),
+               ("row_request", None): torch.arange(batch, dtype=torch.int32).expand(seq, batch).contiguous()}
+    for layer in range(1, layers + 1):
+        tensors[("layer_input", layer)] = torch.randn(seq, batch, hidden)
+        tensors[("mlp_output", layer)] = torch.randn(seq, batch, hidden)
+    return tensors
+
+
+def _records(tensors, rank=0, rids=("r0", "r1"), split=lambda t: t, layer_shift=0):
+    out = []
+    for (name, layer), t in tensors.items():
+        tags = {"step": 0, "rank": rank, "layer": None if layer is None else layer + layer_shift}
+        if name == "row_request":
+            tags["rids"] = list(rids)
+        out.append(compare.Rec(name, tags, split(t)))
+    return out
+
+
+@pytest.mark.parametrize("cp, tp", [(2, 1), (1, 2), (2, 2), (4, 1)])
+def test_context_and_sequence_parallel_slices_reassemble_to_the_unsplit_batch(cp, tp):
+    """Each CP (zigzag) x SP rank dumps its own slice with its own row map: compared with
+    the unsplit batch (as the rollout side, layers 0-based), every token pairs and
+    nothing differs; a wrong split (no zigzag) fails the layout self-test."""
+    from source_patch.runtime.dump import layout
+
+    full = _batch(seq=16)
+    rollout = _records(full, layer_shift=-1)
+    train = []
+    for c in range(cp):
+        for t in range(tp):
+            train += _records(full, rank=c * tp + t,
+                              split=lambda x, c=c, t=t: layout.sp_split(layout.cp_split(x, cp, c), tp, t))
+    report = compare.compare(rollout, train)
+    assert report.tokens == 16 * 2 and report.first_divergent is None
+    assert all(r.rows == 32 and r.max_abs == 0.0 for r in report.rows)
+    if cp > 1:  # a row map split the plain way while the batch was zigzagged: caught
+        bad = []
+        for c in range(cp):
+            pieces = {k: layout.cp_split(v, cp, c) for k, v in full.items()}
+            pieces[("positions", None)] = full[("positions", None)].chunk(cp)[c]
+            bad += _records(pieces, rank=c)
+        with pytest.raises(compare.LayoutError, match="layout self-test"):
+            compare.compare(rollout, bad)
+
+
+def test_zigzag_gives_each_rank_an_early_and_a_late_chunk():
+    import torch
+
+    from source_patch.runtime.dump import layout
+
+    x = torch.arange(8)
+    assert [layout.cp_split(x, 2, r).tolist() for r in range(2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    with pytest.raises(ValueError, match="not divisible by 2 \\* cp = 4"):
+        layout.cp_split(torch.arange(6), 2, 0)

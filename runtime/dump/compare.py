@@ -11,7 +11,9 @@ Every row on both sides is mapped to (request id, token position) first:
 
 * rollout: each forward pass's ``row_request`` (+ its ``rids`` tag) and ``positions``;
 * training: each step's ``row_request`` / ``positions`` records of the same ``[s, b]``
-  layout as the activations (written by whoever builds the batch; -1 marks padding).
+  layout as the activations (written by whoever builds the batch; -1 marks padding),
+  per rank: a context-parallel (zigzag) or sequence-parallel rank dumps the row map of
+  its own slice, and the pieces reassemble by (request, position) (layout.py).
 
 A layout self-test runs before any number is compared: the token id of every paired
 (request, position) must be the same on both sides, or the comparison stops with the
@@ -100,9 +102,11 @@ class Report:
 
 
 def _by_step(records) -> dict:
+    """Records by (step, rank): each rank's row map describes its own rows (a context-
+    or sequence-parallel rank holds a slice of the sequence; see layout.py)."""
     steps: dict = {}
     for r in records:
-        steps.setdefault(r.tags.get("step"), []).append(r)
+        steps.setdefault((r.tags.get("step"), r.tags.get("rank")), []).append(r)
     return steps
 
 
@@ -118,7 +122,7 @@ def index_rows(records) -> dict:
     ``("input_ids", None)`` for the layout self-test.  Logits are keyed by each
     request's last row only where a pass computes logits per request (SGLang)."""
     out: dict = {}
-    for step, recs in _by_step(records).items():
+    for recs in _by_step(records).values():
         named = {(r.name, r.tags.get("layer")): r for r in recs}
         row_map, positions = named.get(("row_request", None)), named.get(("positions", None))
         if row_map is None or positions is None:
