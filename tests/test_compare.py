@@ -49,6 +49,9 @@ def test_the_twin_and_the_engine_agree_on_every_layer(sglang_checkpoint, rollout
     assert {("layer_input", 0), ("attention_output", 1), ("mlp_output", 1), ("final_hidden", None),
             ("logits", None)} <= names
     assert all(r.cosine > 0.99999 for r in report.rows)
+    # Same weights, same tokens: every token picks the same experts in every MoE layer.
+    assert [r["layer"] for r in report.routing] == [0, 1] and report.routing_any_differ == 0.0
+    assert all(r["agreement"] == 1.0 and r["tokens"] == report.tokens for r in report.routing)
     out = tmp_path / "report.json"
     from source_patch.patcher import cli
 
@@ -140,3 +143,34 @@ def test_zigzag_gives_each_rank_an_early_and_a_late_chunk():
     assert [layout.cp_split(x, 2, r).tolist() for r in range(2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
     with pytest.raises(ValueError, match="not divisible by 2 \\* cp = 4"):
         layout.cp_split(torch.arange(6), 2, 0)
+
+
+def test_routing_agreement_pairs_sglang_topk_ids_with_megatron_routing_maps():
+    """SGLang: topk_ids [tokens, k] by a 1-D row map; Megatron: routing_map [s * b, experts]
+    in the [s, b] row map's order.  One token of layer 0 picks another expert."""
+    import torch
+
+    tokens = torch.tensor([11, 12, 21, 22])            # r0: 11 12, r1: 21 22
+    topk = {0: torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]]), 1: torch.tensor([[1, 0], [3, 2], [5, 4], [7, 6]])}
+    tags = {"step": 0, "rank": 0}
+    rollout = [compare.Rec("input_ids", tags, tokens), compare.Rec("positions", tags, torch.tensor([0, 1, 0, 1])),
+               compare.Rec("row_request", {**tags, "rids": ["r0", "r1"]}, torch.tensor([0, 0, 1, 1]))]
+    rollout += [compare.Rec("topk_ids", {**tags, "layer": k}, v) for k, v in topk.items()]
+    # training [s=2, b=2]: column j is request j; rows flattened s-major: (s0 r0, s0 r1, s1 r0, s1 r1)
+    order = [0, 2, 1, 3]
+    train = [compare.Rec("input_ids", tags, tokens[order].reshape(2, 2)),
+             compare.Rec("positions", tags, torch.tensor([[0, 0], [1, 1]])),
+             compare.Rec("row_request", {**tags, "rids": ["r0", "r1"]}, torch.tensor([[0, 1], [0, 1]]))]
+    for layer, ids in topk.items():
+        routing_map = torch.zeros(4, 8, dtype=torch.bool)
+        routing_map[torch.arange(4).unsqueeze(1), ids[order]] = True
+        if layer == 0:
+            routing_map[3] = False
+            routing_map[3, [6, 0]] = True                # r1 position 1: experts {0, 6}, not {6, 7}
+        train.append(compare.Rec("routing_map", {**tags, "layer": layer + 1}, routing_map))
+    report = compare.compare(rollout, train)
+    assert report.routing == [{"layer": 0, "tokens": 4, "agreement": 0.75},
+                              {"layer": 1, "tokens": 4, "agreement": 1.0}]
+    assert report.routing_any_differ == 0.25
+    assert report.to_json()["routing"]["tokens_differing_any_layer"] == 0.25
+    assert "routing agreement      0      4     75.00%" in report.table()

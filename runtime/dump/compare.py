@@ -42,6 +42,9 @@ from . import reader
 NAMES = {"layer_input": "layer_input", "attention_output": "attention_output",
          "pre_mlp_residual": "pre_mlp_residual", "mlp_output": "mlp_output",
          "final_hidden": "final_hidden", "logits": "logits"}
+# Routing: SGLang's top-k expert ids per token against Megatron's routing map
+# ([tokens, experts] bool): the same routing when the sets of experts are equal.
+ROUTING = ("topk_ids", "routing_map")
 
 
 class Rec(NamedTuple):
@@ -54,7 +57,7 @@ class Rec(NamedTuple):
 
 def load(path, names=None) -> list:
     """The records of a dump directory that a comparison needs, tensors read once."""
-    wanted = set(NAMES) | {"input_ids", "positions", "row_request"} if names is None else set(names)
+    wanted = set(NAMES) | set(ROUTING) | {"input_ids", "positions", "row_request"} if names is None else set(names)
     return [Rec(r.name, r.tags, r.tensor) for r in reader.load(path) if r.name in wanted]
 
 
@@ -79,6 +82,8 @@ class Report:
     tokens: int = 0             # (request, position) pairs both sides hold
     requests: int = 0
     rtol: float = 1e-4
+    routing: list = field(default_factory=list)  # [{"layer", "tokens", "agreement"}], rollout layers
+    routing_any_differ: float | None = None      # fraction of tokens routed differently in >= 1 layer
 
     @property
     def first_divergent(self):
@@ -92,13 +97,20 @@ class Report:
             layer = "-" if r.layer is None else str(r.layer)
             lines.append(f"{r.name:18} {layer:>5} {r.rows:>6} {r.max_abs:>10.3g} {r.rel_l2:>10.3g} "
                          f"{r.cosine:>9.6f}  {'ok' if r.ok else 'DIVERGES'}")
+        for r in self.routing:
+            lines.append(f"{'routing agreement':18} {r['layer']:>5} {r['tokens']:>6} {r['agreement']:>10.2%}")
+        if self.routing_any_differ is not None:
+            lines.append(f"tokens routed differently in at least one layer: {self.routing_any_differ:.2%}")
         first = self.first_divergent
         lines.append("no divergence" if first is None else f"first divergent: {first[0]} layer {first[1]}")
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        return {"requests": self.requests, "tokens": self.tokens, "rtol": self.rtol,
-                "first_divergent": self.first_divergent, "rows": [asdict(r) for r in self.rows]}
+        out = {"requests": self.requests, "tokens": self.tokens, "rtol": self.rtol,
+               "first_divergent": self.first_divergent, "rows": [asdict(r) for r in self.rows]}
+        if self.routing:
+            out["routing"] = {"per_layer": self.routing, "tokens_differing_any_layer": self.routing_any_differ}
+        return out
 
 
 def _by_step(records) -> dict:
@@ -129,10 +141,12 @@ def index_rows(records) -> dict:
             continue
         keys = _keys(row_map, positions)
         for (name, layer), rec in named.items():
-            if name not in NAMES and name != "input_ids":
+            if name not in NAMES and name not in ROUTING and name != "input_ids":
                 continue
-            flat = rec.tensor.reshape(len(keys), -1) if rec.tensor.numel() % len(keys) == 0 and \
-                rec.tensor.shape[: row_map.tensor.dim()] == row_map.tensor.shape else None
+            # [s, b, ...] as the row map, or its rows flattened ([s * b, ...]: the router's view)
+            flat = rec.tensor.reshape(len(keys), -1) if rec.tensor.numel() % len(keys) == 0 and (
+                rec.tensor.shape[: row_map.tensor.dim()] == row_map.tensor.shape
+                or rec.tensor.shape[0] == len(keys)) else None
             target = out.setdefault((name, layer), {})
             if flat is not None:
                 for key, row in zip(keys, flat):
@@ -172,7 +186,27 @@ def compare(rollout, train, *, rtol: float = 1e-4, layer_offset: int = 1) -> Rep
         if keys:
             report.rows.append(_row(name, layer, [a[(name, layer)][k] for k in keys],
                                     [b[other][k] for k in keys], rtol))
+    _routing(report, a, b, layer_offset)
     return report
+
+
+def _routing(report: Report, a: dict, b: dict, layer_offset: int) -> None:
+    """Per rollout layer, the fraction of tokens whose set of experts is the same on both
+    sides, and the fraction of tokens routed differently in at least one layer."""
+    differ: dict = {}
+    for (name, layer) in sorted(k for k in a if k[0] == ROUTING[0] and k[1] is not None):
+        other = b.get((ROUTING[1], layer + layer_offset))
+        if other is None:
+            continue
+        keys = sorted(set(a[(name, layer)]) & set(other))
+        same = [set(a[(name, layer)][k].tolist()) == set(other[k].nonzero().reshape(-1).tolist())
+                for k in keys]
+        for k, ok in zip(keys, same):
+            differ[k] = differ.get(k, False) or not ok
+        if keys:
+            report.routing.append({"layer": layer, "tokens": len(keys), "agreement": sum(same) / len(keys)})
+    if differ:
+        report.routing_any_differ = sum(differ.values()) / len(differ)
 
 
 _ORDER = {name: i for i, name in enumerate(NAMES)}
