@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from source_patch.runtime.dump import compare
 
@@ -67,6 +68,38 @@ def test_a_perturbed_layer_is_the_first_divergent_one(sglang_checkpoint, rollout
     assert all(r.ok for r in report.rows if r.layer == 0)
     assert compare.main([str(rollout), str(train)]) == 1
     assert "first divergent: attention_output layer 1" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_engines_log_probs_equal_the_twins(instrumented_sglang, sglang_checkpoint, tmp_path):
+    """SGLang's returned log-probs of its generated tokens against the Megatron twin's on the
+    same tokens: the figures RL users track (|dlogp|, k3 KL, TIS) show no mismatch."""
+    from source_patch.runtime.dump import logprobs
+
+    server = instrumented_sglang.server
+    root = tmp_path / "rollout"
+    server.post("/dumper/configure", {"dir": str(root), "exp_name": "lp", "names": []})
+    try:
+        reply = server.generate(input_ids=[[5, 9, 2, 7, 7, 1], [300, 4, 8]], max_new_tokens=4,
+                                rid=["lp-a", "lp-b"], return_logprob=True, sampling={"ignore_eos": True})
+        server.post("/flush_cache")
+    finally:
+        server.post("/dumper/configure", {"dir": str(instrumented_sglang.dumps.parent), "exp_name": "serve"})
+    out = tmp_path / "twin.json"
+    replay(sglang_checkpoint, root / "lp", tmp_path / "train", "--logprobs", str(out))
+    twin = json.loads(out.read_text())
+    engine, train = [], []
+    for request, (rid, prompt) in zip(reply, (("lp-a", 6), ("lp-b", 3))):
+        # Generated token i sits at position prompt + i; the twin's list starts at position 1.
+        # The last generated token is never fed back, so the rollout's dumps (what the twin
+        # replays) stop before it: 3 of the 4 generated tokens per request are compared.
+        theirs = twin[rid][prompt - 1:]
+        engine.append(logprobs.rollout_logprobs(request["meta_info"]["output_token_logprobs"])[:len(theirs)])
+        train.append(torch.tensor(theirs))
+    m = logprobs.mismatch(torch.cat(engine), torch.cat(train))
+    assert m.tokens == 6
+    assert m.max_abs_diff < 1e-4 and m.k3_kl < 1e-8 and m.frac_over_ln2 == 0.0, m.line()
+    assert abs(m.tis_mean - 1) < 1e-4 and m.tis_ess > 0.9999, m.line()
 
 
 def test_a_misaligned_batch_fails_the_layout_self_test():
