@@ -55,7 +55,7 @@ def main():
         dump.dump("positions", torch.arange(len(tokens)).unsqueeze(1))
         dump.dump("row_request", torch.zeros_like(column, dtype=torch.int32), rids=[rid])
         out = twin.logits(model, [tokens])[0]
-        logps[rid] = token_logprobs(out[:-1], torch.tensor(tokens[1:])).tolist()
+        logps[rid] = token_logprobs(out[:-1], torch.tensor(tokens[1:], dtype=torch.long)).tolist()
     dump.flush()
     if cli.logprobs:
         with open(cli.logprobs, "w") as f:
