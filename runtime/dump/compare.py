@@ -1,7 +1,7 @@
 """Compare a rollout's dumps (SGLang, patches/dump.yaml) with a training
 framework's dumps of the same tokens (Megatron, patches/dump.yaml), layer by layer.
 
-    python -m source_patch.runtime.dump.compare ROLLOUT_DIR TRAIN_DIR [--json report.json] [--rtol 1e-4]
+    python -m source_patch.runtime.dump.compare ROLLOUT_DIR TRAIN_DIR [--json report.json] [--html report.html] [--rtol 1e-4]
 
     import source_patch.runtime.dump.compare as dump_compare
     report = dump_compare.compare("sp-dumps/rollout", "sp-dumps/train")
@@ -230,6 +230,7 @@ def main(argv=None) -> int:
     p.add_argument("--rtol", type=float, default=1e-4, help="relative L2 above which a layer diverges")
     p.add_argument("--layer-offset", type=int, default=1, help="training layer = rollout layer + this")
     p.add_argument("--json", help="write the report here as JSON")
+    p.add_argument("--html", help="write the report here as a self-contained HTML page with plots")
     args = p.parse_args(argv)
     try:
         report = compare(args.rollout, args.train, rtol=args.rtol, layer_offset=args.layer_offset)
@@ -239,6 +240,10 @@ def main(argv=None) -> int:
     print(report.table())
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_json(), indent=1))
+    if args.html:
+        from . import compare_html
+
+        compare_html.write(report.to_json(), args.html)
     return 0 if report.first_divergent is None else 1
 
 

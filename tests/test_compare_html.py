@@ -1,0 +1,50 @@
+"""runtime/dump/compare_html.py: the comparator's report as a static HTML page."""
+
+import math
+import re
+import xml.etree.ElementTree as ET
+
+from source_patch.runtime.dump import compare_html
+
+HOSTILE = "<script>alert(1)</script>"
+
+
+def report(routing=True):
+    rows = []
+    for layer in range(4):
+        for name in ("layer_input", "mlp_output", HOSTILE):
+            rel = 3e-4 if (name == "mlp_output" and layer == 2) else (0.0 if layer == 0 else 1e-7 * (layer + 1))
+            rows.append({"name": name, "layer": layer, "rows": 10, "max_abs": rel, "rel_l2": rel,
+                         "cosine": 1 - rel, "ok": rel <= 1e-4})
+    rows.append({"name": "logits", "layer": None, "rows": 2, "max_abs": math.nan, "rel_l2": math.inf,
+                 "cosine": math.nan, "ok": False})
+    doc = {"requests": 2, "tokens": 10, "rtol": 1e-4, "first_divergent": ["mlp_output", 2], "rows": rows}
+    if routing:
+        doc["routing"] = {"per_layer": [{"layer": 0, "tokens": 10, "agreement": 1.0},
+                                        {"layer": 1, "tokens": 10, "agreement": 0.75}],
+                          "tokens_differing_any_layer": 0.25}
+    return doc
+
+
+def test_the_page_shows_the_verdict_the_curves_and_the_highlighted_rows():
+    page = compare_html.render(report())
+    assert "first divergent: mlp_output layer 2" in page
+    svgs = re.findall(r"<svg.*?</svg>", page, re.S)
+    assert len(svgs) == 3  # rel L2, cosine, routing
+    for svg in svgs:
+        ET.fromstring(svg)  # well-formed
+    assert svgs[0].count("<polyline") == 3 and "stroke-dasharray" in svgs[0]  # one per name + rtol
+    assert "75.0%" in svgs[2] and "tokens routed differently in at least one layer: 25.00%" in page
+    assert page.count("<tr class='bad'>") == 2  # mlp_output layer 2 and the non-finite logits row
+    assert "exact zeros are drawn at 1e-12" in page
+
+
+def test_strings_from_the_report_are_escaped():
+    page = compare_html.render(report())
+    assert "<script" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def test_sections_without_data_are_left_out(tmp_path):
+    path = compare_html.write(report(routing=False), tmp_path / "r.html")
+    page = path.read_text()
+    assert page.count("<svg") == 2 and "Routing agreement" not in page
