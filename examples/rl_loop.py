@@ -1,0 +1,186 @@
+"""A miniature RL loop on CPU: SGLang rolls out, Megatron-Core trains, weights flow back.
+
+    python examples/rl_loop.py [--iterations 3] [--out sp-rl]
+
+Each iteration:
+1. a real SGLang server (tiny Qwen3-MoE on CPU, ``SOURCE_PATCH=moe,dump,weight_sync``)
+   rolls out a few prompts, returning each token's log-prob and the weight version it
+   served;
+2. the Megatron-Core twin of the same checkpoint (this process, under
+   ``megatron_cpu,weight_sync``) computes its log-probs of the same tokens: the
+   train-inference mismatch is printed (|dlogp|, k3 KL, TIS), and its routers' expert
+   choices against the routes the engine captured (``moe``) per layer;
+3. the twin takes one training step on the rollout (a REINFORCE-style loss: the
+   generated tokens' log-probs weighted by a toy reward), and the patched
+   ``optimizer.step()`` pushes the new weights to the engine through weight sync;
+   the engine loads them inside its own begin/update/end weight-update requests;
+4. the next rollout carries the new ``weight_version``: 1, 2, 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from source_patch.patcher import activate
+from source_patch.patcher.sglang_harness import SGLangServer, free_port, tiny_checkpoint
+
+GROUP = "source_patch_weights"
+PROMPTS = [[5, 9, 2, 7, 7, 1], [300, 4, 8], [11, 12, 13, 14]]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=6)
+    p.add_argument("--out", default="sp-rl")
+    return p.parse_args(argv)
+
+
+def rollout(server, new_tokens: int) -> list:
+    reply = server.generate(input_ids=PROMPTS, max_new_tokens=new_tokens, return_logprob=True,
+                            sampling={"ignore_eos": True, "temperature": 1.0})
+    return [{"prompt": p, "output": r["output_ids"], "version": r["meta_info"].get("weight_version"),
+             "logps": r["meta_info"]["output_token_logprobs"], "rid": r["meta_info"]["id"]}
+            for p, r in zip(PROMPTS, reply)]
+
+
+def engine_routes(folder: Path, rid: str, timeout: float = 30.0):
+    """The routing record the engine wrote for a request (at its release)."""
+    from source_patch.runtime.routing import record
+
+    path = folder / "rank0" / f"{rid}.safetensors"
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no routing record for request {rid} in {folder}")
+        time.sleep(0.1)
+    return record.load(path)
+
+
+def same_experts(engine, routes: dict) -> dict:
+    """Per layer: [tokens routed to the same set of experts, tokens compared]."""
+    out = {}
+    for layer in engine.layers:
+        ids = engine.indices[layer]
+        mine = routes[layer][: len(ids)]
+        same = sum(set(a.tolist()) == set(b.nonzero().reshape(-1).tolist()) for a, b in zip(ids, mine))
+        out[layer] = [same, len(ids)]
+    return out
+
+
+def reward(tokens: list) -> float:
+    """A toy reward: the share of even token ids (what the policy should learn to emit)."""
+    return sum(t % 2 == 0 for t in tokens) / max(len(tokens), 1)
+
+
+def twin_logps(model, sample):
+    """Log-probs of the generated tokens under the twin, with the graph for backward."""
+    import torch
+
+    from source_patch.runtime.dump.logprobs import token_logprobs
+
+    tokens = sample["prompt"] + sample["output"]
+    ids = torch.tensor([tokens])
+    logits = model(ids, torch.arange(len(tokens)).unsqueeze(0), attention_mask=None)[0]
+    start = len(sample["prompt"])
+    return token_logprobs(logits[start - 1:-1], torch.tensor(sample["output"]))
+
+
+def push(server, port: int, first: bool) -> threading.Thread:
+    """The engine's side of one update, as an RL framework drives it over HTTP."""
+    def run():
+        if first:
+            server.post("/init_weights_update_group", {
+                "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "group_name": GROUP, "backend": "gloo"}, timeout=300)
+        server.post("/begin_weight_update")
+        server.post("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
+                                                         "group_name": GROUP, "load_format": "source_patch"},
+                    timeout=300)
+        server.post("/end_weight_update")
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def record_routes(model) -> dict:
+    """{layer (0-based, as SGLang): routing map of the last forward} from the twin's routers."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routes = {}
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.register_forward_hook(
+                lambda m, inputs, out: routes.__setitem__(m.layer_number - 1, out[1].detach()))
+    return routes
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    run = Path(args.out).resolve() / time.strftime("rl-%Y%m%d-%H%M%S")
+    run.mkdir(parents=True)
+    port = free_port()
+    os.environ.update({"SOURCE_PATCH_WEIGHT_SYNC_ENABLE": "1", "SOURCE_PATCH_WEIGHT_SYNC_PORT": str(port),
+                       "SOURCE_PATCH_WEIGHT_SYNC_WORLD_SIZE": "2", "SOURCE_PATCH_WEIGHT_SYNC_BACKEND": "gloo"})
+    activate(["megatron_cpu", "weight_sync"])  # before Megatron is imported
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from source_patch.runtime.dump.logprobs import mismatch, rollout_logprobs
+    from source_patch.runtime.weights import twin
+
+    checkpoint = tiny_checkpoint()
+    print("starting SGLang (sglang_cpu, moe, dump, weight_sync) ...", flush=True)
+    env = {"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(run / "routes"),
+           "SOURCE_PATCH_DUMP_DIR": str(run / "dumps"), "SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "120"}
+    with SGLangServer(checkpoint, specs=["moe", "dump", "weight_sync"], env=env, workdir=run,
+                      args=["--disable-radix-cache", "--skip-server-warmup"]) as server:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+        torch.manual_seed(0)
+        model = twin.build(checkpoint).train()
+        routes = record_routes(model)
+        ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig())
+        optimizer = get_megatron_optimizer(  # patched: weight sync remembers optimizer -> model
+            OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, params_dtype=torch.float32), [ddp])
+        for iteration in range(1, args.iterations + 1):
+            samples = rollout(server, args.new_tokens)
+            versions = sorted({str(s["version"]) for s in samples})
+            engine = torch.cat([rollout_logprobs(s["logps"]) for s in samples])
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            train, agree = [], {}
+            for s in samples:
+                train.append(twin_logps(ddp, s))
+                for layer, (same, n) in same_experts(engine_routes(run / "routes", s["rid"]), routes).items():
+                    agree[layer] = [a + b for a, b in zip(agree.get(layer, [0, 0]), (same, n))]
+            rewards = [reward(s["output"]) for s in samples]
+            baseline = sum(rewards) / len(rewards)
+            loss = -sum((r - baseline) * lp.sum() for r, lp in zip(rewards, train)) / len(samples)
+            loss.backward()
+            ddp.finish_grad_sync()
+            print(f"iteration {iteration}: engine served weight version {', '.join(versions)}; "
+                  f"mean reward {baseline:.3f}", flush=True)
+            print(f"  mismatch: {mismatch(engine, torch.cat([t.detach() for t in train])).line()}", flush=True)
+            print("  routing agreement per layer: " + ", ".join(
+                f"{layer}: {same / n:.1%} of {n}" for layer, (same, n) in sorted(agree.items())), flush=True)
+            receiver = push(server, port, first=iteration == 1)
+            success, grad_norm, _ = optimizer.step()  # patched: pushes the new weights
+            receiver.join(300)
+            print(f"  step: success {success}, grad norm {float(grad_norm):.3f}; weights pushed", flush=True)
+        final = rollout(server, args.new_tokens)
+        print(f"after {args.iterations} updates the engine serves weight version "
+              f"{', '.join(sorted({str(s['version']) for s in final}))}", flush=True)
+    os._exit(0)  # the update group's peer is gone; do not wait in its teardown
+
+
+if __name__ == "__main__":
+    sys.exit(main())
