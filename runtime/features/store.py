@@ -34,6 +34,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import torch
 
+from ..core.settings import boolean
 from .ref import DTYPES, MAX_DIMS, MAX_TENSOR_BYTES, MAX_TENSORS, FeatureRef, RefError, check_id, meta_of
 
 __all__ = ["FeatureStore", "SharedDirStore", "StoreError", "open_store"]
@@ -371,21 +372,10 @@ def sync_dir(folder: str) -> None:
 
 # -- the factory ------------------------------------------------------------------
 
-def _flag(value) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not a boolean: {value!r}")
-
-
-DIR_OPTIONS = {"store": str, "fsync": _flag}
+DIR_OPTIONS = {"store": str, "fsync": boolean}
 MOONCAKE_OPTIONS = {"store": str, "segment_mb": int, "buffer_mb": int, "pool_mb": int, "direct_kb": int,
                     "local_hostname": str, "metadata_server": str, "protocol": str, "device_name": str,
-                    "hard_pin": _flag}
+                    "hard_pin": boolean}
 
 
 def _options(url: str, query: str, given: dict, schema: dict) -> dict:
