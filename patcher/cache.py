@@ -105,9 +105,10 @@ class CodeCache:
         self.writable = True
         self._trusted: bool | None = None  # checked on first use
 
-    def path(self, k: bytes) -> Path:
+    def path(self, k: bytes, specs: bool = False) -> Path:
+        """Code objects in ``<xx>/``, compiled specs apart in ``specs/<xx>/``."""
         name = k.hex()
-        return self.dir / name[:2] / f"{name}.spc"
+        return (self.dir / "specs" if specs else self.dir) / name[:2] / f"{name}.spc"
 
     def usable(self) -> bool:
         if self._trusted is None:
@@ -121,19 +122,19 @@ class CodeCache:
         return self._trusted
 
     def get(self, k: bytes) -> CodeType | None:
-        code = self._load(k)
+        code = self._load(self.path(k), k)
         return code if isinstance(code, CodeType) else None
 
     def get_data(self, k: bytes) -> tuple | None:
         """A stored tuple (a compiled spec), or None."""
-        data = self._load(k)
+        data = self._load(self.path(k, specs=True), k)
         return data if isinstance(data, tuple) else None
 
-    def _load(self, k: bytes):
+    def _load(self, path: Path, k: bytes):
         if not self.usable():
             return None
         try:
-            data = self.path(k).read_bytes()
+            data = path.read_bytes()
         except OSError:
             return None
         if len(data) < _HEADER or data[:4] != MAGIC or data[4:36] != k:
@@ -154,7 +155,7 @@ class CodeCache:
             return False
         payload = marshal.dumps(value)
         blob = MAGIC + k + len(payload).to_bytes(8, "little") + hashlib.sha256(payload).digest() + payload
-        target = self.path(k)
+        target = self.path(k, specs=isinstance(value, tuple))
         try:
             import tempfile  # only writes pay for it
 

@@ -20,7 +20,7 @@ from source_patch.runtime.dump.reader import load  # noqa: E402
 
 RUN = Path(__file__).parent / "e2e" / "dump_run.py"
 STEPS, MICROBATCHES, LAYERS = 2, 2, 4
-LAYER_NAMES = ("layer_input", "attention_output", "pre_mlp_residual", "mlp_output", "layer_output")
+LAYER_NAMES = ("layer_input", "attention_output", "pre_mlp_residual", "mlp_output", "layer_output", "routing_map")
 MODEL_NAMES = ("embedding_output", "final_hidden", "logits")
 
 
@@ -64,6 +64,9 @@ def test_every_name_layer_step_and_microbatch_is_dumped_with_its_tags(runs):
     for r in records:
         assert r.phase == "fwd_bwd" and r.rank == 0
         assert {"tp", "pp", "ep", "dp"} <= r.tags.keys()
+        if r.name == "routing_map":  # the router's view: [s * b, experts]
+            assert r.shape == (32 * 8, 8) and r.dtype == "bool"
+            continue
         hidden = 128 if r.name == "logits" else 64  # vocab for logits
         assert r.shape == (32, 8, hidden) and r.dtype == "float32"
 

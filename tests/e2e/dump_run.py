@@ -36,6 +36,7 @@ class Recorder:
             layer.self_attention.register_forward_hook(self.output("attention_output", n))
             layer.pre_mlp_layernorm.register_forward_pre_hook(self.input("pre_mlp_residual", n))
             layer.mlp.register_forward_hook(self.output("mlp_output", n))
+            layer.mlp.router.register_forward_hook(self.output("routing_map", n, index=1))  # (probs, map)
 
     def next_microbatch(self):
         self.microbatch += 1
@@ -51,9 +52,9 @@ class Recorder:
             self.keep(name, layer, args[0] if args else kwargs["hidden_states"])
         return hook
 
-    def output(self, name, layer=None):
+    def output(self, name, layer=None, index=0):
         def hook(module, args, output):
-            self.keep(name, layer, output[0] if isinstance(output, (tuple, list)) else output)
+            self.keep(name, layer, output[index] if isinstance(output, (tuple, list)) else output)
         return hook
 
 
