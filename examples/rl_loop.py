@@ -9,7 +9,9 @@ Each iteration:
 2. the Megatron-Core twin of the same checkpoint (this process, under
    ``megatron_cpu,weight_sync``) computes its log-probs of the same tokens: the
    train-inference mismatch is printed (|dlogp|, k3 KL, TIS), and its routers' expert
-   choices against the routes the engine captured (``moe``) per layer;
+   choices against the routes the engine captured (``moe``) per layer; then again
+   with routing replay: the twin routes every token as the engine did (the engine's
+   records aligned to the twin's batch; expert ids replayed, weights recomputed);
 3. the twin takes one training step on the rollout (a REINFORCE-style loss: the
    generated tokens' log-probs weighted by a toy reward), and the patched
    ``optimizer.step()`` pushes the new weights to the engine through weight sync;
@@ -108,6 +110,27 @@ def push(server, port: int, first: bool) -> threading.Thread:
     return thread
 
 
+def replayed_logps(model, sample, engine_record):
+    """The twin's log-probs with the engine's routes replayed (ids; weights recomputed)."""
+    import torch
+
+    from source_patch.runtime.routing import megatron as routing
+    from source_patch.runtime.routing.align import BatchLayout, align_to_megatron
+
+    n = len(sample["prompt"]) + len(sample["output"])
+    layout = BatchLayout(seq_len=n, rows=(((engine_record.sample_ids[0], 0, n),),))
+    # The last generated token is never fed back: the engine has no route for it.
+    aligned = align_to_megatron([engine_record], layout, layer_offset=1, missing_tail=1)
+    routing.set_replay({(0, 0): aligned})
+    routing.set_position(step=0, microbatch=0)
+    routing.configure(mode="replay")
+    try:
+        with torch.no_grad():
+            return twin_logps(model, sample)
+    finally:
+        routing.configure(mode="off")
+
+
 def record_routes(model) -> dict:
     """{layer (0-based, as SGLang): routing map of the last forward} from the twin's routers."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -127,7 +150,7 @@ def main(argv=None) -> None:
     port = free_port()
     os.environ.update({"SOURCE_PATCH_WEIGHT_SYNC_ENABLE": "1", "SOURCE_PATCH_WEIGHT_SYNC_PORT": str(port),
                        "SOURCE_PATCH_WEIGHT_SYNC_WORLD_SIZE": "2", "SOURCE_PATCH_WEIGHT_SYNC_BACKEND": "gloo"})
-    activate(["megatron_cpu", "weight_sync"])  # before Megatron is imported
+    activate(["megatron_cpu", "weight_sync", "moe"])  # before Megatron is imported
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -157,10 +180,12 @@ def main(argv=None) -> None:
             engine = torch.cat([rollout_logprobs(s["logps"]) for s in samples])
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
-            train, agree = [], {}
+            train, replayed, agree = [], [], {}
             for s in samples:
+                record = engine_routes(run / "routes", s["rid"])
+                replayed.append(replayed_logps(ddp, s, record))
                 train.append(twin_logps(ddp, s))
-                for layer, (same, n) in same_experts(engine_routes(run / "routes", s["rid"]), routes).items():
+                for layer, (same, n) in same_experts(record, routes).items():
                     agree[layer] = [a + b for a, b in zip(agree.get(layer, [0, 0]), (same, n))]
             rewards = [reward(s["output"]) for s in samples]
             baseline = sum(rewards) / len(rewards)
@@ -170,6 +195,7 @@ def main(argv=None) -> None:
             print(f"iteration {iteration}: engine served weight version {', '.join(versions)}; "
                   f"mean reward {baseline:.3f}", flush=True)
             print(f"  mismatch: {mismatch(engine, torch.cat([t.detach() for t in train])).line()}", flush=True)
+            print(f"  with routing replay: {mismatch(engine, torch.cat(replayed)).line()}", flush=True)
             print("  routing agreement per layer: " + ", ".join(
                 f"{layer}: {same / n:.1%} of {n}" for layer, (same, n) in sorted(agree.items())), flush=True)
             receiver = push(server, port, first=iteration == 1)
