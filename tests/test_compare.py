@@ -53,6 +53,8 @@ def test_the_twin_and_the_engine_agree_on_every_layer(sglang_checkpoint, rollout
     # Same weights, same tokens: every token picks the same experts in every MoE layer.
     assert [r["layer"] for r in report.routing] == [0, 1] and report.routing_any_differ == 0.0
     assert all(r["agreement"] == 1.0 and r["tokens"] == report.tokens for r in report.routing)
+    # The generated tokens' log-probs from both sides' logits (the RL figures).
+    assert report.logprobs["tokens"] == 6 and report.logprobs["max_abs_diff"] < 1e-4
     out = tmp_path / "report.json"
     from source_patch.patcher import cli
 
@@ -207,3 +209,27 @@ def test_routing_agreement_pairs_sglang_topk_ids_with_megatron_routing_maps():
     assert report.routing_any_differ == 0.25
     assert report.to_json()["routing"]["tokens_differing_any_layer"] == 0.25
     assert "routing agreement      0      4     75.00%" in report.table()
+
+
+def test_next_token_log_probs_come_from_both_sides_logits():
+    """Logits at (request, p) with the token at p + 1 known: each side's log-prob of it."""
+    import torch
+
+    from source_patch.runtime.dump.logprobs import mismatch, token_logprobs
+
+    torch.manual_seed(0)
+    tokens, logits = torch.tensor([3, 1, 4, 1]), torch.randn(4, 8)
+    tags = {"step": 0, "rank": 0}
+
+    def side(values):
+        return [compare.Rec("input_ids", tags, tokens), compare.Rec("positions", tags, torch.arange(4)),
+                compare.Rec("row_request", {**tags, "rids": ["r"]}, torch.zeros(4, dtype=torch.int32)),
+                compare.Rec("logits", tags, values)]
+
+    shifted = logits.clone()
+    shifted[1, 4] += 1.0  # training disagrees about the token after position 1
+    report = compare.compare(side(logits), side(shifted))
+    expected = mismatch(token_logprobs(logits[:3], tokens[1:]), token_logprobs(shifted[:3], tokens[1:]))
+    assert report.logprobs["tokens"] == 3  # position 3 has no next token
+    assert report.logprobs["max_abs_diff"] == expected.max_abs_diff > 0
+    assert f"next-token log-probs: {expected.line()}" in report.table()

@@ -44,7 +44,15 @@ def test_strings_from_the_report_are_escaped():
     assert "<script" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
 
 
+def test_the_log_prob_figures_are_shown_when_present():
+    doc = report()
+    doc["logprobs"] = {"tokens": 6, "mean_abs_diff": 0.0, "max_abs_diff": 1e-7, "k3_kl": None,
+                       "frac_over_ln2": 0.0, "tis_mean": 1.0, "tis_ess": 1.0, "line": "x"}
+    page = compare_html.render(doc)
+    assert "<td>max |dlogp|</td><td>1e-07</td>" in page and "<td>k3 KL(rollout || train)</td><td>n/a</td>" in page
+
+
 def test_sections_without_data_are_left_out(tmp_path):
     path = compare_html.write(report(routing=False), tmp_path / "r.html")
     page = path.read_text()
-    assert page.count("<svg") == 2 and "Routing agreement" not in page
+    assert page.count("<svg") == 2 and "Routing agreement" not in page and "Next-token" not in page

@@ -84,6 +84,7 @@ class Report:
     rtol: float = 1e-4
     routing: list = field(default_factory=list)  # [{"layer", "tokens", "agreement"}], rollout layers
     routing_any_differ: float | None = None      # fraction of tokens routed differently in >= 1 layer
+    logprobs: dict | None = None                 # logprobs.Mismatch.to_json() of the next tokens
 
     @property
     def first_divergent(self):
@@ -101,6 +102,8 @@ class Report:
             lines.append(f"{'routing agreement':18} {r['layer']:>5} {r['tokens']:>6} {r['agreement']:>10.2%}")
         if self.routing_any_differ is not None:
             lines.append(f"tokens routed differently in at least one layer: {self.routing_any_differ:.2%}")
+        if self.logprobs is not None:
+            lines.append(f"next-token log-probs: {self.logprobs['line']}")
         first = self.first_divergent
         lines.append("no divergence" if first is None else f"first divergent: {first[0]} layer {first[1]}")
         return "\n".join(lines)
@@ -110,6 +113,8 @@ class Report:
                "first_divergent": self.first_divergent, "rows": [asdict(r) for r in self.rows]}
         if self.routing:
             out["routing"] = {"per_layer": self.routing, "tokens_differing_any_layer": self.routing_any_differ}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
         return out
 
 
@@ -187,7 +192,26 @@ def compare(rollout, train, *, rtol: float = 1e-4, layer_offset: int = 1) -> Rep
             report.rows.append(_row(name, layer, [a[(name, layer)][k] for k in keys],
                                     [b[other][k] for k in keys], rtol))
     _routing(report, a, b, layer_offset)
+    _next_token_logprobs(report, a, b, ids_a)
     return report
+
+
+def _next_token_logprobs(report: Report, a: dict, b: dict, ids: dict) -> None:
+    """Where both sides hold the logits at (request, p) and the token at p + 1 is known:
+    each side's log-prob of that token, and the RL mismatch figures between them
+    (rollout = behaviour policy).  SGLang keeps one logits row per request and pass, so
+    these are the generated tokens (and the first after the prompt)."""
+    from .logprobs import mismatch, token_logprobs
+
+    la, lb = a.get(("logits", None), {}), b.get(("logits", None), {})
+    keys = sorted(k for k in set(la) & set(lb) if (k[0], k[1] + 1) in ids)
+    if not keys:
+        return
+    targets = torch.tensor([int(ids[(rid, pos + 1)]) for rid, pos in keys])
+    rollout = token_logprobs(torch.stack([la[k].reshape(-1) for k in keys]), targets)
+    train = token_logprobs(torch.stack([lb[k].reshape(-1) for k in keys]), targets)
+    m = mismatch(rollout, train)
+    report.logprobs = {**m.to_json(), "line": m.line()}
 
 
 def _routing(report: Report, a: dict, b: dict, layer_offset: int) -> None:

@@ -35,6 +35,9 @@ def render(report: dict, title: str = "Rollout vs training") -> str:
     routing = report.get("routing")
     if routing and routing.get("per_layer"):
         parts.append(_section("Routing agreement per layer (same set of experts)", _bars(routing)))
+    logprobs = report.get("logprobs")
+    if logprobs:
+        parts.append(_section("Next-token log-probs (rollout = behaviour policy)", _logprobs(logprobs)))
     parts.append(_section("All rows", _table(rows, report.get("rtol"))))
     return ("<!doctype html><html><head><meta charset='utf-8'><title>" + _e(title) + "</title><style>"
             "body{font:14px sans-serif;margin:24px;max-width:800px}table{border-collapse:collapse}"
@@ -140,3 +143,14 @@ def _table(rows: list, rtol) -> str:
         body.append(f"<tr class='{'' if r.get('ok', True) else 'bad'}'>"
                     + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
     return f"<table>{head}{''.join(body)}</table><p>highlighted: relative L2 above rtol {_e(rtol)}</p>"
+
+
+_LOGPROB_ROWS = (("tokens", "tokens"), ("mean_abs_diff", "mean |dlogp|"), ("max_abs_diff", "max |dlogp|"),
+                 ("k3_kl", "k3 KL(rollout || train)"), ("frac_over_ln2", "share with |dlogp| > ln 2"),
+                 ("tis_mean", "truncated IS weight, mean"), ("tis_ess", "truncated IS, ESS / n"))
+
+
+def _logprobs(figures: dict) -> str:
+    cells = "".join(f"<tr><td>{_e(label)}</td><td>{_e('n/a' if figures.get(key) is None else figures.get(key))}</td></tr>"
+                    for key, label in _LOGPROB_ROWS)
+    return f"<table>{cells}</table>"
