@@ -11,7 +11,8 @@ Each iteration:
    train-inference mismatch is printed (|dlogp|, k3 KL, TIS), and its routers' expert
    choices against the routes the engine captured (``moe``) per layer; then again
    with routing replay: the twin routes every token as the engine did (the engine's
-   records aligned to the twin's batch; expert ids replayed, weights recomputed);
+   records aligned to the twin's batch): expert ids replayed and weights recomputed,
+   then ids and the engine's own combine weights replayed;
 3. the twin takes one training step on the rollout (a REINFORCE-style loss: the
    generated tokens' log-probs weighted by a toy reward), and the patched
    ``optimizer.step()`` pushes the new weights to the engine through weight sync;
@@ -110,8 +111,9 @@ def push(server, port: int, first: bool) -> threading.Thread:
     return thread
 
 
-def replayed_logps(model, sample, engine_record):
-    """The twin's log-probs with the engine's routes replayed (ids; weights recomputed)."""
+def replayed_logps(model, sample, engine_record, weights: bool = False):
+    """The twin's log-probs with the engine's routes replayed: ids (weights recomputed
+    from the twin's scores), or ids and the engine's weights."""
     import torch
 
     from source_patch.runtime.routing import megatron as routing
@@ -123,7 +125,7 @@ def replayed_logps(model, sample, engine_record):
     aligned = align_to_megatron([engine_record], layout, layer_offset=1, missing_tail=1)
     routing.set_replay({(0, 0): aligned})
     routing.set_position(step=0, microbatch=0)
-    routing.configure(mode="replay")
+    routing.configure(mode="replay", replay_probs=weights)
     try:
         with torch.no_grad():
             return twin_logps(model, sample)
@@ -180,10 +182,11 @@ def main(argv=None) -> None:
             engine = torch.cat([rollout_logprobs(s["logps"]) for s in samples])
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
-            train, replayed, agree = [], [], {}
+            train, replayed, replayed_w, agree = [], [], [], {}
             for s in samples:
                 record = engine_routes(run / "routes", s["rid"])
                 replayed.append(replayed_logps(ddp, s, record))
+                replayed_w.append(replayed_logps(ddp, s, record, weights=True))
                 train.append(twin_logps(ddp, s))
                 for layer, (same, n) in same_experts(record, routes).items():
                     agree[layer] = [a + b for a, b in zip(agree.get(layer, [0, 0]), (same, n))]
@@ -195,7 +198,8 @@ def main(argv=None) -> None:
             print(f"iteration {iteration}: engine served weight version {', '.join(versions)}; "
                   f"mean reward {baseline:.3f}", flush=True)
             print(f"  mismatch: {mismatch(engine, torch.cat([t.detach() for t in train])).line()}", flush=True)
-            print(f"  with routing replay: {mismatch(engine, torch.cat(replayed)).line()}", flush=True)
+            print(f"  replay ids:          {mismatch(engine, torch.cat(replayed)).line()}", flush=True)
+            print(f"  replay ids+weights:  {mismatch(engine, torch.cat(replayed_w)).line()}", flush=True)
             print("  routing agreement per layer: " + ", ".join(
                 f"{layer}: {same / n:.1%} of {n}" for layer, (same, n) in sorted(agree.items())), flush=True)
             receiver = push(server, port, first=iteration == 1)

@@ -23,8 +23,8 @@ def test_three_iterations_serve_weight_versions_1_2_3(tmp_path):
     assert lines[-1] == "after 3 updates the engine serves weight version 3"
     # The engine computes what the trainer computes, with the trainer's pushed weights.
     mismatches = [float(re.search(r"max (\S+)", line).group(1)) for line in lines
-                  if "mismatch:" in line or "with routing replay:" in line]
-    assert len(mismatches) == 6 and max(mismatches) < 1e-4  # without and with replay, each iteration
+                  if re.match(r"  (mismatch|replay ids|replay ids\+weights):", line)]
+    assert len(mismatches) == 9 and max(mismatches) < 1e-4  # no replay, ids, ids + weights; 3 iterations
     routing = [line for line in lines if "routing agreement per layer" in line]
     assert len(routing) == 3 and all(line.count("100.0%") == 2 for line in routing)
     assert sum("success True" in line for line in lines) == 3

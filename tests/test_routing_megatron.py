@@ -205,6 +205,32 @@ def test_capture_replay_in_memory_with_grad(rt, tmp_path):
     assert torch.equal(topk_call(rt, 1, scores)[1], rec.indices[1])
 
 
+def test_replay_probs_puts_the_recorded_weights_at_the_recorded_ids(rt):
+    """replay_probs: the router's combine weights are the record's, not recomputed; a
+    record without weights is a clear error."""
+    from source_patch.runtime.routing.record import RoutingRecord
+
+    ids = torch.tensor([[1, 2], [3, 0], [7, 6], [4, 5]])
+    weights = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.9, 0.1], [0.5, 0.5]])
+    record = RoutingRecord(indices={1: ids}, probs={1: weights}, num_experts=8, token_order="megatron-sbh",
+                           seq_lens=[2, 2], extra={"step": 0, "microbatch": 0})
+    rt.configure(mode="replay", replay_probs=True)
+    rt.set_replay([record])
+    rt.routing_microbatch_begin()
+    live = torch.randn(4, 8)
+    rt.routing_enter(FakeRouter(1), live.view(2, 2, -1))
+    assert torch.equal(rt.routing_topk(live, torch.topk(live, 2, dim=1))[1], ids)
+    probs = rt.routing_probs(torch.full((4, 8), 0.125))
+    rt.routing_exit()
+    expected = torch.zeros(4, 8).scatter(1, ids, weights)
+    assert torch.equal(probs, expected)
+    rt.set_replay([record.replace(probs=None)])
+    rt.routing_enter(FakeRouter(1), live.view(2, 2, -1))
+    rt.routing_topk(live, torch.topk(live, 2, dim=1))
+    with pytest.raises(rt.RoutingReplayError, match="replay_probs is on but the record has no combine weights"):
+        rt.routing_probs(torch.zeros(4, 8))
+
+
 def test_missing_record_and_fused(rt):
     rt.configure(mode="replay")
     rt.set_replay({})

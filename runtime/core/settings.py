@@ -304,6 +304,9 @@ SCHEMAS["routing"] = {
     "dir": Setting("", text, "capture: records are written here at each step end (and at exit); "
                              "replay: records are read from here; empty = in memory only (capture)"),
     "probs": Setting(False, boolean, "capture also the combine weights (probs) of the chosen experts"),
+    "replay_probs": Setting(False, boolean, "replay also the recorded combine weights (the record's probs) "
+                                            "instead of recomputing them from live scores; no gradient then "
+                                            "reaches the router through them"),
 }
 
 

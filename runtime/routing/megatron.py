@@ -256,6 +256,10 @@ def routing_topk(scores, result):
 
 
 def routing_probs(routing_probs):
+    """The final combine weights: kept (capture with probs), replaced by the record's
+    (replay with replay_probs), else returned as they are."""
+    if not _OFF and _config["mode"] == "replay" and _config.get("replay_probs"):
+        return _replay_probs(routing_probs)
     if _OFF or not _config.get("probs") or _config["mode"] != "capture" or _last_idx is None:
         return routing_probs
     key = (_step, _microbatch)
@@ -539,7 +543,26 @@ def _replay_topk(scores, result):
                                      f"(row {idx[row].tolist()})")
     idx = _on_device(key, rec, scores.device)[_layer]
     _used.setdefault(key, set()).add(_layer)
+    global _last_replay
+    _last_replay = (key, _layer, idx)
     return scores.gather(1, idx), idx
+
+
+_last_replay = None  # (key, layer, indices) of the latest replayed top-k: where its weights go
+
+
+def _replay_probs(routing_probs):
+    """``routing_probs`` [tokens, experts] rebuilt from the record: its weights at its ids."""
+    if _last_replay is None or _last_replay[1] != _layer:
+        raise RoutingReplayError(f"replay_probs: no replayed top-k for this router call ({_where()})")
+    key, layer, idx = _last_replay
+    rec = _for_rank(key)
+    if rec.probs is None or layer not in rec.probs:
+        raise RoutingReplayError(f"step {key[0]}, microbatch {key[1]}, layer {layer}: replay_probs is on but "
+                                 "the record has no combine weights (capture them: SGLang records them; "
+                                 "Megatron with probs: true)")
+    weights = rec.probs[layer].to(routing_probs.device, routing_probs.dtype)
+    return torch.zeros_like(routing_probs).scatter(1, idx, weights)
 
 
 _init()  # settings: environment over the specs' runtime: section over defaults

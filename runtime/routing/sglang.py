@@ -287,7 +287,8 @@ def sglang_routing_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor, rout
                 rids, lens, starts = _S.batch
                 _S.forwards.append({"id": _S.forward_id, "rids": rids, "lens": lens, "starts": starts,
                                     "layers": {}})
-            _S.forwards[-1]["layers"][int(layer_id)] = routed[:rows].detach().clone()
+            _S.forwards[-1]["layers"][int(layer_id)] = (  # ids and their combine weights
+                routed[:rows].detach().clone(), topk_weights[:rows, :num_routed_topk].detach().clone())
             _S.num_experts = num_experts
         return
     ids = _replay_rows(int(layer_id), routed[:rows])
@@ -319,15 +320,16 @@ def records(only=None) -> dict:
                 raise RoutingRecordError(f"request {rid!r}: rows resume at position {start}, expected "
                                          f"{entry['next']} (retracted or re-prefilled request?)")
             entry["next"] = start + n
-            for layer, ids in fw["layers"].items():
-                entry["layers"].setdefault(layer, []).append(ids[off:off + n])
+            for layer, (ids, weights) in fw["layers"].items():
+                entry["layers"].setdefault(layer, []).append((ids[off:off + n], weights[off:off + n]))
             off += n
     out = {}
     for rid, entry in per.items():
-        layers = {k: torch.cat(v).to("cpu", torch.int64) for k, v in entry["layers"].items()}
+        layers = {k: torch.cat([i for i, _ in v]).to("cpu", torch.int64) for k, v in entry["layers"].items()}
         if not layers:
             continue
-        out[rid] = RoutingRecord(indices=layers, num_experts=_S.num_experts, token_order="requests",
+        probs = {k: torch.cat([w for _, w in v]).to("cpu", torch.float32) for k, v in entry["layers"].items()}
+        out[rid] = RoutingRecord(indices=layers, probs=probs, num_experts=_S.num_experts, token_order="requests",
                                  sample_ids=[rid], seq_lens=[entry["next"] - entry["start"]], source="sglang",
                                  extra={"rank": _rank(), "start_pos": entry["start"]})
     return out
