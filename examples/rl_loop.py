@@ -23,6 +23,7 @@ Each iteration:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import threading
@@ -41,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=6)
     p.add_argument("--out", default="sp-rl")
+    p.add_argument("--router-noise", type=float, default=0.0,
+                   help="also measure with the twin's router weights perturbed by this much (relative): a "
+                        "simulated train-inference mismatch that routing replay must remove")
     return p.parse_args(argv)
 
 
@@ -133,6 +137,55 @@ def replayed_logps(model, sample, engine_record, weights: bool = False):
         routing.configure(mode="off")
 
 
+def measure(model, samples, routes_dir: Path, routes: dict):
+    """The twin's log-probs without replay, with the engine's ids, with its ids and
+    weights (no grad), and per-layer routing agreement with the engine."""
+    import torch
+
+    plain, ids, both, agree = [], [], [], {}
+    for s in samples:
+        record = engine_routes(routes_dir, s["rid"])
+        with torch.no_grad():
+            plain.append(twin_logps(model, s))
+        for layer, (same, n) in same_experts(record, routes).items():  # the routes of that forward
+            agree[layer] = [a + b for a, b in zip(agree.get(layer, [0, 0]), (same, n))]
+        ids.append(replayed_logps(model, s, record))
+        both.append(replayed_logps(model, s, record, weights=True))
+    return torch.cat(plain), torch.cat(ids), torch.cat(both), agree
+
+
+def report(engine, measured, prefix: str = "") -> None:
+    from source_patch.runtime.dump.logprobs import mismatch
+
+    plain, ids, both, agree = measured
+    print(f"  {prefix}mismatch:            {mismatch(engine, plain).line()}", flush=True)
+    print(f"  {prefix}replay ids:          {mismatch(engine, ids).line()}", flush=True)
+    print(f"  {prefix}replay ids+weights:  {mismatch(engine, both).line()}", flush=True)
+    print(f"  {prefix}routing agreement per layer: " + ", ".join(
+        f"{layer}: {same / n:.1%} of {n}" for layer, (same, n) in sorted(agree.items())), flush=True)
+
+
+@contextlib.contextmanager
+def perturbed_routers(model, scale: float, seed: int):
+    """Router weights += scale * std * noise for the block (then restored)."""
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    generator = torch.Generator().manual_seed(seed)
+    saved = []
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, TopKRouter):
+                saved.append((m.weight, m.weight.detach().clone()))
+                m.weight.add_(scale * m.weight.std() * torch.randn(m.weight.shape, generator=generator))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for weight, value in saved:
+                weight.copy_(value)
+
+
 def record_routes(model) -> dict:
     """{layer (0-based, as SGLang): routing map of the last forward} from the twin's routers."""
     from megatron.core.transformer.moe.router import TopKRouter
@@ -159,7 +212,7 @@ def main(argv=None) -> None:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from source_patch.runtime.dump.logprobs import mismatch, rollout_logprobs
+    from source_patch.runtime.dump.logprobs import rollout_logprobs
     from source_patch.runtime.weights import twin
 
     checkpoint = tiny_checkpoint()
@@ -182,14 +235,11 @@ def main(argv=None) -> None:
             engine = torch.cat([rollout_logprobs(s["logps"]) for s in samples])
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
-            train, replayed, replayed_w, agree = [], [], [], {}
-            for s in samples:
-                record = engine_routes(run / "routes", s["rid"])
-                replayed.append(replayed_logps(ddp, s, record))
-                replayed_w.append(replayed_logps(ddp, s, record, weights=True))
-                train.append(twin_logps(ddp, s))
-                for layer, (same, n) in same_experts(record, routes).items():
-                    agree[layer] = [a + b for a, b in zip(agree.get(layer, [0, 0]), (same, n))]
+            measured = measure(ddp, samples, run / "routes", routes)
+            if args.router_noise:
+                with perturbed_routers(model, args.router_noise, seed=iteration):
+                    noisy = measure(ddp, samples, run / "routes", routes)
+            train = [twin_logps(ddp, s) for s in samples]
             rewards = [reward(s["output"]) for s in samples]
             baseline = sum(rewards) / len(rewards)
             loss = -sum((r - baseline) * lp.sum() for r, lp in zip(rewards, train)) / len(samples)
@@ -197,11 +247,9 @@ def main(argv=None) -> None:
             ddp.finish_grad_sync()
             print(f"iteration {iteration}: engine served weight version {', '.join(versions)}; "
                   f"mean reward {baseline:.3f}", flush=True)
-            print(f"  mismatch: {mismatch(engine, torch.cat([t.detach() for t in train])).line()}", flush=True)
-            print(f"  replay ids:          {mismatch(engine, torch.cat(replayed)).line()}", flush=True)
-            print(f"  replay ids+weights:  {mismatch(engine, torch.cat(replayed_w)).line()}", flush=True)
-            print("  routing agreement per layer: " + ", ".join(
-                f"{layer}: {same / n:.1%} of {n}" for layer, (same, n) in sorted(agree.items())), flush=True)
+            report(engine, measured)
+            if args.router_noise:
+                report(engine, noisy, prefix=f"router noise {args.router_noise:g}, ")
             receiver = push(server, port, first=iteration == 1)
             success, grad_norm, _ = optimizer.step()  # patched: pushes the new weights
             receiver.join(300)
