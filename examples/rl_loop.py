@@ -14,7 +14,8 @@ Each iteration:
    records aligned to the twin's batch): expert ids replayed and weights recomputed,
    then ids and the engine's own combine weights replayed;
 3. the twin takes one training step on the rollout (a REINFORCE-style loss: the
-   generated tokens' log-probs weighted by a toy reward), and the patched
+   generated tokens' log-probs weighted by a toy reward) with the rollout's routes
+   replayed (ids; weights recomputed, so the routers still learn), and the patched
    ``optimizer.step()`` pushes the new weights to the engine through weight sync;
    the engine loads them inside its own begin/update/end weight-update requests;
 4. the next rollout carries the new ``weight_version``: 1, 2, 3.
@@ -115,9 +116,9 @@ def push(server, port: int, first: bool) -> threading.Thread:
     return thread
 
 
-def replayed_logps(model, sample, engine_record, weights: bool = False):
+def replayed_logps(model, sample, engine_record, weights: bool = False, grad: bool = False):
     """The twin's log-probs with the engine's routes replayed: ids (weights recomputed
-    from the twin's scores), or ids and the engine's weights."""
+    from the twin's scores, so the router still learns), or ids and the engine's weights."""
     import torch
 
     from source_patch.runtime.routing import megatron as routing
@@ -131,7 +132,7 @@ def replayed_logps(model, sample, engine_record, weights: bool = False):
     routing.set_position(step=0, microbatch=0)
     routing.configure(mode="replay", replay_probs=weights)
     try:
-        with torch.no_grad():
+        with torch.enable_grad() if grad else torch.no_grad():
             return twin_logps(model, sample)
     finally:
         routing.configure(mode="off")
@@ -239,7 +240,9 @@ def main(argv=None) -> None:
             if args.router_noise:
                 with perturbed_routers(model, args.router_noise, seed=iteration):
                     noisy = measure(ddp, samples, run / "routes", routes)
-            train = [twin_logps(ddp, s) for s in samples]
+            # The training step routes every token as the rollout did (rollout routing
+            # replay: expert ids replayed, weights recomputed so the router gets gradients).
+            train = [replayed_logps(ddp, s, engine_routes(run / "routes", s["rid"]), grad=True) for s in samples]
             rewards = [reward(s["output"]) for s in samples]
             baseline = sum(rewards) / len(rewards)
             loss = -sum((r - baseline) * lp.sum() for r, lp in zip(rewards, train)) / len(samples)
