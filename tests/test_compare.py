@@ -233,3 +233,24 @@ def test_next_token_log_probs_come_from_both_sides_logits():
     assert report.logprobs["tokens"] == 3  # position 3 has no next token
     assert report.logprobs["max_abs_diff"] == expected.max_abs_diff > 0
     assert f"next-token log-probs: {expected.line()}" in report.table()
+
+
+def test_vocab_parallel_logits_are_joined_across_tensor_parallel_ranks():
+    """Training logits split over TP 2 (a vocabulary half each, same rows) against the
+    rollout's full logits: joined, they compare equal and give the next-token figures."""
+    import torch
+
+    torch.manual_seed(0)
+    tokens, logits = torch.tensor([3, 1, 4, 1]), torch.randn(4, 8)
+
+    def records(rank, tp, values):
+        tags = {"step": 0, "rank": rank, **({} if tp is None else {"tp": tp})}
+        return [compare.Rec("input_ids", tags, tokens), compare.Rec("positions", tags, torch.arange(4)),
+                compare.Rec("row_request", {**tags, "rids": ["r"]}, torch.zeros(4, dtype=torch.int32)),
+                compare.Rec("logits", tags, values)]
+
+    train = records(0, 0, logits[:, :4]) + records(1, 1, logits[:, 4:])
+    report = compare.compare(records(0, None, logits), train)
+    (row,) = [r for r in report.rows if r.name == "logits"]
+    assert row.rows == 4 and row.max_abs == 0.0
+    assert report.logprobs["tokens"] == 3 and report.logprobs["max_abs_diff"] == 0.0

@@ -13,7 +13,8 @@ Every row on both sides is mapped to (request id, token position) first:
 * training: each step's ``row_request`` / ``positions`` records of the same ``[s, b]``
   layout as the activations (written by whoever builds the batch; -1 marks padding),
   per rank: a context-parallel (zigzag) or sequence-parallel rank dumps the row map of
-  its own slice, and the pieces reassemble by (request, position) (layout.py).
+  its own slice, and the pieces reassemble by (request, position) (layout.py);
+  vocab-parallel logits (one vocabulary slice per TP rank) are joined first.
 
 A layout self-test runs before any number is compared: the token id of every paired
 (request, position) must be the same on both sides, or the comparison stops with the
@@ -134,6 +135,29 @@ def _keys(row_map, positions) -> list:
             for i, p in zip(row_map.tensor.reshape(-1).tolist(), positions.tensor.reshape(-1).tolist())]
 
 
+def gather_vocab_parallel(records) -> list:
+    """Logits split over tensor-parallel ranks (Megatron's vocab-parallel output layer:
+    TP rank k holds a contiguous slice of the vocabulary) joined along the vocabulary,
+    in TP order, into one record per step and group; other records unchanged.  A group
+    is the records of one step that differ only in their ``tp`` and ``rank`` tags."""
+    groups: dict = {}
+    out = []
+    for r in records:
+        if r.name == "logits" and r.tags.get("tp") is not None:
+            rest = tuple(sorted((k, str(v)) for k, v in r.tags.items() if k not in ("tp", "rank")))
+            groups.setdefault(rest, []).append(r)
+        else:
+            out.append(r)
+    for shards in groups.values():
+        shards.sort(key=lambda r: r.tags["tp"])
+        if len(shards) > 1 and len({r.tensor.shape[:-1] for r in shards}) == 1:
+            joined = torch.cat([r.tensor for r in shards], dim=-1)
+            out.append(Rec("logits", shards[0].tags, joined))  # keeps the lowest TP rank's rank tag
+        else:
+            out.extend(shards)
+    return out
+
+
 def index_rows(records) -> dict:
     """{(name, layer): {(rid, position): row tensor}} of one side's dumps, plus
     ``("input_ids", None)`` for the layout self-test.  Logits are keyed by each
@@ -171,7 +195,7 @@ def index_rows(records) -> dict:
 def compare(rollout, train, *, rtol: float = 1e-4, layer_offset: int = 1) -> Report:
     """The report for two dump directories (or lists of :class:`Rec`)."""
     a = index_rows(rollout if isinstance(rollout, list) else load(rollout))
-    b = index_rows(train if isinstance(train, list) else load(train))
+    b = index_rows(gather_vocab_parallel(train if isinstance(train, list) else load(train)))
     ids_a, ids_b = a.get(("input_ids", None), {}), b.get(("input_ids", None), {})
     shared = sorted(set(ids_a) & set(ids_b))
     if not shared:
