@@ -138,14 +138,13 @@ def replayed_logps(model, sample, engine_record, weights: bool = False, grad: bo
         routing.configure(mode="off")
 
 
-def measure(model, samples, routes_dir: Path, routes: dict):
+def measure(model, samples, records, routes: dict):
     """The twin's log-probs without replay, with the engine's ids, with its ids and
     weights (no grad), and per-layer routing agreement with the engine."""
     import torch
 
     plain, ids, both, agree = [], [], [], {}
-    for s in samples:
-        record = engine_routes(routes_dir, s["rid"])
+    for s, record in zip(samples, records):
         with torch.no_grad():
             plain.append(twin_logps(model, s))
         for layer, (same, n) in same_experts(record, routes).items():  # the routes of that forward
@@ -236,13 +235,14 @@ def main(argv=None) -> None:
             engine = torch.cat([rollout_logprobs(s["logps"]) for s in samples])
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
-            measured = measure(ddp, samples, run / "routes", routes)
+            records = [engine_routes(run / "routes", s["rid"]) for s in samples]  # read once
+            measured = measure(ddp, samples, records, routes)
             if args.router_noise:
                 with perturbed_routers(model, args.router_noise, seed=iteration):
-                    noisy = measure(ddp, samples, run / "routes", routes)
+                    noisy = measure(ddp, samples, records, routes)
             # The training step routes every token as the rollout did (rollout routing
             # replay: expert ids replayed, weights recomputed so the router gets gradients).
-            train = [replayed_logps(ddp, s, engine_routes(run / "routes", s["rid"]), grad=True) for s in samples]
+            train = [replayed_logps(ddp, s, record, grad=True) for s, record in zip(samples, records)]
             rewards = [reward(s["output"]) for s in samples]
             baseline = sum(rewards) / len(rewards)
             loss = -sum((r - baseline) * lp.sum() for r, lp in zip(rewards, train)) / len(samples)

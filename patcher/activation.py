@@ -85,7 +85,7 @@ def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
         raise ActivationError(
             f"already imported, so they cannot be patched: {names}. Activate earlier "
             f"(SOURCE_PATCH=... in the environment, or activate() before the first import)")
-    _check_targets(new, strict=os.environ.get(STRICT, "").strip() in ("1", "true", "yes"))
+    _check_targets(new, strict=_flag(os.environ, STRICT))
     finder = _finder(cache_dir)
     for s in new:
         finder.add(s)
@@ -113,6 +113,10 @@ def _check_targets(specs: list[spec_mod.Spec], strict: bool) -> None:
                 raise ActivationError(message)
             warnings.warn(f"source-patch: {message} ({STRICT}=1 makes this an error)",
                           SourcePatchWarning, stacklevel=3)
+
+
+def _flag(environ, name: str) -> bool:
+    return environ.get(name, "").strip() in ("1", "true", "yes")
 
 
 def _gated(requires) -> bool:
@@ -221,7 +225,7 @@ def activate_from_env(environ=os.environ) -> Activation | None:
         paths = [str(spec_mod.resolve(r)) for r in refs]
         environ[ENV] = ",".join(paths)
         activation = activate(paths)
-        if environ.get(REPORT, "").strip() in ("1", "true", "yes"):
+        if _flag(environ, REPORT):
             import atexit
 
             atexit.register(lambda: _say(f"source-patch report (pid {os.getpid()}):\n{activation.report()}"))

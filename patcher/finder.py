@@ -207,7 +207,7 @@ def _version_beside(dist: str, site_dir: str) -> str | None:
         return None
     for entry in entries:  # `<name>-<version>.dist-info`, the name in any spelling
         if entry.endswith(".dist-info") and _normalize(entry[:n - 1]) + entry[n - 1:n] == wanted:
-            return _metadata_version(os.path.join(site_dir, entry, "METADATA"))
+            return metadata_fields(os.path.join(site_dir, entry, "METADATA"), ("Version",)).get("Version")
     return None
 
 
@@ -228,17 +228,23 @@ def site_dir_of(fullname: str, origin: str | None) -> str | None:
     return directory
 
 
-def _metadata_version(path: str) -> str | None:
+def metadata_fields(path, names) -> dict[str, str]:
+    """The first value of each of ``names`` in a METADATA file's header block (read only
+    until all are found, or the header ends); missing or unreadable: left out."""
+    out: dict[str, str] = {}
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("Version:"):
-                    return line.split(":", 1)[1].strip()
                 if not line.strip():
                     break  # end of the header block
+                key, _, value = line.partition(":")
+                if key in names and key not in out:
+                    out[key] = value.strip()
+                    if len(out) == len(names):
+                        break
     except OSError:
         pass
-    return None
+    return out
 
 
 class PatchingLoader(importlib.machinery.SourceFileLoader):

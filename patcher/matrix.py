@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import AnchorError, SourcePatchError
-from .finder import unmet
+from .finder import metadata_fields, unmet
 from .locate import NotFound, find_source
 from .spec import Patch, Spec
 
@@ -82,7 +82,7 @@ def release(path: str | Path, cache: Path = CACHE) -> Release:
     infos = sorted(root.glob("*.dist-info"))
     if len(infos) != 1:
         raise SourcePatchError(f"{root}: expected one *.dist-info, found {len(infos)}")
-    meta = _metadata(infos[0] / "METADATA")
+    meta = metadata_fields(infos[0] / "METADATA", ("Name", "Version"))
     tops = {p.name for p in root.iterdir() if p.is_dir() and not p.name.endswith((".dist-info", ".data"))}
     return Release(meta.get("Name", infos[0].name), meta.get("Version", "?"), str(root), tops)
 
@@ -96,16 +96,6 @@ def _unpack(wheel: Path, root: Path) -> None:
                     raise SourcePatchError(f"{wheel}: unsafe path in the archive: {name}")
                 zf.extract(name, root)
     (root / ".complete").touch()
-
-
-def _metadata(path: Path) -> dict[str, str]:
-    out = {}
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            break
-        key, _, value = line.partition(":")
-        out.setdefault(key.strip(), value.strip())
-    return out
 
 
 # --------------------------------------------------------------------------- checking
@@ -133,9 +123,9 @@ def check_release(specs: list[Spec], rel: Release) -> dict[str, Cell]:
             lenient = [dataclasses.replace(p, on_drift="skip") for _, p in pairs]
             result = rewrite(path.read_text(encoding="utf-8"), lenient, module=module,
                              file=str(path), version=lambda: rel.label)
-            dropped = {p.id + "\0" + p.spec_name: err for p, err in result.dropped}
+            dropped = {(p.spec_name, p.id): err for p, err in result.dropped}
             for s, p in pairs:
-                err = dropped.get(p.id + "\0" + p.spec_name)
+                err = dropped.get((p.spec_name, p.id))
                 cells[s.file].states[p.id] = (BROKEN, _first_problem(err)) if err else (APPLIES, "")
         except (NotFound, AnchorError, SourcePatchError) as exc:
             for s, p in pairs:
