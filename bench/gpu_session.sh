@@ -3,10 +3,10 @@
 #   here:   pip download the cp312 wheels of megatron-core and libcst into .whl/ (see
 #           ../shared/gpu.md) and `pip wheel --no-deps --no-build-isolation . -w .whl`
 #           and for `newest`: the cp312 wheel of megatron-core 0.19.2 into .whl/next/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [weights] [newest]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [weights] [phases] [newest]
 #           (default: all; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
-#  `weights` needs two GPUs: the nvidia-h200-x2 kind)
+#  `weights` needs two GPUs: the nvidia-h200-x2 kind; `phases` runs on one)
 # The project's wheel goes into the interpreter's own environment, so its .pth start
 # hook runs and SOURCE_PATCH works in child processes as it does for users.
 set -uo pipefail
@@ -17,7 +17,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | ta
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import sys, torch, megatron.core, libcst, source_patch.patcher; print(sys.version.split()[0], torch.__version__)" | tee -a "$OUT/gpu.txt"
 
-parts=${*:-tests dump step routing trace weights newest}
+parts=${*:-tests dump step routing trace weights phases newest}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 if want tests; then
@@ -51,6 +51,10 @@ echo "== weight sync: bucketed vs per-tensor vs raw broadcast, 2 GPUs over NCCL"
 nvidia-smi topo -m 2>&1 | head -4 | tee "$OUT/topo.txt"
 timeout 240 python3 bench/weight_sync_bench.py --gb 4 2>&1 | tee "$OUT/weight_sync_bench.txt" | tail -20
 timeout 240 python3 bench/weight_sync_bench.py --gb 4 --small-frac 0.5 2>&1 | tee "$OUT/weight_sync_bench_small.txt" | tail -20
+fi
+if want phases; then
+echo "== weight sync phases (one GPU, one process): pack, checksum, receivers, load, d2d copy"
+timeout 200 python3 bench/weight_sync_bench.py --phases 2>&1 | tee "$OUT/weight_sync_phases.txt" | tail -60
 fi
 if want newest; then
 echo "== megatron-core 0.19.2 (the newest release): the demo under the shipped specs"

@@ -8,6 +8,7 @@ Transport: two processes over gloo run scenario after scenario on one group
 weight-update code with its Qwen3MoeForCausalLM (tests/e2e/weight_sync_engine.py).
 """
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -25,6 +26,7 @@ from source_patch.runtime.weights import sync as weight_sync
 from source_patch.runtime.weights import transport as wt
 
 E2E = Path(__file__).parent / "e2e"
+ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(E2E))
 import weight_sync_models as models  # noqa: E402
 
@@ -75,6 +77,96 @@ def test_a_bad_manifest_is_refused_with_a_reason(change, error):
     change(doc)
     with pytest.raises(ValueError, match=error):
         wt.Manifest.from_json(json.dumps(doc).encode(), max_update_bytes=1 << 40)
+
+
+def mixed_tensors():
+    """Runs of three tensors of one dtype (every dtype; uint8 ones share a copy with the
+    byte ranges of split tensors), sizes not multiples of 16 bytes, a tensor over several
+    buckets, a 0-d and an empty one: with 256-byte buckets most tensors share or cross
+    bucket ends."""
+    gen = torch.Generator().manual_seed(3)
+    dtypes = [torch.float32, torch.bfloat16, torch.uint8, torch.int8, torch.bool, torch.float64, torch.int64,
+              torch.float16]
+    out = [(f"t{i}", (torch.randn(int(torch.randint(1, 100, (1,), generator=gen)), generator=gen) * 9)
+            .to(dtypes[i // 3 % len(dtypes)])) for i in range(50)]
+    out[20:20] = [("big", torch.randn(30, 40, generator=gen)), ("scalar", torch.tensor(1.5)),
+                  ("empty", torch.zeros(0, 2))]
+    return out
+
+
+def test_packed_buckets_are_the_bytes_the_receiver_reconstructs():
+    data = mixed_tensors()
+    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=3)
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    wt.send(tx, m, (t for _, t in data))
+    received = wt.receive(rx).tensors
+    assert [n for n, _ in received] == [n for n, _ in data]
+    assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, data))
+    stream = rx.staged[1]  # the receiver's staging buffer: the update's byte stream
+    packing = wt._Packing(m, torch.device("cpu"))
+    packed = 0
+    for k, sources in packing.batches(t for _, t in data):
+        bucket = packing.pack(k, sources)
+        assert torch.equal(bucket, stream[slice(*m.window(k))]), k
+        assert torch.equal(bucket, tx.messages[2 + 2 * k]), k  # header, manifest, then (bytes, sum) per bucket
+        packed += 1
+    assert packed == m.buckets > 10
+    for e, (_, t) in zip(m.entries, data):  # each tensor's bytes at its planned offset
+        assert torch.equal(stream[e.offset: e.offset + e.nbytes], t.reshape(-1).view(torch.uint8)), e.name
+
+
+def test_the_same_link_delivers_update_after_update_in_both_stages():
+    data = mixed_tensors()
+    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    for version, stage in enumerate(["update", "bucket", "update", "bucket"], 1):
+        data = [(n, t + version if t.dtype != torch.bool else t) for n, t in data]  # new values, same layout
+        tx.rewind()
+        rx.rewind()
+        wt.send(tx, dataclasses.replace(m, version=version), (t for _, t in data))
+        update = wt.receive(rx, stage=stage)
+        assert update.version == version
+        handed = 0
+        for (name, got), (_, want) in zip(update.tensors, data):
+            assert torch.equal(got, want), (stage, name)  # before the next: streamed buffers are reused
+            handed += 1
+        assert handed == len(data)
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda ts: ts.__setitem__(5, ts[5][:-1]), r"t5: got \(\d+,\) torch.bfloat16, planned \(\d+,\) torch.bfloat16"),
+    (lambda ts: ts.__setitem__(7, ts[7].double()), r"t7: got \(\d+,\) torch.float64, planned \(\d+,\) torch.uint8"),
+    (lambda ts: ts.__setitem__(20, ts[20].t()), r"big: got \(40, 30\) torch.float32, planned \(30, 40\)"),
+    (lambda ts: ts.pop(), "got fewer tensors than the manifest's 53"),
+    (lambda ts: ts.append(ts[0]), "got more tensors than the manifest's 53"),
+])
+def test_a_tensor_that_does_not_match_the_plan_fails_the_send(change, error):
+    data = mixed_tensors()
+    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
+    link = wt.LoopbackLink("cpu", record=False)
+    tensors = [t for _, t in data]
+    change(tensors)
+    with pytest.raises(wt.WeightSyncError, match=error):
+        wt.send(link, m, iter(tensors))
+    wt.send(link, m, (t for _, t in data))  # the link's packing is still good
+
+
+def test_the_benchs_phase_breakdown_runs_on_cpu(capsys):
+    spec = importlib.util.spec_from_file_location("weight_sync_bench", ROOT / "bench" / "weight_sync_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        bench.main(["--phases", "--cpu", "--gb", "0.004", "--small-frac", "0.5", "--bucket-mb", "1",
+                    "--rounds", "1", "--warmup", "0"])
+    finally:
+        torch.set_num_threads(threads)  # the bench runs on one thread
+    out = capsys.readouterr().out
+    assert "check: packed buckets == broadcast bytes; both stages hand out all" in out
+    for _, label in bench.PHASE_ROWS:
+        assert label in out
 
 
 def test_the_bundled_specs_anchor_in_the_installed_upstreams():

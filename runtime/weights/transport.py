@@ -38,6 +38,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 import re
 import time
 from dataclasses import dataclass
@@ -180,6 +181,47 @@ class Link:
         if self.broken:
             raise WeightSyncError(f"the weight-update group is broken ({self.broken}); "
                                   "create a new one")
+
+
+class LoopbackLink(Link):
+    """A Link without a process group, for one process that plays both ends (the
+    bench's ``--phases`` mode, tests).  ``send`` on a sender link records a copy of
+    every broadcast (``record=False``: drops them, a wire that costs nothing);
+    ``receive`` on ``LoopbackLink(device, replay=sender_link)`` gets those copies
+    in order, as if broadcast.  Votes return the caller's own status, and every
+    wait is already done.  ``rewind()`` before each update."""
+
+    def __init__(self, device, record: bool = True, replay: Optional["LoopbackLink"] = None):
+        self.group, self.timeout_s, self.backend = None, 0.0, "loopback"
+        self.device = torch.device(device)
+        self.rank, self.size = (0 if replay is None else 1), 2
+        self.broken = None
+        self.packing = self.known_manifest = self.staged = None
+        self.record, self.source = record, replay
+        self.messages: list = []  # a sender's recorded broadcasts
+        self.position = 0         # a receiver's next message
+
+    def rewind(self) -> None:
+        """Before each update: a sender forgets the last one, a receiver replays from the start."""
+        if self.source is None:
+            self.messages.clear()
+        self.position = 0
+
+    def broadcast(self, tensor: torch.Tensor):
+        self._check()
+        if self.source is not None:
+            tensor.copy_(self.source.messages[self.position])
+            self.position += 1
+        elif self.record:
+            self.messages.append(tensor.clone())
+        return None
+
+    def wait(self, work, what: str) -> None:
+        self._check()
+
+    def vote(self, status: int, what: str) -> int:
+        self._check()
+        return status
 
 
 def _first_line(exc: BaseException) -> str:
@@ -334,54 +376,128 @@ def send(link: Link, manifest: Manifest, tensors: Iterable[torch.Tensor]) -> Non
 
 class _Packing:
     """Where each tensor goes in the two bucket buffers, computed once per layout and
-    kept on the link: packing bucket k is then one ``_foreach_copy_`` from its
-    tensors into cached views, with no per-tensor view work in the hot loop."""
+    kept on the link: packing bucket k is then one ``_foreach_copy_`` per dtype from
+    its tensors into cached views, with no per-tensor view work in the hot loop.
+
+    ``batches`` takes and checks the tensors bucket by bucket and ``pack`` copies one
+    bucket into its buffer; the sender interleaves them with its broadcasts, the
+    bench (``--phases``) and the tests drive them without a group."""
 
     def __init__(self, manifest: Manifest, device: torch.device):
+        self.manifest = manifest
         self.key = (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
         self.tensors_json = manifest.tensors_to_json()
         size = min(manifest.bucket_bytes, manifest.total_bytes)
         self.buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2)]
         self.sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=device)
         n = max(manifest.buckets, 1)
-        self.new = [[] for _ in range(n)]      # entries that start in bucket k
-        self.dsts = [[] for _ in range(n)]     # destinations of bucket k's copies
-        self.srcs = [[] for _ in range(n)]     # their sources: (entry, None = all of it | byte range)
-        self.done = [[] for _ in range(n)]     # entries whose last bytes are in bucket k
-        self.split = [False] * n               # any source is a byte range
+        self.new = [[] for _ in range(n)]      # entries that start in bucket k: its batch, in order
+        self.shapes = [[] for _ in range(n)]   # their planned shapes and dtypes, to check the batch against
+        self.dtypes = [[] for _ in range(n)]
+        self.hold = [[] for _ in range(n)]     # (entry, batch position) of those that continue past bucket k
+        self.release = [[] for _ in range(n)]  # entries split over buckets whose last bytes are in k
+        copies = [[] for _ in range(n)]        # (destination view, source: batch position | (entry, byte range))
         for i, e in enumerate(manifest.entries):
-            self.new[min(e.offset // manifest.bucket_bytes, n - 1)].append(i)
-            lo, k = e.offset, None
+            first = min(e.offset // manifest.bucket_bytes, n - 1)
+            position = len(self.new[first])
+            self.new[first].append(i)
+            self.shapes[first].append(e.shape)
+            self.dtypes[first].append(e.dtype)
+            lo, k = e.offset, first
             while lo < e.offset + e.nbytes:
                 k = lo // manifest.bucket_bytes
                 start, end = manifest.window(k)
                 hi = min(e.offset + e.nbytes, end)
                 dst = self.buffers[k % 2][lo - start: hi - start]
-                whole = lo == e.offset and hi == e.offset + e.nbytes
-                self.dsts[k].append(dst.view(e.dtype).view(e.shape) if whole else dst)
-                self.srcs[k].append((i, None if whole else slice(lo - e.offset, hi - e.offset)))
-                self.split[k] |= not whole
+                if lo == e.offset and hi == e.offset + e.nbytes:
+                    copies[k].append((dst.view(e.dtype).view(e.shape), position))
+                else:
+                    copies[k].append((dst, (i, slice(lo - e.offset, hi - e.offset))))
                 lo = hi
-            self.done[min(e.offset // manifest.bucket_bytes, n - 1) if k is None else k].append(i)
-        # torch's fused _foreach_copy_ needs one dtype per call; a bucket mixes whole
-        # tensors with byte ranges of tensors cut by its ends (uint8): one call per dtype.
-        # One mixed call fell back to a copy per tensor (~8 us each, measured on an H200).
-        self.groups = [_by_dtype(dsts) for dsts in self.dsts]
-        self.shapes = [[manifest.entries[i].shape for i in new] for new in self.new]
-        self.dtypes = [[manifest.entries[i].dtype for i in new] for new in self.new]
+            if k != first:
+                self.hold[first].append((i, position))
+                self.release[k].append(i)
+        self.groups = [_by_dtype(c) for c in copies]
 
     def matches(self, manifest: Manifest) -> bool:
         return self.key == (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
 
+    def batches(self, tensors: Iterator[torch.Tensor]) -> Iterator[tuple[int, list]]:
+        """Per bucket k: take the tensors that start in it from ``tensors`` (manifest
+        order), check their shapes and dtypes as a batch, and yield (k, the sources
+        of ``pack(k, ...)``).  Raises WeightSyncError for a wrong shape or dtype and
+        for fewer or more tensors than planned."""
+        # The hot loop (tens of thousands of tensors per update): per tensor only the
+        # check's two attribute reads, in map(); sources are slices of the batch, and
+        # only tensors split over buckets are held from one bucket to the next.
+        # (Reading (shape, dtype) pairs made a tuple per tensor: the cyclic GC then ran
+        # full collections in the loop, and the check took 15x longer at the median.)
+        held: dict = {}  # entry -> tensor, from its first bucket to its last
+        count = len(self.manifest.entries)
+        for k, shapes in enumerate(self.shapes):
+            batch = list(itertools.islice(tensors, len(shapes)))
+            if len(batch) < len(shapes):
+                raise WeightSyncError(f"got fewer tensors than the manifest's {count}")
+            if list(map(_SHAPE, batch)) != shapes or list(map(_DTYPE, batch)) != self.dtypes[k]:
+                self._mismatch(k, batch)
+            for i, position in self.hold[k]:
+                held[i] = batch[position]
+            yield k, [_sources(recipe, batch, held) for _, recipe in self.groups[k]]
+            for i in self.release[k]:
+                del held[i]
+        if next(tensors, None) is not None:
+            raise WeightSyncError(f"got more tensors than the manifest's {count}")
 
-def _by_dtype(dsts: list) -> list:
-    """[(positions in dsts, or None for all of them, the destinations)] per dtype."""
+    def pack(self, k: int, sources: list) -> torch.Tensor:
+        """Copy bucket k's ``sources`` (from ``batches``) into its buffer; returns the
+        bucket's bytes.  The buffer must be free (its previous bucket sent)."""
+        for (dsts, _), srcs in zip(self.groups[k], sources):
+            torch._foreach_copy_(dsts, srcs)
+        start, end = self.manifest.window(k)
+        return self.buffers[k % 2][: end - start]
+
+    def _mismatch(self, k: int, batch: list) -> None:
+        for i, tensor in zip(self.new[k], batch):
+            e = self.manifest.entries[i]
+            if tensor.shape != e.shape or tensor.dtype != e.dtype:
+                raise WeightSyncError(f"{e.name}: got {tuple(tensor.shape)} {tensor.dtype}, "
+                                      f"planned {e.shape} {e.dtype}")
+
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
+def _by_dtype(copies: list) -> list:
+    """[(destinations, recipe of their sources)], one per destination dtype.
+
+    torch's fused _foreach_copy_ needs one dtype per call; a bucket mixes whole
+    tensors with byte ranges (uint8) of the tensors cut by its ends, so one call per
+    dtype (one mixed call fell back to a copy per tensor, ~8 us each on an H200).
+    A recipe is a list of ``slice``s of the bucket's batch (runs of whole tensors)
+    and ``(entry, byte range)`` pieces of split tensors."""
     groups: dict = {}
-    for j, dst in enumerate(dsts):
-        groups.setdefault(dst.dtype, []).append(j)
-    if len(groups) == 1:
-        return [(None, dsts)]
-    return [(positions, [dsts[j] for j in positions]) for positions in groups.values()]
+    for dst, source in copies:
+        dsts, recipe = groups.setdefault(dst.dtype, ([], []))
+        dsts.append(dst)
+        if isinstance(source, int) and recipe and isinstance(recipe[-1], list) and recipe[-1][1] == source:
+            recipe[-1][1] = source + 1  # extends the run
+        else:
+            recipe.append([source, source + 1] if isinstance(source, int) else source)
+    return [(dsts, [slice(*item) if isinstance(item, list) else item for item in recipe])
+            for dsts, recipe in groups.values()]
+
+
+def _sources(recipe: list, batch: list, held: dict) -> list:
+    if len(recipe) == 1 and type(recipe[0]) is slice:  # the common case: one run
+        return batch[recipe[0]]
+    sources = []
+    for item in recipe:
+        if type(item) is slice:
+            sources += batch[item]
+        else:
+            i, part = item
+            sources.append(held[i].reshape(-1).view(torch.uint8)[part])
+    return sources
 
 
 class _Sender:
@@ -406,7 +522,9 @@ class _Sender:
             raise WeightSyncError(f"update v{manifest.version} was refused by an engine rank "
                                   "(bad manifest or not enough memory; see the engine's log)")
         with torch.no_grad():
-            self._pack_and_send(tensors)
+            for k, sources in self.packing.batches(tensors):
+                if k < manifest.buckets:  # an update of 0 bytes has tensors but no bucket
+                    self._flush(k, sources)
         for work in self.works:
             link.wait(work, "bucket")
         verdict = link.vote(OK, "verdict")
@@ -415,45 +533,11 @@ class _Sender:
                 f"update v{manifest.version} failed on an engine rank with {_VERDICTS[verdict]} "
                 "(see its log)")
 
-    def _pack_and_send(self, tensors: Iterator[torch.Tensor]) -> None:
-        # The hot loop: per bucket, take the tensors that start in it, check them as a
-        # batch and copy them with one call (tens of thousands of tensors per update).
-        packing, entries = self.packing, self.manifest.entries
-        live: dict = {}  # entry -> tensor, until its last bytes are packed
-        for k in range(len(packing.new)):
-            batch = list(itertools.islice(tensors, len(packing.new[k])))
-            if len(batch) < len(packing.new[k]):
-                raise WeightSyncError(f"got fewer tensors than the manifest's {len(entries)}")
-            if [t.shape for t in batch] != packing.shapes[k] or [t.dtype for t in batch] != packing.dtypes[k]:
-                self._mismatch(packing.new[k], batch)
-            live.update(zip(packing.new[k], batch))
-            if packing.split[k]:
-                srcs = [live[i] if part is None else live[i].reshape(-1).view(torch.uint8)[part]
-                        for i, part in packing.srcs[k]]
-            else:
-                srcs = [live[i] for i, _ in packing.srcs[k]]
-            for i in packing.done[k]:
-                del live[i]
-            if k < self.manifest.buckets:
-                self._flush(k, srcs)
-        if next(tensors, None) is not None:
-            raise WeightSyncError(f"got more tensors than the manifest's {len(entries)}")
-
-    def _mismatch(self, indices: list, batch: list) -> None:
-        for i, tensor in zip(indices, batch):
-            e = self.manifest.entries[i]
-            if tensor.shape != e.shape or tensor.dtype != e.dtype:
-                raise WeightSyncError(f"{e.name}: got {tuple(tensor.shape)} {tensor.dtype}, "
-                                      f"planned {e.shape} {e.dtype}")
-
-    def _flush(self, k: int, srcs: list) -> None:
+    def _flush(self, k: int, sources: list) -> None:
         link, slot = self.link, k % 2
-        start, end = self.manifest.window(k)
-        data = self.packing.buffers[slot][: end - start]
         if self.in_flight[slot] is not None:  # the buffer's previous bucket must be out
             link.wait(self.in_flight[slot], f"bucket {k - 2}")
-        for positions, dsts in self.packing.groups[k]:
-            torch._foreach_copy_(dsts, [srcs[j] for j in positions] if positions is not None else srcs)
+        data = self.packing.pack(k, sources)
         self.in_flight[slot] = link.broadcast(data)
         self.works.append(self.in_flight[slot])
         if self.manifest.checksum:
