@@ -60,6 +60,18 @@ def tiles_two_kernels(x: torch.Tensor, tiles: int = 64) -> torch.Tensor:
     return torch.cat([stats[:1], stats[2:], stats[1:2].sqrt()])
 
 
+def torch_tiles(x: torch.Tensor) -> torch.Tensor:
+    """The runtime's tiles device stage without the fused Triton kernel (setting triton: false)."""
+    tc.USE_TRITON = False
+    try:
+        return TILES.reduce(x)
+    finally:
+        tc.USE_TRITON = True
+
+
+TILES = tc.parse({"kind": "tiles"})
+
+
 def timed(fn, x, iters: int) -> float:
     """Median milliseconds per call."""
     for _ in range(3):
@@ -96,7 +108,7 @@ def host_loop(fn, device: str, reps: int, calls: int, between=None) -> float:
     return statistics.median(samples)
 
 
-def host_costs(device: str, shape, tmp: str, reps: int = 20, layers: int = 50) -> list[tuple[str, float]]:
+def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: int = 50) -> list[tuple[str, float]]:
     """Microseconds per trace() call on the calling thread (see the module doc), and
     the CPU time per frame of the publisher and hub threads, with a real hub and a
     recording client (trace_client record) in another process."""
@@ -122,7 +134,7 @@ def host_costs(device: str, shape, tmp: str, reps: int = 20, layers: int = 50) -
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    rt.configure(enable=True, port=port, token="bench", dir=tmp, client_queue=1 << 14)
+    rt.configure(enable=True, port=port, token="bench", dir=tmp, client_queue=1 << 14, hub=hub)
     recorder = subprocess.Popen([sys.executable, "-m", "source_patch.runtime.trace.client", "record",
                                  "--url", f"127.0.0.1:{port}", "--token", "bench", "--name", "traced",
                                  "--out", os.path.join(tmp, "rec.sptrace"), "--retry", "30"],
@@ -135,15 +147,15 @@ def host_costs(device: str, shape, tmp: str, reps: int = 20, layers: int = 50) -
                 ("enabled, name not subscribed", per_call("idle", True))]
         before = rt.state()
         rows.append(("tiles subscription, due", per_call("traced", True)))
-        compressor = tc.parse({"kind": "tiles"})
-        reduce = host_loop(lambda _: compressor.reduce(x), device, reps, layers)
-        with_copy = host_loop(lambda _: rt._to_host(compressor.reduce(x)), device, reps, layers)
-        rows += [("  of which: device stage (reduce)", reduce), ("  of which: pinned copy + event", with_copy - reduce)]
+        reduce = host_loop(lambda _: TILES.reduce(x), device, reps, layers)
+        marked = host_loop(lambda _: rt._mark(TILES.reduce(x)), device, reps, layers)
+        rows += [("  of which: device stage (reduce)", reduce), ("  of which: event (pooled)", marked - reduce),
+                 ("  device stage, torch reductions", host_loop(lambda _: torch_tiles(x), device, reps, layers))]
         after = rt.state()
         results = after["results"] - before["results"]
         frames = after["hub"]["frames_sent"] - before["hub"]["frames_sent"]
         cost = {k: after["cost_seconds"][k] - before["cost_seconds"][k] for k in after["cost_seconds"]}
-        rows += [("publisher CPU per result", cost["publisher_cpu"] / max(results, 1) * 1e6),
+        rows += [("publisher CPU per result (this process)", cost["publisher_cpu"] / max(results, 1) * 1e6),
                  (f"hub CPU per frame sent ({frames})", cost["hub_cpu"] / max(frames, 1) * 1e6)]
     finally:
         recorder.terminate()
@@ -162,7 +174,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         vector = Path(tmp) / "v.safetensors"
         save_file({"v": torch.randn(shape[-1])}, str(vector))
-        variants = {"tiles (mean, absmax, rms)": tc.parse({"kind": "tiles"}),
+        fused = "fused Triton kernel" if device == "cuda" and tc.fused_kernel() is not None else "no Triton"
+        variants = {f"tiles ({fused})": TILES,
+                    "tiles, torch reductions": torch_tiles,
                     "tiles, rows x tile at once": tiles_at_once,
                     "tiles, var_mean + aminmax": tiles_two_kernels,
                     "histogram, 64 bins": tc.parse({"kind": "histogram"}),
@@ -181,13 +195,16 @@ def main() -> None:
             stage = getattr(fn, "reduce", fn)  # the runtime's compressors: the device stage only
             print(f"{label:28}" + "".join(f"{timed(stage, x, args.iters):10.3f}ms" for x in inputs))
         check = inputs[0]
-        reference = variants["tiles (mean, absmax, rms)"](check)
+        reference = TILES(check)
+        by_torch = torch.from_numpy(TILES.finish(torch_tiles(check).cpu().numpy(), check.shape))
+        assert torch.allclose(by_torch, reference, rtol=1e-4, atol=1e-5), "torch reductions"
         for label in ("tiles, rows x tile at once", "tiles, var_mean + aminmax"):
             assert torch.allclose(variants[label](check).cpu(), reference, rtol=1e-3, atol=1e-5), label
-        host = host_costs(device, shape, tmp)
-    print(f"\n{'host time, float32 input':40}{'us':>12}")
-    for label, us in host:
-        print(f"{label:40}{us:12.2f}")
+        hubs = ("process", "thread")
+        costs = [host_costs(device, shape, tmp, hub) for hub in hubs]
+    print(f"\n{'host time, float32 input, us':44}" + "".join(f"{'hub: ' + hub:>16}" for hub in hubs))
+    for i, (label, _) in enumerate(costs[0]):
+        print(f"{label:44}" + "".join(f"{rows[i][1]:16.2f}" for rows in costs))
 
 
 if __name__ == "__main__":

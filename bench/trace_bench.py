@@ -17,7 +17,14 @@ first `--warmup` steps are discarded; rounds alternate the order): no trace spec
 the trace spec with no client (idle call sites), and a client that subscribes to raw
 router logits and never reads (the hub must drop it without slowing the step).
 
+The toggling process also times each reduction on the GPU with CUDA events
+(the device_timing setting: one more event per traced tensor), so the device cost
+per step is known even where wall time is noisy.  `--resolve` runs only the
+toggling process, --toggle-steps steps per round, to narrow the interval of the
+traced / not-traced ratio (the goal needs its 90% interval within about +-0.5%).
+
     python bench/trace_bench.py            # GPU: a mid-size GPT-MoE
+    python bench/trace_bench.py --resolve --rounds 1 --toggle-steps 1500 --phase 4
     python bench/trace_bench.py --quick    # CPU smoke run
 """
 
@@ -26,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -40,6 +48,8 @@ from source_patch.runtime.trace.client import TraceError, connect  # noqa: E402
 TOKEN = "trace-bench"
 PROCESSES = ["no trace spec", "trace spec, no client", "toggling client", "stalled client"]
 TRACED, UNTRACED = "toggling: traced", "toggling: not traced"
+BEFORE = "before"  # toggling with the hub in a thread, torch reductions: SOURCE_PATCH_TRACE_{HUB,TRITON}
+TOGGLING = ("toggling client", BEFORE)
 
 
 def free_port() -> int:
@@ -85,19 +95,45 @@ async def toggling_client(port: int, report: dict, phase: int) -> None:
         report.update(client_dropped=c.dropped)
 
 
-def split_steps(times: list[float], frames: dict, layers: int, warmup: int) -> tuple[list, list]:
-    """Times of the steps fully traced (and the step before) and of those not traced at
-    all (nor the step before); step i (0-based) traces with trace step i."""
-    traced, untraced = [], []
+def split_steps(times: list[float], frames: dict, layers: int, warmup: int) -> list[tuple[bool, list]]:
+    """Runs of consecutive steps, each (traced, times): fully traced steps (and the step
+    before), or steps not traced at all (nor the step before); transition steps end a
+    run.  Step i (0-based) traces with trace step i."""
+    runs: list = []
     for i, t in enumerate(times):
         if i < warmup or i == 0:
             continue
         now, before = frames.get(i, 0), frames.get(i - 1, 0)
-        if now == before == layers:
-            traced.append(t)
-        elif now == before == 0:
-            untraced.append(t)
-    return traced, untraced
+        kind = True if now == before == layers else False if now == before == 0 else None
+        if kind is None:
+            runs.append((None, []))
+        elif runs and runs[-1][0] is kind:
+            runs[-1][1].append(t)
+        else:
+            runs.append((kind, [t]))
+    return [run for run in runs if run[0] is not None]
+
+
+def paired(runs: list[tuple[bool, list]]) -> list[float]:
+    """Per traced run: its median over the mean of its neighbouring not-traced runs'
+    medians, minus 1.  Slow drift of the step time cancels out."""
+    ratios = []
+    for i, (traced, times) in enumerate(runs):
+        if not traced:
+            continue
+        near = [statistics.median(runs[j][1]) for j in (i - 1, i + 1) if 0 <= j < len(runs) and not runs[j][0]]
+        if near:
+            ratios.append(statistics.median(times) / statistics.fmean(near) - 1)
+    return ratios
+
+
+def interval(values: list[float]) -> str:
+    """The mean and a bootstrap 90% interval of it, in percent."""
+    import random
+
+    rng = random.Random(0)
+    boot = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(2000))
+    return f"{statistics.fmean(values) * 100:+.2f}% (90% interval {boot[100] * 100:+.2f}% .. {boot[1899] * 100:+.2f}%)"
 
 
 async def stalled_client(port: int, report: dict) -> None:
@@ -123,13 +159,21 @@ async def stalled_client(port: int, report: dict) -> None:
 def main() -> None:
     p = training.parser(__doc__)
     p.add_argument("--phase", type=int, default=6, help="steps per on/off phase of the toggling client")
+    p.add_argument("--toggle-steps", type=int, default=0, help="steps of the toggling process (default 4 x --steps)")
+    p.add_argument("--resolve", action="store_true", help="run only the toggling process (traced vs not traced)")
+    p.add_argument("--before", action="store_true",
+                   help="also a toggling process with the hub in a thread and torch reductions (before issue 18)")
     args = p.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warmup, args.phase = 1, 10, 2, 2
+    processes = ["toggling client"] if args.resolve else list(PROCESSES)
+    if args.before:
+        processes.insert(1, BEFORE)
     training.header(args)
     reports: dict = {}
     samples: dict = {name: [] for name in ["no trace spec", "trace spec, no client", UNTRACED, TRACED,
-                                           "stalled client"]}
+                                           "stalled client", *(f"{BEFORE}: {c}" for c in ("not traced", "traced"))]}
+    pairs: dict = {}
 
     with tempfile.TemporaryDirectory() as root:
         def run(name: str) -> None:
@@ -137,10 +181,14 @@ def main() -> None:
             env = {"SOURCE_PATCH": "megatron_cpu" if name == "no trace spec" else "megatron_cpu,trace",
                    "SOURCE_PATCH_TRACE_PORT": str(port), "SOURCE_PATCH_TRACE_TOKEN": TOKEN,
                    "SOURCE_PATCH_TRACE_DIR": root, "SOURCE_PATCH_TRACE_STALL_TIMEOUT": "1",
+                   "SOURCE_PATCH_TRACE_DEVICE_TIMING": "1" if name in TOGGLING else "0",
                    # a raw router-logits frame of the GPU model is 4M elements
                    "SOURCE_PATCH_TRACE_RAW_MAX_ELEMENTS": str(1 << 24)}
+            if name == BEFORE:
+                env.update(SOURCE_PATCH_TRACE_HUB="thread", SOURCE_PATCH_TRACE_TRITON="0")
             report: dict = {}
             client = {"toggling client": lambda: toggling_client(port, report, args.phase),
+                      BEFORE: lambda: toggling_client(port, report, args.phase),
                       "stalled client": lambda: stalled_client(port, report)}.get(name)
             thread = None
             if client is not None:
@@ -148,14 +196,18 @@ def main() -> None:
                     env["SOURCE_PATCH_TRACE_WAIT"] = "300"  # every timed step has the client
                 thread = threading.Thread(target=lambda: asyncio.run(client()), daemon=True)
                 thread.start()
-            steps = args.steps * 4 if name == "toggling client" else args.steps
+            steps = (args.toggle_steps or args.steps * 4) if name in TOGGLING else args.steps
             times = training.train(args, training.environment("SOURCE_PATCH_TRACE", **env), name, steps=steps)
             if thread is not None:
                 thread.join(60)
-            if name == "toggling client":
-                traced, untraced = split_steps(times, report.get("frames", {}), args.layers, args.warmup)
-                samples[TRACED] += traced
-                samples[UNTRACED] += untraced
+            if name in TOGGLING:
+                runs = split_steps(times, report.get("frames", {}), args.layers, args.warmup)
+                traced = [t for kind, ts in runs if kind for t in ts]
+                untraced = [t for kind, ts in runs if not kind for t in ts]
+                on, off = (TRACED, UNTRACED) if name == "toggling client" else (f"{BEFORE}: traced", f"{BEFORE}: not traced")
+                samples[on] += traced
+                samples[off] += untraced
+                pairs.setdefault(name, []).extend(paired(runs))
                 cost = dict(report.get("cost", {}))
                 subscribed = max(cost.pop("steps", 0), 1)
                 reports.setdefault(name, []).append(
@@ -167,10 +219,17 @@ def main() -> None:
                     reports.setdefault(name, []).append(report)
 
         for r in range(args.rounds):
-            for name in PROCESSES[r % len(PROCESSES):] + PROCESSES[:r % len(PROCESSES)]:
+            for name in processes[r % len(processes):] + processes[:r % len(processes)]:
                 run(name)
-            training.table(samples, f"after round {r + 1}/{args.rounds}")
+            training.table({k: v for k, v in samples.items() if v or not args.resolve},
+                           f"after round {r + 1}/{args.rounds}")
             training.ratio(samples, TRACED, UNTRACED)
+            if args.before:
+                training.ratio(samples, f"{BEFORE}: traced", f"{BEFORE}: not traced")
+            for name, ratios in pairs.items():
+                if len(ratios) >= 3:
+                    print(f"{name}, paired by toggle cycle ({len(ratios)} traced runs against their "
+                          f"neighbours): {interval(ratios)}", flush=True)
     for name, runs in reports.items():
         print(f"{name}: {runs}")
 

@@ -1,6 +1,10 @@
 """Trace compressors (runtime/trace/compress.py) against independent numpy references."""
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -179,3 +183,53 @@ def test_no_compressor_synchronizes_the_gpu(tmp_path):
             torch.testing.assert_close(x.cpu().reshape(-1)[positions.long()].double(), values)
         elif c.kind != "projection":
             torch.testing.assert_close(out.cpu(), c(x.cpu()), rtol=1e-4, atol=1e-3)
+
+
+INTERPRETED = r"""
+import json, sys, torch
+from source_patch.runtime.trace import compress as tc, fused
+torch.manual_seed(0)
+cases = []
+for (shape, dtype), stats in zip(
+        [((64, 4, 96), torch.float32), ((33, 200), torch.bfloat16), ((700, 24), torch.float16), ((5, 8), torch.float32)],
+        [("mean", "absmax", "rms"), ("min", "max"), ("rms", "min", "mean", "max", "absmax"), ("absmax",)]):
+    x = torch.randn(shape).to(dtype)
+    got, want = fused.column_stats(x, stats), tc.tile_columns(x, list(stats))
+    cases.append([list(shape), str(dtype), list(stats), list(got.shape) == list(want.shape),
+                  torch.allclose(got, want, rtol=1e-5, atol=2e-4)])
+x = torch.randn(16, 32)
+x[3, 5] = float("nan")
+nan = fused.column_stats(x, tc.TILE_STATS)
+print(json.dumps({"cases": cases, "nan_column": torch.isnan(nan[:, 5]).all().item(),
+                  "others_finite": not torch.isnan(nan[:, 4]).any().item()}))
+"""
+
+
+def test_the_fused_tiles_kernel_computes_what_the_torch_reductions_do():
+    """fused.py under Triton's interpreter (numpy on the CPU): every statistic, several
+    shapes, dtypes and block plans; NaN reaches every statistic of its column only."""
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(result["cases"]) == 4 and all(ok_shape and close for *_, ok_shape, close in result["cases"]), \
+        result["cases"]
+    assert result["nan_column"] and result["others_finite"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiles_of_a_cuda_tensor_take_the_fused_kernel_and_match_the_torch_path():
+    if tc.fused_kernel() is None:
+        pytest.skip("Triton is not importable here")
+    x = torch.randn(512, 4, 1024, device="cuda", dtype=torch.bfloat16)
+    stats = list(tc.TILE_STATS)
+    fused_result = tc.tile_columns(x, stats)
+    tc.USE_TRITON = False
+    try:
+        torch_result = tc.tile_columns(x, stats)
+    finally:
+        tc.USE_TRITON = True
+    torch.testing.assert_close(fused_result, torch_result, rtol=1e-4, atol=1e-2)
+    assert tc.tile_columns(x.transpose(0, 2), stats).shape == (len(stats), 512)  # not contiguous: torch path

@@ -33,12 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def hub(tmp_path):
-    """A running hub on a free port; tracing off again afterwards."""
+@pytest.fixture(params=["process", "thread"])
+def hub(tmp_path, request):
+    """A running hub on a free port, in a forwarder process or in a thread (the
+    protocol is the same code); tracing off again afterwards."""
     port = free_port()
     configure(enable=True, port=port, token=TOKEN, dir=str(tmp_path / "sp-trace"), ranks=[0], client_queue=64,
-              stall_timeout=5.0, max_message=65536, max_clients=8, raw_max_elements=65536, wait=0)
+              stall_timeout=5.0, max_message=65536, max_clients=8, raw_max_elements=65536, wait=0,
+              hub=request.param)
     reset()
     yield port
     close()
@@ -164,7 +166,7 @@ def test_bad_or_missing_token_closes_with_4401(hub, hello):
 
 
 def test_no_hello_in_time_closes_with_4401(hub, monkeypatch):
-    monkeypatch.setattr(trace_hub, "HELLO_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(trace_hub, "HELLO_TIMEOUT_S", 0.2)  # (a forwarder keeps its 2 s)
 
     async def main():
         async with ws_connect(f"ws://127.0.0.1:{hub}/ws") as ws:
@@ -493,6 +495,35 @@ def test_tracing_a_cuda_tensor_never_synchronizes(hub):
     got = run(main())
     want = tc.parse({"kind": "tiles", "tiles": 16})(x).cpu().numpy()
     assert all(np.array_equal(f.array, want) for f in got) and [f.step for f in got] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_result_is_the_tensor_as_traced_and_its_device_time_is_counted(hub):
+    # The publisher copies results on its own stream, behind the training thread's
+    # events: an in-place change right after trace() must not reach the frame.
+    configure(device_timing=True)
+    x = torch.randn(256, 4, 1024, device="cuda")
+    wants = []
+
+    async def main():
+        async with connect(url()) as c:
+            await c.subscribe(["hidden"], compressor={"kind": "tiles", "tiles": 16})
+            for _ in range(6):
+                wants.append(tc.parse({"kind": "tiles", "tiles": 16})(x).cpu().numpy())
+                trace("hidden", x, layer=0)
+                x.mul_(-2).add_(1)  # queued behind the reduction, racing the copy
+                trace_step()
+            return await frames(c, 6)
+
+    try:
+        got = run(main())
+        device_seconds = state()["cost_seconds"]["device_reduce"]
+    finally:
+        configure(device_timing=False)
+    assert all(np.array_equal(f.array, want) for f, want in zip(got, wants))
+    assert not np.array_equal(wants[0], wants[1])
+    assert device_seconds > 0
 
 
 def test_a_port_in_use_means_no_hub_and_training_goes_on(tmp_path):

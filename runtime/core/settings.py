@@ -330,6 +330,12 @@ SCHEMAS["trace"] = {
     "raw_max_elements": Setting(1 << 16, integer(low=1), "the raw compressor's cap (and default)"),
     "wait": Setting(0.0, seconds(), "seconds the process waits, when its hub starts, for a first "
                                    "subscription (0 = never; a scripted capture sets it to miss no step)"),
+    "hub": Setting("process", choice("process", "thread"), "where the hub, frame encoding and the "
+                   "compressors' host stage run: a forwarder process (off this process's GIL) or a thread"),
+    "triton": Setting(True, boolean, "tiles of a CUDA tensor in one fused Triton kernel when Triton can be "
+                                     "imported (false: one torch reduction per statistic)"),
+    "device_timing": Setting(False, boolean, "time each traced reduction on the GPU with CUDA events "
+                                             "(stats: cost_seconds.device_reduce); one more event per result"),
 }
 
 

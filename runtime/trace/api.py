@@ -19,12 +19,13 @@ Design (see docs/trace.md):
   flag test, or a flag test and one dict lookup (the table is rebuilt only when
   subscriptions change).
 * A due subscription runs its compressor's device stage (compress.py) on the
-  tensor's device: torch ops only, nothing that waits for the GPU.  The small result
-  is copied to pinned host memory with ``non_blocking=True`` behind a CUDA event; a
-  bounded queue takes (event, buffer, meta).  A publisher thread waits on the events
-  (never the training thread), runs the compressor's host stage, encodes frames and
-  hands them to the hub's event loop, where every client has a bounded queue.  Full
-  queues drop and count; nothing blocks.
+  tensor's device: torch ops only, nothing that waits for the GPU.  The training
+  thread then records one CUDA event after it (from a pool) and queues (result,
+  event, meta) in a bounded queue: it only launches.  A publisher thread copies the
+  results of a batch to pinned host memory on a stream of its own, behind those
+  events, waits for the copies (never the training thread), runs the compressor's
+  host stage, encodes frames and hands them to the hub's event loop, where every
+  client has a bounded queue.  Full queues drop and count; nothing blocks.
 * Failures are counted, logged once per kind, and never raised into training, except
   a call site's own programming error (a value that is not a tensor).
 
@@ -87,8 +88,11 @@ _COUNTERS = ("results", "dropped", "skipped", "errors", "compress_errors", "too_
 _counters = Counters(_COUNTERS, "source_patch.trace", "trace", lock=_cond)
 _counts = _counters.counts  # written under _cond, like the queue
 # What tracing costs the process, in seconds: the training thread's time inside due
-# trace() calls (compressor launches, copies), and the publisher's CPU time.
-_cost = {"trace_calls": 0.0, "publisher_cpu": 0.0}
+# trace() calls (compressor launches, an event), the publisher's CPU time, and (with
+# the device_timing setting) the device time of the reductions, from CUDA events.
+_cost = {"trace_calls": 0.0, "publisher_cpu": 0.0, "device_reduce": 0.0}
+_events: dict = {}   # (device index, timing) -> deque of CUDA events the publisher is done with
+_streams: dict = {}  # device index -> the publisher's copy stream
 
 
 # ---------------------------------------------------------------- call-site API
@@ -157,13 +161,14 @@ def url() -> str | None:
     return hub.page_url if hub is not None else None
 
 
-def state() -> dict:
+def state(with_hub: bool = True) -> dict:
     """Counters, hub and configuration (also the hub's ``stats`` reply)."""
     with _cond:
         counts = dict(_counts)
         queued = len(_pending) + _busy
         cost = dict(_cost)
     hub = _hub
+    hub_stats = hub.stats() if hub is not None and with_hub else None
     cost["hub_cpu"] = hub.cpu_seconds() if hub is not None else 0.0
     return {
         "enabled": _enabled,
@@ -175,7 +180,7 @@ def state() -> dict:
         "series": len(_seen),
         "subscriptions": len(_table.subs),
         "cost_seconds": cost,
-        "hub": hub.stats() if hub is not None else None,
+        "hub": hub_stats,
         "url": hub.url if hub is not None else None,
         "config": public_config(),
     }
@@ -295,18 +300,19 @@ def _compress(due: list, key: tuple, name: str, tensor: torch.Tensor, tags: dict
         groups.setdefault(sub.compressor.key, []).append(sub)
     stamp = time.time()
     tags = {**ambient.context(), **tags}  # now: published later, the microbatch will have moved on
+    timing = tensor.is_cuda and _config["device_timing"]
     for subs in groups.values():
-        with _cond:
-            if len(_pending) >= _config["queue"]:  # the publisher is behind: drop, never wait
-                _counts["dropped"] += 1
-                continue
+        if len(_pending) >= _config["queue"]:  # the publisher is behind: drop, never wait
+            _count("dropped")
+            continue
+        start = _record(tensor.device, True) if timing else None
         try:
             result = subs[0].compressor.reduce(tensor)
         except Exception as exc:  # noqa: BLE001 - a client's parameters that do not fit
             _compress_failed(subs, name, exc)
             continue
-        host, event = _to_host(result)
-        item = _Result(subs, name, tags, step, stamp, host, event, tensor)
+        result, event = _mark(result, timing)
+        item = _Result(subs, name, tags, step, stamp, result, event, start, tensor)
         with _cond:
             if _publisher is None or not _publisher.is_alive():
                 _start_publisher()
@@ -316,26 +322,75 @@ def _compress(due: list, key: tuple, name: str, tensor: torch.Tensor, tags: dict
                 _cond.notify_all()
 
 
-def _to_host(result: torch.Tensor):
-    """A host copy of a small result and the event the publisher waits on (None on CPU)."""
-    if result.device.type == "cpu":
-        return result, None
+def _mark(result: torch.Tensor, timing: bool = False):
+    """(training thread) The result and an event recorded after its device stage, which
+    the publisher's host copy waits for (None off CUDA: a CPU result is ready, another
+    accelerator's is copied here, synchronously)."""
     if result.is_cuda:
-        host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
-        host.copy_(result, non_blocking=True)
-        event = torch.cuda.Event(blocking=True)  # the publisher sleeps on it, no spinning
-        event.record()
-        return host, event
-    return result.to("cpu"), None  # other accelerators: synchronous
+        return result, _record(result.device, timing)
+    return (result if result.device.type == "cpu" else result.to("cpu")), None
+
+
+def _record(device: torch.device, timing: bool):
+    """An event from the pool, recorded on the current stream: a few microseconds,
+    where creating one per call (and a pinned buffer and a copy) cost ~25."""
+    pool = _events.get((device.index, timing))
+    if pool is None:
+        pool = _events[(device.index, timing)] = deque()
+    try:
+        event = pool.pop()
+    except IndexError:
+        event = torch.cuda.Event(enable_timing=timing)
+    event.record()
+    return event
 
 
 class _Result:
-    __slots__ = ("subs", "name", "tags", "step", "time", "host", "event", "shape", "dtype")
+    __slots__ = ("subs", "name", "tags", "step", "time", "host", "event", "start", "shape", "dtype")
 
-    def __init__(self, subs, name, tags, step, stamp, host, event, tensor):
+    def __init__(self, subs, name, tags, step, stamp, result, event, start, tensor):
         self.subs, self.name, self.tags, self.step, self.time = subs, name, tags, step, stamp
-        self.host, self.event = host, event
+        self.host, self.event, self.start = result, event, start  # host: on the device until fetched
         self.shape, self.dtype = list(tensor.shape), str(tensor.dtype)
+
+
+def _fetch(items: list) -> None:
+    """(publisher) Replace the CUDA results by pinned host copies: on this thread's own
+    stream, behind each result's event, results of one device and dtype are joined on
+    the device and copied in one piece; one wait covers the batch.  The device results
+    stay referenced until the copies are done, so their memory is not reused under them."""
+    waiting = [item for item in items if item.event is not None]
+    groups: dict = {}
+    for item in waiting:
+        groups.setdefault((item.host.device.index, item.host.dtype), []).append(item)
+    done = []
+    for (index, dtype), group in groups.items():
+        stream = _streams.get(index)
+        if stream is None:
+            stream = _streams[index] = torch.cuda.Stream(device=index)
+        with torch.cuda.stream(stream):
+            for item in group:
+                stream.wait_event(item.event)
+            flat = torch.cat([item.host.reshape(-1) for item in group]) if len(group) > 1 \
+                else group[0].host.reshape(-1)
+            host = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event(blocking=True)  # sleep on it, do not spin
+            event.record(stream)
+        done.append(event)
+        offset = 0
+        for item in group:
+            n = item.host.numel()
+            item.host, offset = host[offset: offset + n].view(item.host.shape), offset + n
+    for event in done:
+        event.synchronize()
+    for item in waiting:
+        if item.start is not None:
+            with _cond:
+                _cost["device_reduce"] += item.start.elapsed_time(item.event) / 1e3
+            _events[(item.event.device.index, True)].append(item.start)
+        _events[(item.event.device.index, item.start is not None)].append(item.event)
+        item.event = item.start = None
 
 
 def _compress_failed(subs: list, name: str, exc: Exception) -> None:
@@ -371,26 +426,21 @@ def _publish_loop() -> None:
         with _cond:
             if not _pending and not _stop:
                 _cond.wait(FLUSH_SECONDS)
-            if not _pending:
-                if _stop:
-                    return
-                continue
+            if _stop and not _pending:
+                return
             items = list(_pending)
             _pending.clear()
             _busy += len(items)
+        if not items:
+            _share_state()
+            continue
         cpu = time.thread_time()
         try:
-            frames, rank = [], ranks.global_rank()
-            for item in items:
-                if item.event is not None:
-                    item.event.synchronize()  # this thread waits for the copy, never the trainer
-                try:
-                    frames += _frames(item, rank)
-                except Exception as exc:  # noqa: BLE001 - one bad result must not lose the batch
-                    _fail(f"publishing {item.name!r}", exc)
+            _fetch(items)  # this thread waits for the copies, never the trainer
+            _share_state()  # before the frames: a client that got them and asks sees them counted
             hub = _hub
-            if frames and hub is not None:
-                hub.deliver(frames)
+            if hub is not None:
+                hub.publish(items, ranks.global_rank())  # frames here, or sent to the forwarder
         except Exception as exc:  # noqa: BLE001 - the publisher must survive anything
             _fail("publishing", exc)
         finally:
@@ -401,19 +451,28 @@ def _publish_loop() -> None:
                 _cond.notify_all()
 
 
-def _frames(item: _Result, rank: int) -> list:
-    from .frame import encode
+_shared: tuple = ()
 
-    array = item.subs[0].compressor.finish(item.host.numpy(), item.shape)  # all subs: one compressor
-    call_tags = {k: ambient.tag_value(v) for k, v in item.tags.items()}
-    frames = []
-    for sub in item.subs:
-        compressor = sub.compressor
-        meta = {**call_tags, "sub": sub.id, "name": item.name, "layer": call_tags.get("layer"),
-                "rank": rank, "kind": compressor.kind, "params": compressor.params,
-                "source_shape": item.shape, "source_dtype": item.dtype}
-        frames.append((sub, bytearray(encode(array, meta, step=item.step, time=item.time))))
-    return frames
+
+def _share_state() -> None:
+    """(publisher thread) A hub in its own process answers stats, list and hello from a
+    snapshot of this process's counters: sent when they changed (the names only when
+    new ones were seen), at most once per wake-up."""
+    global _shared
+    hub = _hub
+    if hub is None or not hasattr(hub, "share_state"):
+        return
+    try:
+        with _cond:
+            snapshot = {**_counts, "cost_seconds": dict(_cost)}
+        snapshot.update(step=_step, rank=ranks.global_rank(), series=len(_seen))
+        key = tuple(snapshot[k] for k in ("step", "series", *_COUNTERS))
+        if key != _shared:
+            series_changed = not _shared or _shared[1] != key[1]
+            _shared = key
+            hub.share_state(snapshot, names() if series_changed else None)
+    except Exception as exc:  # noqa: BLE001 - the publisher must survive anything
+        _fail("sharing state with the trace forwarder", exc)
 
 
 # ---------------------------------------------------------------- subscriptions (from the hub)
@@ -452,6 +511,9 @@ def _apply(config: dict) -> None:
     global _config, _enabled
     _enabled = False
     _config = dict(config, dir=os.path.abspath(os.path.expanduser(config["dir"])))
+    from . import compress
+
+    compress.USE_TRITON = _config["triton"]
     serve = bool(_config["enable"] and _config["port"])
     if serve and _config["ranks"] is not None:
         serve = ranks.global_rank() in settings.IntSet(_config["ranks"])
@@ -466,8 +528,8 @@ def _apply(config: dict) -> None:
 def _sync_hub(serve: bool) -> bool:
     """Start, restart or stop the hub to match the configuration; True if one started."""
     global _hub, _hub_key
-    key = (_config["host"], _config["port"], _config["token"], _config["max_message"], _config["dir"]) \
-        if serve else None
+    key = (_config["host"], _config["port"], _config["token"], _config["max_message"], _config["dir"],
+           _config["hub"]) if serve else None
     if key == _hub_key:
         if _hub is not None:
             _hub.config = _config  # queue sizes and timeouts apply at once
@@ -477,18 +539,35 @@ def _sync_hub(serve: bool) -> bool:
         return False
     _hub_key = key
     try:
-        from . import hub
-
-        _hub = hub.Hub(sys.modules[__name__], _config)
-        return True
+        _hub = _new_hub()
     except Exception as exc:  # noqa: BLE001 - no hub: nothing traced, training goes on
         _fail("starting the trace hub", exc)
         return False
+    if _publisher is None and hasattr(_hub, "share_state"):
+        with _cond:
+            _start_publisher()  # it sends the forwarder this process's state, traced or not
+    return True
+
+
+def _new_hub():
+    """A hub in a forwarder process (hub: process), or in a thread here (hub: thread,
+    or when the forwarder cannot start: said once, then served from a thread)."""
+    from . import hub
+
+    runtime = sys.modules[__name__]
+    if _config["hub"] == "process":
+        from .forwarder import Forwarder, ForwarderUnavailable
+
+        try:
+            return Forwarder(runtime, _config)
+        except ForwarderUnavailable as exc:
+            _fail("starting the trace forwarder (serving from a thread instead)", exc)
+    return hub.Hub(runtime, _config)
 
 
 def _stop_hub() -> None:
-    global _hub, _hub_key
-    hub, _hub, _hub_key = _hub, None, None
+    global _hub, _hub_key, _shared
+    hub, _hub, _hub_key, _shared = _hub, None, None, ()
     set_subscriptions(())
     if hub is not None:
         try:
@@ -505,6 +584,8 @@ def _after_fork_in_child() -> None:
     _counters = Counters(_COUNTERS, "source_patch.trace", "trace", lock=_cond)
     _counts = _counters.counts
     _pending, _busy, _publisher, _stop = deque(), 0, None, False
+    _events.clear()  # CUDA objects of the parent: unusable here
+    _streams.clear()
     if _hub is not None:
         try:
             _hub.close_sockets()

@@ -168,6 +168,8 @@ def tile_columns(x: torch.Tensor, stats, dim: int = -1) -> torch.Tensor:
     if x.dim() < 2:
         x, dim = x.reshape(1, -1), -1
     dim = dim % x.dim()
+    if x.is_cuda and dim == x.dim() - 1 and x.is_contiguous() and fused_kernel() is not None:
+        return fused_kernel().column_stats(x, tuple(stats))  # one launch, one pass (fused.py)
     dims = tuple(d for d in range(x.dim()) if d != dim)
     out = torch.empty((len(stats), x.shape[dim]), dtype=torch.float32, device=x.device)
     for row, stat in zip(out, stats):
@@ -180,6 +182,23 @@ def tile_columns(x: torch.Tensor, stats, dim: int = -1) -> torch.Tensor:
         else:
             row.copy_(x.amin(dims) if stat == "min" else x.amax(dims))
     return out
+
+
+USE_TRITON = True  # the trace setting `triton` (api.py sets it)
+
+
+def fused_kernel():
+    """fused.py when Triton is wanted and can be imported, else None."""
+    return _fused() if USE_TRITON else None
+
+
+@functools.lru_cache(maxsize=1)
+def _fused():
+    try:
+        from . import fused
+    except Exception:  # noqa: BLE001 - no Triton (or a broken one): the torch path
+        return None
+    return fused
 
 
 def tile_finish(columns: np.ndarray, shape: tuple, stats, tiles: int) -> np.ndarray:

@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 from ..core import settings
 from ..core.ranks import global_rank
 from ..core.endpoint import local_rank, parse_json, write_private_json
-from .frame import join, set_seq
+from .frame import encode, join, set_seq
 
 log = logging.getLogger("source_patch.trace")
 
@@ -65,13 +65,14 @@ class Subscription:
     """One client's subscription: which (name, layer) it wants, compressed how, how often."""
 
     __slots__ = ("client", "id", "names", "layers", "compressor", "every", "next_step", "reported",
-                 "_names", "_layers")
+                 "number", "_names", "_layers")
 
     def __init__(self, client, id, names, layers, compressor, every):  # noqa: A002 - the protocol's word
         self.client, self.id, self.names, self.layers = client, id, names, layers
         self.compressor, self.every = compressor, every
         self.next_step: dict = {}   # (name, layer) -> first step due again (training thread)
         self.reported = False       # a compressor error was sent to the client
+        self.number = None          # its name on the wire to the traced process (forwarder.py)
         self._names = re.compile("|".join(fnmatch.translate(p) for p in names)).match
         self._layers = settings.IntSet(layers) if layers is not None else None
 
@@ -190,13 +191,30 @@ class Client:
                 "dropped": self.dropped, "queued": len(self.frames)}
 
 
-class Hub:
-    """The server thread.  ``runtime`` is the trace module (subscriptions, names, state)."""
+def result_frames(subs: list, array, name: str, tags: dict, step: int, stamp: float, shape: list,
+                  dtype: str, rank: int) -> list:
+    """[(subscription, frame)] of one traced result: the host stage of their (shared)
+    compressor, then a frame per subscription.  ``tags``: already JSON values."""
+    array = subs[0].compressor.finish(array, shape)
+    frames = []
+    for sub in subs:
+        compressor = sub.compressor
+        meta = {**tags, "sub": sub.id, "name": name, "layer": tags.get("layer"), "rank": rank,
+                "kind": compressor.kind, "params": compressor.params, "source_shape": shape,
+                "source_dtype": dtype}
+        frames.append((sub, bytearray(encode(array, meta, step=step, time=stamp))))
+    return frames
 
-    def __init__(self, runtime, config: dict):
+
+class Hub:
+    """The server thread.  ``runtime`` is the trace module (subscriptions, names, state),
+    or forwarder.Mirror when the hub runs in a process of its own for ``owner_pid``."""
+
+    def __init__(self, runtime, config: dict, owner_pid: int | None = None):
         import websockets  # noqa: F401 - fail here, in the caller, when it is missing
 
         self.runtime, self.config = runtime, config
+        self.owner_pid = owner_pid or os.getpid()
         self.token = config["token"] or secrets.token_urlsafe(32)
         self.host = config["host"]
         self.port = config["port"] + local_rank()
@@ -228,8 +246,9 @@ class Hub:
             where = f"open {self.page_url}"
         else:
             where = "token from the 'token' setting"
-        print(f"source-patch trace: hub {self.url} (rank {global_rank()}, pid {os.getpid()}); {where}",
-              file=sys.stderr, flush=True)
+        forwarder = f", forwarder pid {os.getpid()}" if owner_pid else ""
+        print(f"source-patch trace: hub {self.url} (rank {global_rank()}, pid {self.owner_pid}{forwarder}); "
+              f"{where}", file=sys.stderr, flush=True)
 
     # -- thread and server
 
@@ -295,6 +314,21 @@ class Hub:
                 pass
 
     # -- from other threads
+
+    def publish(self, items: list, rank: int) -> None:
+        """(publisher thread) Frames of fetched results (api._Result), to the clients."""
+        from ..core.tags import tag_value
+
+        frames = []
+        for item in items:
+            try:
+                tags = {k: tag_value(v) for k, v in item.tags.items()}
+                frames += result_frames(item.subs, item.host.numpy(), item.name, tags, item.step, item.time,
+                                        item.shape, item.dtype, rank)
+            except Exception as exc:  # noqa: BLE001 - one bad result must not lose the batch
+                self.runtime._fail(f"publishing {item.name!r}", exc)
+        if frames:
+            self.deliver(frames)
 
     def deliver(self, frames: list) -> None:
         """(publisher thread) Queue ``[(subscription, frame), ...]`` on the clients."""
@@ -493,7 +527,7 @@ class Hub:
             if op == "subscribe":
                 await self._subscribe(client, request)
             elif op == "unsubscribe":
-                self._unsubscribe(client, request)
+                await self._unsubscribe(client, request)
             elif op == "list":
                 client.say({"op": "names", "names": self.runtime.names(), "step": self.runtime.current_step()})
             elif op == "stats":
@@ -514,14 +548,23 @@ class Hub:
             raise ValueError(f"subscribe: at most {MAX_SUBSCRIPTIONS} subscriptions per client")
         client.subs[sub.id] = sub
         self._subscriptions_changed()
+        await self._applied()
         client.say({"op": "subscribed", "id": sub.id, "subscription": sub.canonical()})
 
-    def _unsubscribe(self, client: Client, request: dict) -> None:
+    async def _applied(self) -> None:
+        """A forwarder's runtime confirms that the traced process has the new set, so a
+        reply means "from the next trace() call on", as it does in-process."""
+        applied = getattr(self.runtime, "applied", None)
+        if applied is not None:
+            await applied()
+
+    async def _unsubscribe(self, client: Client, request: dict) -> None:
         sub_id = request.get("id")
         if sub_id not in client.subs:
             raise ValueError(f"unsubscribe: no subscription {sub_id!r} (yours: {', '.join(client.subs) or 'none'})")
         del client.subs[sub_id]
         self._subscriptions_changed()
+        await self._applied()
         client.say({"op": "unsubscribed", "id": sub_id})
 
     def _stats(self, client: Client) -> dict:
@@ -539,9 +582,9 @@ class Hub:
     def _write_token_file(self) -> Path | None:
         folder = Path(self.config["dir"])
         rank = global_rank()
-        path = folder / f"{socket.gethostname().split('.')[0]}-p{os.getpid()}-rank{rank}.json"
+        path = folder / f"{socket.gethostname().split('.')[0]}-p{self.owner_pid}-rank{rank}.json"
         info = {"url": self.url, "ws": self.ws_url, "token": self.token, "page": self.page_url,
-                "pid": os.getpid(), "rank": rank, "local_rank": local_rank(), "started": time.time()}
+                "pid": self.owner_pid, "rank": rank, "local_rank": local_rank(), "started": time.time()}
         try:
             write_private_json(path, info)
             return path

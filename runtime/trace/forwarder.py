@@ -1,0 +1,419 @@
+"""The trace hub in a process of its own (setting ``hub: process``, the default).
+
+In the traced process only two things stay: the training thread launches the device
+stage and records an event (api.py), and the publisher thread copies a batch of
+results to host memory and writes their bytes to a socket.  This process, a child
+of the traced one, runs the compressors' host stage, encodes the frames and serves
+the WebSocket hub (hub.py, unchanged): that CPU time no longer competes for the
+training process's GIL.
+
+    traced process                            forwarder (python -m ...trace.forwarder FD)
+    Forwarder.publish(items)  --results-->    finish, encode, Hub.deliver -> clients
+    set_subscriptions(...)    <--subs-----    Hub (subscribe / unsubscribe)
+    state snapshots           --state---->    Mirror: names, step, counters for stats/list
+    drain / report / config   --op------->    Hub.drain / report / config
+
+The wire is a socketpair carrying length-prefixed messages
+(``multiprocessing.connection``'s ``send_bytes``, never its pickling ``send``): a
+JSON object, and for ``results`` one more message with the results' bytes back to
+back.  The child starts with no SOURCE_PATCH* variables (it patches and traces
+nothing itself), exits when the socket closes (its parent ended or stopped it), and
+writes the token file under the parent's pid.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+
+log = logging.getLogger("source_patch.trace")
+
+START_TIMEOUT_S = 60.0        # the child imports torch (compressors) before it serves
+MAX_MESSAGE = 1 << 30         # bytes: the parent is trusted, but every input is bounded
+
+
+class ForwarderUnavailable(RuntimeError):
+    """The child could not be started or did not answer (not a hub error such as a port in use)."""
+
+
+def _send(conn: Connection, message: dict, payload: bytes | None = None) -> None:
+    conn.send_bytes(json.dumps(message, separators=(",", ":")).encode())
+    if payload is not None:
+        conn.send_bytes(payload)
+
+
+def _recv(conn: Connection) -> dict:
+    return json.loads(conn.recv_bytes(MAX_MESSAGE))
+
+
+# ---------------------------------------------------------------- the traced process's side
+
+
+class Forwarder:
+    """What api.py holds where it would hold a ``hub.Hub``: the same methods, each
+    forwarded to the child, and the child's answers cached for ``stats``."""
+
+    def __init__(self, runtime, config: dict):
+        from ..core.ranks import global_rank
+
+        self.runtime = runtime
+        ours, theirs = socket.socketpair()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH")}
+        env["RANK"] = str(global_rank())  # the rank the hub reports, as the parent knows it
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "source_patch.runtime.trace.forwarder", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            ours.close()
+            raise ForwarderUnavailable(f"cannot start the trace forwarder: {exc}") from exc
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self._write = threading.Lock()   # publisher, training (report) and control threads all send
+        self._subs: dict = {}            # child's subscription number -> parsed Subscription
+        self._stats: dict = {}
+        self._cpu = 0.0
+        self._answers: dict = {}       # request number -> Event with .answer
+        self._numbers = itertools.count()
+        self.closed = self.stopping = False
+        self._config = config
+        ready = self._start(config)
+        self.url, self.ws_url, self.page_url = ready["url"], ready["ws"], ready["page"]
+        self.token = ready["token"]
+        self.thread = threading.Thread(target=self._read, name="source-patch-trace-forwarder", daemon=True)
+        self.thread.start()
+
+    def _start(self, config: dict) -> dict:
+        try:
+            self._send({"op": "start", "config": config, "pid": os.getpid()})
+            if not self.conn.poll(START_TIMEOUT_S):
+                raise ForwarderUnavailable(f"the trace forwarder did not answer within {START_TIMEOUT_S:g} s")
+            ready = _recv(self.conn)
+        except (OSError, EOFError, ValueError) as exc:
+            self._kill()
+            raise ForwarderUnavailable(f"the trace forwarder failed to start: {exc}") from exc
+        if ready.get("op") != "ready":
+            self._kill()
+            raise RuntimeError(ready.get("error", "the trace forwarder refused to start"))
+        return ready
+
+    # -- what api.py calls
+
+    @property
+    def config(self) -> dict:
+        return self._config
+
+    @config.setter
+    def config(self, config: dict) -> None:  # queue sizes and timeouts apply at once
+        self._config = config
+        self._try_send({"op": "config", "config": config})
+
+    def publish(self, items: list, rank: int) -> None:
+        """(publisher thread) Hand fetched results over: one header, one blob of bytes."""
+        from ..core.tags import tag_value
+
+        header, blobs = [], []
+        for item in items:
+            array = item.host.numpy()
+            header.append({"subs": [sub.client for sub in item.subs], "name": item.name,
+                           "tags": {k: tag_value(v) for k, v in item.tags.items()}, "step": item.step,
+                           "time": item.time, "shape": item.shape, "dtype": item.dtype,
+                           "array": [array.dtype.str, list(array.shape)]})
+            blobs.append(array.tobytes())
+        self._try_send({"op": "results", "items": header, "rank": rank}, b"".join(blobs))
+
+    def share_state(self, state: dict, names: list | None) -> None:
+        """(publisher thread) What the child's hub answers ``stats``, ``list`` and hello with."""
+        self._try_send({"op": "state", "state": state, "names": names})
+
+    def report(self, sub, message: str) -> None:
+        self._try_send({"op": "report", "sub": sub.client, "error": message})
+
+    def drain(self, timeout: float) -> bool:
+        answer = self._ask({"op": "drain", "timeout": timeout}, timeout + 1)
+        return bool(answer and answer["ok"])
+
+    def cpu_seconds(self) -> float:
+        return self._cpu
+
+    def stats(self) -> dict:
+        """The child's hub statistics, asked for now (cached ones if it does not answer in 2 s)."""
+        self._ask({"op": "stats"}, 2.0)
+        return {**self._stats, "forwarder_pid": self.proc.pid}
+
+    def _ask(self, message: dict, timeout: float) -> dict | None:
+        """Send a request and wait for its answer (None: no answer in time, or no child)."""
+        number = next(self._numbers)
+        waiter = self._answers[number] = threading.Event()
+        try:
+            if not self._try_send({**message, "id": number}) or not waiter.wait(timeout):
+                return None
+            return waiter.answer
+        finally:
+            self._answers.pop(number, None)
+
+    def stop(self) -> None:
+        self.stopping = True  # the child's EOF that follows is expected
+        self._try_send({"op": "stop"})
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self._kill()
+        self.closed = True
+        self.conn.close()
+        self.thread.join(5)
+
+    def close_sockets(self) -> None:
+        """In a forked child: let go of the parent's socket without a word on it."""
+        try:
+            os.close(self.conn.fileno())
+        except OSError:
+            pass
+
+    # -- internals
+
+    def _send(self, message: dict, payload: bytes | None = None) -> None:
+        with self._write:
+            _send(self.conn, message, payload)
+
+    def _try_send(self, message: dict, payload: bytes | None = None) -> bool:
+        if self.closed:
+            return False
+        try:
+            self._send(message, payload)
+            return True
+        except (OSError, ValueError) as exc:  # the child is gone: tracing stops, training goes on
+            self._lost(exc)
+            return False
+
+    def _read(self) -> None:
+        """(forwarder thread) Subscriptions, statistics and drain answers from the child."""
+        try:
+            while True:
+                message = _recv(self.conn)
+                op = message.get("op")
+                if op == "subs":
+                    self._set_subscriptions(message["subs"])
+                    self._try_send({"op": "applied", "seq": message["seq"]})
+                elif op == "stats":
+                    self._stats, self._cpu = message["stats"], message["cpu"]
+                elif op == "answer":
+                    waiter = self._answers.get(message["id"])
+                    if waiter is not None:
+                        waiter.answer = message
+                        waiter.set()
+        except (OSError, EOFError, ValueError) as exc:
+            if not (self.closed or self.stopping):
+                self._lost(exc)
+
+    def _set_subscriptions(self, wanted: list) -> None:
+        # Subscriptions the child still has keep their objects (and so their
+        # every-N-steps state); new ones are parsed here too, for their device stage.
+        from .hub import parse_subscription
+
+        subs = {}
+        for number, canonical in wanted:
+            sub = self._subs.get(number)
+            if sub is None:
+                try:
+                    sub = parse_subscription(canonical, number, self._config["raw_max_elements"])
+                except (ValueError, TypeError, OSError) as exc:
+                    self.runtime._fail("a subscription from the trace forwarder", exc)
+                    continue
+            subs[number] = sub
+        self._subs = subs
+        self.runtime.set_subscriptions(list(subs.values()))
+
+    def _lost(self, exc: BaseException) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.runtime._fail("the trace forwarder process", exc)
+        self.runtime.set_subscriptions(())
+        for waiter in list(self._answers.values()):
+            waiter.answer = None
+            waiter.set()
+
+    def _kill(self) -> None:
+        try:
+            self.proc.kill()
+            self.proc.wait(5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
+# ---------------------------------------------------------------- the forwarder process
+
+
+class Mirror:
+    """The runtime as the child's hub sees it: subscriptions go to the parent, and
+    names, step and counters come from the parent's latest snapshot."""
+
+    def __init__(self, conn: Connection, write: threading.Lock):
+        self.conn, self._write = conn, write
+        self.snapshot: dict = {"step": 0, "rank": 0, "results": 0, "dropped": 0, "skipped": 0, "errors": 0,
+                               "compress_errors": 0, "too_large": 0, "cost_seconds": {}}
+        self.series: list = []
+        self.by_number: dict = {}   # subscription number -> the hub's Subscription
+        self._numbers = itertools.count()
+        self.hub = None
+        self.sent = self.acked = 0  # subscription sets sent to / applied by the parent (loop thread)
+        self._waiters: list = []
+
+    def set_subscriptions(self, subs) -> None:
+        """(hub loop) Number each subscription once; tell the parent the current set."""
+        current = {}
+        for sub in subs:
+            if getattr(sub, "number", None) is None:
+                sub.number = next(self._numbers)
+            current[sub.number] = sub
+        self.by_number = current
+        self.sent += 1
+        with self._write:
+            _send(self.conn, {"op": "subs", "seq": self.sent,
+                              "subs": [[n, s.canonical()] for n, s in current.items()]})
+
+    async def applied(self, timeout: float = 5.0) -> None:
+        """(hub loop) Until the parent applied the last set sent (at most ``timeout``)."""
+        import asyncio
+
+        if self.acked >= self.sent:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append((self.sent, waiter))
+        try:
+            await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def ack(self, seq: int) -> None:
+        """(hub loop) The parent applied set ``seq``."""
+        self.acked = max(self.acked, seq)
+        waiting = []
+        for sent, waiter in self._waiters:
+            if sent <= self.acked:
+                if not waiter.done():
+                    waiter.set_result(None)
+            else:
+                waiting.append((sent, waiter))
+        self._waiters = waiting
+
+    def current_step(self) -> int:
+        return self.snapshot["step"]
+
+    def names(self) -> list:
+        return self.series
+
+    def state(self) -> dict:
+        cost = dict(self.snapshot.get("cost_seconds", {}))
+        cost["hub_cpu"] = time.process_time()  # this whole process is the hub's cost
+        return {**self.snapshot, "cost_seconds": cost}
+
+    def _fail(self, where: str, exc: BaseException) -> None:
+        log.warning("source-patch trace forwarder: %s: %s: %s", where, type(exc).__name__, exc)
+
+
+def _frames_of(mirror: Mirror, header: dict, blob: bytes) -> list:
+    import numpy as np
+
+    from .hub import result_frames
+
+    frames, offset = [], 0
+    for item in header["items"]:
+        dtype, shape = item["array"]
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape)) if shape else 1
+        array = np.frombuffer(blob, dtype, count, offset).reshape(shape)
+        offset += count * dtype.itemsize
+        subs = [mirror.by_number[n] for n in item["subs"] if n in mirror.by_number]
+        if not subs:  # unsubscribed meanwhile
+            continue
+        try:
+            frames += result_frames(subs, array, item["name"], item["tags"], item["step"], item["time"],
+                                    item["shape"], item["dtype"], header["rank"])
+        except Exception as exc:  # noqa: BLE001 - one bad result must not lose the batch
+            mirror._fail(f"publishing {item['name']!r}", exc)
+    return frames
+
+
+def serve(conn: Connection) -> None:
+    """The child's loop: start the hub as told, then act on each message until EOF or stop."""
+    from .hub import Hub
+
+    write = threading.Lock()
+    mirror = Mirror(conn, write)
+    start = _recv(conn)
+    try:
+        hub = Hub(mirror, start["config"], owner_pid=start["pid"])
+    except Exception as exc:  # noqa: BLE001 - e.g. the port is in use: the parent reports it
+        with write:
+            _send(conn, {"op": "error", "error": f"{type(exc).__name__}: {exc}"})
+        return
+    mirror.hub = hub
+    with write:
+        _send(conn, {"op": "ready", "url": hub.url, "ws": hub.ws_url, "page": hub.page_url, "token": hub.token})
+    # The compressors import torch (~1 s): do it now, not when the first client subscribes.
+    threading.Thread(target=__import__, args=("source_patch.runtime.trace.compress",), daemon=True).start()
+    last_stats = 0.0
+    try:
+        while True:
+            op = None
+            if conn.poll(0.2):
+                message = _recv(conn)
+                op = message.get("op")
+            if op == "results":
+                frames = _frames_of(mirror, message, conn.recv_bytes(MAX_MESSAGE))
+                if frames:
+                    hub.deliver(frames)
+            elif op == "state":
+                mirror.snapshot = message["state"]
+                if message["names"] is not None:
+                    mirror.series = message["names"]
+            elif op == "report":
+                sub = mirror.by_number.get(message["sub"])
+                if sub is not None:
+                    hub.report(sub, message["error"])
+            elif op in ("drain", "stats"):
+                ok = hub.drain(float(message["timeout"])) if op == "drain" else True
+                with write:  # fresh statistics first: the asker reads them once answered
+                    _send(conn, {"op": "stats", "stats": hub.stats(), "cpu": time.process_time()})
+                    _send(conn, {"op": "answer", "id": message["id"], "ok": ok})
+            elif op == "applied":
+                hub.loop.call_soon_threadsafe(mirror.ack, message["seq"])
+            elif op == "config":
+                hub.config = message["config"]
+            elif op == "stop":
+                break
+            now = time.monotonic()
+            if now - last_stats > 0.2:  # the parent's state() shows these
+                last_stats = now
+                with write:
+                    _send(conn, {"op": "stats", "stats": hub.stats(), "cpu": time.process_time()})
+    except (EOFError, OSError):
+        pass  # the traced process ended
+    finally:
+        hub.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    conn = Connection(int(argv[0]))
+    try:
+        serve(conn)
+    finally:
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The trace hub in a forwarder process (runtime/trace/forwarder.py): what runs
+where, and what happens when either side of the socket goes away.  The hub's
+protocol itself is tested in both placements by tests/test_trace_hub.py."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from source_patch.runtime.trace import close, compress as tc, configure, reset, state, trace, trace_step, url
+from source_patch.runtime.trace import forwarder
+from source_patch.runtime.trace.client import connect
+
+TOKEN = "forwarder-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def served(tmp_path):
+    port = free_port()
+    configure(enable=True, port=port, token=TOKEN, dir=str(tmp_path), ranks=[0], hub="process", wait=0)
+    reset()
+    yield port
+    close()
+    configure(enable=False, port=0, hub="process")
+
+
+def test_frames_are_encoded_and_served_by_another_process(served):
+    x = torch.randn(16, 4, 32)
+
+    async def main():
+        async with connect(url()) as c:
+            await c.subscribe(["hidden"], compressor={"kind": "tiles", "tiles": 8})
+            for _ in range(3):
+                trace("hidden", x, layer=2)
+                trace_step()
+            return [await c.next_frame(10) for _ in range(3)], await c.stats()
+
+    frames, stats = asyncio.run(main())
+    want = tc.parse({"kind": "tiles", "tiles": 8})(x).numpy()
+    assert all(np.array_equal(f.array, want) and f.layer == 2 for f in frames)
+    assert [f.step for f in frames] == [0, 1, 2] and stats["results"] == 3 and stats["step"] == 3
+    pid = state()["hub"]["forwarder_pid"]
+    assert pid != os.getpid() and alive(pid)
+    assert state()["hub"]["frames_sent"] == 3  # asked of the forwarder, not a stale copy
+
+
+def test_a_dead_forwarder_stops_tracing_and_training_goes_on(served):
+    x = torch.ones(4, 8)
+
+    async def main():
+        async with connect(url()) as c:
+            await c.subscribe(["hidden"], compressor={"kind": "tiles"})
+            trace("hidden", x, layer=0)
+            trace_step()
+            await c.next_frame(10)
+            os.kill(state()["hub"]["forwarder_pid"], signal.SIGKILL)  # the client is still subscribed
+            deadline = time.monotonic() + 10
+            while state(with_hub=False)["subscriptions"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    for _ in range(3):
+        assert trace("hidden", x, layer=0) is x
+        trace_step()
+    s = state(with_hub=False)
+    assert s["subscriptions"] == 0 and s["errors"] == 1 and "trace forwarder" in s["last_error"]
+
+
+def test_the_forwarder_ends_with_the_traced_process(tmp_path):
+    script = textwrap.dedent(f"""
+        import json, os, sys
+        from source_patch.runtime.trace import configure, state
+        configure(enable=True, port={free_port()}, token="t", dir={str(tmp_path)!r}, hub="process")
+        print(json.dumps(state()["hub"]["forwarder_pid"]), flush=True)
+        os._exit(0)  # no atexit, no goodbye: as if killed
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    pid = json.loads(out.stdout.strip().splitlines()[-1])
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid)
+
+
+def test_the_token_file_names_the_traced_process(tmp_path):
+    configure(enable=True, port=free_port(), token="", dir=str(tmp_path), ranks=[0], hub="process")
+    try:
+        (path,) = tmp_path.glob("*.json")
+        info = json.loads(path.read_text())
+        assert info["pid"] == os.getpid() and f"-p{os.getpid()}-" in path.name
+        assert info["page"] == url() and info["token"] in url()
+    finally:
+        close()
+        configure(enable=False, port=0)
+    assert not list(tmp_path.glob("*.json"))  # removed when the hub stops
+
+
+def test_when_no_forwarder_can_start_a_thread_serves(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError("no processes left")
+
+    monkeypatch.setattr(forwarder.subprocess, "Popen", refuse)
+    reset()
+    configure(enable=True, port=free_port(), token=TOKEN, dir=str(tmp_path), ranks=[0], hub="process")
+    try:
+        s = state()
+        assert url() is not None and "forwarder_pid" not in s["hub"]
+        assert s["errors"] == 1 and "serving from a thread instead" in s["last_error"]
+        assert "no processes left" in s["last_error"]
+    finally:
+        close()
+        configure(enable=False, port=0)
+        reset()
+
+
+def test_a_port_in_use_is_reported_by_the_forwarder_without_a_fallback(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        configure(enable=True, port=taken.getsockname()[1], token=TOKEN, dir=str(tmp_path), ranks=[0],
+                  hub="process")
+        try:
+            s = state()
+            assert url() is None and not s["enabled"] and s["errors"] == 1
+            assert "starting the trace hub" in s["last_error"] and "in use" in s["last_error"]
+        finally:
+            configure(enable=False, port=0)
+            reset()
