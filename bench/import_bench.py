@@ -5,7 +5,8 @@
 
 Every number comes from fresh subprocesses of this interpreter, variants alternated
 (A B, B A, A B, ...) so drift hits both sides alike; the table gives median and min
-of each side, the difference of the medians and their ratio.
+of each side, the difference of the medians and their ratio, and the paired
+difference (B - A of the same round): its median and its 10th..90th percentiles.
 
 Start-up rows
   start hook: `python -I -S -c "import site; site.addsitedir(W); site.addsitedir(D)"`
@@ -16,8 +17,13 @@ Start-up rows
   the package costs every interpreter that does not use it.
   editable install: the same with setuptools' editable-install .pth and finder module
   (what `pip install -e` adds to every start-up; not source-patch code).
-  venv start: the venv's `python -c pass` with SOURCE_PATCH unset (A) and set to the
-  bench specs (B: the hook activates them at start-up).
+  venv start: the venv's `python -c pass` with SOURCE_PATCH unset (A) and set (B: the
+  hook activates the specs at start-up), all B variants in the same rounds as A:
+  the two bench specs and `megatron_cpu,dump` (29 target modules) from their boot
+  record (the warm start-up: patcher/boot.py, nothing imported until a target is),
+  and the bench specs once more with the boot record deleted before each run (the
+  full activation, compiled specs from the code cache: what a first start-up after
+  a change pays).  The bench checks which path each B variant took.
 
 Import rows
   Each measured subprocess first imports the targets unpatched (which imports all
@@ -243,14 +249,46 @@ def bench_startup(runs: int, rows: list) -> None:
             rows.append(("editable install: addsitedir(D) call", "D empty", "D = __editable__*",
                          [r[1] for r in res["empty"]], [r[1] for r in res["editable"]]))
 
-        env_on = clean_env(SOURCE_PATCH=",".join(SPECS),
-                           SOURCE_PATCH_CACHE=str(tmp / "unused-cache"))
+        # Start-up with SOURCE_PATCH set, code caches filled by the first runs below.
+        # `full` has a cache of its own whose boot records it deletes before each run,
+        # so its hook runs the full activation every time (and writes the record again).
+        specs = {"bench": ",".join(SPECS), "cpu_dump": "megatron_cpu,dump", "full": ",".join(SPECS)}
+        env_set = {name: clean_env(SOURCE_PATCH=refs, SOURCE_PATCH_CACHE=str(tmp / f"cache-{name}"))
+                   for name, refs in specs.items()}
+
+        def start(name: str):
+            def run():
+                if name == "full":
+                    shutil.rmtree(tmp / "cache-full" / "boot", ignore_errors=True)
+                return wall([py, "-c", "pass"], env_set[name])[0]
+            return run
+
+        def check_paths(when: str):
+            """Which path each variant's start-up takes (the first meta-path finder)."""
+            probe = "import sys; print(type(sys.meta_path[0]).__name__)"
+            for name, expected in (("bench", "BootFinder"), ("cpu_dump", "BootFinder"), ("full", "PatchFinder")):
+                if name == "full":
+                    shutil.rmtree(tmp / "cache-full" / "boot", ignore_errors=True)
+                took = wall([py, "-c", probe], env_set[name])[1].strip()
+                if took != expected:
+                    raise SystemExit(f"{when}: the {name} start-up took the {took} path, not {expected}")
+
         venv = {"unset": lambda: wall([py, "-c", "pass"], env)[0],
-                "set": lambda: wall([py, "-c", "pass"], env_on)[0]}
-        venv["unset"](), venv["set"]()
+                **{name: start(name) for name in specs}}
+        time.sleep(2.5)  # files younger than boot.RACY_NS are not signed into a record
+        for name in specs:  # the full activation: fills the code caches, writes the records
+            wall([py, "-c", "pass"], env_set[name])
+        check_paths("before the runs")
+        for f in venv.values():
+            f()
         res = alternate(max(runs // 3, 2), venv)
-        rows.append(("venv `python -c pass` wall", "SOURCE_PATCH unset", "SOURCE_PATCH=2 specs",
-                     res["unset"], res["set"]))
+        check_paths("after the runs")
+        rows.append(("venv `python -c pass` wall", "SOURCE_PATCH unset", "2 bench specs, boot record",
+                     res["unset"], res["bench"]))
+        rows.append(("venv `python -c pass` wall", "SOURCE_PATCH unset", "megatron_cpu,dump, record",
+                     res["unset"], res["cpu_dump"]))
+        rows.append(("venv `python -c pass` wall", "SOURCE_PATCH unset", "2 bench specs, no record",
+                     res["unset"], res["full"]))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -284,7 +322,8 @@ def bench_imports(runs: int, rows: list) -> None:
         first = run("cold")()
         env = clean_env(SOURCE_PATCH_CACHE=str(warm_cache))
         wall([sys.executable, __file__, "--worker", "cold"], env)
-        written = list(warm_cache.rglob("*.spc"))
+        written = [p for p in warm_cache.rglob("*.spc")  # code entries (compiled specs live in specs/)
+                   if "specs" not in p.relative_to(warm_cache).parts]
         if len(written) != len(TARGETS):
             raise SystemExit(f"expected {len(TARGETS)} cache files, found {len(written)}")
         variants["unpatched"]()
@@ -331,9 +370,18 @@ def fmt_ms(seconds: float | None) -> str:
     return f"{ms:.3f}" if abs(ms) < 10 else f"{ms:.2f}" if abs(ms) < 100 else f"{ms:.1f}"
 
 
+def paired(a: list, b: list) -> str:
+    """Median of the per-round differences B - A, and their 10th..90th percentiles."""
+    d = [y - x for x, y in zip(a, b)]
+    if len(d) < 2:
+        return "-"
+    q = statistics.quantiles(d, n=10, method="inclusive")
+    return f"{fmt_ms(statistics.median(d))} [{fmt_ms(q[0])}..{fmt_ms(q[-1])}]"
+
+
 def table(rows: list) -> str:
     head = ("measurement", "A", "B", "runs", "A med ms", "A min ms", "B med ms", "B min ms",
-            "B-A med ms", "B/A med")
+            "B-A med ms", "B/A med", "paired B-A ms: med [10%..90%]")
     lines = []
     for what, a_name, b_name, a, b in rows:
         a_med = statistics.median(a) if a else None
@@ -343,6 +391,7 @@ def table(rows: list) -> str:
             fmt_ms(a_med), fmt_ms(min(a) if a else None), fmt_ms(b_med), fmt_ms(min(b)),
             fmt_ms(b_med - a_med) if a else "-",
             f"{b_med / a_med:.2f}x" if a else "-",
+            paired(a, b) if a else "-",
         ))
     widths = [max(len(r[i]) for r in [head] + lines) for i in range(len(head))]
     left = 3  # text columns

@@ -7,17 +7,45 @@ Public API (stable from spec format v1):
     import_patched_copy(m, *s) a fresh patched copy of module m, sys.modules untouched
     load_spec(ref) / Spec      read and validate a spec file or bundled spec name
 
-Importing this package imports neither libcst nor any target.
+Importing this package imports neither libcst nor any target.  It imports nothing
+at all until one of the names above is used (PEP 562): the start hook imports the
+package in every process started with SOURCE_PATCH set, and its fast path
+(boot.py) must not pay for dataclasses, typing, hashlib and the rest.
 """
 
-from .activation import Activation, activate, import_patched_copy, patched
-from .errors import (ActivationError, AnchorError, Location, RequirementError, SourcePatchError,
-                     SpecError)
-from .spec import FORMAT_VERSION, Edit, Patch, Spec
-from .spec import load as load_spec
+# public name -> (submodule, attribute)
+_EXPORTS = {
+    "Activation": ("activation", "Activation"), "activate": ("activation", "activate"),
+    "import_patched_copy": ("activation", "import_patched_copy"), "patched": ("activation", "patched"),
+    "ActivationError": ("errors", "ActivationError"), "AnchorError": ("errors", "AnchorError"),
+    "Location": ("errors", "Location"), "RequirementError": ("errors", "RequirementError"),
+    "SourcePatchError": ("errors", "SourcePatchError"), "SpecError": ("errors", "SpecError"),
+    "FORMAT_VERSION": ("spec", "FORMAT_VERSION"), "Edit": ("spec", "Edit"), "Patch": ("spec", "Patch"),
+    "Spec": ("spec", "Spec"), "load_spec": ("spec", "load"),
+}
+# Submodules an eager import of this package used to bind as attributes.
+_SUBMODULES = ("activation", "cache", "errors", "finder", "locate", "spec")
 
 __all__ = [
     "FORMAT_VERSION", "Activation", "ActivationError", "AnchorError", "Edit", "Location", "Patch",
     "RequirementError", "SourcePatchError", "Spec", "SpecError", "activate", "import_patched_copy",
     "load_spec", "patched",
 ]
+
+
+def __getattr__(name: str):
+    from importlib import import_module
+
+    if name in _EXPORTS:
+        module, attr = _EXPORTS[name]
+        value = getattr(import_module(f"{__name__}.{module}"), attr)
+    elif name in _SUBMODULES:
+        value = import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))

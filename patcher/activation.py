@@ -4,6 +4,9 @@
 path separator); each is a file path or a bundled spec name.  Activation from
 the environment rewrites the variable with absolute paths, so children started
 in another working directory find the same specs.
+
+At start-up this module is imported only when the fast path (boot.py) cannot
+activate from its boot record; a successful activation here writes that record.
 """
 
 from __future__ import annotations
@@ -12,13 +15,13 @@ import contextlib
 import importlib
 import importlib.util
 import os
-import re
 import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Iterable, Iterator
 
+from . import boot
 from . import spec as spec_mod
 from .cache import CodeCache
 from .errors import ActivationError, NotActivatedError, SourcePatchError, SourcePatchWarning, shorten, show
@@ -33,8 +36,9 @@ REPORT = "SOURCE_PATCH_REPORT"  # 1: at exit, print what applied, what was skipp
 class Activation:
     """Specs made active by one ``activate`` call; ``deactivate()`` undoes it."""
 
-    def __init__(self, finder: PatchFinder, specs: list[spec_mod.Spec]):
+    def __init__(self, finder: PatchFinder, specs: list[spec_mod.Spec], found: dict | None = None):
         self.finder, self.specs = finder, specs
+        self.found = found  # target -> its file (None: missing, gated); None when one was reported
 
     @property
     def modules(self) -> list[str]:
@@ -52,7 +56,30 @@ class Activation:
 
 
 def installed_finder() -> PatchFinder | None:
-    return next((f for f in sys.meta_path if isinstance(f, PatchFinder)), None)
+    """The PatchFinder on sys.meta_path; a BootFinder there (a start-up from the boot
+    record) hands over to its PatchFinder first."""
+    for f in sys.meta_path:
+        if isinstance(f, PatchFinder):
+            return f
+        if isinstance(f, boot.BootFinder):
+            return f.hand_over().finder
+    return None
+
+
+def adopt_boot(pending: boot.BootFinder) -> Activation:
+    """The full activation of what the start-up fast path activated: the same spec
+    texts, rebuilt from the code cache as activate_from_env would, in a PatchFinder
+    that takes the BootFinder's place on sys.meta_path."""
+    cache = CodeCache(Path(pending.cache_dir))
+    specs = list(dict.fromkeys(spec_mod._compiled(t, p, cache) for p, t in zip(pending.paths, pending.texts)))
+    finder = PatchFinder(cache)
+    for s in specs:
+        finder.add(s)
+    if pending in sys.meta_path:
+        sys.meta_path[sys.meta_path.index(pending)] = finder
+    else:
+        sys.meta_path.insert(0, finder)
+    return Activation(finder, specs)
 
 
 def _finder(cache_dir: str | os.PathLike | None) -> PatchFinder:
@@ -85,27 +112,35 @@ def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
         raise ActivationError(
             f"already imported, so they cannot be patched: {names}. Activate earlier "
             f"(SOURCE_PATCH=... in the environment, or activate() before the first import)")
-    _check_targets(new, strict=_flag(os.environ, STRICT))
+    found = _check_targets(new, strict=_flag(os.environ, STRICT))
     finder = _finder(cache_dir)
     for s in new:
         finder.add(s)
-    return Activation(finder, new)
+    return Activation(finder, new, found)
 
 
-def _check_targets(specs: list[spec_mod.Spec], strict: bool) -> None:
+def _check_targets(specs: list[spec_mod.Spec], strict: bool) -> dict[str, str | None] | None:
     """Report target modules that cannot be found (a misspelled ``module:`` would
     otherwise never apply, silently).  A patch whose required distribution is not
-    installed is not reported: that is the other framework of a two-framework spec."""
+    installed is not reported: that is the other framework of a two-framework spec.
+    Returns where each target was found (None: not found, but gated), for the boot
+    record; None if one was reported."""
+    found: dict[str, str | None] | None = {}
     for s in specs:
         for module in s.modules:
             try:
-                find_source(module)
+                origin = str(find_source(module))
+                if found is not None:
+                    found[module] = origin
                 continue
             except NotFound as exc:
                 error = exc
             patches = [p for p in s.patches if p.module == module]
             if all(_gated(s.requires + p.requires) for p in patches):
+                if found is not None:
+                    found.setdefault(module, None)
                 continue
+            found = None
             near = nearest_modules(error)
             message = (f"{patches[0].location}: spec {s.name!r} patches {shorten(module)}, which cannot "
                        f"be found ({error}); nearest: {', '.join(near) if near else 'none'}")
@@ -113,10 +148,10 @@ def _check_targets(specs: list[spec_mod.Spec], strict: bool) -> None:
                 raise ActivationError(message)
             warnings.warn(f"source-patch: {message} ({STRICT}=1 makes this an error)",
                           SourcePatchWarning, stacklevel=3)
+    return found
 
 
-def _flag(environ, name: str) -> bool:
-    return environ.get(name, "").strip() in ("1", "true", "yes")
+_flag = boot.flag
 
 
 def _gated(requires) -> bool:
@@ -202,21 +237,22 @@ def import_patched_copy(module: str, *specs: str | os.PathLike | spec_mod.Spec,
 # --------------------------------------------------------------------------- environment
 
 
-def split_refs(value: str) -> list[str]:
-    return [r.strip() for r in re.split(rf"[,{re.escape(os.pathsep)}]", value) if r.strip()]
+split_refs = boot.split_refs
 
 
 ON_ERROR = "SOURCE_PATCH_ON_ERROR"  # "error" (default) | "warn"
 
 
-def activate_from_env(environ=os.environ) -> Activation | None:
+def activate_from_env(environ=os.environ, *, remember: bool = False) -> Activation | None:
     """Activate the specs named by SOURCE_PATCH.  Called from the ``.pth`` start hook,
     where ``site`` would swallow an exception, so a failure is *armed* instead: the
     error is printed, and every later import of a non-standard-library module raises
     NotActivatedError carrying it (the program stops at its first real import, never
     runs silently unpatched).  Any failure counts, not only a SourcePatchError (an
     unusable path, a bug): an exception escaping here would be swallowed by ``site``.
-    ``SOURCE_PATCH_ON_ERROR=warn`` turns that into a warning and an unpatched run."""
+    ``SOURCE_PATCH_ON_ERROR=warn`` turns that into a warning and an unpatched run.
+    ``remember`` (the start hook): write the boot record that lets the next start-up
+    with the same specs skip all this (boot.py)."""
     value = environ.get(ENV, "")
     refs = split_refs(value)
     if not refs:
@@ -224,11 +260,19 @@ def activate_from_env(environ=os.environ) -> Activation | None:
     try:
         paths = [str(spec_mod.resolve(r)) for r in refs]
         environ[ENV] = ",".join(paths)
-        activation = activate(paths)
+        # What spec.load does, keeping each text: the boot record must hold the very
+        # text the specs (and so the target names) came from.
+        texts, specs = [], []
+        for path in paths:
+            texts.append(spec_mod._read(Path(path)))
+            specs.append(spec_mod._compiled(texts[-1], path))
+        activation = activate(specs)
+        if remember and activation.found is not None and activation.specs == list(dict.fromkeys(specs)):
+            boot.write(paths, texts, activation.found)
         if _flag(environ, REPORT):
             import atexit
 
-            atexit.register(lambda: _say(f"source-patch report (pid {os.getpid()}):\n{activation.report()}"))
+            atexit.register(print_report, activation)
         return activation
     except SourcePatchError as exc:
         error = exc
@@ -273,6 +317,11 @@ def _fail(error: SourcePatchError, policy: str) -> None:
     if policy != "error":
         _say(f"source-patch: {ON_ERROR}={show(policy)} is not 'error' or 'warn': treated as 'error'")
     _say(f"source-patch: error: {error}")
+
+
+def print_report(activation: Activation) -> None:
+    """SOURCE_PATCH_REPORT=1, at exit."""
+    _say(f"source-patch report (pid {os.getpid()}):\n{activation.report()}")
 
 
 def _say(line: str) -> None:

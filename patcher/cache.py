@@ -20,7 +20,6 @@ import hashlib
 import importlib.util
 import marshal
 import os
-import stat
 import sys
 import time
 import warnings
@@ -28,15 +27,14 @@ from functools import lru_cache
 from pathlib import Path
 from types import CodeType
 
+from .boot import cache_dir, untrusted  # shared with the start-up fast path
+
 MAGIC = b"SPC1"
 _HEADER = len(MAGIC) + 32 + 8 + 32  # magic, key, payload length, payload sha256
 
 
 def default_dir() -> Path:
-    if os.environ.get("SOURCE_PATCH_CACHE"):
-        return Path(os.environ["SOURCE_PATCH_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "source-patch"
+    return Path(cache_dir())
 
 
 LOCK_WAIT_S = 120.0  # a waiter parses itself after this (the holder is stuck, not dead)
@@ -61,21 +59,6 @@ def _tool_versions() -> bytes:
         except OSError:
             h.update(f"{f}:-".encode())
     return h.digest()
-
-
-def untrusted(directory: Path) -> str | None:
-    """Why a cache directory must not be used (None: it may), as ssh judges its files."""
-    try:
-        st = os.stat(directory)
-    except OSError:  # absent (created 0700 on first write) or unreachable (writes fail: no cache)
-        return None
-    if not stat.S_ISDIR(st.st_mode):
-        return "it is not a directory"
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"it is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
 
 
 def spec_key(text: str, file: str) -> bytes:

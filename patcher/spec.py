@@ -185,13 +185,14 @@ def load(ref: str | os.PathLike) -> Spec:
     return _compiled(_read(path), str(path))
 
 
-def _compiled(text: str, file: str) -> Spec:
-    """loads() through the code cache: a spec read before (the same text, file, tool
-    and runtime schemas) is rebuilt from its stored form, without YAML, validation or
-    their imports; an invalid spec is never stored, so its error is always fresh."""
+def _compiled(text: str, file: str, cache=None) -> Spec:
+    """loads() through the code cache (``cache``, else the default one): a spec read
+    before (the same text, file, tool and runtime schemas) is rebuilt from its stored
+    form, without YAML, validation or their imports; an invalid spec is never stored,
+    so its error is always fresh."""
     from .cache import CodeCache, spec_key
 
-    cache, k = CodeCache(), spec_key(text, file)
+    cache, k = cache or CodeCache(), spec_key(text, file)
     stored = cache.get_data(k)
     if stored is not None:
         try:
