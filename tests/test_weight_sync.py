@@ -10,6 +10,7 @@ weight-update code with its Qwen3MoeForCausalLM (tests/e2e/weight_sync_engine.py
 
 import dataclasses
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -133,6 +134,130 @@ def test_the_same_link_delivers_update_after_update_in_both_stages():
             assert torch.equal(got, want), (stage, name)  # before the next: streamed buffers are reused
             handed += 1
         assert handed == len(data)
+
+
+def bumped(data, by):
+    """New values, the same layout (bools kept: arithmetic would change their dtype)."""
+    return [(n, t + by if t.dtype != torch.bool else t) for n, t in data]
+
+
+def loopback_update(tx, rx, data, bucket_bytes, version, stage="bucket"):
+    """Send ``data`` over a loopback pair; return receive()'s Update (not consumed)."""
+    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], bucket_bytes, version=version)
+    tx.rewind()
+    rx.rewind()
+    wt.send(tx, m, (t for _, t in data))
+    return wt.receive(rx, stage=stage)
+
+
+def check_streamed(update, data) -> list:
+    """Consume a streamed update, comparing each tensor before asking for the next (the
+    bucket buffers are reused); returns the names handed out."""
+    names, wanted = [], dict(data)
+    for name, got in update.tensors:
+        want = wanted[name]
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
+        names.append(name)
+    return names
+
+
+def test_streamed_updates_reuse_their_plan_while_the_layout_holds_and_rebuild_it_when_it_changes():
+    a = mixed_tensors()
+    # Another layout: 128 bytes in two 64-byte buckets, "y" crossing the bucket end,
+    # and empty tensors at offset 0, mid-stream and at offset == total_bytes (after the last bucket).
+    b = [("first", torch.zeros(0)), ("x", torch.arange(8.0)), ("y", torch.arange(16.0) + 100),
+         ("mid", torch.zeros(0, 3)), ("z", torch.arange(8, dtype=torch.int32)), ("end", torch.zeros(2, 0))]
+    planned = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in b], 64, 1)
+    assert planned.total_bytes == 128 == planned.entries[-1].offset and planned.buckets == 2
+    layouts = [(a, 256), (a, 256), (b, 64), (a, 256), (a, 128), (a, 128)]  # the last two: another bucket size
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    plans = []
+    for version, (data, bucket) in enumerate(layouts, 1):
+        data = bumped(data, version)
+        update = loopback_update(tx, rx, data, bucket, version)
+        assert check_streamed(update, data) == [n for n, _ in data]
+        assert rx.position == len(tx.messages)  # every message consumed: the protocol finished
+        plans.append(rx.streamed)
+    assert plans[1] is plans[0] and plans[5] is plans[4]  # same layout: reused
+    assert len({id(p) for p in plans}) == 4  # a new plan at each change: a, b, a again, a with 128-byte buckets
+
+
+def test_a_tensor_crossing_a_bucket_end_is_its_own_allocation_every_update():
+    data = mixed_tensors()  # "big" (4800 bytes) spans many 256-byte buckets
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    kept = {}
+    for version in (1, 2):
+        data = bumped(data, version)
+        for name, got in loopback_update(tx, rx, data, 256, version).tensors:
+            if name == "big":
+                kept[version] = (got, got.clone())
+    (first, first_values), (second, _) = kept[1], kept[2]
+    assert second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    assert torch.equal(first, first_values)  # update 2 did not write into update 1's tensor
+
+
+def test_a_streamed_consumer_that_stops_early_finishes_the_protocol_and_the_next_update_works():
+    data = mixed_tensors()
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    check_streamed(loopback_update(tx, rx, data, 256, 1), data)  # the plan is cached
+    plan = rx.streamed
+    update = loopback_update(tx, rx, data, 256, 2)
+    stream = iter(update.tensors)
+    # Stop mid-update, at "big" (assembled over many buckets): later buckets not yet read.
+    taken = [name for name, _ in itertools.takewhile(lambda item: item[0] != "big", stream)]
+    assert taken == [n for n, _ in data][:20] and rx.position < len(tx.messages)
+    stream.close()
+    assert rx.position == len(tx.messages)  # the rest of the buckets were drained
+    update.close()  # what the engine's loaded site also calls: nothing more to do
+    data = bumped(data, 3)
+    update = loopback_update(tx, rx, data, 256, 3)
+    assert check_streamed(update, data) == [n for n, _ in data] and rx.streamed is plan
+
+
+def test_a_streamed_update_that_is_never_consumed_is_finished_by_close():
+    data = mixed_tensors()
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    loopback_update(tx, rx, data, 256, 1).close()
+    assert rx.position == len(tx.messages)
+    assert check_streamed(loopback_update(tx, rx, data, 256, 2), data) == [n for n, _ in data]
+
+
+def test_a_checksum_mismatch_after_the_plan_was_cached_still_fails_and_hands_out_nothing_of_the_bad_bucket(
+        monkeypatch):
+    data = mixed_tensors()
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    check_streamed(loopback_update(tx, rx, data, 256, 1), data)
+    update = loopback_update(tx, rx, data, 256, 2)
+    bad = 3
+    monkeypatch.setattr(wt, "before_verify", lambda k, buf: buf[:8].bitwise_not_() if k == bad else None)
+    names = []
+    with pytest.raises(wt.ChecksumMismatch, match=f"checksum mismatch in bucket\\(s\\) {bad} of "):
+        for name, _ in update.tensors:
+            names.append(name)
+    end = update.manifest.window(bad - 1)[1]  # exactly the tensors that end in buckets 0 .. bad-1
+    assert names == [e.name for e in update.manifest.entries if e.offset < end and e.offset + e.nbytes <= end]
+    assert 0 < len(names) < len(data) and rx.position == len(tx.messages)
+    monkeypatch.setattr(wt, "before_verify", None)
+    data = bumped(data, 2)
+    assert check_streamed(loopback_update(tx, rx, data, 256, 3), data) == [n for n, _ in data]
+
+
+def test_a_receiver_reuses_its_checksum_tensors_while_the_bucket_count_holds():
+    data = mixed_tensors()
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    sums = []
+    for version, (bucket, stage) in enumerate([(256, "bucket"), (256, "update"), (128, "bucket")], 1):
+        update = loopback_update(tx, rx, data, bucket, version, stage)
+        list(update.tensors)
+        sums.append(rx.sums)
+        assert rx.sums[0].numel() == update.manifest.buckets
+    assert sums[1] is sums[0] and sums[2] is not sums[0]
 
 
 @pytest.mark.parametrize("change, error", [
