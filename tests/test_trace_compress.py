@@ -194,14 +194,16 @@ for (shape, dtype), stats in zip(
         [((64, 4, 96), torch.float32), ((33, 200), torch.bfloat16), ((700, 24), torch.float16), ((5, 8), torch.float32)],
         [("mean", "absmax", "rms"), ("min", "max"), ("rms", "min", "mean", "max", "absmax"), ("absmax",)]):
     x = torch.randn(shape).to(dtype)
-    got, want = fused.column_stats(x, stats), tc.tile_columns(x, list(stats))
-    cases.append([list(shape), str(dtype), list(stats), list(got.shape) == list(want.shape),
+    parts, want = fused.column_stats(x, stats), tc.tile_columns(x, list(stats))
+    got = torch.from_numpy(tc._join_splits(parts.double().numpy(), stats)).float()
+    cases.append([list(shape), str(dtype), list(stats), parts.shape[1:] == want.shape and parts.shape[0] >= 1,
                   torch.allclose(got, want, rtol=1e-5, atol=2e-4)])
 x = torch.randn(16, 32)
 x[3, 5] = float("nan")
-nan = fused.column_stats(x, tc.TILE_STATS)
+nan = torch.from_numpy(tc._join_splits(fused.column_stats(x, tc.TILE_STATS).double().numpy(), tc.TILE_STATS))
 print(json.dumps({"cases": cases, "nan_column": torch.isnan(nan[:, 5]).all().item(),
-                  "others_finite": not torch.isnan(nan[:, 4]).any().item()}))
+                  "others_finite": not torch.isnan(nan[:, 4]).any().item(),
+                  "splits": fused.column_stats(torch.randn(700, 24), ("mean",)).shape[0]}))
 """
 
 
@@ -216,6 +218,7 @@ def test_the_fused_tiles_kernel_computes_what_the_torch_reductions_do():
     assert len(result["cases"]) == 4 and all(ok_shape and close for *_, ok_shape, close in result["cases"]), \
         result["cases"]
     assert result["nan_column"] and result["others_finite"]
+    assert result["splits"] == 6  # 700 rows of 24 columns: blocks of 128 rows, a split each (< 16)
 
 
 @pytest.mark.gpu
@@ -225,11 +228,14 @@ def test_tiles_of_a_cuda_tensor_take_the_fused_kernel_and_match_the_torch_path()
         pytest.skip("Triton is not importable here")
     x = torch.randn(512, 4, 1024, device="cuda", dtype=torch.bfloat16)
     stats = list(tc.TILE_STATS)
-    fused_result = tc.tile_columns(x, stats)
+    tiles = tc.parse({"kind": "tiles", "stats": stats, "tiles": 64})
+    fused_parts = tiles.reduce(x)
     tc.USE_TRITON = False
     try:
-        torch_result = tc.tile_columns(x, stats)
+        torch_columns = tiles.reduce(x)
     finally:
         tc.USE_TRITON = True
-    torch.testing.assert_close(fused_result, torch_result, rtol=1e-4, atol=1e-2)
+    assert fused_parts.dim() == 3 and fused_parts.shape[0] > 1 and torch_columns.shape == (len(stats), 1024)
+    fused_result, torch_result = (tiles.finish(r.cpu().numpy(), x.shape) for r in (fused_parts, torch_columns))
+    np.testing.assert_allclose(fused_result, torch_result, rtol=1e-4, atol=1e-4)
     assert tc.tile_columns(x.transpose(0, 2), stats).shape == (len(stats), 512)  # not contiguous: torch path

@@ -159,7 +159,8 @@ def _tiles(params: dict, _raw_max: int) -> Compressor:
 
 
 def tile_columns(x: torch.Tensor, stats, dim: int = -1) -> torch.Tensor:
-    """The device stage of tiles, float32 [len(stats), D]: per stat one reduction over
+    """The device stage of tiles, float32 [len(stats), D] (or [splits, len(stats), D] from
+    the fused kernel, fused.py): per stat one reduction over
     every dim but ``dim`` (sum; 2-norm; inf-norm; min; max), written in place.  Column
     first: reducing (rows, within-tile) at once ran slower on an H200, and the
     per-tile step is left to the host (docs/benchmarks.md).  Float32 accumulation, no
@@ -202,7 +203,11 @@ def _fused():
 
 
 def tile_finish(columns: np.ndarray, shape: tuple, stats, tiles: int) -> np.ndarray:
-    """The host stage of tiles: combine the per-column results over each tile (float64)."""
+    """The host stage of tiles: combine the per-column results over each tile (float64).
+    ``columns``: [len(stats), D], or [splits, len(stats), D] partial results over
+    splits of the rows (the fused kernel), combined here first."""
+    if columns.ndim == 3:
+        columns = _join_splits(columns.astype(np.float64), stats)
     width = columns.shape[1]
     starts, widths = _tile_layout(width, tiles)
     count = (math.prod(shape) // width) * widths  # elements per tile
@@ -217,6 +222,21 @@ def tile_finish(columns: np.ndarray, shape: tuple, stats, tiles: int) -> np.ndar
         else:  # absmax, max
             out[i] = np.maximum.reduceat(column, starts)
     return out
+
+
+def _join_splits(parts: np.ndarray, stats) -> np.ndarray:
+    """[splits, len(stats), D] partial column results -> [len(stats), D]."""
+    joined = np.empty(parts.shape[1:], dtype=np.float64)
+    for i, stat in enumerate(stats):
+        if stat == "mean":
+            joined[i] = parts[:, i].sum(0)
+        elif stat == "rms":
+            joined[i] = np.sqrt(np.square(parts[:, i]).sum(0))
+        elif stat == "min":
+            joined[i] = parts[:, i].min(0)
+        else:  # absmax, max
+            joined[i] = parts[:, i].max(0)
+    return joined
 
 
 @functools.lru_cache(maxsize=256)
