@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 STATS = ("mean", "rms", "absmax", "min", "max")
-ELEMENTS = 4096    # per loop iteration of a program: BLOCK_R x BLOCK_C
+ELEMENTS = 2048    # per loop iteration of a program: BLOCK_R x BLOCK_C (x5 accumulators in registers)
 PROGRAMS = 256     # aimed at: about two per SM of an H100 / H200
 MAX_SPLITS = 16    # partial results per column: the host combines at most this many
 
@@ -48,37 +48,39 @@ def _column_stats(x_ptr, out_ptr, rows, cols, rows_per_split, K: tl.constexpr, B
     cmask = c < cols
     first = tl.program_id(1) * rows_per_split
     last = tl.minimum(first + rows_per_split, rows)
-    total = tl.zeros([BLOCK_C], tl.float32)
-    squares = tl.zeros([BLOCK_C], tl.float32)
-    absmax = tl.zeros([BLOCK_C], tl.float32)
-    low = tl.full([BLOCK_C], float("inf"), tl.float32)
-    high = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    # Element-wise accumulators over the loop; one reduction across rows at the end
+    # (a cross-thread reduction per iteration made the loop latency-bound).
+    total = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    squares = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    absmax = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    low = tl.full([BLOCK_R, BLOCK_C], float("inf"), tl.float32)
+    high = tl.full([BLOCK_R, BLOCK_C], float("-inf"), tl.float32)
     for r0 in range(first, last, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         mask = (r[:, None] < last) & cmask[None, :]
         offsets = r[:, None].to(tl.int64) * cols + c[None, :]
         x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         if I_SUM >= 0:
-            total += tl.sum(x, 0)
+            total += x
         if I_NORM >= 0:
-            squares += tl.sum(x * x, 0)
+            squares += x * x
         if I_ABSMAX >= 0:
-            absmax = _max_nan(absmax, tl.reduce(tl.abs(x), 0, _max_nan))
+            absmax = _max_nan(absmax, tl.abs(x))
         if I_MIN >= 0:
-            low = _min_nan(low, tl.reduce(tl.where(mask, x, float("inf")), 0, _min_nan))
+            low = _min_nan(low, tl.where(mask, x, float("inf")))
         if I_MAX >= 0:
-            high = _max_nan(high, tl.reduce(tl.where(mask, x, float("-inf")), 0, _max_nan))
+            high = _max_nan(high, tl.where(mask, x, float("-inf")))
     out = out_ptr + tl.program_id(1) * K * cols + c
     if I_SUM >= 0:
-        tl.store(out + I_SUM * cols, total, mask=cmask)
+        tl.store(out + I_SUM * cols, tl.sum(total, 0), mask=cmask)
     if I_NORM >= 0:
-        tl.store(out + I_NORM * cols, tl.sqrt(squares), mask=cmask)
+        tl.store(out + I_NORM * cols, tl.sqrt(tl.sum(squares, 0)), mask=cmask)
     if I_ABSMAX >= 0:
-        tl.store(out + I_ABSMAX * cols, absmax, mask=cmask)
+        tl.store(out + I_ABSMAX * cols, tl.reduce(absmax, 0, _max_nan), mask=cmask)
     if I_MIN >= 0:
-        tl.store(out + I_MIN * cols, low, mask=cmask)
+        tl.store(out + I_MIN * cols, tl.reduce(low, 0, _min_nan), mask=cmask)
     if I_MAX >= 0:
-        tl.store(out + I_MAX * cols, high, mask=cmask)
+        tl.store(out + I_MAX * cols, tl.reduce(high, 0, _max_nan), mask=cmask)
 
 
 @functools.lru_cache(maxsize=64)
