@@ -83,6 +83,7 @@ async def toggling_client(port: int, report: dict, phase: int) -> None:
                 for key, seconds in after["cost_seconds"].items():
                     cost[key] = cost.get(key, 0.0) + seconds - before["cost_seconds"][key]
                 cost["steps"] += after["step"] - before["step"]
+                report["ring"] = after.get("ring")
                 off_until = loop.time() + (loop.time() - started)
                 while (left := off_until - loop.time()) > 0:  # frames still in flight land here
                     try:
@@ -212,7 +213,8 @@ def main() -> None:
                 subscribed = max(cost.pop("steps", 0), 1)
                 reports.setdefault(name, []).append(
                     {"traced": len(traced), "not traced": len(untraced), "client dropped": report.get("client_dropped"),
-                     "ms per subscribed step": {k: round(v / subscribed * 1e3, 3) for k, v in cost.items()}})
+                     "ms per subscribed step": {k: round(v / subscribed * 1e3, 3) for k, v in cost.items()},
+                     "ring": report.get("ring")})
             else:
                 samples[name] += times[args.warmup:]
                 if report:

@@ -67,6 +67,52 @@ def test_frames_are_encoded_and_served_by_another_process(served):
     assert state()["hub"]["frames_sent"] == 3  # asked of the forwarder, not a stale copy
 
 
+def test_results_reach_the_forwarder_through_the_shared_ring_and_are_released(served):
+    from source_patch.runtime.trace import api
+
+    ring = api._ring
+    assert ring is not None, "hub: process on Linux shares a ring with its forwarder"
+    before = ring.head
+    x = torch.randn(32, 64)
+
+    async def main():
+        async with connect(url()) as c:
+            await c.subscribe(["hidden"], compressor={"kind": "tiles", "tiles": 4})
+            for _ in range(5):
+                trace("hidden", x, layer=1)
+                trace_step()
+            return [await c.next_frame(10) for _ in range(5)]
+
+    frames = asyncio.run(main())
+    want = tc.parse({"kind": "tiles", "tiles": 4})(x).numpy()
+    assert all(np.array_equal(f.array, want) for f in frames)
+    assert ring.head > before  # the five results went through the ring, not the socket
+    deadline = time.monotonic() + 10
+    while ring.tail < ring.head and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ring.tail == ring.head  # the forwarder gave every slice back
+
+
+def test_the_ring_hands_out_slices_in_order_never_wraps_one_and_refuses_when_full():
+    from source_patch.runtime.trace.ring import ALIGN, Ring
+
+    ring = Ring(size=4 * ALIGN)
+    a = torch.arange(60, dtype=torch.float32)           # 240 bytes: one slice
+    offset, end, dtype, shape = ring.put(a)
+    assert (offset, end, dtype, shape) == (0, ALIGN, "<f4", [60])
+    assert np.array_equal(np.frombuffer(ring.bytes.numpy(), "<f4", 60, 0), a.numpy())
+    b = torch.ones(2 * ALIGN, dtype=torch.uint8)
+    assert ring.put(b)[:2] == (ALIGN, 3 * ALIGN)
+    assert ring.put(torch.ones(2 * ALIGN, dtype=torch.uint8)) is None  # would overwrite unread bytes
+    ring.release(ALIGN)
+    assert ring.put(torch.ones(2 * ALIGN, dtype=torch.uint8)) is None  # wrapping needs 3 slices free
+    ring.release(3 * ALIGN)
+    offset, end, *_ = ring.put(torch.full((2 * ALIGN,), 7, dtype=torch.uint8))
+    assert (offset, end) == (0, 6 * ALIGN)  # skipped the last slice: a result is never split
+    assert ring.bytes[:2 * ALIGN].eq(7).all()
+    assert not ring.takes(torch.ones(2, dtype=torch.bfloat16))  # numpy has no bfloat16: the socket path
+
+
 def test_a_dead_forwarder_stops_tracing_and_training_goes_on(served):
     x = torch.ones(4, 8)
 

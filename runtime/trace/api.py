@@ -82,6 +82,7 @@ _busy = 0                    # results the publisher has taken but not yet hande
 _publisher: threading.Thread | None = None
 _stop = False
 _hub = None                  # hub.Hub while serving
+_ring = None                 # ring.Ring the forwarder reads results from (hub: process)
 _hub_key: tuple | None = None
 
 _COUNTERS = ("results", "dropped", "skipped", "errors", "compress_errors", "too_large")
@@ -181,6 +182,7 @@ def state(with_hub: bool = True) -> dict:
         "subscriptions": len(_table.subs),
         "cost_seconds": cost,
         "hub": hub_stats,
+        "ring": _ring.state() if _ring is not None else None,
         "url": hub.url if hub is not None else None,
         "config": public_config(),
     }
@@ -311,8 +313,15 @@ def _compress(due: list, key: tuple, name: str, tensor: torch.Tensor, tags: dict
         except Exception as exc:  # noqa: BLE001 - a client's parameters that do not fit
             _compress_failed(subs, name, exc)
             continue
+        slot = None
+        ring = _ring
+        if ring is not None and ring.takes(result):
+            slot = ring.put(result)
+            if slot is None:
+                _count("dropped")  # the forwarder is behind: its ring is full
+                continue
         result, event = _mark(result, timing)
-        item = _Result(subs, name, tags, step, stamp, result, event, start, tensor)
+        item = _Result(subs, name, tags, step, stamp, result, event, start, tensor, slot)
         with _cond:
             if _publisher is None or not _publisher.is_alive():
                 _start_publisher()
@@ -346,12 +355,13 @@ def _record(device: torch.device, timing: bool):
 
 
 class _Result:
-    __slots__ = ("subs", "name", "tags", "step", "time", "host", "event", "start", "shape", "dtype")
+    __slots__ = ("subs", "name", "tags", "step", "time", "host", "event", "start", "shape", "dtype", "slot")
 
-    def __init__(self, subs, name, tags, step, stamp, result, event, start, tensor):
+    def __init__(self, subs, name, tags, step, stamp, result, event, start, tensor, slot=None):
         self.subs, self.name, self.tags, self.step, self.time = subs, name, tags, step, stamp
         self.host, self.event, self.start = result, event, start  # host: on the device until fetched
         self.shape, self.dtype = list(tensor.shape), str(tensor.dtype)
+        self.slot = slot  # (offset, end, dtype, shape) in the shared ring: the bytes are there, not in host
 
 
 def _fetch(items: list) -> None:
@@ -361,9 +371,12 @@ def _fetch(items: list) -> None:
     stay referenced until the copies are done, so their memory is not reused under them."""
     waiting = [item for item in items if item.event is not None]
     groups: dict = {}
-    for item in waiting:
-        groups.setdefault((item.host.device.index, item.host.dtype), []).append(item)
     done = []
+    for item in waiting:
+        if item.slot is None:
+            groups.setdefault((item.host.device.index, item.host.dtype), []).append(item)
+        else:
+            done.append(item.event)  # copied into the forwarder's ring already: only wait
     for (index, dtype), group in groups.items():
         stream = _streams.get(index)
         if stream is None:
@@ -385,6 +398,8 @@ def _fetch(items: list) -> None:
     for event in done:
         event.synchronize()
     for item in waiting:
+        if item.slot is not None:
+            item.host = None
         if item.start is not None:
             with _cond:
                 _cost["device_reduce"] += item.start.elapsed_time(item.event) / 1e3
@@ -465,7 +480,8 @@ def _share_state() -> None:
     try:
         with _cond:
             snapshot = {**_counts, "cost_seconds": dict(_cost)}
-        snapshot.update(step=_step, rank=ranks.global_rank(), series=len(_seen))
+        snapshot.update(step=_step, rank=ranks.global_rank(), series=len(_seen),
+                        ring=_ring.state() if _ring is not None else None)
         key = tuple(snapshot[k] for k in ("step", "series", *_COUNTERS))
         if key != _shared:
             series_changed = not _shared or _shared[1] != key[1]
@@ -527,7 +543,7 @@ def _apply(config: dict) -> None:
 
 def _sync_hub(serve: bool) -> bool:
     """Start, restart or stop the hub to match the configuration; True if one started."""
-    global _hub, _hub_key
+    global _hub, _hub_key, _ring
     key = (_config["host"], _config["port"], _config["token"], _config["max_message"], _config["dir"],
            _config["hub"]) if serve else None
     if key == _hub_key:
@@ -543,6 +559,7 @@ def _sync_hub(serve: bool) -> bool:
     except Exception as exc:  # noqa: BLE001 - no hub: nothing traced, training goes on
         _fail("starting the trace hub", exc)
         return False
+    _ring = getattr(_hub, "ring", None)
     if _publisher is None and hasattr(_hub, "share_state"):
         with _cond:
             _start_publisher()  # it sends the forwarder this process's state, traced or not
@@ -566,8 +583,8 @@ def _new_hub():
 
 
 def _stop_hub() -> None:
-    global _hub, _hub_key, _shared
-    hub, _hub, _hub_key, _shared = _hub, None, None, ()
+    global _hub, _hub_key, _shared, _ring
+    hub, _hub, _hub_key, _shared, _ring = _hub, None, None, (), None
     set_subscriptions(())
     if hub is not None:
         try:
@@ -578,7 +595,7 @@ def _stop_hub() -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child (a data loader worker) inherits no threads: it does not trace."""
-    global _enabled, _cond, _pending, _busy, _publisher, _stop, _hub, _hub_key, _table, _counters, _counts
+    global _enabled, _cond, _pending, _busy, _publisher, _stop, _hub, _hub_key, _table, _counters, _counts, _ring
     _enabled = False
     _cond = threading.Condition()
     _counters = Counters(_COUNTERS, "source_patch.trace", "trace", lock=_cond)
@@ -591,7 +608,10 @@ def _after_fork_in_child() -> None:
             _hub.close_sockets()
         except Exception:  # noqa: BLE001
             pass
-    _hub = _hub_key = None
+    _hub = _hub_key = _ring = None
+    ring_module = sys.modules.get(__package__ + ".ring")
+    if ring_module is not None:
+        ring_module.forget()  # the parent's: writing to it would reach the parent's forwarder
     ranks.forget()
     _table = _Table()
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
+import mmap
 import os
 import socket
 import subprocess
@@ -64,14 +66,18 @@ class Forwarder:
     def __init__(self, runtime, config: dict):
         from ..core.ranks import global_rank
 
+        from .ring import shared
+
         self.runtime = runtime
+        self.ring = shared()
         ours, theirs = socket.socketpair()
         env = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH")}
         env["RANK"] = str(global_rank())  # the rank the hub reports, as the parent knows it
+        fds = [theirs.fileno()] + ([self.ring.fd] if self.ring else [])
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "source_patch.runtime.trace.forwarder", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+                pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
         except OSError as exc:
             ours.close()
             raise ForwarderUnavailable(f"cannot start the trace forwarder: {exc}") from exc
@@ -94,7 +100,10 @@ class Forwarder:
 
     def _start(self, config: dict) -> dict:
         try:
-            self._send({"op": "start", "config": config, "pid": os.getpid()})
+            ring = {"ring": [self.ring.fd, self.ring.size]} if self.ring else {}
+            if self.ring:
+                self.ring.reset()
+            self._send({"op": "start", "config": config, "pid": os.getpid(), **ring})
             if not self.conn.poll(START_TIMEOUT_S):
                 raise ForwarderUnavailable(f"the trace forwarder did not answer within {START_TIMEOUT_S:g} s")
             ready = _recv(self.conn)
@@ -118,18 +127,27 @@ class Forwarder:
         self._try_send({"op": "config", "config": config})
 
     def publish(self, items: list, rank: int) -> None:
-        """(publisher thread) Hand fetched results over: one header, one blob of bytes."""
+        """(publisher thread) Hand fetched results over: one header naming where each
+        result's bytes are (a slice of the ring, or the blob that follows), one blob."""
         from ..core.tags import tag_value
 
-        header, blobs = [], []
+        header, blobs, release = [], [], 0
         for item in items:
-            array = item.host.numpy()
-            header.append({"subs": [sub.client for sub in item.subs], "name": item.name,
-                           "tags": {k: tag_value(v) for k, v in item.tags.items()}, "step": item.step,
-                           "time": item.time, "shape": item.shape, "dtype": item.dtype,
-                           "array": [array.dtype.str, list(array.shape)]})
-            blobs.append(array.tobytes())
-        self._try_send({"op": "results", "items": header, "rank": rank}, b"".join(blobs))
+            meta = {"subs": [sub.client for sub in item.subs], "name": item.name,
+                    "tags": {k: tag_value(v) for k, v in item.tags.items()}, "step": item.step,
+                    "time": item.time, "shape": item.shape, "dtype": item.dtype}
+            if item.slot is not None:
+                offset, release, dtype, shape = item.slot  # slots come in order: the last end counts
+                meta["ring"] = [offset, dtype, shape]
+            else:
+                array = item.host.numpy()
+                meta["array"] = [array.dtype.str, list(array.shape)]
+                blobs.append(array.tobytes())
+            header.append(meta)
+        message = {"op": "results", "items": header, "rank": rank}
+        if release:
+            message["release"] = release
+        self._try_send(message, b"".join(blobs))
 
     def share_state(self, state: dict, names: list | None) -> None:
         """(publisher thread) What the child's hub answers ``stats``, ``list`` and hello with."""
@@ -204,6 +222,8 @@ class Forwarder:
                 if op == "subs":
                     self._set_subscriptions(message["subs"])
                     self._try_send({"op": "applied", "seq": message["seq"]})
+                elif op == "released":
+                    self.ring.release(message["upto"])
                 elif op == "stats":
                     self._stats, self._cpu = message["stats"], message["cpu"]
                 elif op == "answer":
@@ -322,18 +342,22 @@ class Mirror:
         log.warning("source-patch trace forwarder: %s: %s: %s", where, type(exc).__name__, exc)
 
 
-def _frames_of(mirror: Mirror, header: dict, blob: bytes) -> list:
+def _frames_of(mirror: Mirror, header: dict, blob: bytes, ring) -> list:
     import numpy as np
 
     from .hub import result_frames
 
     frames, offset = [], 0
     for item in header["items"]:
-        dtype, shape = item["array"]
-        dtype = np.dtype(dtype)
-        count = int(np.prod(shape)) if shape else 1
-        array = np.frombuffer(blob, dtype, count, offset).reshape(shape)
-        offset += count * dtype.itemsize
+        if "ring" in item:  # copied: the slice is handed back once this batch is read
+            at, dtype, shape = item["ring"]
+            dtype = np.dtype(dtype)
+            array = np.frombuffer(ring, dtype, math.prod(shape), at).reshape(shape).copy()
+        else:
+            dtype, shape = item["array"]
+            dtype = np.dtype(dtype)
+            array = np.frombuffer(blob, dtype, math.prod(shape), offset).reshape(shape)
+            offset += array.nbytes
         subs = [mirror.by_number[n] for n in item["subs"] if n in mirror.by_number]
         if not subs:  # unsubscribed meanwhile
             continue
@@ -359,6 +383,10 @@ def serve(conn: Connection) -> None:
             _send(conn, {"op": "error", "error": f"{type(exc).__name__}: {exc}"})
         return
     mirror.hub = hub
+    ring = None
+    if "ring" in start:
+        fd, size = start["ring"]
+        ring = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     with write:
         _send(conn, {"op": "ready", "url": hub.url, "ws": hub.ws_url, "page": hub.page_url, "token": hub.token})
     # The compressors import torch (~1 s): do it now, not when the first client subscribes.
@@ -371,7 +399,10 @@ def serve(conn: Connection) -> None:
                 message = _recv(conn)
                 op = message.get("op")
             if op == "results":
-                frames = _frames_of(mirror, message, conn.recv_bytes(MAX_MESSAGE))
+                frames = _frames_of(mirror, message, conn.recv_bytes(MAX_MESSAGE), ring)
+                if "release" in message:
+                    with write:
+                        _send(conn, {"op": "released", "upto": message["release"]})
                 if frames:
                     hub.deliver(frames)
             elif op == "state":
