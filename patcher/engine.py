@@ -9,6 +9,10 @@ applies whole or not at all; a patch that no longer matches stops the module
 Inserted statements run inside ``try``, whose handler adds a PEP 678 note naming
 the spec, patch and YAML line to any exception they raise (free until one does).
 
+Only the defs the patches target are parsed and rewritten (``_rewrite_regions``);
+the whole module is, where that path cannot be sure to give the same result, and
+to build every error.
+
 This module imports libcst; the loader imports it only on a cache miss.
 """
 
@@ -16,8 +20,11 @@ from __future__ import annotations
 
 import ast
 import difflib
+import io
 import re
 import textwrap
+import tokenize
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -66,17 +73,28 @@ class _Plan:
         return clashes
 
 
+_REGIONS = True  # private switch: False forces the whole-module path (tests compare the two)
+
+
 def rewrite(source: str, patches: Sequence[Patch], *, module: str, file: str,
-            version: Callable[[], str] = lambda: "unknown version") -> Rewritten:
+            version: Callable[[], str] = lambda: "unknown version",
+            regions: bool | None = None) -> Rewritten:
+    if _REGIONS if regions is None else regions:
+        done = _rewrite_regions(source, patches, file)
+        if done is not None:
+            return done
+    return _rewrite_module(source, patches, module=module, file=file, version=version)
+
+
+def _rewrite_module(source: str, patches: Sequence[Patch], *, module: str, file: str,
+                    version: Callable[[], str]) -> Rewritten:
+    """The whole-module path: parse, locate, transform and line-map the entire file."""
     tree = cst.parse_module(source)
     wrapper = MetadataWrapper(tree, unsafe_skip_copy=True)
     positions = wrapper.resolve(PositionProvider)
     locator = _Locator(tree, positions)
     plan, problems, dropped = _Plan(), [], []
-    for handle in sorted({p.handle for p in patches}):
-        if re.search(rf"\b{re.escape(handle)}\b", source):
-            problems.append(f"  the module already uses the name {handle!r}, the runtime handle "
-                            f"of the patches; set another with the spec's 'handle' field")
+    problems += _handle_problems(source, patches)
     for patch in patches:
         own = _Plan()
         drift = locator.plan_patch(patch, own)
@@ -95,6 +113,259 @@ def rewrite(source: str, patches: Sequence[Patch], *, module: str, file: str,
     line_map = _line_map(new_tree, positions, transformer.origin, transformer.inserted)
     patched = new_tree.code
     return Rewritten(patched, _remap(patched, source, file, line_map), line_map, plan.hits, dropped)
+
+
+def _handle_problems(source: str, patches: Sequence[Patch]) -> list[str]:
+    return [f"  the module already uses the name {handle!r}, the runtime handle "
+            f"of the patches; set another with the spec's 'handle' field"
+            for handle in sorted({p.handle for p in patches})
+            if re.search(rf"\b{re.escape(handle)}\b", source)]
+
+
+# --------------------------------------------------------------------------- regions
+#
+# The whole-module path above spends most of its time on code that no patch touches:
+# resolving positions (which generates the module's code), visiting every node, and
+# generating the patched module.  A patch that names a function changes only that
+# function's lines, so the region path below parses, plans, transforms and line-maps
+# just the def of each target (decorators included) and splices the result back into
+# the untouched text.  It must give exactly what the whole-module path gives (source,
+# line map, hits): tests/test_engine_regions.py compares the two.  Wherever it cannot
+# be sure of that, or anything is wrong (a target missing, defined twice, a class; an
+# edit that does not match; a handle clash), it returns None and the whole-module path
+# runs, which also builds every error.
+
+_AST_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef)
+_AST_BLOCKS = ("body", "orelse", "finalbody", "handlers", "cases")
+
+
+@dataclass
+class _Region:
+    node: ast.AST  # the target's def in the original file's ast
+    chain: tuple  # the statements enclosing it, outermost first
+    start: int  # its first line: the first decorator's
+    end: int
+    indent: str
+
+
+def _ast_defs(module: ast.Module) -> dict[str, list[tuple[ast.AST, tuple]]]:
+    """Every def and class by dotted qualified name, as ``_qualnames`` names them, each
+    with the statements (and ``except``/``case`` clauses) enclosing it."""
+    found: dict[str, list[tuple[ast.AST, tuple]]] = {}
+
+    def walk(stmts, prefix: str, chain: tuple) -> None:
+        for stmt in stmts:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + stmt.name
+                found.setdefault(name, []).append((stmt, chain))
+                walk(stmt.body, name + ".", chain + (stmt,))
+                continue
+            for block in _AST_BLOCKS:  # defs sit only in statement lists
+                inner = getattr(stmt, block, None)
+                if isinstance(inner, list):
+                    walk(inner, prefix, chain + (stmt,))
+
+    walk(module.body, "", ())
+    return found
+
+
+def _one_line_header(line: str) -> bool:
+    """Whether a class or def line holds its whole header, up to the colon."""
+    try:
+        tokens = list(tokenize.generate_tokens(iter([line.lstrip(" \t") + "\n"]).__next__))
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    significant = [t for t in tokens if t.type not in _NOT_SIGNIFICANT]
+    return bool(significant) and significant[-1].type == tokenize.OP and significant[-1].string == ":"
+
+
+def _indent(text: str) -> str:
+    return text[:len(text) - len(text.lstrip(" \t"))]
+
+
+def _last_block(stmt: ast.AST, pieces: list[str]) -> list | None:
+    """The statements of a compound statement's last clause (``else``, ``finally``, ...)."""
+    if (isinstance(stmt, ast.If) and len(stmt.orelse) == 1 and isinstance(stmt.orelse[0], ast.If)
+            and pieces[stmt.orelse[0].lineno - 1].lstrip(" \t").startswith("elif")):
+        return _last_block(stmt.orelse[0], pieces)
+    for name in ("finalbody", "orelse"):
+        block = getattr(stmt, name, None)
+        if block:
+            return block
+    if getattr(stmt, "handlers", None):
+        return stmt.handlers[-1].body
+    if getattr(stmt, "cases", None):
+        return stmt.cases[-1].body
+    return getattr(stmt, "body", None)
+
+
+def _footer_end(stmt: ast.AST, pieces: list[str]) -> int:
+    """The last line libcst gives a compound statement: its last statement's, or past it
+    the last of the comment lines after it that its blocks own (their footers: every
+    blank or comment line up to the last one indented as deep as its last block)."""
+    end = stmt.end_lineno
+    block = _last_block(stmt, pieces) if isinstance(stmt, ast.stmt) else None
+    if not block:
+        return end
+    first = block[0]
+    line = first.decorator_list[0].lineno if getattr(first, "decorator_list", None) else first.lineno
+    text = pieces[line - 1]
+    if line == first.lineno and text.encode()[:first.col_offset].strip(b" \t"):
+        return end  # a one-line body (`if x: pass`): no block, no footer
+    indent = _indent(text)
+    for k in range(end + 1, len(pieces) + 1):
+        text = pieces[k - 1]
+        rest = text.lstrip(" \t")
+        if rest and not rest.startswith("#"):
+            break
+        if text.startswith(indent):
+            end = k
+    return end
+
+
+def _first_indent(source: str) -> str | None:
+    """The whitespace of the file's first indented block: libcst's default indent."""
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type == tokenize.INDENT:
+                return token.string
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return None
+
+
+def _rewrite_regions(source: str, patches: Sequence[Patch], file: str) -> Rewritten | None:
+    if (not patches or any(c in source for c in "\r\f\v") or _handle_problems(source, patches)
+            or any(p.target == MODULE_TARGET or not p.edits for p in patches)):
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the patched module's compile warns, once
+            module_ast = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    pieces = source.split("\n")  # line k is pieces[k - 1]; never str.splitlines (\f, \x1c, ...)
+    for text in reversed(pieces):
+        rest = text.lstrip(" \t")
+        if rest and not rest.startswith("#"):
+            break
+        if text[:1] in (" ", "\t"):
+            # An indented line in the comments ending the file: libcst can drop a blank
+            # line above it (its code is then not the source), which only the whole
+            # module's parse reproduces.
+            return None
+    defs = _ast_defs(module_ast)
+    regions: dict[int, _Region] = {}
+    region_of: list[_Region] = []
+    for patch in patches:
+        found = defs.get(patch.target, ())
+        if len(found) != 1 or not isinstance(found[0][0], _AST_DEFS):
+            return None  # missing, defined twice, a class: the whole-module path says so
+        node, chain = found[0]
+        if id(node) not in regions:
+            # Only classes and defs may enclose it, each with its header on one line:
+            # other lines of an enclosing statement (`try:`, `else:`, `):`) are lines
+            # the whole-module line map carries over from the line above.
+            if not all(isinstance(a, (ast.ClassDef, *_AST_DEFS)) and _one_line_header(pieces[a.lineno - 1])
+                       for a in chain):
+                return None
+            start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+            first = pieces[start - 1]
+            indent = _indent(first)
+            keyword = "@" if node.decorator_list else ("async" if isinstance(node, ast.AsyncFunctionDef) else "def")
+            end = _footer_end(node, pieces)  # its blocks' trailing comments are its own
+            if not first[len(indent):].startswith(keyword) or end >= len(pieces):
+                return None
+            regions[id(node)] = _Region(node, chain, start, end, indent)
+        region_of.append(regions[id(node)])
+    ordered = sorted(regions.values(), key=lambda r: r.start)
+    if any(b.start <= a.end for a, b in zip(ordered, ordered[1:])):
+        return None  # nested (a target inside another): one region cannot hold the other's plan
+    default_indent = _first_indent(source)
+    if not default_indent:
+        return None
+
+    # Parse each region alone.  A scaffold puts the def at its own indentation (no text
+    # is re-indented, so strings spanning lines are untouched) and gives the region
+    # module the file's default indent, which inserted blocks are written with.
+    parsed = {}
+    for r in ordered:
+        prefix = f"if 1:\n{default_indent}pass\n" + ("if 1:\n" if r.indent else "")
+        try:
+            tree = cst.parse_module(prefix + "\n".join(pieces[r.start - 1:r.end]) + "\n")
+        except cst.ParserSyntaxError:
+            return None
+        fn = tree.body[-1] if len(tree.body) == 2 else None
+        if r.indent and isinstance(fn, cst.If) and fn.orelse is None and len(fn.body.body) == 1:
+            fn = fn.body.body[0]
+        if (not isinstance(fn, cst.FunctionDef) or fn.name.value != r.node.name
+                or tree.default_indent != default_indent or tree.default_newline != "\n"):
+            return None
+        positions = MetadataWrapper(tree, unsafe_skip_copy=True).resolve(PositionProvider)
+        offset = r.start - 1 - prefix.count("\n")
+        parsed[id(r)] = (prefix, tree, fn, positions, offset, _Locator(tree, positions, offset, defs={}))
+
+    plan = _Plan()
+    for patch, r in zip(patches, region_of):
+        own = _Plan()
+        locator, fn = parsed[id(r)][5], parsed[id(r)][2]
+        if locator.plan_edits(fn, patch, own) or plan.merge(own):
+            return None  # drift, or a statement replaced twice: the whole path reports it
+    if parsed[id(ordered[0])][5].replace_conflicts(plan):
+        return None
+
+    # Lines the whole-module line map leaves unclaimed outside the regions (it carries
+    # the line above into them).  It maps an untouched statement by its range, which
+    # leaves out, of the statements in the blocks that enclose a region, the comments
+    # between the decorators of a def or class and its `def`/`class` line, and the
+    # comment lines after a compound statement that its blocks own.
+    enclosing = {id(a): a for r in ordered for a in r.chain}
+    targets = {id(r.node) for r in ordered}
+    unclaimed = set()
+    for block in [module_ast, *enclosing.values()]:
+        for stmt in block.body:
+            if id(stmt) in targets or id(stmt) in enclosing:
+                continue
+            if isinstance(stmt, (ast.ClassDef, *_AST_DEFS)) and stmt.decorator_list:
+                unclaimed.update(range(stmt.decorator_list[-1].end_lineno + 1, stmt.lineno))
+            unclaimed.update(range(stmt.end_lineno + 1, _footer_end(stmt, pieces) + 1))
+
+    lines: list[str] = []
+    mapping = [0]
+    at = 1  # the next original line to copy
+    for r in ordered:
+        prefix, tree, fn, positions, offset, _ = parsed[id(r)]
+        transformer = _Transformer(plan, positions, offset)
+        new_tree = tree.visit(transformer)
+        code = new_tree.code
+        if not code.startswith(prefix) or not code.endswith("\n"):
+            return None
+        local = _line_map(new_tree, positions, transformer.origin, transformer.inserted, offset, carry=False)
+        new_lines = code[len(prefix):-1].split("\n")
+        skip = prefix.count("\n")
+        lines += pieces[at - 1:r.start - 1]
+        mapping += [0 if k in unclaimed else k for k in range(at, r.start)]
+        lines += new_lines
+        mapping += local[skip + 1:skip + 1 + len(new_lines)]
+        at = r.end + 1
+    lines += pieces[at - 1:]
+    real = len(pieces) - (1 if source.endswith("\n") else 0)  # lines with text (or a newline)
+    mapping += [0 if k in unclaimed else k for k in range(at, real + 1)]
+    patched = "\n".join(lines)
+    total = patched.count("\n")
+    mapping += [0] * (total + 3 - len(mapping))
+    if len(mapping) != total + 3:
+        return None
+    last = total + (0 if source.endswith("\n") else 1)  # the patched file's last line
+    if mapping[last] and not pieces[real - 1].lstrip(" \t")[:1].strip("#"):
+        # A comment or blank last line is an EmptyLine, whose range ends on the next line.
+        mapping[last + 1] = mapping[last] + 1
+    line_map = _carry(mapping)
+    return Rewritten(patched, _remap(patched, source, file, line_map), line_map, plan.hits, [])
+
+
+_NOT_SIGNIFICANT = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                    tokenize.ENDMARKER)
 
 
 # --------------------------------------------------------------------------- locate
@@ -159,14 +430,16 @@ class _Subtree(cst.CSTVisitor):
 
 
 class _Locator:
-    def __init__(self, tree: cst.Module, positions):
-        self.tree, self.positions = tree, positions
-        self.defs = _qualnames(tree)
+    def __init__(self, tree: cst.Module, positions, offset: int = 0, defs: dict | None = None):
+        """``offset``: what to add to a line of ``tree`` to get the line of the original
+        file (a region's tree starts further down it); ``defs``: given, not collected."""
+        self.tree, self.positions, self.offset = tree, positions, offset
+        self.defs = _qualnames(tree) if defs is None else defs
         self.scopes: dict[int, _ScopeCollector] = {}
         self.code_cache: dict[int, str] = {}
 
     def line(self, node) -> int:
-        return self.positions[node].start.line
+        return self.positions[node].start.line + self.offset
 
     def code(self, node) -> str:
         key = id(node)
@@ -184,7 +457,7 @@ class _Locator:
         return self.scopes[id(fn)]
 
     def plan_patch(self, patch: Patch, plan: _Plan) -> list[str]:
-        where = f"patch {patch.id!r} ({patch.location.file}:{patch.location.line})"
+        where = _where(patch)
         defs = [self.tree] if patch.target == MODULE_TARGET else self.defs.get(patch.target, [])
         if not defs:
             near = difflib.get_close_matches(patch.target, list(self.defs), n=5, cutoff=0.5)
@@ -197,6 +470,11 @@ class _Locator:
         fn = defs[0]
         if not isinstance(fn, (cst.FunctionDef, cst.Module)):
             return [f"  {where}: target {patch.target!r} is a class; name a method of it"]
+        return self.plan_edits(fn, patch, plan)
+
+    def plan_edits(self, fn, patch: Patch, plan: _Plan) -> list[str]:
+        """Locate every edit of a patch in its (found) target."""
+        where = _where(patch)
         problems = []
         for edit in patch.edits:
             problem = self.plan_edit(fn, edit, plan, patch)
@@ -294,6 +572,10 @@ def _noted(code: str, patch: Patch, edit: Edit) -> str:
             f"    {NOTE_NAME}.add_note({note_text(patch, edit)!r})\n    raise\n")
 
 
+def _where(patch: Patch) -> str:
+    return f"patch {patch.id!r} ({patch.location.file}:{patch.location.line})"
+
+
 def _first_code_line(code: str) -> str:
     lines = [line.strip() for line in code.splitlines()]
     return next((line for line in lines if line and not line.startswith("#")), "")
@@ -326,9 +608,9 @@ def _line(small: cst.BaseSmallStatement) -> cst.SimpleStatementLine:
 
 
 class _Transformer(cst.CSTTransformer):
-    def __init__(self, plan: _Plan, positions):
+    def __init__(self, plan: _Plan, positions, offset: int = 0):
         super().__init__()
-        self.plan, self.positions = plan, positions
+        self.plan, self.positions, self.offset = plan, positions, offset
         # id(new statement) -> (statement, original anchor line); holding the node
         # keeps its id from being reused by another object.
         self.inserted: dict[int, tuple[cst.CSTNode, int]] = {}
@@ -419,7 +701,7 @@ class _Transformer(cst.CSTTransformer):
                     changed = True
                     continue
             elif id(orig) in self.planned:
-                out += self.expand(orig, upd, self.positions[orig].start.line)
+                out += self.expand(orig, upd, self.positions[orig].start.line + self.offset)
                 changed = True
                 continue
             out.append(upd)
@@ -438,7 +720,8 @@ class _Transformer(cst.CSTTransformer):
                 trailing_whitespace=upd.trailing_whitespace if i == last else cst.TrailingWhitespace(),
             )
             if id(small_orig) in self.planned:
-                out += self.expand(small_orig, line, self.positions[small_orig].start.line, small_upd)
+                out += self.expand(small_orig, line, self.positions[small_orig].start.line + self.offset,
+                                   small_upd)
             else:
                 out.append(line)
         return out
@@ -493,11 +776,13 @@ _MAPPABLE = (cst.BaseStatement, cst.BaseSmallStatement, cst.BaseExpression, cst.
              cst.Decorator, cst.Param, cst.Arg)
 
 
-def _line_map(new_tree: cst.Module, orig_positions, origin: dict, inserted: dict) -> list[int]:
+def _line_map(new_tree: cst.Module, orig_positions, origin: dict, inserted: dict,
+              offset: int = 0, carry: bool = True) -> list[int]:
     """Map each line of the patched source to a line of the original source.
 
     Untouched subtrees map line for line onto their originals; inserted statements
-    map to their anchor line.
+    map to their anchor line.  ``offset`` is added to lines of the original tree;
+    without ``carry``, lines no node claimed stay 0.
     """
     positions = MetadataWrapper(new_tree, unsafe_skip_copy=True).resolve(PositionProvider)
     mapping = [0] * (new_tree.code.count("\n") + 3)
@@ -507,7 +792,7 @@ def _line_map(new_tree: cst.Module, orig_positions, origin: dict, inserted: dict
         new: CodeRange | None = positions.get(node)
         pair = origin.get(id(node)) if isinstance(node, _MAPPABLE) else None
         if new is not None and pair is not None and pair[0] is node:
-            start = orig_positions[pair[1]].start.line
+            start = orig_positions[pair[1]].start.line + offset
             for k in range(new.start.line, new.end.line + 1):
                 mapping[k] = start + (k - new.start.line)
             # Decorators and comment lines lie outside a statement's own range.
@@ -518,6 +803,10 @@ def _line_map(new_tree: cst.Module, orig_positions, origin: dict, inserted: dict
             for k in range(new.start.line, new.end.line + 1):
                 mapping[k] = inserted[id(node)][1]
         stack.extend(node.children)
+    return _carry(mapping) if carry else mapping
+
+
+def _carry(mapping: list[int]) -> list[int]:
     last = 1
     for k in range(1, len(mapping)):  # lines no node claimed: carry the previous one
         mapping[k] = mapping[k] or last
