@@ -113,6 +113,43 @@ def test_the_ring_hands_out_slices_in_order_never_wraps_one_and_refuses_when_ful
     assert not ring.takes(torch.ones(2, dtype=torch.bfloat16))  # numpy has no bfloat16: the socket path
 
 
+def test_a_kernel_can_claim_a_slice_to_write_its_result_into():
+    from source_patch.runtime.trace.ring import ALIGN, Ring
+
+    ring, slots = Ring(size=4 * ALIGN), []
+    view = ring.claim((2, 3), slots)
+    view.copy_(torch.arange(6.0).view(2, 3))
+    assert slots == [(0, ALIGN, "<f4", [2, 3])] and view.shape == (2, 3)
+    assert np.array_equal(np.frombuffer(ring.bytes.numpy(), "<f4", 6, 0), np.arange(6.0))
+    assert ring.claim((4 * ALIGN,), slots) is None and len(slots) == 1  # too big now: nothing taken
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_fused_kernel_writes_its_result_into_the_ring_directly(served):
+    from source_patch.runtime.trace import api
+
+    x = torch.randn(256, 4, 1024, device="cuda")
+    spec = {"kind": "tiles", "tiles": 16}
+
+    async def main():
+        async with connect(url()) as c:
+            await c.subscribe(["hidden"], compressor=spec)
+            for _ in range(3):
+                trace("hidden", x, layer=0)
+                x.mul_(2)  # after the call: the frame must hold the values as traced
+                trace_step()
+            return [await c.next_frame(10) for _ in range(3)]
+
+    frames = asyncio.run(main())
+    for k, frame in enumerate(frames):
+        want = tc.parse(spec)((x / 2 ** (3 - k)).cpu()).numpy()
+        np.testing.assert_allclose(frame.array, want, rtol=1e-5, atol=1e-5)
+    ring = api._ring
+    assert ring.pinned and ring.direct, state()["last_error"]  # no fallback to a copy was needed
+    assert state()["compress_errors"] == 0 and state()["errors"] == 0
+
+
 def test_a_dead_forwarder_stops_tracing_and_training_goes_on(served):
     x = torch.ones(4, 8)
 

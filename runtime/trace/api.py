@@ -309,18 +309,17 @@ def _compress(due: list, key: tuple, name: str, tensor: torch.Tensor, tags: dict
             continue
         start = _record(tensor.device, True) if timing else None
         try:
-            result = subs[0].compressor.reduce(tensor)
+            result, slot = _device_stage(subs[0].compressor, tensor, _ring)
         except Exception as exc:  # noqa: BLE001 - a client's parameters that do not fit
             _compress_failed(subs, name, exc)
             continue
-        slot = None
-        ring = _ring
-        if ring is not None and ring.takes(result):
-            slot = ring.put(result)
-            if slot is None:
-                _count("dropped")  # the forwarder is behind: its ring is full
-                continue
-        result, event = _mark(result, timing)
+        if result is None:
+            _count("dropped")  # the forwarder is behind: its ring is full
+            continue
+        if slot is not None and tensor.is_cuda:  # in the ring, or on its way there
+            result, event = None, _record(tensor.device, timing)
+        else:
+            result, event = _mark(result, timing)
         item = _Result(subs, name, tags, step, stamp, result, event, start, tensor, slot)
         with _cond:
             if _publisher is None or not _publisher.is_alive():
@@ -329,6 +328,32 @@ def _compress(due: list, key: tuple, name: str, tensor: torch.Tensor, tags: dict
             _counts["results"] += 1
             if len(_pending) >= BATCH:
                 _cond.notify_all()
+
+
+def _device_stage(compressor, tensor: torch.Tensor, ring) -> tuple:
+    """(result, slot): the compressor's device stage and, with a forwarder's ring, the
+    slice of it the result goes to: written there by the kernel itself (fused tiles),
+    or copied there asynchronously; (None, None) when the ring is full."""
+    if ring is None:
+        return compressor.reduce(tensor), None
+    if tensor.is_cuda and ring.direct and ring.pin():
+        slots: list = []
+        try:
+            result = compressor.reduce(tensor, lambda shape: ring.claim(shape, slots))
+        except Exception:  # noqa: BLE001
+            if not slots:
+                raise  # not about the ring: the compressor's own error
+            ring.direct = False  # a kernel that cannot write host memory here: copy from now on
+            _fail("a trace kernel writing to the ring (copying instead)", sys.exc_info()[1])
+            result, slots = compressor.reduce(tensor), []
+        if slots:
+            return result, slots[0]
+    else:
+        result = compressor.reduce(tensor)
+    if not ring.takes(result):
+        return result, None
+    slot = ring.put(result)
+    return (result, slot) if slot is not None else (None, None)
 
 
 def _mark(result: torch.Tensor, timing: bool = False):

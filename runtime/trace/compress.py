@@ -65,19 +65,24 @@ Finish = Callable[[np.ndarray, tuple], np.ndarray]
 class Compressor:
     """A validated compressor: ``kind``, canonical ``params`` (JSON), and its stages."""
 
-    __slots__ = ("kind", "params", "key", "_reduce", "_finish")
+    __slots__ = ("kind", "params", "key", "_reduce", "_finish", "_into")
 
     def __init__(self, kind: str, params: dict, reduce: Callable[[torch.Tensor], torch.Tensor],
-                 finish: Finish | None = None):
-        self.kind, self.params, self._reduce, self._finish = kind, params, reduce, finish
+                 finish: Finish | None = None, into: Callable | None = None):
+        self.kind, self.params, self._reduce, self._finish, self._into = kind, params, reduce, finish, into
         self.key = json.dumps([kind, params], sort_keys=True)  # equal keys compute the same thing
 
-    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The device stage: a small tensor on ``tensor``'s device, without a sync."""
+    def reduce(self, tensor: torch.Tensor, into: Callable | None = None) -> torch.Tensor:
+        """The device stage: a small tensor on ``tensor``'s device, without a sync.
+        ``into(shape)``, where given, offers float32 host memory the device can write (the
+        trace ring): a compressor whose kernel can write there directly returns that
+        tensor (the write lands when the stream gets there); the others ignore it."""
         if tensor.numel() == 0:
             raise ValueError("empty tensor")
         if tensor.is_complex():
             raise TypeError("complex tensors are not supported")
+        if into is not None and self._into is not None:
+            return self._into(tensor.detach(), into)
         return self._reduce(tensor.detach())
 
     def finish(self, array: np.ndarray, shape: tuple) -> np.ndarray:
@@ -155,22 +160,24 @@ def _tiles(params: dict, _raw_max: int) -> Compressor:
     # ceil(D / min(tiles, D)) entries (the last may be shorter, so n = ceil(D / size) may
     # be below `tiles`); each stat over every other dim x tile.
     return Compressor("tiles", canonical, lambda x: tile_columns(x, stats, dim),
-                      lambda columns, shape: tile_finish(columns, shape, stats, tiles))
+                      lambda columns, shape: tile_finish(columns, shape, stats, tiles),
+                      lambda x, into: tile_columns(x, stats, dim, into))
 
 
-def tile_columns(x: torch.Tensor, stats, dim: int = -1) -> torch.Tensor:
+def tile_columns(x: torch.Tensor, stats, dim: int = -1, into: Callable | None = None) -> torch.Tensor:
     """The device stage of tiles, float32 [len(stats), D] (or [splits, len(stats), D] from
     the fused kernel, fused.py): per stat one reduction over
     every dim but ``dim`` (sum; 2-norm; inf-norm; min; max), written in place.  Column
     first: reducing (rows, within-tile) at once ran slower on an H200, and the
     per-tile step is left to the host (docs/benchmarks.md).  Float32 accumulation, no
-    float32 copy of ``x``, no copy for a ``dim`` that is not last."""
+    float32 copy of ``x``, no copy for a ``dim`` that is not last.  ``into``: see
+    Compressor.reduce (only the fused kernel writes there)."""
     x = _floating(x)
     if x.dim() < 2:
         x, dim = x.reshape(1, -1), -1
     dim = dim % x.dim()
     if x.is_cuda and dim == x.dim() - 1 and x.is_contiguous() and fused_kernel() is not None:
-        return fused_kernel().column_stats(x, tuple(stats))  # one launch, one pass (fused.py)
+        return fused_kernel().column_stats(x, tuple(stats), into)  # one launch, one pass (fused.py)
     dims = tuple(d for d in range(x.dim()) if d != dim)
     out = torch.empty((len(stats), x.shape[dim]), dtype=torch.float32, device=x.device)
     for row, stat in zip(out, stats):

@@ -55,8 +55,8 @@ def _column_stats(x_ptr, out_ptr, rows, cols, rows_per_split, K: tl.constexpr, B
     absmax = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     low = tl.full([BLOCK_R, BLOCK_C], float("inf"), tl.float32)
     high = tl.full([BLOCK_R, BLOCK_C], float("-inf"), tl.float32)
-    for r0 in range(first, last, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
+    for done in range(0, rows_per_split, BLOCK_R):  # bounds free of program_id: Triton 3.6's interpreter
+        r = first + done + tl.arange(0, BLOCK_R)
         mask = (r[:, None] < last) & cmask[None, :]
         offsets = r[:, None].to(tl.int64) * cols + c[None, :]
         x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -95,19 +95,23 @@ def _plan(stats: tuple, cols: int) -> tuple:
             rows_of["mean"], rows_of["rms"], rows_of["absmax"], rows_of["min"], rows_of["max"])
 
 
-def column_stats(x: torch.Tensor, stats: tuple) -> torch.Tensor:
+def column_stats(x: torch.Tensor, stats: tuple, into=None) -> torch.Tensor:
     """float32 [splits, len(stats), cols] of a contiguous CUDA tensor viewed as [rows,
     cols] (cols: its last dim): per column and split of the rows, the sum ("mean"),
     2-norm ("rms"), inf-norm ("absmax"), min and max.  The rows are split (at most
     MAX_SPLITS ways) so that enough programs run to use the whole GPU; the host stage
-    (compress.tile_finish) combines the splits, off the training thread."""
+    (compress.tile_finish) combines the splits, off the training thread.  ``into(shape)``:
+    host memory mapped for the device to write the result into (None: device memory)."""
     cols = x.shape[-1]
     rows = x.numel() // cols
     block_r, block_c, col_blocks, *rows_of = _plan(stats, cols)
     splits = max(1, min(MAX_SPLITS, -(-PROGRAMS // col_blocks), -(-rows // block_r)))
     per_split = -(-rows // (splits * block_r)) * block_r
     splits = -(-rows // per_split)
-    out = torch.empty((splits, len(stats), cols), dtype=torch.float32, device=x.device)
+    shape = (splits, len(stats), cols)
+    out = into(shape) if into is not None else None
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=x.device)
     _column_stats[(col_blocks, splits)](x, out, rows, cols, per_split, len(stats), block_r, block_c, *rows_of,
                                         num_warps=8)
     return out

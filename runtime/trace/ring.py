@@ -19,6 +19,7 @@ never waited for.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
@@ -39,6 +40,9 @@ class Ring:
         os.ftruncate(self.fd, size)
         self._map = mmap.mmap(self.fd, size)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.floats = self.bytes.view(torch.float32)
+        self._lock = threading.Lock()  # any thread may trace
+        self.direct = True  # kernels may write here (cleared if a launch refuses host memory)
         self.head = 0   # bytes handed out, ever (the training thread's)
         self.tail = 0   # bytes given back, ever (set by the forwarder's answers)
         self.pinned: bool | None = None  # None: not tried yet
@@ -46,7 +50,7 @@ class Ring:
     def pin(self) -> bool:
         """Page-lock the ring once, for asynchronous device copies (False: cannot)."""
         if self.pinned is None:
-            flags = 1  # cudaHostRegisterPortable: pinned for every device's context
+            flags = 1 | 2  # cudaHostRegisterPortable | Mapped: every device's context, kernels write it
             status = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.size, flags)
             self.pinned = int(status) == 0
         return self.pinned
@@ -61,6 +65,27 @@ class Ring:
         """(training thread) Copy ``result`` into the next free slice: (offset, end, numpy
         dtype, shape), ``end`` being what to release once read; None when it does not fit now."""
         nbytes = result.numel() * result.element_size()
+        with self._lock:
+            offset, end = self._take(nbytes)
+            if offset is None:
+                return None
+            target = self.bytes[offset: offset + nbytes].view(result.dtype)
+            target.copy_(result.reshape(-1), non_blocking=result.is_cuda)
+        return offset, end, NUMPY[result.dtype], list(result.shape)
+
+    def claim(self, shape: tuple, slots: list) -> torch.Tensor | None:
+        """(training thread) A float32 tensor of ``shape`` on the next free slice, for a
+        kernel to write its result into directly (the memory is mapped into the device's
+        address space); its slot is appended to ``slots``.  None when it does not fit now."""
+        count = math.prod(shape)
+        with self._lock:
+            offset, end = self._take(count * 4)
+            if offset is None:
+                return None
+            slots.append((offset, end, "<f4", list(shape)))
+            return self.floats[offset // 4: offset // 4 + count].view(shape)
+
+    def _take(self, nbytes: int) -> tuple:
         start = self.head
         offset = start % self.size
         if offset + nbytes > self.size:  # a slice never wraps: skip to the ring's start
@@ -68,11 +93,9 @@ class Ring:
             offset = 0
         end = start + -(-nbytes // ALIGN) * ALIGN
         if end - self.tail > self.size:
-            return None
-        target = self.bytes[offset: offset + nbytes].view(result.dtype)
-        target.copy_(result.reshape(-1), non_blocking=result.is_cuda)
+            return None, None
         self.head = end
-        return offset, end, NUMPY[result.dtype], list(result.shape)
+        return offset, end
 
     def release(self, upto: int) -> None:
         """(the forwarder's reader thread) Slices up to ``upto`` have been read."""
