@@ -255,13 +255,23 @@ def _rewrite_regions(source: str, patches: Sequence[Patch], file: str) -> Rewrit
             # module's parse reproduces.
             return None
     defs = _ast_defs(module_ast)
-    regions: dict[int, _Region] = {}
-    region_of: list[_Region] = []
+    located = []
     for patch in patches:
         found = defs.get(patch.target, ())
         if len(found) != 1 or not isinstance(found[0][0], _AST_DEFS):
             return None  # missing, defined twice, a class: the whole-module path says so
-        node, chain = found[0]
+        located.append(found[0])
+    targeted = {id(node) for node, _ in located}
+    regions: dict[int, _Region] = {}
+    region_of: list[tuple[_Region, str | None]] = []  # each patch's region, and its def's name in it
+    for patch, (node, chain) in zip(patches, located):
+        # A target inside another target's def is found in that def's region.
+        outer = next((i for i, a in enumerate(chain) if id(a) in targeted), None)
+        inner = None
+        if outer is not None:
+            inner = ".".join(a.name for a in chain[outer:] if isinstance(a, (ast.ClassDef, *_AST_DEFS)))
+            inner += "." + node.name
+            node, chain = chain[outer], chain[:outer]
         if id(node) not in regions:
             # Only classes and defs may enclose it, each with its header on one line:
             # other lines of an enclosing statement (`try:`, `else:`, `):`) are lines
@@ -277,10 +287,10 @@ def _rewrite_regions(source: str, patches: Sequence[Patch], file: str) -> Rewrit
             if not first[len(indent):].startswith(keyword) or end >= len(pieces):
                 return None
             regions[id(node)] = _Region(node, chain, start, end, indent)
-        region_of.append(regions[id(node)])
+        region_of.append((regions[id(node)], inner))
     ordered = sorted(regions.values(), key=lambda r: r.start)
     if any(b.start <= a.end for a, b in zip(ordered, ordered[1:])):
-        return None  # nested (a target inside another): one region cannot hold the other's plan
+        return None
     default_indent = _first_indent(source)
     if not default_indent:
         return None
@@ -306,9 +316,17 @@ def _rewrite_regions(source: str, patches: Sequence[Patch], file: str) -> Rewrit
         parsed[id(r)] = (prefix, tree, fn, positions, offset, _Locator(tree, positions, offset, defs={}))
 
     plan = _Plan()
-    for patch, r in zip(patches, region_of):
+    nested: dict[int, dict] = {}
+    for patch, (r, inner) in zip(patches, region_of):
         own = _Plan()
         locator, fn = parsed[id(r)][5], parsed[id(r)][2]
+        if inner is not None:
+            if id(r) not in nested:
+                nested[id(r)] = _qualnames(parsed[id(r)][1])
+            found = nested[id(r)].get(inner, ())
+            if len(found) != 1 or not isinstance(found[0], cst.FunctionDef):
+                return None
+            fn = found[0]
         if locator.plan_edits(fn, patch, own) or plan.merge(own):
             return None  # drift, or a statement replaced twice: the whole path reports it
     if parsed[id(ordered[0])][5].replace_conflicts(plan):

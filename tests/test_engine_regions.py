@@ -280,8 +280,18 @@ def test_a_one_line_def():
 
 
 def test_a_nested_function_and_its_enclosing_function():
+    """A target inside another target's def is rewritten in the outer def's region."""
     same(SOURCE, [patch("outer.inner", ENTRY)], fast=True)
-    same(SOURCE, [patch("outer", ENTRY, pid="a"), patch("outer.inner", ENTRY, pid="b")], fast=False)
+    full = same(SOURCE, [patch("outer.inner", ENTRY, RETURNS, pid="b"), patch("outer", ENTRY, RETURNS, pid="a")],
+                fast=True)
+    assert [pid for pid, _, _ in full[2]] == ["b", "b", "a", "a"]
+    same(SOURCE, [patch("Outer.Inner.method", ENTRY, pid="a"), patch("Outer.first", RETURNS, pid="b")], fast=True)
+    deeper = SOURCE.replace("    def inner(z):\n        return z * 3\n",
+                            "    if x:\n        def inner(z):\n            def leaf():\n                return 1\n"
+                            "            return z * 3\n    else:\n        inner = abs\n")
+    compile(deeper, "m.py", "exec")
+    same(deeper, [patch("outer", ENTRY, pid="a"), patch("outer.inner.leaf", RETURNS, pid="b"),
+                  patch("outer.inner", ENTRY, pid="c")], fast=True)
 
 
 @pytest.mark.parametrize("target", ["typed", "guarded", "Split.method"])
