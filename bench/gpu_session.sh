@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project runs on a lent GPU machine, in one call:
-#   here:   pip download the cp312 wheels of megatron-core and libcst into .whl/ (see
-#           ../shared/gpu.md) and `pip wheel --no-deps --no-build-isolation . -w .whl`
+#   here:   pip download the cp312 wheels of megatron-core, libcst, packaging and websockets into
+#           .whl/ (see ../shared/gpu.md) and `pip wheel --no-deps --no-build-isolation . -w .whl`
 #           and for `newest`: the cp312 wheel of megatron-core 0.19.2 into .whl/next/
 #   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [weights] [phases] [newest]
 #           (default: all; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last)
@@ -40,11 +40,15 @@ echo "== routing capture/replay step bench"
 timeout 560 python3 bench/routing_bench.py --rounds 5 --steps 25 --warmup 8 2>&1 | tee "$OUT/routing_bench.txt" | tail -10
 fi
 if want trace; then
-echo "== trace: gpu-marked tests (sync debug mode), then the step bench"
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_trace_compress.py tests/test_trace_hub.py \
-  2>&1 | tee "$OUT/pytest_trace_gpu.log" | tail -6
-timeout 60 python3 bench/compressor_bench.py 2>&1 | tee "$OUT/compressor_bench.txt"
-timeout 420 python3 bench/trace_bench.py --rounds 3 --steps 30 --warmup 8 2>&1 | tee "$OUT/trace_bench.txt" | tail -12
+echo "== trace: forwarder and compressor tests (Triton's interpreter too), gpu-marked hub tests, then the benches"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_trace_forwarder.py tests/test_trace_compress.py \
+  2>&1 | tee "$OUT/pytest_trace.log" | tail -4
+timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_trace_hub.py 2>&1 \
+  | tee "$OUT/pytest_trace_gpu.log" | tail -4
+timeout 80 python3 bench/compressor_bench.py 2>&1 | tee "$OUT/compressor_bench.txt" | grep -v "^source-patch"
+# traced vs not-traced steps in one process, now (hub: process, ring, Triton) and before (hub: thread, torch)
+timeout 330 python3 bench/trace_bench.py --resolve --before --rounds 1 --toggle-steps 700 --phase 4 --warmup 8 \
+  2>&1 | tee "$OUT/trace_bench.txt" | tail -14
 fi
 if want weights; then
 echo "== weight sync: bucketed vs per-tensor vs raw broadcast, 2 GPUs over NCCL"

@@ -48,7 +48,7 @@ from source_patch.runtime.trace.client import TraceError, connect  # noqa: E402
 TOKEN = "trace-bench"
 PROCESSES = ["no trace spec", "trace spec, no client", "toggling client", "stalled client"]
 TRACED, UNTRACED = "toggling: traced", "toggling: not traced"
-BEFORE = "before"  # toggling with the hub in a thread, torch reductions: SOURCE_PATCH_TRACE_{HUB,TRITON}
+BEFORE = "before"  # toggling with other trace settings (--before-settings; default the hub in a thread, torch reductions)
 TOGGLING = ("toggling client", BEFORE)
 
 
@@ -157,13 +157,23 @@ async def stalled_client(port: int, report: dict) -> None:
     report.update(closed=ws.close_code)
 
 
+def before_settings(text: str) -> dict:
+    """``hub=thread,triton=0`` -> {"SOURCE_PATCH_TRACE_HUB": "thread", ...}"""
+    pairs = [item.split("=", 1) for item in text.split(",") if item]
+    if not all(len(pair) == 2 for pair in pairs):
+        raise ValueError(f"expected name=value,... got {text!r}")
+    return {f"SOURCE_PATCH_TRACE_{name.strip().upper()}": value.strip() for name, value in pairs}
+
+
 def main() -> None:
     p = training.parser(__doc__)
     p.add_argument("--phase", type=int, default=6, help="steps per on/off phase of the toggling client")
     p.add_argument("--toggle-steps", type=int, default=0, help="steps of the toggling process (default 4 x --steps)")
     p.add_argument("--resolve", action="store_true", help="run only the toggling process (traced vs not traced)")
+    p.add_argument("--before-settings", default="hub=thread,triton=0", type=before_settings,
+                   help="trace settings of the `before` process (default: hub=thread,triton=0)")
     p.add_argument("--before", action="store_true",
-                   help="also a toggling process with the hub in a thread and torch reductions (before issue 18)")
+                   help="also a toggling process with --before-settings (by default as before issue 18)")
     args = p.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warmup, args.phase = 1, 10, 2, 2
@@ -186,7 +196,7 @@ def main() -> None:
                    # a raw router-logits frame of the GPU model is 4M elements
                    "SOURCE_PATCH_TRACE_RAW_MAX_ELEMENTS": str(1 << 24)}
             if name == BEFORE:
-                env.update(SOURCE_PATCH_TRACE_HUB="thread", SOURCE_PATCH_TRACE_TRITON="0")
+                env.update(args.before_settings)
             report: dict = {}
             client = {"toggling client": lambda: toggling_client(port, report, args.phase),
                       BEFORE: lambda: toggling_client(port, report, args.phase),

@@ -186,8 +186,21 @@ def test_no_compressor_synchronizes_the_gpu(tmp_path):
 
 
 INTERPRETED = r"""
-import json, sys, torch
+import json, sys, torch, triton, triton.language as tl
 from source_patch.runtime.trace import compress as tc, fused
+
+@triton.jit
+def loop_to(out_ptr, n):
+    total = 0
+    for i in range(0, n, 1):
+        total += 1
+    tl.store(out_ptr, total)
+
+try:  # the kernel's loops have bounds known at run time only: not every interpreter runs those
+    loop_to[(1,)](torch.zeros(1, dtype=torch.int32), 3)
+except Exception as exc:
+    print(json.dumps({"unsupported": f"Triton {triton.__version__}'s interpreter: {exc}"}))
+    sys.exit(0)
 torch.manual_seed(0)
 cases = []
 for (shape, dtype), stats in zip(
@@ -215,6 +228,8 @@ def test_the_fused_tiles_kernel_computes_what_the_torch_reductions_do():
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    if "unsupported" in result:  # the gpu-marked test below checks the compiled kernel there
+        pytest.skip(result["unsupported"][:300])
     assert len(result["cases"]) == 4 and all(ok_shape and close for *_, ok_shape, close in result["cases"]), \
         result["cases"]
     assert result["nan_column"] and result["others_finite"]

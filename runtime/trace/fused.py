@@ -55,8 +55,8 @@ def _column_stats(x_ptr, out_ptr, rows, cols, rows_per_split, K: tl.constexpr, B
     absmax = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     low = tl.full([BLOCK_R, BLOCK_C], float("inf"), tl.float32)
     high = tl.full([BLOCK_R, BLOCK_C], float("-inf"), tl.float32)
-    for done in range(0, rows_per_split, BLOCK_R):  # bounds free of program_id: Triton 3.6's interpreter
-        r = first + done + tl.arange(0, BLOCK_R)
+    for r0 in range(first, last, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
         mask = (r[:, None] < last) & cmask[None, :]
         offsets = r[:, None].to(tl.int64) * cols + c[None, :]
         x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
