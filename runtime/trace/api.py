@@ -18,14 +18,16 @@ Design (see docs/trace.md):
 * Disabled, or enabled with no subscription for ``(name, layer)``, ``trace()`` is a
   flag test, or a flag test and one dict lookup (the table is rebuilt only when
   subscriptions change).
-* A due subscription runs its compressor's device stage (compress.py) on the
-  tensor's device: torch ops only, nothing that waits for the GPU.  The training
-  thread then records one CUDA event after it (from a pool) and queues (result,
-  event, meta) in a bounded queue: it only launches.  A publisher thread copies the
-  results of a batch to pinned host memory on a stream of its own, behind those
-  events, waits for the copies (never the training thread), runs the compressor's
-  host stage, encodes frames and hands them to the hub's event loop, where every
-  client has a bounded queue.  Full queues drop and count; nothing blocks.
+* A due subscription runs its compressor's device stage (compress.py, fused.py) on
+  the tensor's device, nothing that waits for the GPU.  With the hub in a forwarder
+  process (forwarder.py) the result lands in a page-locked ring both processes map
+  (ring.py): the fused kernel writes it there, other results are copied there
+  asynchronously.  The training thread records one pooled CUDA event and queues
+  (slice or result, event, meta): it only launches.  A publisher thread waits for
+  the events (never the training thread) and sends the forwarder a header naming
+  the slices; the forwarder runs the host stage, encodes frames and serves them.
+  With the hub in a thread, the publisher copies the batch to pinned memory on its
+  own stream and does all of that itself.  Full queues drop and count; nothing blocks.
 * Failures are counted, logged once per kind, and never raised into training, except
   a call site's own programming error (a value that is not a tensor).
 

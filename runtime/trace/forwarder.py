@@ -1,14 +1,16 @@
 """The trace hub in a process of its own (setting ``hub: process``, the default).
 
 In the traced process only two things stay: the training thread launches the device
-stage and records an event (api.py), and the publisher thread copies a batch of
-results to host memory and writes their bytes to a socket.  This process, a child
+stage, whose result lands in a page-locked ring this process maps too (ring.py), and
+records an event (api.py); the publisher thread waits for the events and sends a
+header naming the ring's slices (results the ring does not take: their bytes).  This process, a child
 of the traced one, runs the compressors' host stage, encodes the frames and serves
 the WebSocket hub (hub.py, unchanged): that CPU time no longer competes for the
 training process's GIL.
 
     traced process                            forwarder (python -m ...trace.forwarder FD)
-    Forwarder.publish(items)  --results-->    finish, encode, Hub.deliver -> clients
+    Forwarder.publish(items)  --results-->    read the ring, finish, encode, Hub.deliver
+    Ring.release(upto)        <--released--   (the slices are free again)
     set_subscriptions(...)    <--subs-----    Hub (subscribe / unsubscribe)
     state snapshots           --state---->    Mirror: names, step, counters for stats/list
     drain / report / config   --op------->    Hub.drain / report / config
