@@ -322,8 +322,9 @@ def bench_imports(runs: int, rows: list) -> None:
         first = run("cold")()
         env = clean_env(SOURCE_PATCH_CACHE=str(warm_cache))
         wall([sys.executable, __file__, "--worker", "cold"], env)
-        written = [p for p in warm_cache.rglob("*.spc")  # code entries (compiled specs live in specs/)
-                   if "specs" not in p.relative_to(warm_cache).parts]
+        written = [p for p in warm_cache.rglob("*.spc")  # code entries by content key (compiled specs
+                   # live in specs/, the same code by stat key in stat/, requires verdicts in requires/)
+                   if not {"specs", "stat", "requires"} & set(p.relative_to(warm_cache).parts)]
         if len(written) != len(TARGETS):
             raise SystemExit(f"expected {len(TARGETS)} cache files, found {len(written)}")
         variants["unpatched"]()

@@ -1,8 +1,26 @@
-"""Content-addressed cache of compiled patched code.
+"""Content-addressed cache of compiled patched code, with a stat-keyed shortcut.
 
 A file per (source, spec slice, tool/libcst/Python version), never inside
 ``__pycache__``.  Written to a temporary file and renamed, so concurrent
 writers race harmlessly; a corrupt, short or foreign file is a miss.
+
+Warm imports do not read or hash the source: each entry is also stored under a
+*stat key* (``stat/``), which replaces the source's contents by its path and
+stat signature (device, inode, size, mtime and ctime in nanoseconds), as
+CPython's timestamp ``.pyc`` files do (they trust mtime and size alone).  ctime
+cannot be set by a program, so a rewrite that restores size and mtime still
+misses.  A stat entry is written only once the source is older than
+``RACY_NS`` (a change within the same clock tick could keep its signature);
+until then, and whenever the signature is new, the loader reads and hashes the
+source and looks the content key up (a touched or copied, unchanged file is
+still a hit, and gets a stat entry).  ``SOURCE_PATCH_CACHE_CHECK=content``
+turns the shortcut off (every import hashes the source, like CPython's checked
+hash-based pycs).
+
+Integrity: each payload carries its length and CRC-32, against torn or
+corrupted files (a write is a rename of a complete file, so that takes a
+crash, a full disk or a bad disk).  The CRC is not an authenticity check; the
+trust check below is: only this user can write the directory.
 
 Trust (the code is ``marshal.loads``-ed and executed): the directory is created
 0700 and files 0600; a cache directory owned by another user, or writable by
@@ -24,13 +42,17 @@ import sys
 import time
 import warnings
 from functools import lru_cache
+from io import FileIO
 from pathlib import Path
 from types import CodeType
+from zlib import crc32
 
-from .boot import cache_dir, untrusted  # shared with the start-up fast path
+from .boot import RACY_NS, cache_dir, untrusted  # shared with the start-up fast path
 
-MAGIC = b"SPC1"
-_HEADER = len(MAGIC) + 32 + 8 + 32  # magic, key, payload length, payload sha256
+MAGIC = b"SPC2"
+_HEADER = len(MAGIC) + 32 + 8 + 4  # magic, key, payload length, payload CRC-32
+CHECK_ENV = "SOURCE_PATCH_CACHE_CHECK"  # "content": no stat keys (hash every source)
+KINDS = ("", "specs", "stat", "requires")  # code by content key; compiled specs; code by stat key; verdicts
 
 
 def default_dir() -> Path:
@@ -82,20 +104,48 @@ def key(source: bytes, slice_digest: str, file: str, extra: bytes = b"") -> byte
     return h.digest()
 
 
+def signature(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What a stat key trusts a file by: device, inode, size, mtime and ctime (ns)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def settled(sig, now_ns: int | None = None) -> bool:
+    """A signature old enough to key by: no change within the last RACY_NS (a
+    rewrite within the same clock tick could otherwise keep mtime and ctime)."""
+    return (now_ns if now_ns is not None else time.time_ns()) - max(sig[3], sig[4]) >= RACY_NS
+
+
+def stat_key(sig: tuple, patches: bytes, file: str) -> bytes:
+    """The key of a source by its stat signature instead of its contents, with what
+    the patches do to it (``finder.slice_parts``), its path and the tool's fingerprint
+    (a different domain from the content ``key``: never equal)."""
+    text = f"stat\0{sig[0]}.{sig[1]}.{sig[2]}.{sig[3]}.{sig[4]}\0{file}\0".encode("utf-8", "surrogatepass")
+    return hashlib.sha256(text + len(patches).to_bytes(8, "little") + patches + _tool_versions()).digest()
+
+
 class CodeCache:
     def __init__(self, directory: Path | None = None):
         self.dir = Path(directory) if directory else default_dir()
+        self._root = os.fspath(self.dir)
         self.writable = True
         self._trusted: bool | None = None  # checked on first use
+        # Stat keys unless SOURCE_PATCH_CACHE_CHECK=content (read once, as the directory).
+        self.stat_keys = os.environ.get(CHECK_ENV, "").strip().lower() != "content"
 
-    def path(self, k: bytes, specs: bool = False) -> Path:
-        """Code objects in ``<xx>/``, compiled specs apart in ``specs/<xx>/``."""
+    def path(self, k: bytes, specs: bool = False, kind: str = "") -> Path:
+        """Code objects in ``<xx>/``; compiled specs in ``specs/<xx>/``, stat-keyed code
+        in ``stat/<xx>/``, requirement verdicts in ``requires/<xx>/``."""
+        return Path(self._file(k, "specs" if specs else kind))
+
+    def _file(self, k: bytes, kind: str = "") -> str:
         name = k.hex()
-        return (self.dir / "specs" if specs else self.dir) / name[:2] / f"{name}.spc"
+        if kind:
+            return f"{self._root}{os.sep}{kind}{os.sep}{name[:2]}{os.sep}{name}.spc"
+        return f"{self._root}{os.sep}{name[:2]}{os.sep}{name}.spc"
 
     def usable(self) -> bool:
         if self._trusted is None:
-            reason = untrusted(self.dir)
+            reason = untrusted(self._root)
             self._trusted = reason is None
             if reason:
                 warnings.warn(f"source-patch: not using the code cache {self.dir}: {reason} (its files "
@@ -104,46 +154,57 @@ class CodeCache:
                 self.writable = False
         return self._trusted
 
-    def get(self, k: bytes) -> CodeType | None:
-        code = self._load(self.path(k), k)
+    def get(self, k: bytes, kind: str = "") -> CodeType | None:
+        """The code stored under a content key (``kind`` "stat": under a stat key)."""
+        payload = self.read(k, kind)
+        code = _loads(payload) if payload is not None else None
         return code if isinstance(code, CodeType) else None
 
-    def get_data(self, k: bytes) -> tuple | None:
-        """A stored tuple (a compiled spec), or None."""
-        data = self._load(self.path(k, specs=True), k)
+    def get_data(self, k: bytes, kind: str = "specs") -> tuple | None:
+        """A stored tuple (a compiled spec, a verdict), or None."""
+        payload = self.read(k, kind)
+        data = _loads(payload) if payload is not None else None
         return data if isinstance(data, tuple) else None
 
-    def _load(self, path: Path, k: bytes):
-        if not self.usable():
+    def read(self, k: bytes, kind: str = "") -> memoryview | None:
+        """An entry's checked payload (marshalled; a view, not a copy, as importlib
+        reads a .pyc), or None: missing, short, foreign or corrupt."""
+        if not (self._trusted or self.usable()):
             return None
         try:
-            data = path.read_bytes()
+            with FileIO(self._file(k, kind)) as f:  # unbuffered: one read into one buffer
+                data = f.readall()
         except OSError:
             return None
         if len(data) < _HEADER or data[:4] != MAGIC or data[4:36] != k:
             return None
-        size = int.from_bytes(data[36:44], "little")
-        payload = data[_HEADER:]
-        if len(payload) != size or hashlib.sha256(payload).digest() != data[44:76]:
+        payload = memoryview(data)[_HEADER:]
+        if (len(payload) != int.from_bytes(data[36:44], "little")
+                or crc32(payload) != int.from_bytes(data[44:48], "little")):
             return None
-        try:
-            return marshal.loads(payload)
-        except (ValueError, EOFError, TypeError):
-            return None
+        return payload
 
-    def put(self, k: bytes, value) -> bool:
-        """Store a code object or a tuple of plain values; a cache that cannot be
-        written is skipped, never an error."""
+    def put(self, k: bytes, value, kind: str | None = None) -> bool:
+        """Store a code object or a tuple of plain values (by default: a tuple is a
+        compiled spec); a cache that cannot be written is skipped, never an error."""
         if not self.writable or not self.usable():
             return False
-        payload = marshal.dumps(value)
-        blob = MAGIC + k + len(payload).to_bytes(8, "little") + hashlib.sha256(payload).digest() + payload
-        target = self.path(k, specs=isinstance(value, tuple))
+        if kind is None:
+            kind = "specs" if isinstance(value, tuple) else ""
+        return self.write(k, marshal.dumps(value), kind)
+
+    def write(self, k: bytes, payload, kind: str = "") -> bool:
+        """Store a marshalled payload (as ``read`` returns it) under a key."""
+        if not self.writable or not self.usable():
+            return False
+        blob = MAGIC + k + len(payload).to_bytes(8, "little") + crc32(payload).to_bytes(4, "little") + payload
+        target = self._file(k, kind)
         try:
             import tempfile  # only writes pay for it
 
-            self._mkdir(target.parent)
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")  # 0600
+            folder = os.path.dirname(target)
+            self._mkdir(folder)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")  # 0600
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(blob)
@@ -156,9 +217,9 @@ class CodeCache:
             return False
         return True
 
-    def _mkdir(self, folder: Path) -> None:
-        if not folder.is_dir():
-            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+    def _mkdir(self, folder) -> None:
+        if not os.path.isdir(folder):
+            os.makedirs(self._root, mode=0o700, exist_ok=True)
             os.makedirs(folder, mode=0o700, exist_ok=True)
 
     @contextlib.contextmanager
@@ -196,3 +257,10 @@ class CodeCache:
                 with contextlib.suppress(OSError):
                     os.unlink(handle.name)
             handle.close()  # releases the lock
+
+
+def _loads(payload):
+    try:
+        return marshal.loads(payload)
+    except (ValueError, EOFError, TypeError):
+        return None

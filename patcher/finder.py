@@ -8,14 +8,16 @@ if it is a plain source-file loader.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import warnings
 from dataclasses import dataclass
 from types import CodeType, ModuleType
 
-from .cache import CodeCache, key
+from .cache import CodeCache, _tool_versions, key, settled, signature, stat_key
 from .errors import ActivationError, RequirementError
 from .spec import Patch, Spec, slice_digest
 
@@ -118,13 +120,12 @@ class PatchFinder:
         """The target's patches whose specs' and own ``requires`` hold.  An unmet spec
         requirement follows the spec's ``on_unmet``; an unmet patch requirement skips
         just that patch (one spec can target several frameworks)."""
-        near = site_dir_of(fullname, origin)
         out = []
         for spec in self.specs:
             mine = [p for p in spec.patches if p.module == fullname]
             if not mine:
                 continue
-            problem = self._unmet(spec.requires, near)
+            problem = self._unmet(spec.requires, fullname, origin)
             if problem and spec.on_unmet == "error":
                 raise RequirementError(f"{spec.file}: spec {spec.name!r}: {problem}; "
                                        f"{fullname} would be imported unpatched (set on_unmet: "
@@ -135,21 +136,49 @@ class PatchFinder:
                 self.skipped += [Skipped(p, problem) for p in mine]
                 continue
             for patch in mine:
-                reason = self._unmet(patch.requires, near)
+                reason = self._unmet(patch.requires, fullname, origin)
                 if reason:
                     self.skipped.append(Skipped(patch, reason))
                 else:
                     out.append(patch)
-                    self.applied_dists.update(d for d, _ in spec.requires + patch.requires)
+                    if spec.requires or patch.requires:
+                        self.applied_dists.update(d for d, _ in spec.requires + patch.requires)
         return out
 
-    def _unmet(self, requires, near: str | None) -> str | None:
+    def _unmet(self, requires, fullname: str, origin: str | None) -> str | None:
+        """``unmet(requires)`` near the target's site directory, once per process."""
         if not requires:
             return None
+        near = site_dir_of(fullname, origin)
         key = (requires, near)
         if key not in self._checked:
-            self._checked[key] = unmet(requires, near=near)
+            self._checked[key] = self._verdict(requires, near)
         return self._checked[key]
+
+    def _verdict(self, requires, near: str | None) -> str | None:
+        """``unmet(requires, near=near)``, remembered across processes in the code cache
+        (``requires/``) while what it rests on holds: the stat signatures of the site
+        directory (installing, removing or upgrading a distribution there changes it)
+        and of each METADATA file the versions came from.  Not remembered where a
+        version came from elsewhere on sys.path, or with SOURCE_PATCH_CACHE_CHECK=content."""
+        cache = self.cache
+        if near is None or not cache.stat_keys:
+            return unmet(requires, near=near)
+        k = _verdict_key(requires, near)
+        stored = cache.get_data(k, "requires")
+        try:  # (format, requires, near, basis, verdict), each file of basis as it was
+            if (stored is not None and stored[0] == _VERDICT_FORMAT and stored[1] == requires
+                    and stored[2] == near and len(stored[3]) >= 2
+                    and (stored[4] is None or isinstance(stored[4], str))
+                    and all(_signature_of(path) == tuple(sig) for path, sig in stored[3])):
+                return stored[4]
+        except (TypeError, ValueError, IndexError):
+            pass  # another layout: judge again
+        verdict, basis = judge(requires, near)
+        if basis is not None and all(settled(sig) for _, sig in basis) and all(
+                _signature_of(path) == sig for path, sig in basis):  # unchanged while read
+            cache.put(k, (_VERDICT_FORMAT, requires, near, basis, verdict), "requires")
+        return verdict
 
     def invalidate_caches(self) -> None:
         pass
@@ -197,8 +226,12 @@ def installed_version(dist: str, against: str | None = None, near: str | None = 
 
 def _version_beside(dist: str, site_dir: str) -> str | None:
     """Read ``Version:`` from ``<site_dir>/<dist>-*.dist-info/METADATA``."""
-    import os
+    path = _metadata_beside(dist, site_dir)
+    return metadata_fields(path, ("Version",)).get("Version") if path else None
 
+
+def _metadata_beside(dist: str, site_dir: str) -> str | None:
+    """The path of ``<site_dir>/<dist>-*.dist-info/METADATA`` (the first such folder listed)."""
     wanted = _normalize(dist) + "-"
     n = len(wanted)
     try:
@@ -207,8 +240,53 @@ def _version_beside(dist: str, site_dir: str) -> str | None:
         return None
     for entry in entries:  # `<name>-<version>.dist-info`, the name in any spelling
         if entry.endswith(".dist-info") and _normalize(entry[:n - 1]) + entry[n - 1:n] == wanted:
-            return metadata_fields(os.path.join(site_dir, entry, "METADATA"), ("Version",)).get("Version")
+            return os.path.join(site_dir, entry, "METADATA")
     return None
+
+
+_VERDICT_FORMAT = 1
+
+
+def _signature_of(path: str):
+    try:
+        return signature(os.stat(path))
+    except OSError:
+        return None
+
+
+def _verdict_key(requires, near: str) -> bytes:
+    text = repr((_VERDICT_FORMAT, requires, near)).encode("utf-8", "surrogatepass")
+    return hashlib.sha256(b"requires\0" + text + _tool_versions()).digest()
+
+
+def judge(requires, near: str) -> tuple[str | None, tuple | None]:
+    """``unmet(requires, near=near)`` and what it rests on: ((path, stat signature), ...)
+    of the site directory and of each METADATA file read, each signed before it is
+    read; None where a version was looked up elsewhere (no dist-info beside the
+    target) or a file could not be stat-ed."""
+    from packaging.specifiers import SpecifierSet
+
+    basis: list | None = [(near, _signature_of(near))]
+    verdict = None
+    for dist, wanted in requires:
+        path = _metadata_beside(dist, near)
+        sig = _signature_of(path) if path else None
+        have = metadata_fields(path, ("Version",)).get("Version") if path else None
+        if have and sig is not None and basis is not None:
+            basis.append((path, sig))
+        else:
+            basis = None
+            if not have:  # as installed_version(dist, near=near): any other path entry
+                have = installed_version(dist)
+        if have is None:
+            verdict = f"requires {dist}{wanted}, which is not installed"
+            break
+        if not SpecifierSet(wanted).contains(have, prereleases=True):
+            verdict = f"requires {dist}{wanted}, found {have}"
+            break
+    if basis is None or any(sig is None for _, sig in basis):
+        return verdict, None
+    return verdict, tuple(basis)
 
 
 def _normalize(name: str) -> str:
@@ -219,8 +297,6 @@ def site_dir_of(fullname: str, origin: str | None) -> str | None:
     """The directory holding a module's top-level package (where its dist-info lives)."""
     if not origin:
         return None
-    import os
-
     levels = fullname.count(".") + 1 + (os.path.basename(origin) == "__init__.py")
     directory = origin
     for _ in range(levels):
@@ -259,18 +335,46 @@ class PatchingLoader(importlib.machinery.SourceFileLoader):
         self.applied = patches
 
     def get_code(self, fullname: str) -> CodeType:
+        """The patched code: by the source's stat key (no read, no hash), else by its
+        content key (then remembered under the stat key), else rewritten and stored."""
+        cache = self.code_cache
+        sk = None
+        if cache.stat_keys:
+            try:
+                sig = signature(os.stat(self.path))
+            except OSError:
+                sig = None  # get_data raises the import's error
+            if sig is not None:
+                sk = stat_key(sig, _slice(self.patches)[1], self.path)
+                code = cache.get(sk, "stat")
+                if code is not None:
+                    return code
         source = self.get_data(self.path)
-        k = key(source, slice_digest(self.patches), self.path)
-        code = self.code_cache.get(k)
+        k = key(source, _digest(self.patches), self.path)
+        payload = cache.read(k)
+        code = _loads_code(payload)
         if code is None:
-            with self.code_cache.lock(k):  # one process parses; the others wait, then hit
-                code = self.code_cache.get(k)
+            with cache.lock(k):  # one process parses; the others wait, then hit
+                payload = cache.read(k)
+                code = _loads_code(payload)
                 if code is None:
+                    payload = None
                     code, dropped = patch_source(source, self.patches, fullname, self.path)
                     if dropped:  # degraded: not cached, so every run says so again
                         self._drifted(dropped)
-                    else:
-                        self.code_cache.put(k, code)
+                        return code
+                    cache.put(k, code)
+        # Remember this content under the stat signature it was read with, if that is
+        # settled and still the file's (a change while reading: the next import looks again).
+        if sk is not None and settled(sig):
+            try:
+                again = signature(os.stat(self.path))
+            except OSError:
+                again = None
+            if again == sig:
+                import marshal
+
+                cache.write(sk, payload if payload is not None else marshal.dumps(code), "stat")
         return code
 
     def _drifted(self, dropped) -> None:
@@ -291,6 +395,55 @@ class PatchingLoader(importlib.machinery.SourceFileLoader):
         module.__source_patches__ = tuple(
             Applied(p.spec_name, p.id, p.target, p.location.file) for p in self.applied)
         importlib._bootstrap._call_with_frames_removed(exec, code, module.__dict__)  # as SourceFileLoader
+
+
+def _loads_code(payload) -> CodeType | None:
+    if payload is None:
+        return None
+    import marshal
+
+    try:
+        code = marshal.loads(payload)
+    except (ValueError, EOFError, TypeError):
+        return None
+    return code if isinstance(code, CodeType) else None
+
+
+_SLICES: dict[tuple[int, ...], list] = {}  # ids -> [the patches, slice_parts, slice_digest or None]
+
+
+def _slice(patches: list[Patch]) -> list:
+    """The memo of a set of patch objects (it keeps them alive, so their ids stay
+    theirs: equal ids and identical objects are the same set)."""
+    ids = tuple(map(id, patches))
+    hit = _SLICES.get(ids)
+    if hit is None or not all(a is b for a, b in zip(hit[0], patches)):
+        if len(_SLICES) >= 4096:  # specs activated again and again (tests): start over
+            _SLICES.clear()
+        hit = _SLICES[ids] = [tuple(patches), slice_parts(patches), None]
+    return hit
+
+
+def slice_parts(patches: list[Patch]) -> bytes:
+    """What the patches do to their module, for the stat key: at least every field
+    ``spec.slice_digest`` covers (a test checks), as a tuple of strings, ints and
+    None marshalled in format 2, which is canonical (format 3 and later mark
+    interned strings and back-references, which differ between equal values).
+    Cheaper than that digest's JSON and SHA-256, which only a stat-key miss pays."""
+    import marshal
+
+    return marshal.dumps(tuple(
+        (p.spec_name, p.id, p.module, p.target, p.handle, p.on_drift, p.location.file, p.location.line,
+         tuple((e.at, e.code, e.match, e.wrap, e.bind, e.count) for e in p.edits))
+        for p in patches), 2)
+
+
+def _digest(patches: list[Patch]) -> str:
+    """slice_digest, once per set of patch objects."""
+    memo = _slice(patches)
+    if memo[2] is None:
+        memo[2] = slice_digest(patches)
+    return memo[2]
 
 
 def patch_source(source: bytes, patches: list[Patch], module: str, path: str):

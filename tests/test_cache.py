@@ -1,10 +1,17 @@
 """The compiled-code cache: hits, misses, corruption, races, and no libcst on a hit."""
 
+import importlib
+import marshal
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
+from source_patch.patcher import cache as cache_mod
+from source_patch.patcher import finder as finder_mod
 from source_patch.patcher import patched
 from source_patch.patcher.cache import MAGIC, CodeCache
 
@@ -20,8 +27,12 @@ patches:
 """
 
 
-def entries(cache_dir: Path) -> list[Path]:
-    return sorted(cache_dir.rglob("*.spc"))
+def entries(cache_dir: Path, kind: str = "") -> list[Path]:
+    """Code entries by content key (kind ""), or those of ``kind`` ("stat", "requires")."""
+    if kind:
+        return sorted((cache_dir / kind).rglob("*.spc"))
+    return sorted(p for p in cache_dir.rglob("*.spc")
+                  if not {"specs", "stat", "requires"} & set(p.relative_to(cache_dir).parts))
 
 
 def import_add(spec, cache_dir):
@@ -50,12 +61,21 @@ def test_corrupt_short_or_foreign_files_are_misses(write_spec, tmp_path):
     spec, cache_dir = write_spec(SPEC), tmp_path / "cache"
     import_add(spec, cache_dir)
     (entry,) = entries(cache_dir)
-    good = entry.read_bytes()
+    (by_stat,) = entries(cache_dir, "stat")  # the fixture's source is settled: keyed by stat too
+    good, good_stat = entry.read_bytes(), by_stat.read_bytes()
+    assert good_stat[36:] == good[36:]  # the same checked payload under another key
     for bad in (b"", good[:10], good[:-5], good[:-1] + bytes([good[-1] ^ 1]),
+                good[:60] + bytes([good[60] ^ 0x10]) + good[61:],  # a flipped bit inside
                 MAGIC + os.urandom(200), b"\x00" * len(good)):
+        by_stat.unlink()  # else the stat entry answers without looking at this one
         entry.write_bytes(bad)
         assert import_add(spec, cache_dir) == 300
         assert entry.read_bytes() == good  # rewritten
+        assert by_stat.read_bytes() == good_stat
+        # The same damage to the stat entry: rejected, then rewritten from the content entry.
+        by_stat.write_bytes(bad[:4] + good_stat[4:36] + bad[36:] if len(bad) > 36 else bad)
+        assert import_add(spec, cache_dir) == 300
+        assert by_stat.read_bytes() == good_stat
 
 
 def test_unwritable_cache_still_patches(write_spec, tmp_path):
@@ -158,3 +178,307 @@ def test_a_spec_read_before_is_rebuilt_without_yaml(tmp_path):
                                  timeout=60).stdout.strip().split("|") for _ in range(2))
     assert cold[:2] == warm[:2] and cold[2] == "True"
     assert warm[2:] == ["False", "False"]
+
+
+# ---------------------------------------------------------------- stat keys (warm imports read no source)
+
+MODULE = """
+def add(a, b):
+    return a + b
+"""
+
+MODULE_SPEC = """
+source_patch: 1
+name: s
+patches:
+  - id: p
+    module: {module}
+    target: add
+    edits:
+      - {{at: return, code: "result = result * 100"}}
+"""
+
+
+@pytest.fixture
+def module(tmp_path, monkeypatch, request):
+    """A fresh top-level module in its own sys.path entry: (name, its file, a spec patching it)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    name = "spstat_" + "".join(c if c.isalnum() else "_" for c in request.node.name)
+    source = site / f"{name}.py"
+    source.write_text(MODULE)
+    monkeypatch.syspath_prepend(str(site))
+    spec = tmp_path / "module_spec.yaml"
+    spec.write_text(MODULE_SPEC.format(module=name))
+    yield name, source, spec
+    sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def no_race_window(monkeypatch):
+    """Stat-key a file as soon as it is written (normally: once it is 2 s old)."""
+    monkeypatch.setattr(cache_mod, "RACY_NS", 0)
+
+
+def call_add(name, spec, cache_dir):
+    with patched(spec, cache_dir=cache_dir):
+        return importlib.import_module(name).add(1, 2)
+
+
+class Reads:
+    """Counts reads of target sources (PatchingLoader.get_data) and rewrites."""
+
+    def __init__(self, monkeypatch):
+        self.reads = self.rewrites = 0
+        original_read, original_rewrite = finder_mod.PatchingLoader.get_data, finder_mod.patch_source
+
+        def read(loader, path):
+            self.reads += 1
+            return original_read(loader, path)
+
+        def rewrite(*args, **kwargs):
+            self.rewrites += 1
+            return original_rewrite(*args, **kwargs)
+
+        monkeypatch.setattr(finder_mod.PatchingLoader, "get_data", read)
+        monkeypatch.setattr(finder_mod, "patch_source", rewrite)
+
+
+def test_a_warm_import_reads_no_source(module, tmp_path, monkeypatch, no_race_window):
+    name, source, spec = module
+    counts, cache_dir = Reads(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    assert (counts.reads, counts.rewrites) == (1, 1)
+    assert len(entries(cache_dir)) == 1 and len(entries(cache_dir, "stat")) == 1
+    assert call_add(name, spec, cache_dir) == 300
+    assert (counts.reads, counts.rewrites) == (1, 1)  # served by the stat key alone
+
+
+def test_a_touched_unchanged_source_hits_by_content(module, tmp_path, monkeypatch, no_race_window):
+    name, source, spec = module
+    counts, cache_dir = Reads(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    st = source.stat()
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns - 10**9))  # another signature
+    assert call_add(name, spec, cache_dir) == 300
+    assert (counts.reads, counts.rewrites) == (2, 1)  # read and hashed, not rewritten
+    assert len(entries(cache_dir)) == 1 and len(entries(cache_dir, "stat")) == 2  # remembered
+    assert call_add(name, spec, cache_dir) == 300
+    assert (counts.reads, counts.rewrites) == (2, 1)
+
+
+def test_a_changed_source_with_the_same_size_and_mtime_misses(module, tmp_path, monkeypatch,
+                                                              no_race_window):
+    """What a timestamp pyc would miss: the ctime in the signature changes anyway."""
+    name, source, spec = module
+    counts, cache_dir = Reads(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    st = source.stat()
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    source.write_text(MODULE.replace("a + b", "a - b"))
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (source.stat().st_size, source.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    assert call_add(name, spec, cache_dir) == -100
+    assert counts.rewrites == 2
+
+
+def test_a_young_source_is_not_stat_keyed(module, tmp_path, monkeypatch):
+    """Within RACY_NS of a change, a rewrite in the same clock tick could keep the
+    signature: such a file is looked up by content only, every time."""
+    name, source, spec = module
+    counts, cache_dir = Reads(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    assert call_add(name, spec, cache_dir) == 300
+    assert (counts.reads, counts.rewrites) == (2, 1)
+    assert entries(cache_dir, "stat") == [] and len(entries(cache_dir)) == 1
+    source.write_text(MODULE.replace("a + b", "a - b"))  # size kept; at once
+    assert call_add(name, spec, cache_dir) == -100
+
+
+def test_content_checks_opt_out_of_stat_keys(module, tmp_path, monkeypatch, no_race_window):
+    name, source, spec = module
+    monkeypatch.setenv("SOURCE_PATCH_CACHE_CHECK", "content")
+    counts, cache_dir = Reads(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    assert call_add(name, spec, cache_dir) == 300
+    assert (counts.reads, counts.rewrites) == (2, 1)  # every import reads and hashes
+    assert entries(cache_dir, "stat") == [] and len(entries(cache_dir)) == 1
+
+
+def test_a_stat_entry_is_checked_like_any_entry(module, tmp_path, monkeypatch, no_race_window):
+    """A stat entry whose payload was altered into other well-formed code of the same
+    length is refused (the CRC covers the payload), as is one stored under another key."""
+    name, source, spec = module
+    cache_dir = tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    (by_stat,) = entries(cache_dir, "stat")
+    blob = by_stat.read_bytes()
+    altered = blob[:48] + blob[48:].replace(b"add", b"bdd")  # defines bdd, not add
+    assert altered != blob and isinstance(marshal.loads(altered[48:]), type(compile("", "", "exec")))
+    by_stat.write_bytes(altered)
+    assert call_add(name, spec, cache_dir) == 300
+    assert by_stat.read_bytes() == blob  # rewritten
+    by_stat.write_bytes(blob[:4] + bytes(32) + blob[36:])  # another key
+    assert call_add(name, spec, cache_dir) == 300
+    assert by_stat.read_bytes() == blob
+
+
+def test_the_stat_key_covers_the_signature_and_the_slice(tmp_path):
+    sig = (1, 2, 3, 4, 5)
+    k = cache_mod.stat_key(sig, b"d", "/f.py")
+    assert len(k) == 32
+    others = {cache_mod.stat_key(sig[:i] + (sig[i] + 1,) + sig[i + 1:], b"d", "/f.py") for i in range(5)}
+    others |= {cache_mod.stat_key(sig, b"e", "/f.py"), cache_mod.stat_key(sig, b"d", "/g.py")}
+    assert k not in others and len(others) == 7
+    assert cache_mod.settled((0, 0, 0, 10, 20), now_ns=20 + cache_mod.RACY_NS)
+    assert not cache_mod.settled((0, 0, 0, 10, 20), now_ns=19 + cache_mod.RACY_NS)
+    assert not cache_mod.settled((0, 0, 0, 30, 20), now_ns=29 + cache_mod.RACY_NS)  # mtime ahead of ctime
+
+
+# ---------------------------------------------------------------- `requires` verdicts, remembered
+
+
+REQ_SPEC = """
+source_patch: 1
+name: r
+requires:
+  fakedist: ">=1.0"
+on_unmet: skip
+patches:
+  - id: p
+    module: {module}
+    target: add
+    edits:
+      - {{at: return, code: "result = result * 100"}}
+"""
+
+
+@pytest.fixture
+def gated(module, tmp_path):
+    """The module, a ``fakedist`` 1.0 installed beside it, and a spec requiring fakedist>=1.0."""
+    name, source, _ = module
+    info = source.parent / "fakedist-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakedist\nVersion: 1.0\n\n")
+    spec = tmp_path / "req_spec.yaml"
+    spec.write_text(REQ_SPEC.format(module=name))
+    return name, source, spec, info
+
+
+class Judged:
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = finder_mod.judge
+
+        def judge(*args):
+            self.calls += 1
+            return original(*args)
+
+        monkeypatch.setattr(finder_mod, "judge", judge)
+
+
+def test_a_requires_verdict_is_remembered(gated, tmp_path, monkeypatch, no_race_window):
+    name, source, spec, info = gated
+    judged, cache_dir = Judged(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    assert judged.calls == 1 and len(entries(cache_dir, "requires")) == 1
+    assert call_add(name, spec, cache_dir) == 300  # a new finder: the verdict comes from the cache
+    assert judged.calls == 1
+
+
+def test_a_remembered_verdict_follows_the_metadata(gated, tmp_path, monkeypatch, no_race_window, recwarn):
+    name, source, spec, info = gated
+    judged, cache_dir = Judged(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    time.sleep(0.05)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakedist\nVersion: 0.5\n\n")
+    assert call_add(name, spec, cache_dir) == 3  # skipped: found 0.5
+    assert judged.calls == 2
+    assert any("found 0.5" in str(w.message) for w in recwarn)
+
+
+def test_a_remembered_verdict_follows_the_site_directory(gated, tmp_path, monkeypatch, no_race_window,
+                                                         recwarn):
+    """Upgrading replaces the dist-info folder (the directory changes); uninstalling removes it."""
+    name, source, spec, info = gated
+    judged, cache_dir = Judged(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    time.sleep(0.05)
+    newer = info.parent / "fakedist-0.9.dist-info"
+    info.rename(newer)
+    (newer / "METADATA").write_text("Metadata-Version: 2.1\nName: fakedist\nVersion: 0.9\n\n")
+    assert call_add(name, spec, cache_dir) == 3
+    assert judged.calls == 2
+    time.sleep(0.05)
+    (newer / "METADATA").unlink()
+    newer.rmdir()
+    assert call_add(name, spec, cache_dir) == 3
+    assert judged.calls == 3
+    assert any("which is not installed" in str(w.message) for w in recwarn)
+
+
+def test_a_corrupt_verdict_is_judged_again(gated, tmp_path, monkeypatch, no_race_window):
+    name, source, spec, info = gated
+    judged, cache_dir = Judged(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    (memo,) = entries(cache_dir, "requires")
+    good = memo.read_bytes()
+    for bad in (b"", good[:-3], good[:-1] + bytes([good[-1] ^ 1])):
+        memo.write_bytes(bad)
+        assert call_add(name, spec, cache_dir) == 300
+        assert memo.read_bytes() == good
+    assert judged.calls == 4
+
+
+def test_a_young_site_directory_is_not_remembered(gated, tmp_path, monkeypatch):
+    name, source, spec, info = gated
+    judged, cache_dir = Judged(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    assert call_add(name, spec, cache_dir) == 300
+    assert judged.calls == 2 and entries(cache_dir, "requires") == []
+
+
+def test_content_checks_opt_out_of_remembered_verdicts(gated, tmp_path, monkeypatch, no_race_window):
+    name, source, spec, info = gated
+    monkeypatch.setenv("SOURCE_PATCH_CACHE_CHECK", "content")
+    cache_dir = tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    assert entries(cache_dir, "requires") == []
+
+
+def test_the_stat_keys_patch_part_covers_the_slice_digest(write_spec):
+    """Every field that changes spec.slice_digest (the content key's) changes
+    finder.slice_parts (the stat key's), for Patch, Edit and Location alike."""
+    import dataclasses
+
+    from source_patch.patcher.spec import load, slice_digest
+
+    patch = load(write_spec(SPEC)).patches[0]
+
+    def variants(obj):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            for other in ("x", 7, None, True):
+                if type(other) is not type(value) or other == value:
+                    continue
+                try:
+                    yield dataclasses.replace(obj, **{f.name: other})
+                except (TypeError, ValueError):
+                    pass
+
+    changed = 0
+    for p in variants(patch):
+        if slice_digest([p]) != slice_digest([patch]):
+            changed += 1
+            assert finder_mod.slice_parts([p]) != finder_mod.slice_parts([patch]), p
+    for e in variants(patch.edits[0]):
+        p = dataclasses.replace(patch, edits=(e,) + patch.edits[1:])
+        if slice_digest([p]) != slice_digest([patch]):
+            changed += 1
+            assert finder_mod.slice_parts([p]) != finder_mod.slice_parts([patch]), e
+    for loc in variants(patch.location):
+        p = dataclasses.replace(patch, location=loc)
+        if slice_digest([p]) != slice_digest([patch]):
+            changed += 1
+            assert finder_mod.slice_parts([p]) != finder_mod.slice_parts([patch]), loc
+    assert changed >= 8  # the comparison ran over the fields that matter

@@ -271,14 +271,15 @@ def test_concurrent_cold_imports_share_one_cache_entry(spec_file, tmp_path, monk
         assert_patched(info)
     assert sum(i["rewrote"] for i in infos) == 1, infos  # one parses, the others wait and load it
 
-    # One code entry (compiled specs live apart, under specs/, and start-up records
-    # under boot/); no temp files left over.
+    # One code entry (compiled specs live apart, under specs/, the same code by stat
+    # key under stat/, and start-up records under boot/); no temp files left over.
     def code_files():
-        return sorted(p for p in cache_dir.rglob("*")
-                      if p.is_file() and not {"specs", "boot"} & set(p.relative_to(cache_dir).parts))
+        return sorted(p for p in cache_dir.rglob("*") if p.is_file()
+                      and not {"specs", "boot", "stat", "requires"} & set(p.relative_to(cache_dir).parts))
 
     files = code_files()
     assert len(files) == 1 and files[0].suffix == ".spc", files
+    assert all(p.suffix == ".spc" for p in (cache_dir / "stat").rglob("*") if p.is_file())
     assert all(p.suffix == ".spc" for p in (cache_dir / "specs").rglob("*") if p.is_file())
     assert all(p.suffix == ".spb" for p in (cache_dir / "boot").rglob("*") if p.is_file())
     # The entry is the one a loader of this target looks up, and it reads back as code.
