@@ -25,6 +25,8 @@ traced / not-traced ratio (the goal needs its 90% interval within about +-0.5%).
 
     python bench/trace_bench.py            # GPU: a mid-size GPT-MoE
     python bench/trace_bench.py --resolve --rounds 1 --toggle-steps 1500 --phase 4
+    python bench/trace_bench.py --resolve --toggle-steps 1900 --phase 4 --save run1.json   # one device call each
+    python bench/trace_bench.py --pool run1.json run2.json                                 # pooled, to resolve 1%
     python bench/trace_bench.py --quick    # CPU smoke run
 """
 
@@ -172,9 +174,14 @@ def main() -> None:
     p.add_argument("--resolve", action="store_true", help="run only the toggling process (traced vs not traced)")
     p.add_argument("--before-settings", default="hub=thread,triton=0", type=before_settings,
                    help="trace settings of the `before` process (default: hub=thread,triton=0)")
+    p.add_argument("--save", metavar="JSON", help="also write the step times and paired ratios here")
+    p.add_argument("--pool", nargs="+", metavar="JSON", help="run nothing: pool the runs saved with --save "
+                   "(several device calls of one setting) and print their comparison")
     p.add_argument("--before", action="store_true",
                    help="also a toggling process with --before-settings (by default as before issue 18)")
     args = p.parse_args()
+    if args.pool:
+        return pool(args.pool)
     if args.quick:
         args.rounds, args.steps, args.warmup, args.phase = 1, 10, 2, 2
     processes = ["toggling client"] if args.resolve else list(PROCESSES)
@@ -235,15 +242,37 @@ def main() -> None:
                 run(name)
             training.table({k: v for k, v in samples.items() if v or not args.resolve},
                            f"after round {r + 1}/{args.rounds}")
-            training.ratio(samples, TRACED, UNTRACED)
-            if args.before:
-                training.ratio(samples, f"{BEFORE}: traced", f"{BEFORE}: not traced")
-            for name, ratios in pairs.items():
-                if len(ratios) >= 3:
-                    print(f"{name}, paired by toggle cycle ({len(ratios)} traced runs against their "
-                          f"neighbours): {interval(ratios)}", flush=True)
+            compare(samples, pairs)
     for name, runs in reports.items():
         print(f"{name}: {runs}")
+    if args.save:
+        Path(args.save).write_text(json.dumps({"samples": samples, "pairs": pairs, "reports": reports}))
+
+
+def compare(samples: dict, pairs: dict) -> None:
+    training.ratio(samples, TRACED, UNTRACED)
+    if samples.get(f"{BEFORE}: traced"):
+        training.ratio(samples, f"{BEFORE}: traced", f"{BEFORE}: not traced")
+    for name, ratios in pairs.items():
+        if len(ratios) >= 3:
+            print(f"{name}, paired by toggle cycle ({len(ratios)} traced runs against their "
+                  f"neighbours): {interval(ratios)}", flush=True)
+
+
+def pool(files: list[str]) -> None:
+    """Several processes' runs as one sample.  Read the paired figure: each ratio is
+    taken within one process, so the processes' different step-time levels cancel;
+    the pooled medians mix those levels (their interval is the wider, honestly)."""
+    samples: dict = {}
+    pairs: dict = {}
+    for file in files:
+        saved = json.loads(Path(file).read_text())
+        for name, times in saved["samples"].items():
+            samples.setdefault(name, []).extend(times)
+        for name, ratios in saved["pairs"].items():
+            pairs.setdefault(name, []).extend(ratios)
+    training.table({k: v for k, v in samples.items() if v}, f"{len(files)} runs pooled")
+    compare(samples, pairs)
 
 
 if __name__ == "__main__":
