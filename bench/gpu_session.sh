@@ -53,8 +53,10 @@ fi
 if want weights; then
 echo "== weight sync: bucketed vs per-tensor vs raw broadcast, 2 GPUs over NCCL"
 nvidia-smi topo -m 2>&1 | head -4 | tee "$OUT/topo.txt"
-timeout 240 python3 bench/weight_sync_bench.py --gb 4 2>&1 | tee "$OUT/weight_sync_bench.txt" | tail -20
-timeout 240 python3 bench/weight_sync_bench.py --gb 4 --small-frac 0.5 2>&1 | tee "$OUT/weight_sync_bench_small.txt" | tail -20
+timeout 240 python3 bench/weight_sync_bench.py --gb 4 --rounds 9 --timeline 4 2>&1 \
+  | grep -v "^USDT\|profiler" | tee "$OUT/weight_sync_bench.txt" | tail -50
+timeout 240 python3 bench/weight_sync_bench.py --gb 4 --small-frac 0.5 --rounds 9 2>&1 \
+  | tee "$OUT/weight_sync_bench_small.txt" | tail -24
 fi
 if want phases; then
 echo "== weight sync phases (one GPU, one process): pack, checksum, receivers, load, d2d copy"

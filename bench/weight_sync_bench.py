@@ -19,6 +19,15 @@ Methods (sender's wall time from a barrier until every receiver is done):
                checksums, verdict; the receiver stages the whole update (stage "update")
   bucketed -c  the same without checksums
   streamed     stage "bucket": the receiver verifies and hands out bucket by bucket
+  buffers      the sender's tensors are views of one flat buffer (as Megatron's parameter
+               buffers with the distributed optimizer), planned with plan_buffers: each
+               bucket is broadcast from the buffer itself, no pack; receiver as bucketed
+  buffers -c   the same without checksums
+
+--timeline N (two GPUs) then records N checksummed and N unchecked bucketed updates
+per side with torch.profiler and prints, per update, what the GPU did: time to the
+first bucket's broadcast, NCCL busy time, its largest idle gap and what came before
+it, checksum and copy kernel time (to find where a slow round loses its time).
 
 --phases (one process, one GPU or --cpu; no process group: the sender's broadcasts
 are recorded and replayed to the receivers in the same process, transport.LoopbackLink)
@@ -31,6 +40,7 @@ models of the 2-GPU runs, --small-frac 0.1 and 0.5.
       (_Packing.pack: one _foreach_copy_ per dtype), per bucket and per update
   (b) checksum of each bucket (_bucket_sum)
       send() over a wire that costs nothing: (a) + (b) + header, manifest, votes
+      send() of the same tensors as views of one buffer (plan_buffers): no (a)
   (c) receivers over the replayed wire (its copies included: about (d)): stage
       "update" (receive() returns views of the staged buffer), stage "bucket"
       (every tensor handed out, tensors crossing bucket ends assembled by copies)
@@ -83,6 +93,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--profile", action="store_true", help="then profile the host side of bucketed updates")
     p.add_argument("--phases", action="store_true", help="one process: time each phase of an update alone")
+    p.add_argument("--timeline", type=int, default=0, metavar="N",
+                   help="then profile N updates per variant on the GPUs and print each one's timeline summary")
     args = p.parse_args(argv)
     cpu = args.cpu
     args.small_fracs = [args.small_frac] if args.small_frac is not None else [0.1, 0.5] if args.phases else [0.1]
@@ -138,6 +150,8 @@ class Run:
         planned = self.wt.plan(specs, self.args.bucket_mb << 20, 0)
         self.manifests = {True: planned, False: dataclasses.replace(planned, checksum=False)}
         self.version = 0
+        if self.rank == 0:
+            self.from_buffers = {c: in_one_buffer(self.wt, planned, self.layout, self.tensors, c) for c in (True, False)}
 
     def sync(self):
         if self.device.type == "cuda":
@@ -154,12 +168,16 @@ class Run:
             self.link.wait(work, "per-tensor")
         self.link.vote(0, "ack")
 
-    def bucketed(self, checksum=True, stage="update"):
+    def bucketed(self, checksum=True, stage="update", buffers=False):
         wt = self.wt
         if self.rank == 0:  # planned once, as the trainer does: a push only changes the version
             self.version += 1
-            wt.send(self.link, dataclasses.replace(self.manifests[checksum], version=self.version),
-                    iter(self.tensors))
+            if buffers:
+                manifest, source = self.from_buffers[checksum]
+                wt.send(self.link, dataclasses.replace(manifest, version=self.version), source)
+            else:
+                wt.send(self.link, dataclasses.replace(self.manifests[checksum], version=self.version),
+                        iter(self.tensors))
             return None
         update = wt.receive(self.link, stage=stage)
         if stage == "bucket":
@@ -177,12 +195,27 @@ class Run:
         return time.perf_counter() - start
 
 
+def in_one_buffer(wt, planned, layout, tensors, checksum=True):
+    """The tensors copied into one flat buffer at the offsets plan() gives them (as a
+    parameter buffer holds them), and plan_buffers() of those views: the same
+    manifest entries, so a receiver's cached views serve both."""
+    buffer = torch.empty(planned.total_bytes, dtype=torch.uint8, device=tensors[0].device)
+    views = [(name, buffer[e.offset: e.offset + e.nbytes].view(t.dtype).view(t.shape))
+             for (name, _), e, t in zip(layout, planned.entries, tensors)]
+    torch._foreach_copy_([v for _, v in views], tensors)
+    manifest, source = wt.plan_buffers(views, planned.bucket_bytes, planned.version, checksum)
+    assert manifest.entries == planned.entries
+    return manifest, source
+
+
 METHODS = {
     "raw": lambda r: r.raw(),
     "per-tensor": lambda r: r.per_tensor(),
     "bucketed": lambda r: r.bucketed(),
     "bucketed -c": lambda r: r.bucketed(checksum=False),
     "streamed": lambda r: r.bucketed(stage="bucket"),
+    "buffers": lambda r: r.bucketed(buffers=True),
+    "buffers -c": lambda r: r.bucketed(checksum=False, buffers=True),
 }
 
 
@@ -206,6 +239,8 @@ def worker(rank: int, args, port: int):
         report(run, times, args)
     if args.profile:
         profile(run, rank)
+    if args.timeline:
+        timeline(run, rank, args.timeline)
     run.sync()
     run.wt.close_group(run.link.group)
 
@@ -228,16 +263,68 @@ def profile(run: Run, rank: int, rounds: int = 3):
             print(f"\n== profile, {side} (rank {rank}), {rounds} bucketed updates\n{out.getvalue()}", flush=True)
 
 
+def timeline(run: Run, rank: int, n: int):
+    """Per update, what the GPU did (torch.profiler's kernel records): the limiting
+    phase of a slow round, on each side."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    rows = []
+    for label, fn in (("bucketed", METHODS["bucketed"]), ("bucketed -c", METHODS["bucketed -c"]),
+                      ("buffers", METHODS["buffers"])):
+        for _ in range(n):
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
+            with torch_profile(activities=activities) as prof:
+                wall = run.timed(lambda: fn(run))
+            rows.append((label, wall, kernel_summary(prof)))
+    side = "sender" if rank == 0 else "receiver"
+    for r in range(2):
+        run.sync()
+        if r == rank:
+            print(f"\n== timeline, {side} (rank {rank}); ms; gap: the NCCL stream's largest idle time "
+                  "between its first and last kernel, and the kernel that ended before it")
+            print(f"{'variant':<12} {'wall':>7} {'to 1st bcast':>12} {'nccl busy':>9} {'n nccl':>6} "
+                  f"{'gap':>7}  {'after':<28} {'sum':>6} {'copy':>6} {'other':>6}")
+            for label, wall, k in rows:
+                print(f"{label:<12} {1e3 * wall:>7.2f} {k['first']:>12.2f} {k['nccl']:>9.2f} {k['n_nccl']:>6} "
+                      f"{k['gap']:>7.2f}  {k['gap_after'][:28]:<28} {k['sum']:>6.2f} {k['copy']:>6.2f} "
+                      f"{k['other']:>6.2f}", flush=True)
+
+
+def kernel_summary(prof) -> dict:
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type.name == "CUDA"), key=lambda k: k[0])
+    if not kernels:
+        return dict(first=0, nccl=0, n_nccl=0, gap=0, gap_after="-", sum=0, copy=0, other=0)
+    t0 = min(e.time_range.start for e in prof.events())
+    nccl = [k for k in kernels if "nccl" in k[2].lower()]
+    big = [k for k in nccl if k[1] - k[0] > 50]  # a bucket's broadcast, not a header, sum or vote
+    gap, after = 0.0, "-"
+    for a, b in zip(nccl, nccl[1:]):
+        if b[0] - a[1] > gap:
+            gap, after = b[0] - a[1], a[2]
+    kind = lambda name: "sum" if "reduce" in name.lower() and "nccl" not in name.lower() else \
+        "copy" if "copy" in name.lower() or "memcpy" in name.lower() else "other"
+    total = {"sum": 0.0, "copy": 0.0, "other": 0.0}
+    for start, end, name in kernels:
+        if "nccl" not in name.lower():
+            total[kind(name)] += end - start
+    return dict(first=((big[0][0] if big else nccl[0][0]) - t0) / 1e3, nccl=sum(b - a for a, b, _ in nccl) / 1e3,
+                n_nccl=len(nccl), gap=gap / 1e3, gap_after=after, **{k: v / 1e3 for k, v in total.items()})
+
+
 def check(run: Run):
-    """The bucketed update delivers exactly what per-tensor broadcasts deliver."""
-    run.sync()
-    run.per_tensor()
-    staged = run.bucketed()
-    if staged is not None:
-        bad = [name for (name, got), want in zip(staged, run.tensors) if not torch.equal(got, want)]
-        if bad:
-            raise SystemExit(f"bucketed transfer differs from per-tensor broadcast: {bad[:5]}")
-        print(f"check: bucketed == per-tensor for all {len(staged)} tensors", flush=True)
+    """The bucketed update, and the one sent from the flat buffer, deliver exactly
+    what per-tensor broadcasts deliver."""
+    for method in ("bucketed", "buffers"):
+        run.sync()
+        run.per_tensor()
+        staged = METHODS[method](run)
+        if staged is not None:
+            want = dict(zip((name for name, _ in run.layout), run.tensors))
+            bad = [name for name, got in staged if not torch.equal(got, want[name])]
+            if bad or len(staged) != len(want):
+                raise SystemExit(f"{method} transfer differs from per-tensor broadcast: {bad[:5]}")
+            print(f"check: {method} == per-tensor for all {len(staged)} tensors", flush=True)
     run.sync()
 
 
@@ -250,14 +337,21 @@ def report(run: Run, times: dict, args):
     print(f"model: {gib:.2f} GiB bf16, {n} tensors ({small} small <= {args.small_kb} KiB), "
           f"bucket {args.bucket_mb} MiB, {args.rounds} rounds after {args.warmup} warm-up\n")
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{'method':<12} {'median s':>10} {'min s':>9} {'max s':>9} {'GB/s':>8} {'% of raw':>9} {'x per-tensor':>13}")
+    print(f"{'method':<12} {'median s':>10} {'min s':>9} {'max s':>9} {'GB/s':>8} {'% of raw':>9} "
+          f"{'worst round':>11} {'x per-tensor':>13}")
     for name, values in times.items():
         gbps = run.bytes / med[name] / 1e9
         print(f"{name:<12} {med[name]:>10.4f} {min(values):>9.4f} {max(values):>9.4f} {gbps:>8.1f} "
-              f"{100 * med['raw'] / med[name]:>8.1f}% {med['per-tensor'] / med[name]:>12.1f}x")
-    print(f"\ngoal >= 80% of raw: bucketed {100 * med['raw'] / med['bucketed']:.0f}%, "
-          f"without checksums {100 * med['raw'] / med['bucketed -c']:.0f}%")
-    print(f"goal >= 10x per-tensor: bucketed {med['per-tensor'] / med['bucketed']:.1f}x", flush=True)
+              f"{100 * med['raw'] / med[name]:>8.1f}% {100 * med['raw'] / max(values):>10.1f}% "
+              f"{med['per-tensor'] / med[name]:>12.1f}x")
+    print("\n% of raw: the raw broadcast's median time over the method's (worst round: over its slowest)")
+    print("every round, ms (the order of methods rotates by one each round):")
+    for name, values in times.items():
+        print(f"  {name:<12} " + " ".join(f"{1e3 * v:.1f}" for v in values))
+    for name in ("bucketed", "streamed", "buffers"):
+        print(f"{name}: {100 * med['raw'] / med[name]:.0f}% of raw at the median, "
+              f"{100 * med['raw'] / max(times[name]):.0f}% in the worst round; "
+              f"{med['per-tensor'] / med[name]:.1f}x per-tensor", flush=True)
 
 
 # ------------------------------------------------------------------ --phases
@@ -354,6 +448,7 @@ def phases(args) -> None:
     targets = [torch.empty_like(t) for t in tensors]  # the engine's parameters
     flat = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
     phases_check(wt, manifest, packing, tensors, tx, rx)
+    from_buffers = in_one_buffer(wt, manifest, layout, tensors)
     clock = Clock(device)
 
     def streamed():
@@ -383,6 +478,8 @@ def phases(args) -> None:
             pass
         quiet.rewind()
         _, round_rows["send"] = clock.run(lambda: wt.send(quiet, manifest, iter(tensors)))
+        quiet.rewind()
+        _, round_rows["send buffers"] = clock.run(lambda: wt.send(quiet, *from_buffers))
         rx.rewind()
         received, round_rows["staged"] = clock.run(lambda: wt.receive(rx).tensors)
         # No hold: one copy_ per tensor would fill the launch queue and block the host.
@@ -428,6 +525,7 @@ PHASE_ROWS = [  # (key, label)
     ("pack total", "(a) sender pack total"),
     ("sum", "(b) checksums (_bucket_sum)"),
     ("send", "    send(), free wire: (a)+(b)+protocol"),
+    ("send buffers", "    send() from one buffer (plan_buffers)"),
     ("staged", "(c) receiver stage update (+ wire copies)"),
     ("streamed", "(c) receiver stage bucket (+ wire copies)"),
     ("load", "(e) engine load: copy_ per tensor"),

@@ -260,6 +260,69 @@ def test_a_receiver_reuses_its_checksum_tensors_while_the_bucket_count_holds():
     assert sums[1] is sums[0] and sums[2] is not sums[0]
 
 
+def param_buffers():
+    """Two flat buffers laid out as Megatron's DDP lays out parameters with the
+    distributed optimizer (views, in reverse order, each start padded to 64 elements),
+    one bf16 and one fp32 (a second buffer: experts / another dtype)."""
+    gen = torch.Generator().manual_seed(5)
+    named, buffers = [], []
+    for tag, dtype, sizes in (("dense", torch.bfloat16, [1000, 30, 2048, 7, 500]),
+                              ("expert", torch.float32, [300, 64, 129])):
+        starts = list(itertools.accumulate([-(-n // 64) * 64 for n in sizes], initial=0))
+        flat = torch.zeros(starts[-1] + 64, dtype=dtype)
+        buffers.append(flat)
+        for i, n in reversed(list(enumerate(sizes))):
+            view = flat[starts[i]: starts[i] + n]
+            view.copy_(torch.randn(n, generator=gen) * 5)
+            named.append((f"{tag}.p{i}", view.view(-1, 1) if n % 2 else view))
+    return named, buffers
+
+
+def test_tensors_planned_from_their_buffers_are_sent_from_the_buffers_own_memory():
+    named, buffers = param_buffers()
+    m, source = wt.plan_buffers(named, 1024, version=1)
+    assert sorted(e.name for e in m.entries) == sorted(n for n, _ in named)
+    assert [e.offset for e in m.entries] == sorted(e.offset for e in m.entries)
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    for version, stage in enumerate(["update", "bucket", "update"], 1):
+        for flat in buffers:  # an optimizer step: new values in place
+            flat.add_(version)
+        tx.rewind()
+        rx.rewind()
+        wt.send(tx, dataclasses.replace(m, version=version), source)
+        update = wt.receive(rx, stage=stage)
+        assert check_streamed(update, named) == [e.name for e in m.entries], stage
+    spans = tx.spans
+    inside = [w for w in spans.windows if not isinstance(w, list)]
+    ptrs = [(f.data_ptr(), f.data_ptr() + f.numel() * f.element_size()) for f in buffers]
+    assert inside and all(any(lo <= w.data_ptr() < hi for lo, hi in ptrs) for w in inside)  # slices: no copy
+    assert any(isinstance(w, list) and len(w) == 2 for w in spans.windows)  # the bucket across both buffers
+
+
+def test_a_corrupted_bucket_sent_from_buffers_fails_the_update(monkeypatch):
+    named, _ = param_buffers()
+    m, source = wt.plan_buffers(named, 1024, version=1)
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    wt.send(tx, m, source)
+    monkeypatch.setattr(wt, "before_verify", lambda k, buf: buf[:8].bitwise_not_() if k == 2 else None)
+    with pytest.raises(wt.ChecksumMismatch, match=r"bucket\(s\) 2 of"):
+        wt.receive(rx)
+
+
+@pytest.mark.parametrize("named, error", [
+    (lambda b: [("w", b[:64].view(8, 8).t())], "w: not contiguous"),
+    (lambda b: [("w", b[3:19])], "w: at byte 6 of its buffer, not a multiple of 16"),
+    (lambda b: [("a", b[:32]), ("b", b[16:48])], "b: overlaps the tensor before it"),
+    (lambda b: [("w", b[:99])], "w: its buffer ends 8 bytes short of a multiple of 16"),
+    (lambda b: [("w", b[:8].to(torch.complex64))], "w: dtype torch.complex64 cannot be sent"),
+])
+def test_tensors_that_are_not_ranges_of_a_buffer_are_refused_by_name(named, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        wt.plan_buffers(named(torch.zeros(100, dtype=torch.bfloat16)), 1024, version=1)
+
+
 @pytest.mark.parametrize("change, error", [
     (lambda ts: ts.__setitem__(5, ts[5][:-1]), r"t5: got \(\d+,\) torch.bfloat16, planned \(\d+,\) torch.bfloat16"),
     (lambda ts: ts.__setitem__(7, ts[7].double()), r"t7: got \(\d+,\) torch.float64, planned \(\d+,\) torch.uint8"),

@@ -4,6 +4,7 @@ every other rank receives (NCCL on GPU, gloo on CPU).
     group = open_group("10.0.0.1", 29600, rank, world_size, "source_patch_weights", "nccl", 300)
     link = Link(group, timeout_s=300)
     send(link, plan(specs, bucket_bytes=1 << 30, version=7), tensors)    # rank 0
+    send(link, *plan_buffers(named_views, 1 << 30, 7))                    # or from the buffers themselves
     update = receive(link)                                               # engine ranks
     model.load_weights(update.tensors)
 
@@ -11,7 +12,8 @@ The tensors are laid out back to back (each at a 16-byte aligned offset) in one
 virtual byte stream, cut into buckets of ``bucket_bytes``: a tensor crosses a
 bucket boundary like any other byte range, so tensors larger than a bucket need
 no special case.  The sender packs bucket k+1 into the idle one of two buffers
-(one ``_foreach_copy_`` into views cached per layout) while bucket k is on the wire.
+(one ``_foreach_copy_`` into views cached per layout) while bucket k is on the wire;
+tensors planned with ``plan_buffers`` are sent from their own buffers' memory.
 
 One update on the group, in order (docs/weight_sync.md, "Wire format"):
 
@@ -126,6 +128,7 @@ class Link:
         self.size = group.size()
         self.broken: Optional[str] = None
         self.packing = None  # the sender's bucket buffers and layout, reused while it holds
+        self.spans = None  # the same for updates sent from buffers (plan_buffers)
         self.known_manifest = None  # a receiver's last (tensors JSON, entries): parsed once
         self.staged = None  # a receiver's (entries, stream buffer, views into it), reused while it holds
         self.streamed = None  # a streamed receiver's _BucketPlan, reused while its layout holds
@@ -198,7 +201,7 @@ class LoopbackLink(Link):
         self.device = torch.device(device)
         self.rank, self.size = (0 if replay is None else 1), 2
         self.broken = None
-        self.packing = self.known_manifest = self.staged = self.streamed = self.sums = None
+        self.packing = self.spans = self.known_manifest = self.staged = self.streamed = self.sums = None
         self.record, self.source = record, replay
         self.messages: list = []  # a sender's recorded broadcasts
         self.position = 0         # a receiver's next message
@@ -347,6 +350,64 @@ def plan(specs: Iterable[tuple[str, tuple, torch.dtype]], bucket_bytes: int, ver
     return Manifest(int(version), bucket_bytes, offset, bool(checksum), tuple(entries))
 
 
+class Buffers:
+    """The stream as byte ranges of a few contiguous buffers (``plan_buffers``):
+    ``pieces`` are (stream offset, uint8 view of a buffer's bytes), in stream order."""
+
+    def __init__(self, pieces: tuple, device: torch.device):
+        self.pieces, self.device = pieces, device
+
+
+def plan_buffers(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, version: int,
+                 checksum: bool = True) -> tuple[Manifest, Buffers]:
+    """Plan an update whose tensors are views of a few contiguous buffers, such as
+    Megatron's parameter buffers (``DistributedDataParallel.buffers[i].param_data``
+    with the distributed optimizer), laid out in the stream as they lie in memory.
+
+    ``send(link, manifest, buffers)`` then sends each bucket from the buffers' own
+    memory: no copy and no per-tensor work per update, whatever the tensor count
+    (a bucket that spans two buffers is copied together).  Receivers need nothing
+    new: the manifest names each tensor at its offset; gaps between tensors (the
+    buffers' padding) travel as bytes nobody reads.  The tensors' bytes are read at
+    send time: plan again if the buffers are reallocated.  Raises ValueError for a
+    tensor that is not contiguous, not 16-byte aligned in its buffer, or overlaps
+    another (tied weights: name them once)."""
+    bucket_bytes = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
+    by_storage: dict = {}
+    for name, tensor in named:
+        if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
+            raise TypeError(f"{name}: dtype {tensor.dtype} cannot be sent")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name}: not contiguous, so not a range of its buffer; use plan() and send the tensors")
+        storage = tensor.untyped_storage()
+        start = tensor.data_ptr() - storage.data_ptr()
+        if start % ALIGN:
+            raise ValueError(f"{name}: at byte {start} of its buffer, not a multiple of {ALIGN}")
+        by_storage.setdefault(storage.data_ptr(), (storage, tensor.device, []))[2].append(
+            (start, name, tensor.dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size()))
+    entries, pieces, base = [], [], 0
+    for storage, device, items in by_storage.values():
+        items.sort(key=operator.itemgetter(0))
+        lo = end = items[0][0]
+        for start, name, dtype, shape, nbytes in items:
+            if start < end:
+                raise ValueError(f"{name}: overlaps the tensor before it in its buffer (name tied weights once)")
+            entries.append(Entry(name, dtype, shape, base + start - lo, nbytes))
+            end = start + nbytes
+        hi = _aligned(end)
+        if hi > storage.nbytes():
+            raise ValueError(f"{items[-1][1]}: its buffer ends {hi - storage.nbytes()} bytes short of "
+                             f"a multiple of {ALIGN} after it; pad the buffer")
+        view = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (hi - lo,), (1,))
+        pieces.append((base, view))
+        base += hi - lo
+    if len({device for _, device, _ in by_storage.values()}) > 1:
+        raise ValueError("the buffers are on different devices")
+    device = pieces[0][1].device if pieces else torch.device("cpu")
+    manifest = Manifest(int(version), bucket_bytes, base, bool(checksum), tuple(entries))
+    return manifest, Buffers(tuple(pieces), device)
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -362,11 +423,16 @@ def _bucket_sum(data: torch.Tensor, out: torch.Tensor) -> None:
 # ------------------------------------------------------------------ sender
 
 
-def send(link: Link, manifest: Manifest, tensors: Iterable[torch.Tensor]) -> None:
-    """Send one update: ``tensors`` in manifest order.  Raises WeightSyncError
+def send(link: Link, manifest: Manifest, tensors: Iterable[torch.Tensor] | Buffers) -> None:
+    """Send one update: ``tensors`` in manifest order, or the ``Buffers`` that
+    ``plan_buffers`` returned with ``manifest``.  Raises WeightSyncError
     (a receiver rejected it, a checksum differed, a peer failed or timed out).
     On failure the rest of ``tensors`` is still consumed, so whoever produces
     them (tensor-parallel gathers) stays in step with its peers."""
+    if isinstance(tensors, Buffers):
+        if tensors.pieces and tensors.device != link.device:
+            raise WeightSyncError(f"the buffers are on {tensors.device}, the link on {link.device}")
+        return _Sender(link, manifest, tensors).run(iter(()))
     it = iter(tensors)
     try:
         _Sender(link, manifest).run(it)
@@ -502,13 +568,64 @@ def _sources(recipe: list, batch: list, held: dict) -> list:
     return sources
 
 
+class _Spans:
+    """``_Packing`` for ``Buffers``: bucket k is a slice of the one buffer that holds
+    its window (no copy, no per-tensor work), or, where the window spans buffers,
+    their pieces copied into one of two bucket buffers."""
+
+    def __init__(self, manifest: Manifest, buffers: Buffers):
+        self.manifest, self.source = manifest, buffers
+        self.key = (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
+        self.tensors_json = manifest.tensors_to_json()
+        n = max(manifest.buckets, 1)
+        self.sums = torch.zeros(n, dtype=torch.int64, device=buffers.device)
+        self.windows: list = []  # per bucket: its bytes (a slice), or [(destination, source)] to copy
+        for k in range(manifest.buckets):
+            start, end = manifest.window(k)
+            parts = [(max(start, base), min(end, base + view.numel()), base, view)
+                     for base, view in buffers.pieces if base < end and base + view.numel() > start]
+            if len(parts) == 1 and parts[0][:2] == (start, end):
+                lo, hi, base, view = parts[0]
+                self.windows.append(view[lo - base: hi - base])
+            else:
+                self.windows.append([(lo - start, hi - start, view[lo - base: hi - base])
+                                     for lo, hi, base, view in parts])
+        size = max((manifest.window(k)[1] - manifest.window(k)[0] for k, w in enumerate(self.windows)
+                    if isinstance(w, list)), default=0)
+        self.buffers = [torch.zeros(size, dtype=torch.uint8, device=buffers.device) for _ in range(2)] \
+            if size else []
+
+    def matches(self, manifest: Manifest, buffers: Buffers) -> bool:
+        return self.source is buffers and self.key == (manifest.bucket_bytes, manifest.total_bytes,
+                                                       manifest.entries)
+
+    def batches(self, tensors) -> Iterator[tuple[int, None]]:
+        return ((k, None) for k in range(len(self.windows)))
+
+    def pack(self, k: int, sources: None) -> torch.Tensor:
+        window = self.windows[k]
+        if not isinstance(window, list):
+            return window
+        start, end = self.manifest.window(k)
+        data = self.buffers[k % 2][: end - start]
+        for lo, hi, source in window:
+            data[lo:hi].copy_(source)
+        return data
+
+
 class _Sender:
-    def __init__(self, link: Link, manifest: Manifest):
+    def __init__(self, link: Link, manifest: Manifest, buffers: Optional[Buffers] = None):
         self.link, self.manifest = link, manifest
-        packing = link.packing
-        if packing is None or not packing.matches(manifest):
-            link.packing = None  # free the old buffers first
-            packing = link.packing = _Packing(manifest, link.device)
+        if buffers is not None:
+            packing = link.spans
+            if packing is None or not packing.matches(manifest, buffers):
+                link.spans = None
+                packing = link.spans = _Spans(manifest, buffers)
+        else:
+            packing = link.packing
+            if packing is None or not packing.matches(manifest):
+                link.packing = None  # free the old buffers first
+                packing = link.packing = _Packing(manifest, link.device)
         self.packing = packing
         self.in_flight: list = [None, None]   # data work per buffer
         self.works: list = []
