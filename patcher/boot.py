@@ -307,18 +307,24 @@ def write(paths, texts, found: dict) -> bool:
         return False
     target = record_path(directory, paths)
     try:
-        import tempfile
-
         os.makedirs(directory, mode=0o700, exist_ok=True)
         os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")  # 0600
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-            os.replace(tmp, target)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        replace_file(target, payload)
     except OSError:
         return False
     return True
+
+
+def replace_file(target: str, data) -> None:
+    """Write ``data`` to a temporary file (mode 0600) beside ``target``, then rename it
+    over ``target``: readers see the old file or the new one, never a part."""
+    import tempfile  # only writes pay for it
+
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -47,7 +47,7 @@ from pathlib import Path
 from types import CodeType
 from zlib import crc32
 
-from .boot import RACY_NS, cache_dir, untrusted  # shared with the start-up fast path
+from .boot import RACY_NS, cache_dir, replace_file, untrusted  # shared with the start-up fast path
 
 MAGIC = b"SPC2"
 _HEADER = len(MAGIC) + 32 + 8 + 4  # magic, key, payload length, payload CRC-32
@@ -200,18 +200,8 @@ class CodeCache:
         blob = MAGIC + k + len(payload).to_bytes(8, "little") + crc32(payload).to_bytes(4, "little") + payload
         target = self._file(k, kind)
         try:
-            import tempfile  # only writes pay for it
-
-            folder = os.path.dirname(target)
-            self._mkdir(folder)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")  # 0600
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(blob)
-                os.replace(tmp, target)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            self._mkdir(os.path.dirname(target))
+            replace_file(target, blob)
         except OSError:
             self.writable = False
             return False

@@ -338,19 +338,7 @@ def test_the_stat_key_covers_the_signature_and_the_slice(tmp_path):
 # ---------------------------------------------------------------- `requires` verdicts, remembered
 
 
-REQ_SPEC = """
-source_patch: 1
-name: r
-requires:
-  fakedist: ">=1.0"
-on_unmet: skip
-patches:
-  - id: p
-    module: {module}
-    target: add
-    edits:
-      - {{at: return, code: "result = result * 100"}}
-"""
+REQ_SPEC = MODULE_SPEC.replace("name: s\n", 'name: r\nrequires:\n  fakedist: ">=1.0"\non_unmet: skip\n')
 
 
 @pytest.fixture

@@ -47,18 +47,22 @@ def served(tmp_path):
     configure(enable=False, port=0, hub="process")
 
 
-def test_frames_are_encoded_and_served_by_another_process(served):
-    x = torch.randn(16, 4, 32)
-
+def traced(x, tiles: int, layer: int, steps: int) -> tuple:
+    """Subscribe to tiles of "hidden", trace ``x`` for ``steps`` steps: (frames, stats)."""
     async def main():
         async with connect(url()) as c:
-            await c.subscribe(["hidden"], compressor={"kind": "tiles", "tiles": 8})
-            for _ in range(3):
-                trace("hidden", x, layer=2)
+            await c.subscribe(["hidden"], compressor={"kind": "tiles", "tiles": tiles})
+            for _ in range(steps):
+                trace("hidden", x, layer=layer)
                 trace_step()
-            return [await c.next_frame(10) for _ in range(3)], await c.stats()
+            return [await c.next_frame(10) for _ in range(steps)], await c.stats()
 
-    frames, stats = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_frames_are_encoded_and_served_by_another_process(served):
+    x = torch.randn(16, 4, 32)
+    frames, stats = traced(x, tiles=8, layer=2, steps=3)
     want = tc.parse({"kind": "tiles", "tiles": 8})(x).numpy()
     assert all(np.array_equal(f.array, want) and f.layer == 2 for f in frames)
     assert [f.step for f in frames] == [0, 1, 2] and stats["results"] == 3 and stats["step"] == 3
@@ -74,16 +78,7 @@ def test_results_reach_the_forwarder_through_the_shared_ring_and_are_released(se
     assert ring is not None, "hub: process on Linux shares a ring with its forwarder"
     before = ring.head
     x = torch.randn(32, 64)
-
-    async def main():
-        async with connect(url()) as c:
-            await c.subscribe(["hidden"], compressor={"kind": "tiles", "tiles": 4})
-            for _ in range(5):
-                trace("hidden", x, layer=1)
-                trace_step()
-            return [await c.next_frame(10) for _ in range(5)]
-
-    frames = asyncio.run(main())
+    frames, _ = traced(x, tiles=4, layer=1, steps=5)
     want = tc.parse({"kind": "tiles", "tiles": 4})(x).numpy()
     assert all(np.array_equal(f.array, want) for f in frames)
     assert ring.head > before  # the five results went through the ring, not the socket

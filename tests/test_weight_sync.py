@@ -294,10 +294,29 @@ def test_tensors_planned_from_their_buffers_are_sent_from_the_buffers_own_memory
         update = wt.receive(rx, stage=stage)
         assert check_streamed(update, named) == [e.name for e in m.entries], stage
     spans = tx.spans
-    inside = [w for w in spans.windows if not isinstance(w, list)]
+    inside = [w for w in spans.whole if w is not None]
     ptrs = [(f.data_ptr(), f.data_ptr() + f.numel() * f.element_size()) for f in buffers]
     assert inside and all(any(lo <= w.data_ptr() < hi for lo, hi in ptrs) for w in inside)  # slices: no copy
-    assert any(isinstance(w, list) and len(w) == 2 for w in spans.windows)  # the bucket across both buffers
+    assert any(p is not None and len(p[0]) == 2 for p in spans.parts)  # the bucket across both buffers
+
+
+def test_extra_tensors_are_packed_after_the_buffers_and_checked_against_the_plan():
+    named, buffers = param_buffers()
+    extra = [("qkv.q", torch.randn(7, 3)), ("scalar", torch.tensor(2.5)), ("big", torch.randn(600))]
+    m, source = wt.plan_buffers(named, 1024, 1, extra=[(n, tuple(t.shape), t.dtype) for n, t in extra])
+    assert [e.name for e in m.entries[-3:]] == ["qkv.q", "scalar", "big"]  # after every buffer's tensors
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    for version in (1, 2):
+        extra = [(n, t * 2) for n, t in extra]  # computed anew for each update
+        tx.rewind()
+        rx.rewind()
+        wt.send(tx, dataclasses.replace(m, version=version), source, extra=[t for _, t in extra])
+        assert check_streamed(wt.receive(rx, stage="bucket"), named + extra) == [e.name for e in m.entries]
+    with pytest.raises(wt.WeightSyncError, match=r"big: got \(599,\) torch.float32, planned \(600,\)"):
+        wt.send(wt.LoopbackLink("cpu", record=False), m, source, extra=[extra[0][1], extra[1][1], extra[2][1][:-1]])
+    with pytest.raises(wt.WeightSyncError, match="got 2 extra tensors, planned 3"):
+        wt.send(wt.LoopbackLink("cpu", record=False), m, source, extra=[extra[0][1], extra[1][1]])
 
 
 def test_a_corrupted_bucket_sent_from_buffers_fails_the_update(monkeypatch):
@@ -468,6 +487,7 @@ def runs(tmp_path_factory):
     tests/test_weight_sync_engine.py).
     control: ep 1, the runtime's forced param gather switched off, a receiver that
     dies while receiving update 2.
+    buffers: ep 1, 3 steps: sent from the distributed optimizer's parameter buffers.
     tp: tensor-parallel gathering checked against Megatron's sharded modules."""
     for upstream in ("megatron.core", "sglang"):
         if importlib.util.find_spec(upstream) is None:  # not imported here: the children do
@@ -475,11 +495,12 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("weight_sync")
     common = {"SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": str(TIMEOUT_S), "SOURCE_PATCH_WEIGHT_SYNC_BUCKET_BYTES": "4K",
               "SOURCE_PATCH_CACHE": str(tmp / "cache")}
-    ports = {"main": models.free_port(), "control": models.free_port()}
+    ports = {"main": models.free_port(), "control": models.free_port(), "buffers": models.free_port()}
     procs = {
         "transport": transport_pair(tmp, common),
         "main": [receiver(tmp, "main", common, ports["main"], ["--updates", "3"])],
         "control": [receiver(tmp, "control", common, ports["control"], ["--updates", "2", "--die-after", "2:1"])],
+        "buffers": [receiver(tmp, "buffers", common, ports["buffers"], ["--updates", "3"])],
     }
     # Four trainers would each parse (libcst) the same Megatron modules: one process
     # patches and caches them first.
@@ -488,6 +509,7 @@ def runs(tmp_path_factory):
     warm.wait(120)
     procs["main"] += trainers(tmp, "main", common, ports["main"], ["--steps", "3", "--ep", "2"])
     procs["control"] += trainers(tmp, "control", common, ports["control"], ["--steps", "2", "--skip-param-gather"])
+    procs["buffers"] += trainers(tmp, "buffers", common, ports["buffers"], ["--steps", "3"])
     master = models.free_port()
     procs["tp"] = [start([E2E / "weight_sync_tp.py", tmp / "tp.json"],
                          {**common, "SOURCE_PATCH": "megatron_cpu", "RANK": str(r), "WORLD_SIZE": "2",
@@ -594,6 +616,25 @@ def test_after_each_step_the_receiver_gets_the_trainers_weights_bitwise(runs):
     assert differ(got[3], got[1]) != []  # the steps do change the weights
     trainer = json.loads((tmp / "main.trainer.rank0.json").read_text())
     assert [s["version"] for s in trainer] == [1, 2, 3] and trainer[-1]["pushes"] == 3
+    assert {s["sent_from"] for s in trainer} == {"tensors"}  # gathered over EP: packed
+
+
+def test_without_gathers_the_weights_go_from_megatrons_parameter_buffers_bitwise(runs):
+    """EP 1, TP 1, distributed optimizer: the parameters are views of DDP's param_data,
+    sent from there (the fused QKV, split by copies, as extra tensors)."""
+    from source_patch.runtime.weights import names as weight_names
+
+    tmp, codes, logs = runs
+    assert codes["buffers"] == [0, 0, 0], logs
+    got = received(tmp, "buffers")
+    layout = weight_names.Layout.from_config(models.megatron_config("qwen3_moe"))
+    for update in (1, 2, 3):
+        params = trainer_params(tmp, "buffers", update, ep=1)
+        expected = {n: t for name, full in params.items() for n, t in weight_names.to_hf(name, full, layout)}
+        assert differ(got[update], expected) == []
+    assert differ(got[3], got[1]) != []
+    trainer = json.loads((tmp / "buffers.trainer.rank0.json").read_text())
+    assert [s["sent_from"] for s in trainer] == ["buffers"] * 3 and trainer[-1]["pushes"] == 3
 
 
 def test_an_engine_killed_mid_update_fails_the_push_with_a_clear_error(runs):

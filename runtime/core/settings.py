@@ -353,6 +353,9 @@ SCHEMAS["weight_sync"] = {
     "backend": Setting("auto", choice("auto", "nccl", "gloo"), "auto: nccl when CUDA is available, else gloo"),
     "bucket_bytes": Setting(1 << 30, size(low=16), "bytes per bucket; the sender double-buffers two of them"),
     "checksum": Setting(True, boolean, "per-bucket checksum (int64 word sum on the device), checked by receivers"),
+    "from_buffers": Setting(True, boolean, "trainer: send the parameters that lie in Megatron's contiguous "
+                            "parameter buffers (distributed optimizer, no tensor- or expert-parallel "
+                            "gather) straight from them: no packing, no per-tensor work per push"),
     "timeout_s": Setting(300.0, seconds(positive=True), "longest wait for any step of an update (also the first "
                                                   "connection); then the update fails instead of hanging"),
     "every": Setting(1, integer(low=1), "trainer: push after every N-th successful optimizer step"),

@@ -83,6 +83,12 @@ class MegatronParams:
         return (group, dist.get_world_size(group)) if group is not None else (None, 1)
 
     @property
+    def gathers(self) -> bool:
+        """Whether full tensors are gathered (tensor or expert parallel): else each
+        parameter is its own full tensor."""
+        return max(self.tp[1], self.etp[1], self.ep[1]) > 1
+
+    @property
     def participates(self) -> bool:
         return self.in_dense or self.in_expert
 

@@ -56,9 +56,9 @@ def configure(**changes) -> dict:
 
 _attached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> model chunks
 _trainer: dict = {"step": 0, "pushes": 0, "failures": 0, "last_error": None, "last_push_s": None,
-                  "last_bytes": 0, "version": None}
+                  "last_bytes": 0, "version": None, "sent_from": None}
 _link: transport.Link | None = None
-_plans: dict = {}  # id(model chunk) -> ((names, layout), engine specs, manifests): shapes do not change
+_plans: dict = {}  # id(model chunk) -> _Plan: shapes do not change
 
 
 def weight_sync_attach(optimizer: Any, model_chunks) -> Any:
@@ -114,46 +114,111 @@ def push(model_chunks, version: int | None = None) -> None:
             return
         layout = weight_names.Layout.from_config(params.config, vocab_size=_config["vocab_size"])
         # Planned on every participant, so a mapping error stops all before any gather.
-        specs, templates = _plan(model_chunks[0], params, layout)
+        plan = _plan(model_chunks[0], params, layout)
         if not params.sender:
             for _ in params.tensors():  # take part in the gathers
                 pass
             return
-        tensors = (out for name, full in params.tensors() for _, out in weight_names.to_hf(name, full, layout))
+        buffers = plan.from_buffers(params, layout) if _config["from_buffers"] and not params.gathers else None
+        if buffers is not None:
+            manifest, tensors = buffers[0], buffers[1]
+            extra = [out for name, param, picks in buffers[2]
+                     for i, (_, out) in enumerate(weight_names.to_hf(name, param.detach(), layout)) if i in picks]
+        else:
+            manifest = plan.manifest()
+            tensors = (out for name, full in params.tensors() for _, out in weight_names.to_hf(name, full, layout))
+            extra = ()
         try:
             link = _connected()
-            manifest = _manifest(specs, templates, version)
         except Exception:
-            for _ in tensors:  # the other participants' gathers still need rank 0
+            for _ in tensors if buffers is None else ():  # the other participants' gathers still need rank 0
                 pass
             raise
-        transport.send(link, manifest, tensors)
+        transport.send(link, dataclasses.replace(manifest, version=version), tensors, extra=extra)
     except Exception as exc:
         _trainer["failures"] += 1
         _trainer["last_error"] = f"v{version}: {type(exc).__name__}: {exc}"
         raise
     _trainer.update(pushes=_trainer["pushes"] + 1, version=version, last_bytes=manifest.total_bytes,
-                    last_push_s=round(time.perf_counter() - start, 6))
+                    last_push_s=round(time.perf_counter() - start, 6),
+                    sent_from="buffers" if buffers is not None else "tensors")
 
 
-def _plan(chunk, params, layout) -> list:
+def _plan(chunk, params, layout) -> "_Plan":
+    names = [name for name, _ in params.params]
+    plan = _plans.get(id(chunk))
+    if plan is None or plan.key != (names, layout):
+        plan = _plans[id(chunk)] = _Plan((names, layout), params, layout)
+    return plan
+
+
+class _Plan:
+    """A model chunk's engine specs and bucket layouts, planned once (each push only
+    changes the version, and the sender's cached packing sees the same entries)."""
+
+    def __init__(self, key, params, layout):
+        from . import names as weight_names
+
+        self.key = key
+        self.specs = list(weight_names.plan(params.shapes(), layout))
+        self.manifests: dict = {}
+        self.buffers: dict = {}
+
+    def manifest(self) -> transport.Manifest:
+        key = (_config["bucket_bytes"], _config["checksum"])
+        if key not in self.manifests:
+            self.manifests = {key: transport.plan(self.specs, key[0], 0, key[1])}
+        return self.manifests[key]
+
+    def from_buffers(self, params, layout):
+        """(manifest, Buffers, extras) to send the parameters from Megatron's own
+        parameter buffers, or None when too few of them lie in one (no distributed
+        optimizer).  extras: (Megatron name, parameter, indices of its mapped outputs
+        that are not views of a buffer: a fused QKV split by copies), mapped anew at
+        each push.  Planned once; planned again if a buffer moved."""
+        key = (_config["bucket_bytes"], _config["checksum"])
+        cached = self.buffers.get(key)
+        if cached is None or not all(p.untyped_storage().data_ptr() == ptr for p, ptr in cached[1]):
+            self.buffers = {key: (_from_buffers(params, layout, *key), _anchors(params))}
+            cached = self.buffers[key]
+        return cached[0]
+
+
+def _anchors(params) -> list:
+    """One parameter per storage, and where that storage was."""
+    seen: dict = {}
+    for _, param in params.params:
+        seen.setdefault(param.untyped_storage().data_ptr(), param)
+    return [(param, ptr) for ptr, param in seen.items()]
+
+
+def _from_buffers(params, layout, bucket_bytes: int, checksum: bool):
     from . import names as weight_names
 
-    names = [name for name, _ in params.params]
-    cached = _plans.get(id(chunk))
-    if cached is None or cached[0] != (names, layout):
-        cached = _plans[id(chunk)] = ((names, layout), list(weight_names.plan(params.shapes(), layout)), {})
-    return cached[1:]
-
-
-def _manifest(specs: list, templates: dict, version: int) -> transport.Manifest:
-    """The bucket layout is planned once; each push only changes the version (and the
-    sender's cached packing sees the same entries)."""
-    key = (_config["bucket_bytes"], _config["checksum"])
-    if key not in templates:
-        templates.clear()
-        templates[key] = transport.plan(specs, *key[:1], 0, key[1])
-    return dataclasses.replace(templates[key], version=version)
+    shared: dict = {}
+    for _, param in params.params:
+        ptr = param.untyped_storage().data_ptr()
+        shared[ptr] = shared.get(ptr, 0) + 1
+    views, extras, extra_specs = [], [], []
+    for name, param in params.params:
+        picks = []
+        for i, (hf, out) in enumerate(weight_names.to_hf(name, param.detach(), layout)):
+            ptr = out.untyped_storage().data_ptr()
+            if shared.get(ptr, 0) > 1 and out.is_contiguous() and (out.data_ptr() - ptr) % transport.ALIGN == 0:
+                views.append((hf, out))
+            else:
+                picks.append(i)
+                extra_specs.append((hf, tuple(out.shape), out.dtype))
+        if picks:
+            extras.append((name, param, frozenset(picks)))
+    if len(views) < len(extra_specs):  # mostly not in shared buffers: packing is the better path
+        return None
+    try:
+        manifest, buffers = transport.plan_buffers(views, bucket_bytes, 0, checksum, extra=extra_specs)
+    except ValueError as exc:  # e.g. two mapped outputs over the same bytes
+        log.info("weight sync: sending packed tensors, not from the parameter buffers: %s", exc)
+        return None
+    return manifest, buffers, extras
 
 
 def _connected() -> transport.Link:

@@ -342,8 +342,7 @@ def plan(specs: Iterable[tuple[str, tuple, torch.dtype]], bucket_bytes: int, ver
     bucket_bytes = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
     entries, offset = [], 0
     for name, shape, dtype in specs:
-        if str(dtype).removeprefix("torch.") not in DTYPES:
-            raise TypeError(f"{name}: dtype {dtype} cannot be sent")
+        _sendable(name, dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         entries.append(Entry(name, dtype, tuple(shape), offset, nbytes))
         offset = _aligned(offset + nbytes)
@@ -352,39 +351,45 @@ def plan(specs: Iterable[tuple[str, tuple, torch.dtype]], bucket_bytes: int, ver
 
 class Buffers:
     """The stream as byte ranges of a few contiguous buffers (``plan_buffers``):
-    ``pieces`` are (stream offset, uint8 view of a buffer's bytes), in stream order."""
+    ``pieces`` are (stream offset, uint8 view of a buffer's bytes), in stream order;
+    ``extra`` the (stream offset, entry) of the tensors sent after them, given to each
+    ``send`` anew."""
 
-    def __init__(self, pieces: tuple, device: torch.device):
-        self.pieces, self.device = pieces, device
+    def __init__(self, pieces: tuple, extra: tuple, device: torch.device):
+        self.pieces, self.extra, self.device = pieces, extra, device
 
 
 def plan_buffers(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, version: int,
-                 checksum: bool = True) -> tuple[Manifest, Buffers]:
+                 checksum: bool = True, extra: Iterable[tuple[str, tuple, torch.dtype]] = ()
+                 ) -> tuple[Manifest, Buffers]:
     """Plan an update whose tensors are views of a few contiguous buffers, such as
     Megatron's parameter buffers (``DistributedDataParallel.buffers[i].param_data``
     with the distributed optimizer), laid out in the stream as they lie in memory.
 
     ``send(link, manifest, buffers)`` then sends each bucket from the buffers' own
     memory: no copy and no per-tensor work per update, whatever the tensor count
-    (a bucket that spans two buffers is copied together).  Receivers need nothing
-    new: the manifest names each tensor at its offset; gaps between tensors (the
-    buffers' padding) travel as bytes nobody reads.  The tensors' bytes are read at
-    send time: plan again if the buffers are reallocated.  Raises ValueError for a
-    tensor that is not contiguous, not 16-byte aligned in its buffer, or overlaps
-    another (tied weights: name them once)."""
+    (a bucket that spans two buffers is copied together).  ``extra``: (name, shape,
+    dtype) of tensors that are not in a buffer (computed per update), laid out after
+    the buffers; ``send(link, manifest, buffers, extra=tensors)`` packs them.
+    Receivers need nothing new: the manifest names each tensor at its offset; gaps
+    between tensors (the buffers' padding) travel as bytes nobody reads.  The
+    buffers are read at send time: plan again if they are reallocated.  Raises
+    ValueError for a view that is not contiguous, not 16-byte aligned in its buffer,
+    or overlaps another (tied weights: name them once)."""
     bucket_bytes = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
     by_storage: dict = {}
     for name, tensor in named:
-        if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
-            raise TypeError(f"{name}: dtype {tensor.dtype} cannot be sent")
+        _sendable(name, tensor.dtype)
         if not tensor.is_contiguous():
-            raise ValueError(f"{name}: not contiguous, so not a range of its buffer; use plan() and send the tensors")
+            raise ValueError(f"{name}: not contiguous, so not a range of its buffer; send it as an extra")
         storage = tensor.untyped_storage()
         start = tensor.data_ptr() - storage.data_ptr()
         if start % ALIGN:
             raise ValueError(f"{name}: at byte {start} of its buffer, not a multiple of {ALIGN}")
         by_storage.setdefault(storage.data_ptr(), (storage, tensor.device, []))[2].append(
             (start, name, tensor.dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size()))
+    if len({device for _, device, _ in by_storage.values()}) > 1:
+        raise ValueError("the buffers are on different devices")
     entries, pieces, base = [], [], 0
     for storage, device, items in by_storage.values():
         items.sort(key=operator.itemgetter(0))
@@ -401,11 +406,21 @@ def plan_buffers(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, v
         view = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (hi - lo,), (1,))
         pieces.append((base, view))
         base += hi - lo
-    if len({device for _, device, _ in by_storage.values()}) > 1:
-        raise ValueError("the buffers are on different devices")
+    extras = []
+    for name, shape, dtype in extra:
+        _sendable(name, dtype)
+        entry = Entry(name, dtype, tuple(shape), base, math.prod(shape) * dtype.itemsize)
+        entries.append(entry)
+        extras.append((base, entry))
+        base = _aligned(base + entry.nbytes)
     device = pieces[0][1].device if pieces else torch.device("cpu")
     manifest = Manifest(int(version), bucket_bytes, base, bool(checksum), tuple(entries))
-    return manifest, Buffers(tuple(pieces), device)
+    return manifest, Buffers(tuple(pieces), tuple(extras), device)
+
+
+def _sendable(name: str, dtype: torch.dtype) -> None:
+    if str(dtype).removeprefix("torch.") not in DTYPES:
+        raise TypeError(f"{name}: dtype {dtype} cannot be sent")
 
 
 def _aligned(n: int) -> int:
@@ -423,16 +438,17 @@ def _bucket_sum(data: torch.Tensor, out: torch.Tensor) -> None:
 # ------------------------------------------------------------------ sender
 
 
-def send(link: Link, manifest: Manifest, tensors: Iterable[torch.Tensor] | Buffers) -> None:
+def send(link: Link, manifest: Manifest, tensors: Iterable[torch.Tensor] | Buffers, extra=()) -> None:
     """Send one update: ``tensors`` in manifest order, or the ``Buffers`` that
-    ``plan_buffers`` returned with ``manifest``.  Raises WeightSyncError
-    (a receiver rejected it, a checksum differed, a peer failed or timed out).
-    On failure the rest of ``tensors`` is still consumed, so whoever produces
-    them (tensor-parallel gathers) stays in step with its peers."""
+    ``plan_buffers`` returned with ``manifest`` (and its ``extra`` tensors, in
+    order).  Raises WeightSyncError (a receiver rejected it, a checksum differed, a
+    peer failed or timed out).  On failure the rest of ``tensors`` is still
+    consumed, so whoever produces them (tensor-parallel gathers) stays in step with
+    its peers."""
     if isinstance(tensors, Buffers):
         if tensors.pieces and tensors.device != link.device:
             raise WeightSyncError(f"the buffers are on {tensors.device}, the link on {link.device}")
-        return _Sender(link, manifest, tensors).run(iter(()))
+        return _Sender(link, manifest, tensors).run(iter(extra))
     it = iter(tensors)
     try:
         _Sender(link, manifest).run(it)
@@ -570,47 +586,61 @@ def _sources(recipe: list, batch: list, held: dict) -> list:
 
 class _Spans:
     """``_Packing`` for ``Buffers``: bucket k is a slice of the one buffer that holds
-    its window (no copy, no per-tensor work), or, where the window spans buffers,
-    their pieces copied into one of two bucket buffers."""
+    its window (no copy, no per-tensor work), or its pieces (of buffers, of the extra
+    tensors) copied into one of two bucket buffers with one ``_foreach_copy_``."""
 
     def __init__(self, manifest: Manifest, buffers: Buffers):
         self.manifest, self.source = manifest, buffers
         self.key = (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
         self.tensors_json = manifest.tensors_to_json()
-        n = max(manifest.buckets, 1)
-        self.sums = torch.zeros(n, dtype=torch.int64, device=buffers.device)
-        self.windows: list = []  # per bucket: its bytes (a slice), or [(destination, source)] to copy
-        for k in range(manifest.buckets):
+        n = manifest.buckets
+        self.sums = torch.zeros(max(n, 1), dtype=torch.int64, device=buffers.device)
+        sizes = [manifest.window(k)[1] - manifest.window(k)[0] for k in range(n)]
+        pieces = [(base, view.numel(), view) for base, view in buffers.pieces] + \
+            [(base, e.nbytes, i) for i, (base, e) in enumerate(buffers.extra)]  # i: the i-th extra tensor
+        self.whole: list = [None] * n   # bucket k's bytes when one buffer holds them
+        self.parts: list = [None] * n   # else (destinations, sources: a view | (extra, byte range))
+        self.buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8, device=buffers.device)
+                        for _ in range(2)]
+        for k in range(n):
             start, end = manifest.window(k)
-            parts = [(max(start, base), min(end, base + view.numel()), base, view)
-                     for base, view in buffers.pieces if base < end and base + view.numel() > start]
-            if len(parts) == 1 and parts[0][:2] == (start, end):
+            parts = [(max(start, base), min(end, base + size), base, source)
+                     for base, size, source in pieces if base < end and base + size > start]
+            if len(parts) == 1 and parts[0][:2] == (start, end) and isinstance(parts[0][3], torch.Tensor):
                 lo, hi, base, view = parts[0]
-                self.windows.append(view[lo - base: hi - base])
-            else:
-                self.windows.append([(lo - start, hi - start, view[lo - base: hi - base])
-                                     for lo, hi, base, view in parts])
-        size = max((manifest.window(k)[1] - manifest.window(k)[0] for k, w in enumerate(self.windows)
-                    if isinstance(w, list)), default=0)
-        self.buffers = [torch.zeros(size, dtype=torch.uint8, device=buffers.device) for _ in range(2)] \
-            if size else []
+                self.whole[k] = view[lo - base: hi - base]
+                continue
+            data = self.buffers[k % 2]
+            self.parts[k] = ([data[lo - start: hi - start] for lo, hi, _, _ in parts],
+                             [source[lo - base: hi - base] if isinstance(source, torch.Tensor)
+                              else (source, slice(lo - base, hi - base)) for lo, hi, base, source in parts])
+        if not any(p is not None for p in self.parts):
+            self.buffers = []
 
     def matches(self, manifest: Manifest, buffers: Buffers) -> bool:
         return self.source is buffers and self.key == (manifest.bucket_bytes, manifest.total_bytes,
                                                        manifest.entries)
 
-    def batches(self, tensors) -> Iterator[tuple[int, None]]:
-        return ((k, None) for k in range(len(self.windows)))
+    def batches(self, extra: Iterator[torch.Tensor]) -> Iterator[tuple[int, list]]:
+        """Every bucket with the extra tensors as bytes (checked against the plan)."""
+        planned = self.source.extra
+        tensors = list(itertools.islice(extra, len(planned) + 1))
+        if len(tensors) != len(planned):
+            raise WeightSyncError(f"got {len(tensors)} extra tensors, planned {len(planned)}")
+        for (_, e), tensor in zip(planned, tensors):
+            if tensor.shape != e.shape or tensor.dtype != e.dtype:
+                raise WeightSyncError(f"{e.name}: got {tuple(tensor.shape)} {tensor.dtype}, "
+                                      f"planned {e.shape} {e.dtype}")
+        as_bytes = [t.reshape(-1).view(torch.uint8) for t in tensors]
+        return ((k, as_bytes) for k in range(self.manifest.buckets))
 
-    def pack(self, k: int, sources: None) -> torch.Tensor:
-        window = self.windows[k]
-        if not isinstance(window, list):
-            return window
+    def pack(self, k: int, extra: list) -> torch.Tensor:
+        if self.whole[k] is not None:
+            return self.whole[k]
+        dsts, sources = self.parts[k]
+        torch._foreach_copy_(dsts, [s if isinstance(s, torch.Tensor) else extra[s[0]][s[1]] for s in sources])
         start, end = self.manifest.window(k)
-        data = self.buffers[k % 2][: end - start]
-        for lo, hi, source in window:
-            data[lo:hi].copy_(source)
-        return data
+        return self.buffers[k % 2][: end - start]
 
 
 class _Sender:
