@@ -235,6 +235,7 @@ def worker(rank: int, args, port: int):
             seconds = run.timed(lambda: METHODS[name](run))
             if r >= args.warmup:
                 times[name].append(seconds)
+    check(run, "after the timed rounds: ")  # the last update still exact, bit for bit
     if rank == 0:
         report(run, times, args)
     if args.profile:
@@ -312,7 +313,7 @@ def kernel_summary(prof) -> dict:
                 n_nccl=len(nccl), gap=gap / 1e3, gap_after=after, **{k: v / 1e3 for k, v in total.items()})
 
 
-def check(run: Run):
+def check(run: Run, when: str = ""):
     """The bucketed update, and the one sent from the flat buffer, deliver exactly
     what per-tensor broadcasts deliver."""
     for method in ("bucketed", "buffers"):
@@ -324,7 +325,7 @@ def check(run: Run):
             bad = [name for name, got in staged if not torch.equal(got, want[name])]
             if bad or len(staged) != len(want):
                 raise SystemExit(f"{method} transfer differs from per-tensor broadcast: {bad[:5]}")
-            print(f"check: {method} == per-tensor for all {len(staged)} tensors", flush=True)
+            print(f"check: {when}{method} == per-tensor for all {len(staged)} tensors", flush=True)
     run.sync()
 
 
