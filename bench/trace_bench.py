@@ -172,6 +172,8 @@ def main() -> None:
     p.add_argument("--phase", type=int, default=6, help="steps per on/off phase of the toggling client")
     p.add_argument("--toggle-steps", type=int, default=0, help="steps of the toggling process (default 4 x --steps)")
     p.add_argument("--resolve", action="store_true", help="run only the toggling process (traced vs not traced)")
+    p.add_argument("--settings", default="device_timing=1", type=before_settings,
+                   help="trace settings of the toggling process (default: device_timing=1)")
     p.add_argument("--before-settings", default="hub=thread,triton=0", type=before_settings,
                    help="trace settings of the `before` process (default: hub=thread,triton=0)")
     p.add_argument("--save", metavar="JSON", help="also write the step times and paired ratios here")
@@ -202,8 +204,8 @@ def main() -> None:
                    "SOURCE_PATCH_TRACE_DEVICE_TIMING": "1" if name in TOGGLING else "0",
                    # a raw router-logits frame of the GPU model is 4M elements
                    "SOURCE_PATCH_TRACE_RAW_MAX_ELEMENTS": str(1 << 24)}
-            if name == BEFORE:
-                env.update(args.before_settings)
+            if name in TOGGLING:
+                env.update(args.before_settings if name == BEFORE else args.settings)
             report: dict = {}
             client = {"toggling client": lambda: toggling_client(port, report, args.phase),
                       BEFORE: lambda: toggling_client(port, report, args.phase),
