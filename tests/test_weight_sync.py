@@ -319,6 +319,29 @@ def test_extra_tensors_are_packed_after_the_buffers_and_checked_against_the_plan
         wt.send(wt.LoopbackLink("cpu", record=False), m, source, extra=[extra[0][1], extra[1][1]])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_buffers_on_a_gpu_are_sent_from_device_memory_with_extras_in_both_stages():
+    named, _ = param_buffers()
+    flats = {}
+    for name, t in named:  # the same layout, rebuilt in device buffers
+        base = t.untyped_storage().data_ptr()
+        flat = flats.setdefault(base, torch.zeros(t.untyped_storage().nbytes(), dtype=torch.uint8, device="cuda"))
+        offset = t.data_ptr() - base
+        flat[offset: offset + t.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+    views = [(n, flats[t.untyped_storage().data_ptr()][t.data_ptr() - t.untyped_storage().data_ptr():][: t.nbytes]
+              .view(t.dtype).view(t.shape)) for n, t in named]
+    extra = [("qkv.q", torch.randn(7, 3, device="cuda")), ("big", torch.randn(600, device="cuda"))]
+    m, source = wt.plan_buffers(views, 1024, 1, extra=[(n, tuple(t.shape), t.dtype) for n, t in extra])
+    tx = wt.LoopbackLink("cuda")
+    rx = wt.LoopbackLink("cuda", replay=tx)
+    for version, stage in enumerate(["update", "bucket"], 1):
+        tx.rewind()
+        rx.rewind()
+        wt.send(tx, dataclasses.replace(m, version=version), source, extra=[t for _, t in extra])
+        assert check_streamed(wt.receive(rx, stage=stage), views + extra) == [e.name for e in m.entries]
+
+
 def test_a_corrupted_bucket_sent_from_buffers_fails_the_update(monkeypatch):
     named, _ = param_buffers()
     m, source = wt.plan_buffers(named, 1024, version=1)

@@ -446,7 +446,7 @@ def send(link: Link, manifest: Manifest, tensors: Iterable[torch.Tensor] | Buffe
     consumed, so whoever produces them (tensor-parallel gathers) stays in step with
     its peers."""
     if isinstance(tensors, Buffers):
-        if tensors.pieces and tensors.device != link.device:
+        if tensors.pieces and _indexed(tensors.device) != _indexed(link.device):
             raise WeightSyncError(f"the buffers are on {tensors.device}, the link on {link.device}")
         return _Sender(link, manifest, tensors).run(iter(extra))
     it = iter(tensors)
@@ -456,6 +456,13 @@ def send(link: Link, manifest: Manifest, tensors: Iterable[torch.Tensor] | Buffe
         for _ in it:
             pass
         raise
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:<current>``: the same device, comparable."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class _Packing:
