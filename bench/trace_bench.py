@@ -27,6 +27,7 @@ traced / not-traced ratio (the goal needs its 90% interval within about +-0.5%).
     python bench/trace_bench.py --resolve --rounds 1 --toggle-steps 1500 --phase 4
     python bench/trace_bench.py --resolve --toggle-steps 1900 --phase 4 --save run1.json   # one device call each
     python bench/trace_bench.py --pool run1.json run2.json                                 # pooled, to resolve 1%
+    python bench/trace_bench.py --pool run1.json:before run2.json:toggling                 # one process of each
     python bench/trace_bench.py --quick    # CPU smoke run
 """
 
@@ -264,15 +265,26 @@ def compare(samples: dict, pairs: dict) -> None:
 def pool(files: list[str]) -> None:
     """Several processes' runs as one sample.  Read the paired figure: each ratio is
     taken within one process, so the processes' different step-time levels cancel;
-    the pooled medians mix those levels (their interval is the wider, honestly)."""
+    the pooled medians mix those levels (their interval is the wider, honestly).
+    ``FILE:before`` takes only that run's --before process, counted as a toggling
+    one (a run whose two processes had the same settings); ``FILE:toggling`` only
+    its first."""
     samples: dict = {}
     pairs: dict = {}
-    for file in files:
+    for arg in files:
+        file, _, only = arg.rpartition(":") if arg.endswith((":before", ":toggling")) else (arg, "", "")
         saved = json.loads(Path(file).read_text())
+        relabel = {f"{BEFORE}: traced": TRACED, f"{BEFORE}: not traced": UNTRACED, BEFORE: "toggling client"}
         for name, times in saved["samples"].items():
-            samples.setdefault(name, []).extend(times)
+            if only == "before" and name.startswith(BEFORE):
+                samples.setdefault(relabel[name], []).extend(times)
+            elif only != "before" and not (only == "toggling" and name.startswith(BEFORE)):
+                samples.setdefault(name, []).extend(times)
         for name, ratios in saved["pairs"].items():
-            pairs.setdefault(name, []).extend(ratios)
+            if only == "before" and name == BEFORE:
+                pairs.setdefault(relabel[name], []).extend(ratios)
+            elif only != "before" and not (only == "toggling" and name == BEFORE):
+                pairs.setdefault(name, []).extend(ratios)
     training.table({k: v for k, v in samples.items() if v}, f"{len(files)} runs pooled")
     compare(samples, pairs)
 
