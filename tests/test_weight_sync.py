@@ -623,41 +623,37 @@ def differ(got, expected):
     return [name for name in got if not torch.equal(got[name], expected[name])]
 
 
-def test_after_each_step_the_receiver_gets_the_trainers_weights_bitwise(runs):
-    """Gathered over the expert- and data-parallel ranks after the distributed
-    optimizer's step (the forced param gather), mapped and bucketed: bit for bit."""
+def three_exact_updates(runs, name: str, ep: int) -> list:
+    """After each of three steps the receiver got the trainer's mapped parameters, bit
+    for bit, and the steps changed them; returns the trainer's states per step."""
     from source_patch.runtime.weights import names as weight_names
 
     tmp, codes, logs = runs
-    assert codes["main"] == [0, 0, 0], logs
-    got = received(tmp, "main")
+    assert codes[name] == [0, 0, 0], logs
+    got = received(tmp, name)
     layout = weight_names.Layout.from_config(models.megatron_config("qwen3_moe"))
     for update in (1, 2, 3):
-        params = trainer_params(tmp, "main", update, ep=2)
-        expected = {n: t for name, full in params.items() for n, t in weight_names.to_hf(name, full, layout)}
+        params = trainer_params(tmp, name, update, ep=ep)
+        expected = {n: t for full_name, full in params.items() for n, t in weight_names.to_hf(full_name, full, layout)}
         assert differ(got[update], expected) == []
     assert differ(got[3], got[1]) != []  # the steps do change the weights
-    trainer = json.loads((tmp / "main.trainer.rank0.json").read_text())
+    trainer = json.loads((tmp / f"{name}.trainer.rank0.json").read_text())
     assert [s["version"] for s in trainer] == [1, 2, 3] and trainer[-1]["pushes"] == 3
+    return trainer
+
+
+def test_after_each_step_the_receiver_gets_the_trainers_weights_bitwise(runs):
+    """Gathered over the expert- and data-parallel ranks after the distributed
+    optimizer's step (the forced param gather), mapped and bucketed: bit for bit."""
+    trainer = three_exact_updates(runs, "main", ep=2)
     assert {s["sent_from"] for s in trainer} == {"tensors"}  # gathered over EP: packed
 
 
 def test_without_gathers_the_weights_go_from_megatrons_parameter_buffers_bitwise(runs):
     """EP 1, TP 1, distributed optimizer: the parameters are views of DDP's param_data,
     sent from there (the fused QKV, split by copies, as extra tensors)."""
-    from source_patch.runtime.weights import names as weight_names
-
-    tmp, codes, logs = runs
-    assert codes["buffers"] == [0, 0, 0], logs
-    got = received(tmp, "buffers")
-    layout = weight_names.Layout.from_config(models.megatron_config("qwen3_moe"))
-    for update in (1, 2, 3):
-        params = trainer_params(tmp, "buffers", update, ep=1)
-        expected = {n: t for name, full in params.items() for n, t in weight_names.to_hf(name, full, layout)}
-        assert differ(got[update], expected) == []
-    assert differ(got[3], got[1]) != []
-    trainer = json.loads((tmp / "buffers.trainer.rank0.json").read_text())
-    assert [s["sent_from"] for s in trainer] == ["buffers"] * 3 and trainer[-1]["pushes"] == 3
+    trainer = three_exact_updates(runs, "buffers", ep=1)
+    assert [s["sent_from"] for s in trainer] == ["buffers"] * 3
 
 
 def test_an_engine_killed_mid_update_fails_the_push_with_a_clear_error(runs):
