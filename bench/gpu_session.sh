@@ -3,7 +3,7 @@
 #   here:   pip download the cp312 wheels of megatron-core, libcst, packaging and websockets into
 #           .whl/ (see ../shared/gpu.md) and `pip wheel --no-deps --no-build-isolation . -w .whl`
 #           and for `newest`: the cp312 wheel of megatron-core 0.19.2 into .whl/next/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [weights] [phases] [newest]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [weights] [phases] [push] [newest]
 #           (default: all; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
 #  `weights` needs two GPUs: the nvidia-h200-x2 kind; `phases` runs on one)
@@ -17,7 +17,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | ta
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import sys, torch, megatron.core, libcst, source_patch.patcher; print(sys.version.split()[0], torch.__version__)" | tee -a "$OUT/gpu.txt"
 
-parts=${*:-tests dump step routing trace weights phases newest}
+parts=${*:-tests dump step routing trace weights phases push newest}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 if want tests; then
@@ -61,6 +61,11 @@ fi
 if want phases; then
 echo "== weight sync phases (one GPU, one process): pack, checksum, receivers, load, d2d copy"
 timeout 200 python3 bench/weight_sync_bench.py --phases 2>&1 | tee "$OUT/weight_sync_phases.txt" | tail -60
+fi
+if want push; then
+echo "== weight sync, trainer side: push() host time on a real Megatron MoE (48 layers x 128 experts)"
+timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_weight_sync.py 2>&1 | tail -3
+timeout 200 python3 bench/push_bench.py --profile 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUT/push_bench.txt" | tail -40
 fi
 if want newest; then
 echo "== megatron-core 0.19.2 (the newest release): the demo under the shipped specs"

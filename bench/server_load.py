@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import http.client
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -24,13 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from source_patch.runtime.core.endpoint import free_port  # noqa: E402
+
 TOKEN = "bench-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(values, q):

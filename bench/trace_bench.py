@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -47,18 +46,13 @@ import training
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout without the package installed
 
 from source_patch.runtime.trace.client import TraceError, connect  # noqa: E402
+from source_patch.runtime.core.endpoint import free_port  # noqa: E402
 
 TOKEN = "trace-bench"
 PROCESSES = ["no trace spec", "trace spec, no client", "toggling client", "stalled client"]
 TRACED, UNTRACED = "toggling: traced", "toggling: not traced"
 BEFORE = "before"  # toggling with other trace settings (--before-settings; default the hub in a thread, torch reductions)
 TOGGLING = ("toggling client", BEFORE)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def toggling_client(port: int, report: dict, phase: int) -> None:

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from source_patch.runtime.core.endpoint import free_port  # noqa: F401 - part of this module's API
 
 START_TIMEOUT = 300.0   # seconds; an engine starts in 25-60 s on 2 busy cores
 ENGINE_ARGS = {         # what a real engine needs on CPU (see docs/sglang.md)
@@ -120,12 +121,6 @@ def _define_torchvision_schemas(torch) -> None:
 
 
 # ---------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _environment(specs, env: dict | None, workdir: Path) -> dict:

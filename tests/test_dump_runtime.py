@@ -21,6 +21,7 @@ from source_patch.patcher.finder import RuntimeHandle
 from source_patch.patcher.spec import loads
 from source_patch.patcher import SpecError
 from source_patch.runtime.core import ranks, settings
+from source_patch.runtime.core.endpoint import free_port
 from source_patch.runtime.dump import files
 from source_patch.runtime.dump import reader as dump_reader
 from source_patch.runtime.dump import server as dump_server
@@ -570,12 +571,6 @@ def test_unwritable_dir_path_is_a_file(dumper, tmp_path):
 
 
 # ---------------------------------------------------------------- HTTP control endpoint
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 TOKEN = "test-token-0123456789"

@@ -12,7 +12,6 @@ import json
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -24,6 +23,7 @@ import pytest
 from source_patch.patcher import spec as spec_mod
 from source_patch.patcher.cache import CodeCache, key
 from source_patch.patcher.spec import slice_digest
+from source_patch.runtime.core.endpoint import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 PROCFIX = FIXTURES / "procfix"
@@ -94,12 +94,6 @@ def assert_patched(info: dict) -> None:
 def assert_unpatched(info: dict) -> None:
     assert not info["patched"], info
     assert info["imported"] == [], info
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

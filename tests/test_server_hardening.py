@@ -6,22 +6,15 @@ legitimate client, and 200 concurrent clients are served (bench: bench/server_lo
 import asyncio
 import http.client
 import json
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from source_patch.runtime.core.endpoint import parse_json
+from source_patch.runtime.core.endpoint import free_port, parse_json
 
 TOKEN = "hardening-token"
 DEEP = "[" * 100_000 + "]" * 100_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_parse_json_refuses_deep_nesting_but_not_brackets_in_strings():

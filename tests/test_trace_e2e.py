@@ -6,7 +6,6 @@ to the tensor the dump runtime saved at the same (name, step, microbatch, layer)
 import asyncio
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ pytest.importorskip("megatron.core")
 from source_patch.runtime.trace import compress as tc  # noqa: E402
 from source_patch.runtime.dump.reader import load  # noqa: E402
 from source_patch.runtime.trace.client import connect  # noqa: E402
+from source_patch.runtime.core.endpoint import free_port  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
 STEPS, LAYERS = 3, 4
@@ -41,12 +41,6 @@ SUBSCRIPTIONS = [
     dict(names=["router_logits"], every=2, compressor={"kind": "topk", "k": 5}),
     dict(names=["final_hidden"], compressor={"kind": "raw"}),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def environment(tmp: Path, specs: str, **extra) -> dict:

@@ -19,14 +19,9 @@ import torch
 from source_patch.runtime.trace import close, compress as tc, configure, reset, state, trace, trace_step, url
 from source_patch.runtime.trace import forwarder
 from source_patch.runtime.trace.client import connect
+from source_patch.runtime.core.endpoint import free_port
 
 TOKEN = "forwarder-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def alive(pid: int) -> bool:

@@ -23,14 +23,9 @@ from source_patch.runtime.trace import compress as tc
 from source_patch.runtime.trace import hub as trace_hub
 from source_patch.runtime.trace import close, configure, flush, names, reset, state, trace, trace_step, url
 from source_patch.runtime.trace.client import TraceError, connect, read_recording, summary
+from source_patch.runtime.core.endpoint import free_port
 
 TOKEN = "test-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(params=["process", "thread"])

@@ -17,7 +17,6 @@ import base64
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from source_patch.runtime.core.endpoint import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VIEW = REPO / "runtime" / "trace" / "view"
@@ -64,12 +65,6 @@ def browser(tmp_path_factory):
     driver.quit()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str) -> int:
     with urllib.request.urlopen(url, timeout=5) as response:
         return response.status
@@ -103,7 +98,7 @@ def trainer(tmp_path_factory):
     """The Megatron example training under megatron_cpu,trace with the hub on a free
     port; long enough to outlive the tests, killed at the end. Yields (url, token)."""
     tmp = tmp_path_factory.mktemp("trainer")
-    port, token = _free_port(), "view-test-token"
+    port, token = free_port(), "view-test-token"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH_TRACE")}
     env.update(SOURCE_PATCH="megatron_cpu,trace", SOURCE_PATCH_CACHE=str(tmp / "cache"),
                SOURCE_PATCH_TRACE_ENABLE="1", SOURCE_PATCH_TRACE_PORT=str(port),
@@ -254,7 +249,7 @@ while True:
 
 
 def test_the_page_reconnects_and_subscribes_again_when_the_hub_comes_back(browser, tmp_path):
-    port, token = _free_port(), "reconnect-token"
+    port, token = free_port(), "reconnect-token"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH")}
     log = open(tmp_path / "hub.log", "w+")
     url = f"http://127.0.0.1:{port}/"

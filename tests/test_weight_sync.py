@@ -399,6 +399,16 @@ def test_the_benchs_phase_breakdown_runs_on_cpu(capsys):
         assert label in out
 
 
+def test_the_push_bench_runs_a_real_megatron_model_on_cpu_and_checks_the_bytes():
+    """bench/push_bench.py: push() from DDP's buffers over a loopback wire, bitwise
+    checked (its own process: it patches Megatron before importing it)."""
+    out = subprocess.run([sys.executable, ROOT / "bench" / "push_bench.py", "--cpu", "--layers", "2",
+                          "--experts", "4", "--rounds", "1"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"check: one push from the buffers, replayed: all \d+ engine tensors equal", out.stdout)
+    assert "push(), from DDP's buffers" in out.stdout and "push(), buffers, walk redone (before)" in out.stdout
+
 def test_the_bundled_specs_anchor_in_the_installed_upstreams():
     from source_patch.patcher import cli
 
@@ -455,6 +465,45 @@ def test_a_failed_push_is_logged_or_raised(monkeypatch, caplog):
     with pytest.raises(wt.WeightSyncError, match="engine gone"):
         weight_sync.weight_sync_step(opt, result)
 
+
+def test_the_parameter_walk_is_kept_until_a_parameter_or_module_is_registered():
+    """push() walks named_parameters() once, not at every step (~2 us per parameter);
+    a replaced parameter or a new module is seen at the next push."""
+    from source_patch.runtime.weights import megatron as weight_megatron
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    wrapped = torch.nn.Module()
+    wrapped.module = model
+    first = weight_megatron.named_params(wrapped)
+    assert [name for name, _ in first] == ["0.weight", "0.bias", "1.weight", "1.bias"]  # wrapper stripped
+    assert weight_megatron.named_params(wrapped) is first
+
+    replaced = torch.nn.Parameter(torch.zeros(2, 2))
+    model[0].weight = replaced
+    second = weight_megatron.named_params(wrapped)
+    assert second is not first and second[0][1] is replaced
+    assert weight_megatron.named_params(wrapped) is second
+
+    model.append(torch.nn.Linear(1, 1))
+    assert [name for name, _ in weight_megatron.named_params(wrapped)][-2:] == ["2.weight", "2.bias"]
+
+
+def test_a_push_plan_is_kept_while_the_walk_and_layout_hold():
+    from source_patch.runtime.weights import names as weight_names
+
+    layout = weight_names.Layout(num_attention_heads=2, num_query_groups=1, head_dim=2, gated=True)
+    walk = [("decoder.final_layernorm.weight", torch.nn.Parameter(torch.ones(4)))]
+    chunk = torch.nn.Module()
+    params = type("Params", (), {"params": walk, "shapes": lambda self: [(walk[0][0], (4,), torch.float32)]})()
+    plan = weight_sync._plan(chunk, params, layout)
+    assert weight_sync._plan(chunk, params, layout) is plan
+    assert weight_sync._plan(chunk, params, dataclasses.replace(layout, vocab_size=8)) is not plan
+    plan = weight_sync._plan(chunk, params, layout)
+    params.params = list(walk)  # walked again (something registered), the same parameters
+    assert weight_sync._plan(chunk, params, layout) is plan
+    params.params = [(walk[0][0], torch.nn.Parameter(torch.ones(4)))]  # the parameter was replaced
+    replanned = weight_sync._plan(chunk, params, layout)
+    assert replanned is not plan and replanned.params is params.params
 
 # ------------------------------------------------------------------ processes
 TRAINER_SPECS = f"megatron_cpu,weight_sync,{E2E / 'weight_sync_distopt_cpu.yaml'}"

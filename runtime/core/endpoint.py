@@ -1,12 +1,43 @@
 """What the runtime's local network endpoints (the dump control endpoint, the trace
 hub) share: a port offset by the process's LOCAL_RANK, and a private file that tells
-a user on the same machine the endpoint's URL and token."""
+a user on the same machine the endpoint's URL and token; and a free port for a
+server started later (tests, benches, the SGLang harness, a Mooncake master)."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 from pathlib import Path
+
+_handed: set = set()
+
+
+def free_port() -> int:
+    """A port to listen on later, from below the kernel's ephemeral range: a port the
+    kernel picked (bind to 0) can be taken by any outgoing connection (gloo, NCCL and
+    HTTP clients open many) between this call and the listen, and the server then fails
+    with EADDRINUSE.  Never the same port twice in one process."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(10000, max(low, 10001))
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    with socket.socket() as s:  # a crowded range: what the kernel gives
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def local_rank() -> int:

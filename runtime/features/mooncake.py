@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -53,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.endpoint import free_port
 from .store import FeatureStore, StoreError, byte_view, next_generation, stale
 
 OK, NO_SPACE, INVALID, NOT_FOUND, LEASE_HELD = 0, -200, -600, -704, -706
@@ -354,7 +354,7 @@ def master(log: str | os.PathLike | None = None, timeout: float = 20.0):
     if not binary.exists():
         raise StoreError(f"no mooncake_master next to {sys.executable}: "
                          f"pip install mooncake-transfer-engine-non-cuda")
-    rpc, metrics = _free_port(), _free_port()
+    rpc, metrics = free_port(), free_port()
     with open(log or os.devnull, "wb") as out:
         proc = subprocess.Popen([str(binary), "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
                                  "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
@@ -386,7 +386,3 @@ def _wait_healthy(proc, port: int, timeout: float, log) -> None:
         time.sleep(0.05)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

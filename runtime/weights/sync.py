@@ -58,7 +58,7 @@ _attached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimize
 _trainer: dict = {"step": 0, "pushes": 0, "failures": 0, "last_error": None, "last_push_s": None,
                   "last_bytes": 0, "version": None, "sent_from": None}
 _link: transport.Link | None = None
-_plans: dict = {}  # id(model chunk) -> _Plan: shapes do not change
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model chunk -> _Plan, dropped with it
 
 
 def weight_sync_attach(optimizer: Any, model_chunks) -> Any:
@@ -145,21 +145,29 @@ def push(model_chunks, version: int | None = None) -> None:
 
 
 def _plan(chunk, params, layout) -> "_Plan":
-    names = [name for name, _ in params.params]
-    plan = _plans.get(id(chunk))
-    if plan is None or plan.key != (names, layout):
-        plan = _plans[id(chunk)] = _Plan((names, layout), params, layout)
+    plan = _plans.get(chunk)
+    # The walk's list is the same object while no module changed (named_params); a new
+    # walk (something registered, maybe elsewhere) keeps the plan if it holds the same
+    # parameters under the same names.
+    if plan is None or plan.layout != layout or not _same(plan.params, params.params):
+        plan = _plans[chunk] = _Plan(params, layout)
+    plan.params = params.params
     return plan
+
+
+def _same(planned: list, walked: list) -> bool:
+    return planned is walked or (len(planned) == len(walked) and all(
+        a is b and name_a == name_b for (name_a, a), (name_b, b) in zip(planned, walked)))
 
 
 class _Plan:
     """A model chunk's engine specs and bucket layouts, planned once (each push only
     changes the version, and the sender's cached packing sees the same entries)."""
 
-    def __init__(self, key, params, layout):
+    def __init__(self, params, layout):
         from . import names as weight_names
 
-        self.key = key
+        self.params, self.layout = params.params, layout
         self.specs = list(weight_names.plan(params.shapes(), layout))
         self.manifests: dict = {}
         self.buffers: dict = {}

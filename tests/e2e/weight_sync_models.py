@@ -9,12 +9,11 @@ Starcoder2ForCausalLM, constructed on CPU (see ``sglang_on_cpu`` for what that t
 from __future__ import annotations
 
 import contextlib
-import random
-import socket
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from source_patch.runtime.core.endpoint import free_port  # noqa: F401 - the tests take it from here
 
 # One shape for both sides.
 VOCAB, HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, EXPERTS, MOE_FFN, FFN, SEQ = 128, 64, 2, 4, 2, 16, 4, 32, 96, 16
@@ -56,34 +55,6 @@ def megatron_model(style: str, ep: int = 1):
                                         normalization="RMSNorm")
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                     position_embedding_type="rope", share_embeddings_and_output_weights=False)
-
-
-_handed: set = set()
-
-
-def free_port() -> int:
-    """A port to listen on later, from below the kernel's ephemeral range: a port the
-    kernel picked (bind to 0) can be taken by any outgoing connection (gloo opens
-    many) between this call and the listen, and then the rendezvous fails with
-    EADDRINUSE.  Never the same port twice in one process."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(200):
-        port = random.randrange(10000, max(low, 10001))
-        if port in _handed:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed.add(port)
-        return port
-    with socket.socket() as s:  # a crowded range: what the kernel gives
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------ SGLang on CPU

@@ -1,0 +1,211 @@
+"""Weight sync, trainer side: the host time of ``weight_sync.push()`` apart from the
+transfer, on a real Megatron-Core MoE (Qwen3-30B-A3B's layout: 48 layers of 128
+experts, tiny widths: the cost is per tensor, not per byte), wrapped in Megatron's
+DDP with the distributed optimizer's contiguous parameter buffers.
+
+    python bench/push_bench.py                 # one GPU (a world of one, NCCL)
+    python bench/push_bench.py --cpu           # CPU (gloo; megatron_cpu patched in)
+
+One process, no engine: push() sends over ``transport.LoopbackLink(record=False)``,
+a wire that costs nothing, so what is timed is everything push() does on the host
+around the bytes.  Rows, min and median over ``--rounds`` (each round runs them all,
+in turn), host time:
+  walk            model.named_parameters(), wrappers stripped: what every push did
+                  before the walk was kept (runtime/weights/megatron.named_params)
+  params          MegatronParams(chunks): the kept walk and the parallel groups
+  mapping         every parameter through names.to_hf (name and layout conversion:
+                  fused QKV split, gate/up split), as the packed path does
+  push buffers    push(): sent from DDP's parameter buffers (the default without gathers)
+  push tensors    push() with from_buffers off: mapped and packed tensor by tensor
+  push, walked    push buffers, with the kept walk dropped before each push (the old cost)
+--profile then prints cProfile's top functions (own time) over 5 pushes from the buffers.
+Ends with a bitwise check: one push over a recording link, replayed to a receiver,
+equals every mapped parameter.  Not here: gathers across TP/EP ranks (one rank), the
+transfer (bench/weight_sync_bench.py on two GPUs) and the engine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--profile", action="store_true", help="then cProfile 5 pushes from the buffers")
+    return p.parse_args(argv)
+
+
+def build(args, device: torch.device):
+    """A GPTModel in Megatron's DDP (distributed optimizer's buffers), a world of one."""
+    if device.type == "cpu":
+        from source_patch.patcher import activate
+
+        activate(["megatron_cpu"])  # before Megatron's first import
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                         store=torch.distributed.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)  # GPU initialisation draws from Megatron's RNG tracker
+    h = args.hidden
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=h, num_attention_heads=4, num_query_groups=2, kv_channels=h // 4,
+        ffn_hidden_size=2 * h, normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        qk_layernorm=True, add_bias_linear=False, num_moe_experts=args.experts, moe_router_topk=2,
+        moe_ffn_hidden_size=h // 2, moe_token_dispatcher_type="allgather", use_cpu_initialization=device.type == "cpu",
+        params_dtype=torch.bfloat16, bf16=True)
+    spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization="RMSNorm")
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256, max_sequence_length=64,
+                     position_embedding_type="rope", share_embeddings_and_output_weights=False).to(device)
+    return DistributedDataParallel(config=config, module=model,
+                                   ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device("cpu") if args.cpu or not torch.cuda.is_available() else torch.device("cuda", 0)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    start = time.perf_counter()
+    ddp = build(args, device)
+    print(f"built in {time.perf_counter() - start:.1f} s", flush=True)
+    from source_patch.runtime.weights import megatron as weight_megatron
+    from source_patch.runtime.weights import names as weight_names
+    from source_patch.runtime.weights import sync as weight_sync
+    from source_patch.runtime.weights import transport as wt
+
+    weight_sync.configure(checksum=args.checksum)
+    chunks = [ddp]
+    layout = weight_names.Layout.from_config(ddp.config)
+    wire = wt.LoopbackLink(device, record=False)
+    weight_sync._connected = lambda: wire  # the bench's wire: push() itself is unchanged
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def walk():
+        return [(weight_names.strip_wrappers(n), p) for n, p in ddp.named_parameters()]
+
+    def mapping():
+        for name, full in weight_megatron.MegatronParams(chunks).tensors():
+            for _ in weight_names.to_hf(name, full, layout):
+                pass
+
+    def push(from_buffers=True, walked=False):
+        weight_sync.configure(from_buffers=from_buffers)
+        if walked:
+            weight_megatron._walks.pop(ddp, None)
+        wire.rewind()
+        weight_sync.push(chunks, version=1)
+        sent = weight_sync.state()["sent_from"]
+        if sent != ("buffers" if from_buffers else "tensors"):
+            raise SystemExit(f"push sent from {sent}")
+
+    rows = {"walk": walk, "params": lambda: weight_megatron.MegatronParams(chunks), "mapping": mapping,
+            "push buffers": push, "push tensors": lambda: push(from_buffers=False),
+            "push, walked": lambda: push(walked=True)}
+    times: dict = {key: [] for key in rows}
+    for r in range(args.warmup + args.rounds):
+        for key, fn in rows.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if r >= args.warmup:
+                times[key].append(time.perf_counter() - t0)
+    if args.profile:
+        profile(push, sync)
+    check(ddp, chunks, layout, device, weight_sync, wt)  # last: it swaps the wire for a recording one
+    report(args, device, ddp, layout, times)
+
+
+def profile(push, sync) -> None:
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(5):
+        push()
+    sync()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+
+
+def check(ddp, chunks, layout, device, weight_sync, wt) -> None:
+    """One push over a recording link, replayed: every engine tensor equals the mapped parameter."""
+    from source_patch.runtime.weights import names as weight_names
+
+    weight_sync.configure(from_buffers=True)
+    tx = wt.LoopbackLink(device)
+    weight_sync._connected = lambda: tx
+    weight_sync.push(chunks, version=2)
+    expected = {n: t for name, p in ddp.named_parameters()
+                for n, t in weight_names.to_hf(weight_names.strip_wrappers(name), p.detach(), layout)}
+    got = 0
+    for name, tensor in wt.receive(wt.LoopbackLink(device, replay=tx)).tensors:
+        if not torch.equal(tensor, expected[name]):
+            raise SystemExit(f"check: {name} differs from the trainer's parameter")
+        got += 1
+    if got != len(expected):
+        raise SystemExit(f"check: {got} of {len(expected)} tensors received")
+    print(f"check: one push from the buffers, replayed: all {got} engine tensors equal the mapped parameters")
+
+
+LABELS = {
+    "walk": "named_parameters() walk (uncached)",
+    "params": "MegatronParams (kept walk)",
+    "mapping": "name/layout mapping (to_hf), every tensor",
+    "push buffers": "push(), from DDP's buffers",
+    "push tensors": "push(), packed tensor by tensor",
+    "push, walked": "push(), buffers, walk redone (before)",
+}
+
+
+def report(args, device, ddp, layout, times) -> None:
+    from source_patch.runtime.weights import names as weight_names
+
+    n_params = sum(1 for _ in ddp.parameters())
+    n_tensors = sum(1 for _ in weight_names.plan(
+        [(weight_names.strip_wrappers(n), tuple(p.shape), p.dtype) for n, p in ddp.named_parameters()], layout))
+    nbytes = sum(p.nbytes for p in ddp.parameters())
+    where = "CPU, 1 thread" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(f"\npush() host time: {where}, torch {torch.__version__}; {args.layers} layers x {args.experts} experts: "
+          f"{n_params} Megatron parameters -> {n_tensors} engine tensors, {nbytes / (1 << 20):.1f} MiB bf16; "
+          f"checksums {'on' if args.checksum else 'off'}; {args.rounds} rounds after {args.warmup} warm-up")
+    print(f"{'':<42} {'min ms':>9} {'median ms':>10} {'max ms':>9} {'us/tensor':>10}")
+    for key, label in LABELS.items():
+        values = times[key]
+        print(f"{label:<42} {1e3 * min(values):>9.2f} {1e3 * statistics.median(values):>10.2f} "
+              f"{1e3 * max(values):>9.2f} {1e6 * statistics.median(values) / n_tensors:>10.2f}")
+    print("(one wall-clock interval per row and round, device synchronised at both ends; the wire costs nothing)",
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
