@@ -39,6 +39,21 @@ Import rows
   whether libcst was imported) and fails loudly otherwise.  Times are wall
   (perf_counter); one row repeats the warm sum in thread CPU time, which other load
   on the machine disturbs less.
+
+Re-imports
+  Each warm subprocess then imports the targets again --repeat times in pairs, in
+  alternating order: unload them, import them with the finder in sys.meta_path
+  (patched, from the code cache) or taken out (unpatched, from their .pyc files),
+  the garbage collector off within a pair, each import's loader checked.  This is
+  the patcher's per-import cost once its one-off costs (first use of the cache
+  directory, requirement verdicts, memos) are paid; with runs x repeat pairs its
+  interval is narrow enough to tell 1.05x from 1.10x, which the first-import rows
+  (one sample per subprocess) cannot with a few runs.
+
+Intervals (printed under the table): the ratio of the medians, warm over unpatched,
+with a bootstrap 90% interval: first imports over the fresh subprocesses (each side
+resampled; then the rounds resampled, each round's two subprocesses kept together),
+re-imports over the pairs (the pairs resampled).
 """
 
 from __future__ import annotations
@@ -75,7 +90,7 @@ MODES = ("unpatched", "cold", "warm")
 # --------------------------------------------------------------------------- worker
 
 
-def worker(mode: str, targets: list[str]) -> None:
+def worker(mode: str, targets: list[str], repeat: int = 0) -> None:
     """One measured import of the targets (run in a fresh subprocess); prints JSON."""
     import gc
     import importlib
@@ -87,11 +102,7 @@ def worker(mode: str, targets: list[str]) -> None:
         importlib.import_module(name)
     preload_s = time.perf_counter() - t0
     preloaded = len(sys.modules)
-    for name in targets:  # unload the targets, and only them
-        del sys.modules[name]
-        parent, _, child = name.rpartition(".")
-        if getattr(sys.modules.get(parent), child, None) is not None:
-            delattr(sys.modules[parent], child)
+    unload(targets)  # the targets, and only them
     if "libcst" in sys.modules:
         raise SystemExit("libcst was imported before the measurement; cold numbers would be low")
 
@@ -135,8 +146,56 @@ def worker(mode: str, targets: list[str]) -> None:
     if mode != "warm" and libcst != (mode == "cold"):
         raise SystemExit(f"{mode} run {'imported' if libcst else 'did not import'} libcst: "
                          f"the code cache did not behave as the mode assumes")
+    again = reimports(targets, repeat) if mode == "warm" and not libcst else []
     print(json.dumps({"mode": mode, "times": times, "cpu": cpu, "activate": activate_s,
-                      "preload": preload_s, "preloaded": preloaded, "miss": libcst}))
+                      "preload": preload_s, "preloaded": preloaded, "miss": libcst, "again": again}))
+
+
+def unload(targets: list[str]) -> None:
+    for name in targets:
+        del sys.modules[name]
+        parent, _, child = name.rpartition(".")
+        if getattr(sys.modules.get(parent), child, None) is not None:
+            delattr(sys.modules[parent], child)
+
+
+def reimports(targets: list[str], rounds: int) -> list:
+    """(patched, unpatched) seconds to import the targets again, ``rounds`` pairs in
+    alternating order in this process: the finder in sys.meta_path or taken out (the
+    code then comes from the .pyc files, as in an unpatched process).  The per-import
+    cost of the patcher once its one-off costs are paid, resolved by many pairs."""
+    import gc
+    import importlib
+
+    from source_patch.patcher.activation import installed_finder
+
+    finder = installed_finder()
+    pairs = []
+    gc.disable()  # a collection inside one import of a pair would swamp the difference
+    try:
+        for i in range(rounds):
+            pair = {}
+            for patched in ((True, False) if i % 2 else (False, True)):
+                unload(targets)
+                if not patched:
+                    sys.meta_path.remove(finder)
+                try:
+                    t0 = time.perf_counter()
+                    for name in targets:
+                        importlib.import_module(name)
+                    pair[patched] = time.perf_counter() - t0
+                finally:
+                    if not patched:
+                        sys.meta_path.insert(0, finder)
+                loaders = {type(sys.modules[name].__spec__.loader).__name__ for name in targets}
+                if loaders != ({"PatchingLoader"} if patched else {"SourceFileLoader"}):
+                    raise SystemExit(f"re-import ({'patched' if patched else 'unpatched'}) used {loaders}")
+            pairs.append((pair[True], pair[False]))
+            if i % 20 == 19:
+                gc.collect()  # between pairs, never inside one
+    finally:
+        gc.enable()
+    return pairs
 
 
 # --------------------------------------------------------------------------- helpers
@@ -293,7 +352,7 @@ def bench_startup(runs: int, rows: list) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def bench_imports(runs: int, rows: list) -> None:
+def bench_imports(runs: int, repeat: int, rows: list) -> list[str]:
     tmp = Path(tempfile.mkdtemp(prefix="sp-bench-cache-"))
     try:
         warm_cache = tmp / "warm"
@@ -306,7 +365,7 @@ def bench_imports(runs: int, rows: list) -> None:
                 for _ in range(3):
                     cache = warm_cache if mode == "warm" else tmp / f"cold-{next(counter)}"
                     env = clean_env(SOURCE_PATCH_CACHE=str(cache))
-                    _, out = wall([sys.executable, __file__, "--worker", mode], env)
+                    _, out = wall([sys.executable, __file__, "--worker", mode, "--repeat", str(repeat)], env)
                     result = json.loads(out.strip().splitlines()[-1])
                     if mode == "cold":
                         shutil.rmtree(cache, ignore_errors=True)
@@ -357,8 +416,39 @@ def bench_imports(runs: int, rows: list) -> None:
                          per("unpatched", name), per("cold", name)))
         rows.append(("import source_patch + activate()", "-", "2 specs (warm runs)",
                      None, [r["activate"] for r in res["warm"]]))
+        pairs = [pair for r in res["warm"] for pair in r["again"]]
+        if pairs:
+            rows.append(("re-import all 4, one process", "unpatched (no finder)", "patched, warm cache",
+                         [plain for _, plain in pairs], [patched for patched, _ in pairs]))
+        return [ratio_line("first import of all 4, warm vs unpatched (fresh processes)",
+                           total("warm"), total("unpatched")),
+                ratio_line("first import of all 4, warm vs unpatched (fresh processes, paired by round)",
+                           total("warm"), total("unpatched"), paired=True),
+                ratio_line("re-import of all 4, patched vs unpatched (pairs in one process)",
+                           [patched for patched, _ in pairs], [plain for _, plain in pairs], paired=True)]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ratio_line(what: str, b: list, a: list, paired: bool = False) -> str:
+    """B against A: the ratio of the medians with a bootstrap 90% interval (resampling
+    each side; ``paired``: B[i] and A[i] are a pair, of one round or one process:
+    resampling the pairs, the ratio of their medians)."""
+    import random
+
+    if len(a) < 3:
+        return f"{what}: too few runs for an interval"
+    rng = random.Random(0)
+    boot = []
+    for _ in range(2000):
+        if paired:
+            picks = rng.choices(range(len(a)), k=len(a))
+            boot.append(statistics.median(b[i] for i in picks) / statistics.median(a[i] for i in picks))
+        else:
+            boot.append(statistics.median(rng.choices(b, k=len(b))) / statistics.median(rng.choices(a, k=len(a))))
+    boot.sort()
+    return (f"{what}: {statistics.median(b) / statistics.median(a):.3f}x on the medians "
+            f"(90% interval {boot[100]:.3f}x .. {boot[1899]:.3f}x; n = {len(b)})")
 
 
 # --------------------------------------------------------------------------- table
@@ -410,14 +500,16 @@ def main() -> None:
                    help="subprocesses per import variant (default 9; each imports torch + Megatron)")
     p.add_argument("--startup-runs", type=int, default=300,
                    help="subprocesses per start-up variant (default 300)")
+    p.add_argument("--repeat", type=int, default=100,
+                   help="re-import pairs per warm subprocess (default 100; see 'Re-imports')")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 import runs, 20 start-up runs")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, TARGETS)
+        worker(args.worker, TARGETS, args.repeat)
         return
     if args.quick:
-        args.runs, args.startup_runs = 2, 20
+        args.runs, args.startup_runs, args.repeat = 2, 20, 10
 
     print("\n".join(machine_info()))
     print(f"specs     {', '.join(os.path.relpath(s, REPO) for s in SPECS)}")
@@ -426,9 +518,10 @@ def main() -> None:
     started = time.perf_counter()
     rows: list = []
     bench_startup(args.startup_runs, rows)
-    bench_imports(args.runs, rows)
+    intervals = bench_imports(args.runs, args.repeat, rows)
     print()
     print(table(rows))
+    print("\n" + "\n".join(intervals))
     print(f"\n(total bench time {time.perf_counter() - started:.0f} s; load average at the end "
           f"{loadavg()})")
 

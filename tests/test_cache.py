@@ -470,3 +470,23 @@ def test_the_stat_keys_patch_part_covers_the_slice_digest(write_spec):
             changed += 1
             assert finder_mod.slice_parts([p]) != finder_mod.slice_parts([patch]), loc
     assert changed >= 8  # the comparison ran over the fields that matter
+
+
+def test_the_import_benchs_worker_reimports_real_megatron_modules_patched_and_not(tmp_path):
+    """bench/import_bench.py's worker on a warm cache: a hit (no libcst), then re-import
+    pairs whose loaders it checks (PatchingLoader with the finder, the .pyc without)."""
+    import json
+
+    bench = Path(__file__).parents[1] / "bench" / "import_bench.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH")}
+    env["SOURCE_PATCH_CACHE"] = str(tmp_path / "cache")
+    results = []
+    for mode in ("cold", "warm"):  # the cold run fills the cache
+        out = subprocess.run([sys.executable, bench, "--worker", mode, "--repeat", "3"], env=env,
+                             capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stderr[-2000:]
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, warm = results
+    assert cold["miss"] and cold["again"] == []
+    assert not warm["miss"] and len(warm["again"]) == 3
+    assert all(patched > 0 and plain > 0 for patched, plain in warm["again"])
