@@ -20,7 +20,13 @@ in turn), host time:
   push, walked    push buffers, with the kept walk dropped before each push (the old cost)
 --profile then prints cProfile's top functions (own time) over 5 pushes from the buffers.
 Ends with a bitwise check: one push over a recording link, replayed to a receiver,
-equals every mapped parameter.  Not here: gathers across TP/EP ranks (one rank), the
+equals every mapped parameter.
+
+--ep N (CPU): N processes over gloo, the experts spread over them (expert
+parallelism N, the packed path); per round, push() with the local experts gathered a
+window of DDP's expert buffer at a time (runtime/weights/megatron._ExpertWindows) and
+with one gather per expert parameter (the old way), alternated; rank 0's wall time,
+the collectives each ran, and a check that both broadcast the same bytes.  Not here: gathers across TP/EP ranks (one rank), the
 transfer (bench/weight_sync_bench.py on two GPUs) and the engine's load.
 """
 
@@ -46,11 +52,14 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--profile", action="store_true", help="then cProfile 5 pushes from the buffers")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism: that many CPU processes over gloo, timing the expert gathers")
     return p.parse_args(argv)
 
 
-def build(args, device: torch.device):
-    """A GPTModel in Megatron's DDP (distributed optimizer's buffers), a world of one."""
+def build(args, device: torch.device, rank: int = 0, world: int = 1, store=None):
+    """A GPTModel in Megatron's DDP (distributed optimizer's buffers): a world of one,
+    or ``world`` processes of expert parallelism ``args.ep`` over ``store``."""
     if device.type == "cpu":
         from source_patch.patcher import activate
 
@@ -64,8 +73,8 @@ def build(args, device: torch.device):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                         store=torch.distributed.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
+                                         store=store or torch.distributed.HashStore(), rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep)
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -87,6 +96,11 @@ def build(args, device: torch.device):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.ep > 1:
+        from source_patch.runtime.core.endpoint import free_port
+
+        torch.multiprocessing.spawn(expert_parallel, args=(args, free_port()), nprocs=args.ep, join=True)
+        return
     device = torch.device("cpu") if args.cpu or not torch.cuda.is_available() else torch.device("cuda", 0)
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -155,6 +169,58 @@ def profile(push, sync) -> None:
     sync()
     profiler.disable()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+
+
+def expert_parallel(rank: int, args, port: int) -> None:
+    """--ep N: N CPU processes (one thread each), experts spread over them; every round
+    pushes with the expert windows and with a gather per expert parameter (rank 0
+    sends over a free wire, the others take part in the gathers); rank 0 reports, and
+    checks that both variants send the same bytes."""
+    device = torch.device("cpu")
+    torch.set_num_threads(1)
+    store = torch.distributed.TCPStore("127.0.0.1", port, args.ep, rank == 0)
+    ddp = build(args, device, rank, args.ep, store)
+    from source_patch.runtime.weights import megatron as weight_megatron
+    from source_patch.runtime.weights import sync as weight_sync
+    from source_patch.runtime.weights import transport as wt
+
+    weight_sync.configure(checksum=args.checksum)
+    window = weight_megatron.WINDOW_BYTES
+    wires = {True: wt.LoopbackLink(device), False: wt.LoopbackLink(device)}  # recorded, for the check
+
+    def push(windows: bool) -> float:
+        weight_megatron.WINDOW_BYTES = window if windows else 0  # 0: each parameter its own window: per parameter
+        wires[windows].rewind()
+        weight_sync._connected = lambda: wires[windows]
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        weight_sync.push([ddp], version=1)
+        return time.perf_counter() - t0
+
+    times: dict = {True: [], False: []}
+    gathers: dict = {}
+    for r in range(args.warmup + args.rounds):
+        for windows in ((True, False) if r % 2 == 0 else (False, True)):
+            elapsed = push(windows)
+            gathers[windows] = weight_sync.state()["gathers"]
+            if r >= args.warmup:
+                times[windows].append(elapsed)
+    if rank != 0:
+        return
+    same = [torch.equal(a, b) for a, b in zip(wires[True].messages, wires[False].messages)]
+    if len(wires[True].messages) != len(wires[False].messages) or not all(same):
+        raise SystemExit("check: the windowed and the per-parameter gathers sent different bytes")
+    print(f"check: both variants broadcast the same {len(same)} messages, byte for byte")
+    experts = sum(1 for name, _ in ddp.named_parameters() if ".experts." in name)
+    print(f"\npush() with expert parallelism {args.ep}: CPU, gloo, one thread per process, torch {torch.__version__}; "
+          f"{args.layers} layers x {args.experts} experts ({experts} local expert parameters on rank 0); "
+          f"{args.rounds} rounds after {args.warmup} warm-up, alternated")
+    print(f"{'':<40} {'collectives':>11} {'min ms':>9} {'median ms':>10} {'max ms':>9}")
+    for windows, label in ((False, "expert gathers per parameter (before)"), (True, "expert buffer windows")):
+        values = times[windows]
+        print(f"{label:<40} {gathers[windows]:>11} {1e3 * min(values):>9.1f} {1e3 * statistics.median(values):>10.1f} "
+              f"{1e3 * max(values):>9.1f}")
+    print("(rank 0's wall time of push(), from a barrier; the wire costs nothing but records the bytes)", flush=True)
 
 
 def check(ddp, chunks, layout, device, weight_sync, wt) -> None:

@@ -409,6 +409,18 @@ def test_the_push_bench_runs_a_real_megatron_model_on_cpu_and_checks_the_bytes()
     assert re.search(r"check: one push from the buffers, replayed: all \d+ engine tensors equal", out.stdout)
     assert "push(), from DDP's buffers" in out.stdout and "push(), buffers, walk redone (before)" in out.stdout
 
+
+def test_the_push_bench_gathers_expert_windows_and_checks_them_against_per_parameter_gathers():
+    """bench/push_bench.py --ep 2: two processes; both ways of gathering the experts
+    broadcast the same bytes (checked by the bench), with 2 collectives against 8."""
+    out = subprocess.run([sys.executable, ROOT / "bench" / "push_bench.py", "--ep", "2", "--layers", "2",
+                          "--experts", "4", "--rounds", "1"], capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"check: both variants broadcast the same \d+ messages, byte for byte", out.stdout)
+    rows = {m.group(1).strip(): int(m.group(2)) for m in re.finditer(r"^(expert .+?)\s+(\d+)\s+[\d.]+", out.stdout, re.M)}
+    assert rows == {"expert gathers per parameter (before)": 8, "expert buffer windows": 2}, out.stdout
+
 def test_the_bundled_specs_anchor_in_the_installed_upstreams():
     from source_patch.patcher import cli
 
@@ -696,6 +708,9 @@ def test_after_each_step_the_receiver_gets_the_trainers_weights_bitwise(runs):
     optimizer's step (the forced param gather), mapped and bucketed: bit for bit."""
     trainer = three_exact_updates(runs, "main", ep=2)
     assert {s["sent_from"] for s in trainer} == {"tensors"}  # gathered over EP: packed
+    # The 8 local expert parameters (2 layers x 2 experts x fc1, fc2) come in windows of
+    # DDP's expert buffer: a layout check and one window, not a gather per parameter.
+    assert [s["gathers"] for s in trainer] == [2, 2, 2]
 
 
 def test_without_gathers_the_weights_go_from_megatrons_parameter_buffers_bitwise(runs):

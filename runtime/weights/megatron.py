@@ -10,7 +10,9 @@ Tensor-parallel shards are all-gathered in Megatron's own tensor-parallel group
 (expert-tensor-parallel for experts), along each parameter's ``partition_dim``;
 a gated ``linear_fc1`` is re-ordered from per-rank ``[gate_r; up_r]`` to
 ``[gate; up]``.  Expert-parallel ranks' experts are all-gathered in the expert
-group, local index i of EP rank r becoming global expert ``r * local + i``.
+group, local index i of EP rank r becoming global expert ``r * local + i``: a window
+of DDP's expert buffer at a time where the experts lie in one (``_ExpertWindows``),
+else parameter by parameter.
 The ranks that take part are those whose groups hold global rank 0 (the
 sender); everyone else returns at once.  Each participant walks the parameters
 in the same order, so the gathers pair up.
@@ -21,7 +23,9 @@ chunks, Megatron-FSDP.
 
 from __future__ import annotations
 
+import hashlib
 import re
+import struct
 import weakref
 
 import torch
@@ -107,6 +111,7 @@ class MegatronParams:
         self.in_dense = 0 in dist.get_process_group_ranks(self.tp[0]) if self.tp[0] else self.sender
         self.in_expert = ps.get_expert_data_parallel_rank() == 0 if self.ep[0] else self.in_dense
         self.gated = bool(self.config.gated_linear_unit)
+        self._gathers, self._windows = 0, None  # of the last tensors()
 
     @staticmethod
     def _group(group):
@@ -135,19 +140,52 @@ class MegatronParams:
 
     def tensors(self):
         """(global name, full tensor), in ``shapes()`` order.  Collective over the
-        tensor- and expert-parallel groups of rank 0: every participant iterates it."""
+        tensor- and expert-parallel groups of rank 0: every participant iterates it.
+        ``collectives`` then counts the gathers it ran."""
+        self._gathers, self._windows = 0, None
+        if self.in_expert and self.ep[1] > 1 and self.etp[1] == 1:
+            self._windows = self._expert_windows()
+        windows = self._windows
         for name, param in self.params:
             expert = _EXPERT.search(name) is not None
             if not (self.in_expert if expert else self.in_dense):
                 continue
-            full = self._gather_tp(name, param, *(self.etp if expert else self.tp))
             names = self._global_names(name, expert)
+            if expert and windows is not None:
+                yield from zip(names, windows.parts(param))
+                continue
+            full = self._gather_tp(name, param, *(self.etp if expert else self.tp))
             if len(names) == 1:
                 yield names[0], full
                 continue
             parts = [torch.empty_like(full) for _ in names]
             dist.all_gather(parts, full.contiguous(), group=self.ep[0])
+            self._gathers += 1
             yield from zip(names, parts)
+
+    @property
+    def collectives(self) -> int:
+        """The gathers the last ``tensors()`` ran (the expert windows' included)."""
+        return self._gathers + (self._windows.gathers if self._windows is not None else 0)
+
+    def _expert_windows(self) -> "_ExpertWindows | None":
+        """The local experts' parameters gathered a window of their buffer at a time
+        (one collective for a layer's experts instead of one per parameter), when
+        every expert-parallel rank lays its buffers out alike (checked with one small
+        gather); None: per parameter, as before."""
+        experts = [param for name, param in self.params if _EXPERT.search(name)]
+        windows = _ExpertWindows(experts, WINDOW_BYTES)
+        if len(windows.spans) == len(experts):  # a storage per parameter (no DDP buffers): no gain
+            return None  # (every rank sees the same structure, so all decide alike)
+        digest = hashlib.sha256(repr(windows.layout()).encode()).digest()  # a fixed size to gather
+        mine = torch.tensor(struct.unpack("<4q", digest), dtype=torch.int64, device=experts[0].device)
+        every = [torch.empty_like(mine) for _ in range(self.ep[1])]
+        dist.all_gather(every, mine, group=self.ep[0])
+        self._gathers += 1
+        if not all(torch.equal(other, mine) for other in every):
+            return None
+        windows.group = self.ep[0]
+        return windows
 
     def _global_names(self, name: str, expert: bool) -> list:
         if not expert or self.ep[1] == 1:
@@ -171,8 +209,62 @@ class MegatronParams:
         dim = param.partition_dim
         shards = [torch.empty_like(tensor) for _ in range(size)]
         dist.all_gather(shards, tensor.contiguous(), group=group)
+        self._gathers += 1
         if self.gated and _FC1.search(name):
             # Each rank holds [gate_r; up_r]: gather the gates, then the ups.
             halves = [shard.chunk(2, dim=0) for shard in shards]
             return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         return torch.cat(shards, dim=dim)
+
+
+WINDOW_BYTES = 256 << 20  # per expert-parallel rank: the gathered window is EP times this
+
+
+class _ExpertWindows:
+    """Consecutive expert parameters (in walk order) that lie in one storage, within
+    WINDOW_BYTES of each other: each such window is gathered from every expert-parallel
+    rank in one all_gather of its bytes, on first need, and dropped for the next."""
+
+    def __init__(self, params: list, limit: int):
+        self.group, self.gathers = None, 0
+        self.where: dict = {}   # id(param) -> (window index, first byte in the storage, bytes)
+        self.spans: list = []   # window -> (a parameter of its storage, first byte, bytes)
+        for param in params:
+            start = param.data_ptr() - param.untyped_storage().data_ptr()
+            end = start + param.numel() * param.element_size()
+            if self.spans:
+                anchor, low, size = self.spans[-1]
+                low, high = min(low, start), max(low + size, end)
+                if anchor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr() and high - low <= limit:
+                    self.spans[-1] = (anchor, low, high - low)
+                    self.where[id(param)] = (len(self.spans) - 1, start, end - start)
+                    continue
+            self.spans.append((param, start, end - start))
+            self.where[id(param)] = (len(self.spans) - 1, start, end - start)
+        self.current = (None, None)  # (window index, its gathered bytes per rank)
+
+    def layout(self) -> list:
+        """What every rank must agree on: each window's first byte and size, and each
+        parameter's window and offset (the buffers' layout, not their addresses)."""
+        out = [len(self.spans)]
+        for _, low, size in self.spans:
+            out += [low, size]
+        for index, start, nbytes in self.where.values():
+            out += [index, start, nbytes]
+        return out
+
+    def parts(self, param) -> list:
+        """The parameter as every expert-parallel rank holds it, in group rank order."""
+        index, start, nbytes = self.where[id(param)]
+        if self.current[0] != index:
+            self.current = (index, self._gather(index))
+        offset = start - self.spans[index][1]
+        return [rank[offset: offset + nbytes].view(param.dtype).view(param.shape) for rank in self.current[1]]
+
+    def _gather(self, index: int) -> list:
+        anchor, low, size = self.spans[index]
+        local = torch.empty(0, dtype=torch.uint8, device=anchor.device).set_(anchor.untyped_storage(), low, (size,))
+        gathered = list(torch.empty((dist.get_world_size(self.group), size), dtype=torch.uint8, device=anchor.device))
+        dist.all_gather(gathered, local, group=self.group)
+        self.gathers += 1
+        return gathered

@@ -56,7 +56,7 @@ def configure(**changes) -> dict:
 
 _attached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> model chunks
 _trainer: dict = {"step": 0, "pushes": 0, "failures": 0, "last_error": None, "last_push_s": None,
-                  "last_bytes": 0, "version": None, "sent_from": None}
+                  "last_bytes": 0, "version": None, "sent_from": None, "gathers": 0}
 _link: transport.Link | None = None
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model chunk -> _Plan, dropped with it
 
@@ -141,7 +141,8 @@ def push(model_chunks, version: int | None = None) -> None:
         raise
     _trainer.update(pushes=_trainer["pushes"] + 1, version=version, last_bytes=manifest.total_bytes,
                     last_push_s=round(time.perf_counter() - start, 6),
-                    sent_from="buffers" if buffers is not None else "tensors")
+                    sent_from="buffers" if buffers is not None else "tensors",
+                    gathers=params.collectives)
 
 
 def _plan(chunk, params, layout) -> "_Plan":
