@@ -174,9 +174,11 @@ class MegatronParams:
         every expert-parallel rank lays its buffers out alike (checked with one small
         gather); None: per parameter, as before."""
         experts = [param for name, param in self.params if _EXPERT.search(name)]
+        if not all(param.is_contiguous() for param in experts):
+            return None  # (every rank sees the same structure, so all decide alike)
         windows = _ExpertWindows(experts, WINDOW_BYTES)
         if len(windows.spans) == len(experts):  # a storage per parameter (no DDP buffers): no gain
-            return None  # (every rank sees the same structure, so all decide alike)
+            return None
         digest = hashlib.sha256(repr(windows.layout()).encode()).digest()  # a fixed size to gather
         mine = torch.tensor(struct.unpack("<4q", digest), dtype=torch.int64, device=experts[0].device)
         every = [torch.empty_like(mine) for _ in range(self.ep[1])]
@@ -264,7 +266,9 @@ class _ExpertWindows:
     def _gather(self, index: int) -> list:
         anchor, low, size = self.spans[index]
         local = torch.empty(0, dtype=torch.uint8, device=anchor.device).set_(anchor.untyped_storage(), low, (size,))
-        gathered = list(torch.empty((dist.get_world_size(self.group), size), dtype=torch.uint8, device=anchor.device))
+        rows = torch.empty((dist.get_world_size(self.group), -(-size // 16) * 16), dtype=torch.uint8,
+                           device=anchor.device)  # rows 16-byte aligned, so every dtype view holds
+        gathered = [row[:size] for row in rows]
         dist.all_gather(gathered, local, group=self.group)
         self.gathers += 1
         return gathered
