@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout without the package installed
 
+from source_patch.runtime.core.endpoint import free_port  # noqa: E402
 from source_patch.runtime.trace import compress as tc  # noqa: E402
 
 
@@ -115,7 +116,6 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: i
     recording client (trace_client record) in another process."""
     import importlib
     import os
-    import socket
     import subprocess
 
     rt = importlib.import_module("source_patch.runtime.trace.api")
@@ -132,9 +132,7 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: i
         finally:
             rt._enabled = True
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     rt.configure(enable=True, port=port, token="bench", dir=tmp, client_queue=1 << 14, hub=hub)
     recorder = subprocess.Popen([sys.executable, "-m", "source_patch.runtime.trace.client", "record",
                                  "--url", f"127.0.0.1:{port}", "--token", "bench", "--name", "traced",

@@ -384,5 +384,3 @@ def _wait_healthy(proc, port: int, timeout: float, log) -> None:
             raise StoreError(f"mooncake_master did not answer /health within {timeout:.0f} s "
                              f"(exit {proc.poll()}; log: {log or 'not kept'})")
         time.sleep(0.05)
-
-

@@ -234,14 +234,14 @@ class _ExpertWindows:
         for param in params:
             start = param.data_ptr() - param.untyped_storage().data_ptr()
             end = start + param.numel() * param.element_size()
+            span = (param, start, end - start)  # a new window, unless it widens the last
             if self.spans:
                 anchor, low, size = self.spans[-1]
                 low, high = min(low, start), max(low + size, end)
                 if anchor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr() and high - low <= limit:
-                    self.spans[-1] = (anchor, low, high - low)
-                    self.where[id(param)] = (len(self.spans) - 1, start, end - start)
-                    continue
-            self.spans.append((param, start, end - start))
+                    self.spans.pop()
+                    span = (anchor, low, high - low)
+            self.spans.append(span)
             self.where[id(param)] = (len(self.spans) - 1, start, end - start)
         self.current = (None, None)  # (window index, its gathered bytes per rank)
 
