@@ -5,7 +5,7 @@ sized tensor, and host time of the trace() call itself.
     python bench/compressor_bench.py --quick    # CPU smoke run
 
 Table 1: CUDA-event time per call (median of --iters), the input already on the
-device; for the runtime's compressors, the device stage (reduce) only: tiles leaves
+device, the launches queued behind a sleep so that only the GPU's time is counted; for the runtime's compressors, the device stage (reduce) only: tiles leaves
 its per-tile step to the publisher's host stage.  Two alternatives to the runtime's
 tiles run side by side: the reduction over (rows, within-tile) at once that the
 runtime used before, and a two-kernel variant (var_mean + aminmax over the rows,
@@ -75,13 +75,17 @@ TILES = tc.parse({"kind": "tiles"})
 
 
 def timed(fn, x, iters: int) -> float:
-    """Median milliseconds per call."""
+    """Median milliseconds per call.  On a GPU the stream first sleeps (~0.5 ms) so that
+    the start event, the launches and the end event are all queued before the GPU
+    reaches them: the events then time the kernels, not the host's launch latency
+    (which an idle GPU would wait through, and which Table 2 reports)."""
     for _ in range(3):
         fn(x)
     samples = []
     for _ in range(iters):
         if x.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1_000_000)
             start.record()
             fn(x)
             end.record()
@@ -110,7 +114,8 @@ def host_loop(fn, device: str, reps: int, calls: int, between=None) -> float:
     return statistics.median(samples)
 
 
-def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: int = 50) -> list[tuple[str, float]]:
+def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: int = 50,
+               profile: bool = False) -> list[tuple[str, float]]:
     """Microseconds per trace() call on the calling thread (see the module doc), and
     the CPU time per frame of the publisher and hub threads, with a real hub and a
     recording client (trace_client record) in another process."""
@@ -145,7 +150,27 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: i
         rows = [("disabled", per_call("traced", False)),
                 ("enabled, name not subscribed", per_call("idle", True))]
         before = rt.state()
-        rows.append(("tiles subscription, due", per_call("traced", True)))
+        if x.is_cuda and tc.fused_kernel() is not None:  # direct launches against Triton's dispatch, alternated
+            direct, dispatched = [], []
+            try:
+                for _ in range(reps):
+                    for tc.DIRECT_LAUNCH, samples in ((True, direct), (False, dispatched)):
+                        samples.append(host_loop(lambda layer: rt.trace("traced", x, layer=layer), device, 1,
+                                                 layers, step_end))
+            finally:
+                tc.DIRECT_LAUNCH = True
+            rows += [("tiles subscription, due", statistics.median(direct)),
+                     ("  the same, Triton's dispatch each call", statistics.median(dispatched))]
+        else:
+            rows.append(("tiles subscription, due", per_call("traced", True)))
+        if profile:  # where a due call's time goes, by function (own time)
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.runcall(per_call, "traced", True)
+            print(f"\n-- cProfile of {reps * layers} due calls, hub: {hub}")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
         # The parts of a due call as trace() runs them: the device stage (into the
         # forwarder's ring with hub: process; its slices forgotten after each batch,
         # nothing reads them), and an event taken from the pool and given back to it
@@ -159,6 +184,14 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: i
             rows.append(("  of which: event (from the pool)",
                          host_loop(lambda _: pool.append(rt._record(x.device, False)), device, reps, layers)))
         rows.append(("  device stage, torch reductions", host_loop(lambda _: torch_tiles(x), device, reps, layers)))
+        if x.is_cuda and tc.fused_kernel() is not None:
+            tc.DIRECT_LAUNCH = False  # what the setting triton_launch: triton does
+            try:
+                rows.append(("  device stage, Triton's dispatch each call",
+                             host_loop(lambda _: rt._device_stage(TILES, x, ring), device, reps, layers,
+                                       ring.reset if ring is not None else None)))
+            finally:
+                tc.DIRECT_LAUNCH = True
         after = rt.state()
         results = after["results"] - before["results"]
         frames = after["hub"]["frames_sent"] - before["hub"]["frames_sent"]
@@ -176,6 +209,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--profile", action="store_true", help="a cProfile of due trace() calls, per hub kind")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     shape = (1024, 4, 1024) if device == "cuda" else (64, 4, 256)
@@ -209,7 +243,7 @@ def main() -> None:
         for label in ("tiles, rows x tile at once", "tiles, var_mean + aminmax"):
             assert torch.allclose(variants[label](check).cpu(), reference, rtol=1e-3, atol=1e-5), label
         hubs = ("process", "thread")
-        costs = [host_costs(device, shape, tmp, hub) for hub in hubs]
+        costs = [host_costs(device, shape, tmp, hub, profile=args.profile) for hub in hubs]
     print(f"\n{'host time, float32 input, us':44}" + "".join(f"{'hub: ' + hub:>16}" for hub in hubs))
     for i, (label, _) in enumerate(costs[0]):
         print(f"{label:44}" + "".join(f"{rows[i][1]:16.2f}" for rows in costs))

@@ -254,3 +254,57 @@ def test_tiles_of_a_cuda_tensor_take_the_fused_kernel_and_match_the_torch_path()
     fused_result, torch_result = (tiles.finish(r.cpu().numpy(), x.shape) for r in (fused_parts, torch_columns))
     np.testing.assert_allclose(fused_result, torch_result, rtol=1e-4, atol=1e-4)
     assert tc.tile_columns(x.transpose(0, 2), stats).shape == (len(stats), 512)  # not contiguous: torch path
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_direct_launches_compute_what_tritons_own_launches_do_in_every_layout(monkeypatch):
+    """After the first launch of a layout, fused.py calls the compiled kernel's own
+    launcher; layouts Triton specialises apart (rows == 1, widths not a multiple of 16,
+    a pointer off 16-byte alignment, bf16) must each get their own kernel, and results
+    written into device memory, pinned memory and the trace ring must be the same."""
+    from source_patch.runtime.trace.ring import Ring
+
+    fused = tc.fused_kernel()
+    if fused is None:
+        pytest.skip("Triton is not importable here")
+    jit, launches = fused._column_stats, []
+
+    class Counting:  # counts the launches that go through Triton's own dispatch
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return jit[grid]
+
+    monkeypatch.setattr(fused, "_column_stats", Counting())
+    ring = Ring(size=1 << 22)
+    assert ring.pin() and ring.device_address is not None  # asked of the driver once: launches ask nothing
+    base = torch.randn(4097 * 130 + 1, device="cuda")
+    cases = [base[: 64 * 1024].view(64, 1024), base[1: 1 + 64 * 1024].view(64, 1024),  # aligned, then not
+             base[: 1 * 96].view(1, 96), base[: 37 * 130].view(37, 130),
+             base[: 4096 * 130].view(4096, 130).to(torch.bfloat16)]
+    intos = {"device": None, "pinned": lambda shape: torch.empty(shape, dtype=torch.float32, pin_memory=True),
+             "ring": ring.claim}
+    stats = tc.TILE_STATS
+    for x in cases:
+        monkeypatch.setattr(tc, "DIRECT_LAUNCH", False)  # the setting triton_launch: triton
+        want = fused.column_stats(x, stats).cpu()
+        monkeypatch.setattr(tc, "DIRECT_LAUNCH", True)
+        before = len(launches)
+        for where, into in intos.items():
+            for _ in range(2):
+                got = fused.column_stats(x, stats, into)
+                torch.cuda.synchronize()
+                got = got if isinstance(got, torch.Tensor) else got.tensor()
+                assert torch.equal(got.cpu(), want), (tuple(x.shape), x.dtype, x.data_ptr() % 16, where)
+                ring.reset()
+        assert len(launches) == before, (tuple(x.shape), x.dtype)  # every one of them went direct
+    kernels = {id(launch.compiled[1]) for launch in fused._launches.values() if launch.compiled}
+    assert len(kernels) >= 4  # aligned / not, rows == 1, width 130, bf16: not all one kernel
+    hook = lambda metadata: None  # noqa: E731 - a profiler's launch hook: Triton's dispatch again
+    triton_hooks = fused._hooks
+    triton_hooks.launch_enter_hook.add(hook)
+    try:
+        fused.column_stats(cases[0], stats)
+    finally:
+        triton_hooks.launch_enter_hook.remove(hook)
+    assert len(launches) == before + 1

@@ -106,12 +106,17 @@ def test_the_ring_hands_out_slices_in_order_never_wraps_one_and_refuses_when_ful
 def test_a_kernel_can_claim_a_slice_to_write_its_result_into():
     from source_patch.runtime.trace.ring import ALIGN, Ring
 
-    ring, slots = Ring(size=4 * ALIGN), []
-    view = ring.claim((2, 3), slots)
+    ring = Ring(size=4 * ALIGN)
+    ring.claim((1,))
+    claimed = ring.claim((2, 3))
+    view = claimed.tensor()
     view.copy_(torch.arange(6.0).view(2, 3))
-    assert slots == [(0, ALIGN, "<f4", [2, 3])] and view.shape == (2, 3)
-    assert np.array_equal(np.frombuffer(ring.bytes.numpy(), "<f4", 6, 0), np.arange(6.0))
-    assert ring.claim((4 * ALIGN,), slots) is None and len(slots) == 1  # too big now: nothing taken
+    assert claimed.slot == (ALIGN, 2 * ALIGN, "<f4", [2, 3]) and view.shape == (2, 3)
+    assert claimed.data_ptr() == view.data_ptr() == ring.bytes.data_ptr() + ALIGN  # what a launcher reads
+    assert claimed.device_ptr() is None  # not pinned: no device address
+    assert np.array_equal(np.frombuffer(ring.bytes.numpy(), "<f4", 6, ALIGN), np.arange(6.0))
+    head = ring.head
+    assert ring.claim((4 * ALIGN,)) is None and ring.head == head  # too big now: nothing taken
 
 
 @pytest.mark.gpu

@@ -49,6 +49,7 @@ import torch
 
 from ..core import ranks, settings, tags as ambient
 from ..core.failures import Counters
+from .ring import Slice
 
 # The one thing a disabled call site reads.
 _enabled = False
@@ -339,17 +340,17 @@ def _device_stage(compressor, tensor: torch.Tensor, ring) -> tuple:
     if ring is None:
         return compressor.reduce(tensor), None
     if tensor.is_cuda and ring.direct and ring.pin():
-        slots: list = []
+        head = ring.head
         try:
-            result = compressor.reduce(tensor, lambda shape: ring.claim(shape, slots))
+            result = compressor.reduce(tensor, ring.claim)
         except Exception:  # noqa: BLE001
-            if not slots:
-                raise  # not about the ring: the compressor's own error
+            if ring.head == head:
+                raise  # nothing was claimed: the compressor's own error
             ring.direct = False  # a kernel that cannot write host memory here: copy from now on
             _fail("a trace kernel writing to the ring (copying instead)", sys.exc_info()[1])
-            result, slots = compressor.reduce(tensor), []
-        if slots:
-            return result, slots[0]
+            result = compressor.reduce(tensor)
+        if isinstance(result, Slice):
+            return result, result.slot
     else:
         result = compressor.reduce(tensor)
     if not ring.takes(result):
@@ -574,6 +575,7 @@ def _apply(config: dict) -> None:
     from . import compress
 
     compress.USE_TRITON = _config["triton"]
+    compress.DIRECT_LAUNCH = _config["triton_launch"] == "direct"
     serve = bool(_config["enable"] and _config["port"])
     if serve and _config["ranks"] is not None:
         serve = ranks.global_rank() in settings.IntSet(_config["ranks"])

@@ -82,7 +82,7 @@ class Compressor:
         if tensor.is_complex():
             raise TypeError("complex tensors are not supported")
         if into is not None and self._into is not None:
-            return self._into(tensor.detach(), into)
+            return self._into(tensor, into)  # detached where torch ops run (a kernel reads pointers only)
         return self._reduce(tensor.detach())
 
     def finish(self, array: np.ndarray, shape: tuple) -> np.ndarray:
@@ -178,6 +178,7 @@ def tile_columns(x: torch.Tensor, stats, dim: int = -1, into: Callable | None = 
     dim = dim % x.dim()
     if x.is_cuda and dim == x.dim() - 1 and x.is_contiguous() and fused_kernel() is not None:
         return fused_kernel().column_stats(x, tuple(stats), into)  # one launch, one pass (fused.py)
+    x = x.detach()  # from the `into` path: no autograd graph for the reductions
     dims = tuple(d for d in range(x.dim()) if d != dim)
     out = torch.empty((len(stats), x.shape[dim]), dtype=torch.float32, device=x.device)
     for row, stat in zip(out, stats):
@@ -193,6 +194,7 @@ def tile_columns(x: torch.Tensor, stats, dim: int = -1, into: Callable | None = 
 
 
 USE_TRITON = True  # the trace setting `triton` (api.py sets it)
+DIRECT_LAUNCH = True  # the trace setting `triton_launch` is "direct" (api.py sets it; fused.py reads it)
 
 
 def fused_kernel():

@@ -12,15 +12,27 @@ statistic, as with torch.
 
 Used by compress.tile_columns for CUDA tensors when Triton is importable and the
 tiled dim is the last of a contiguous tensor; anything else takes the torch path.
+
+Launches after the first of each input layout skip Triton's JIT dispatch
+(``JITFunction.run``: argument binding, a cache key that formats the compile
+options as a string, global checks): the grid, the arguments and the output shape of
+a layout are worked out once (``_Launch``), and the compiled kernel Triton picked for
+that layout's first launch is launched again through its own launcher, the one
+``JITFunction.run`` ends in.  A layout is the input's shape, dtype, device and
+16-byte alignment with the statistics asked for, so every argument Triton
+specialises on (pointer alignment, integers equal to 1 or divisible by 16) is the
+same at each launch of it.  Triton's dispatch is kept while a launch hook (a
+profiler) is set, with the trace setting ``triton_launch: triton``, and for a Triton
+whose compiled kernels lack the launcher's attributes.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from . import compress
 
 STATS = ("mean", "rms", "absmax", "min", "max")
 ELEMENTS = 2048    # per loop iteration of a program: BLOCK_R x BLOCK_C (x5 accumulators in registers)
@@ -83,35 +95,86 @@ def _column_stats(x_ptr, out_ptr, rows, cols, rows_per_split, K: tl.constexpr, B
         tl.store(out + I_MAX * cols, tl.reduce(high, 0, _max_nan), mask=cmask)
 
 
-@functools.lru_cache(maxsize=64)
-def _plan(stats: tuple, cols: int) -> tuple:
-    """(BLOCK_R, BLOCK_C, column blocks, output row per statistic).  Wide column blocks
-    keep each row's load contiguous (coalesced); ELEMENTS per loop iteration."""
-    block_c = min(128, triton.next_power_of_2(cols))
-    rows_of = dict.fromkeys(STATS, -1)
-    for i, stat in enumerate(stats):
-        rows_of[stat] = i
-    return (ELEMENTS // block_c, block_c, triton.cdiv(cols, block_c),
-            rows_of["mean"], rows_of["rms"], rows_of["absmax"], rows_of["min"], rows_of["max"])
+class _Launch:
+    """The fused kernel's launch for one input layout: grid, arguments and result
+    shape, worked out once; ``compiled``: (launcher, function, packed metadata) of the
+    kernel Triton compiled for it, once Triton launched it."""
+
+    __slots__ = ("grid", "args", "shape", "compiled")
+
+    def __init__(self, x: torch.Tensor, stats: tuple):
+        cols = x.shape[-1]
+        rows = x.numel() // cols
+        block_c = min(128, triton.next_power_of_2(cols))
+        block_r = ELEMENTS // block_c
+        col_blocks = triton.cdiv(cols, block_c)
+        # Split the rows so that enough programs run to use the whole GPU.
+        splits = max(1, min(MAX_SPLITS, -(-PROGRAMS // col_blocks), -(-rows // block_r)))
+        per_split = -(-rows // (splits * block_r)) * block_r
+        splits = -(-rows // per_split)
+        rows_of = dict.fromkeys(STATS, -1)  # each statistic's output row, -1: not asked for
+        rows_of.update((stat, i) for i, stat in enumerate(stats))
+        self.grid = (col_blocks, splits)
+        self.args = (rows, cols, per_split, len(stats), block_r, block_c, *(rows_of[s] for s in STATS))
+        self.shape = (splits, len(stats), cols)
+        self.compiled = None
 
 
-def column_stats(x: torch.Tensor, stats: tuple, into=None) -> torch.Tensor:
+_launches: dict = {}  # (shape, dtype, device, 16-byte aligned, stats) -> _Launch
+MAX_LAUNCHES = 4096   # layouts remembered (forgotten all at once beyond: a bound, not an LRU)
+_hooks = triton.knobs.runtime if hasattr(triton, "knobs") else None
+
+
+def column_stats(x: torch.Tensor, stats: tuple, into=None):
     """float32 [splits, len(stats), cols] of a contiguous CUDA tensor viewed as [rows,
     cols] (cols: its last dim): per column and split of the rows, the sum ("mean"),
     2-norm ("rms"), inf-norm ("absmax"), min and max.  The rows are split (at most
     MAX_SPLITS ways) so that enough programs run to use the whole GPU; the host stage
     (compress.tile_finish) combines the splits, off the training thread.  ``into(shape)``:
-    host memory mapped for the device to write the result into (None: device memory)."""
-    cols = x.shape[-1]
-    rows = x.numel() // cols
-    block_r, block_c, col_blocks, *rows_of = _plan(stats, cols)
-    splits = max(1, min(MAX_SPLITS, -(-PROGRAMS // col_blocks), -(-rows // block_r)))
-    per_split = -(-rows // (splits * block_r)) * block_r
-    splits = -(-rows // per_split)
-    shape = (splits, len(stats), cols)
-    out = into(shape) if into is not None else None
+    host memory mapped for the device to write the result into, 16-byte aligned: a
+    tensor, or a ring.Slice (launched at its device address where the ring knows it),
+    which is then what is returned; None there or no ``into``: device memory."""
+    address = x.data_ptr()
+    key = (x.shape, x.dtype, x.get_device(), address % 16 == 0, stats)
+    launch = _launches.get(key)
+    if launch is None:
+        if len(_launches) >= MAX_LAUNCHES:
+            _launches.clear()
+        launch = _launches[key] = _Launch(x, stats)
+    out = into(launch.shape) if into is not None else None
     if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=x.device)
-    _column_stats[(col_blocks, splits)](x, out, rows, cols, per_split, len(stats), block_r, block_c, *rows_of,
+        out = torch.empty(launch.shape, dtype=torch.float32, device=x.device)
+    compiled = launch.compiled
+    if compiled is not None and compress.DIRECT_LAUNCH and _no_hooks() and torch._C._cuda_getDevice() == key[2]:
+        run, function, metadata = compiled
+        target = out if isinstance(out, torch.Tensor) else out.device_ptr() or out  # a ring slice: its device address
+        try:
+            run(*launch.grid, 1, torch._C._cuda_getCurrentRawStream(key[2]), function, metadata, None, None, None,
+                address, target, *launch.args)
+            return out
+        except TypeError:  # a launcher that takes other arguments (refused before launching): Triton's dispatch
+            _launches.clear()
+            compress.DIRECT_LAUNCH = False
+    kernel = _column_stats[launch.grid](x, out if isinstance(out, torch.Tensor) else out.tensor(), *launch.args,
                                         num_warps=8)
+    if compiled is None and kernel is not None and torch._C._cuda_getDevice() == key[2]:
+        launch.compiled = _launcher(kernel)  # None under Triton's interpreter (kernel None)
     return out
+
+
+def _launcher(kernel) -> tuple | None:
+    """What JITFunction.run hands the compiled kernel's launcher, or None for a Triton
+    whose compiled kernels differ (its own dispatch only)."""
+    try:
+        kernel._init_handles()
+        return kernel.run, kernel.function, kernel.packed_metadata
+    except AttributeError:
+        return None
+
+
+def _no_hooks() -> bool:
+    """No launch hook is set (a profiler's would want Triton's launch metadata)."""
+    if _hooks is None:
+        return False
+    enter, leave = _hooks.launch_enter_hook, _hooks.launch_exit_hook
+    return not getattr(enter, "calls", enter) and not getattr(leave, "calls", leave)

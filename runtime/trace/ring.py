@@ -19,6 +19,7 @@ never waited for.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
@@ -41,6 +42,8 @@ class Ring:
         self._map = mmap.mmap(self.fd, size)
         self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.floats = self.bytes.view(torch.float32)
+        self.address = self.bytes.data_ptr()
+        self.device_address: int | None = None  # where kernels see it, once pinned (None: unknown)
         self._lock = threading.Lock()  # any thread may trace
         self.direct = True  # kernels may write here (cleared if a launch refuses host memory)
         self.head = 0   # bytes handed out, ever (the training thread's)
@@ -53,6 +56,8 @@ class Ring:
             flags = 1 | 2  # cudaHostRegisterPortable | Mapped: every device's context, kernels write it
             status = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.size, flags)
             self.pinned = int(status) == 0
+            if self.pinned:
+                self.device_address = _device_address(self.address)
         return self.pinned
 
     def takes(self, result: torch.Tensor) -> bool:
@@ -73,17 +78,13 @@ class Ring:
             target.copy_(result.reshape(-1), non_blocking=result.is_cuda)
         return offset, end, NUMPY[result.dtype], list(result.shape)
 
-    def claim(self, shape: tuple, slots: list) -> torch.Tensor | None:
-        """(training thread) A float32 tensor of ``shape`` on the next free slice, for a
-        kernel to write its result into directly (the memory is mapped into the device's
-        address space); its slot is appended to ``slots``.  None when it does not fit now."""
-        count = math.prod(shape)
+    def claim(self, shape: tuple) -> "Slice | None":
+        """(training thread) The next free slice, for a kernel to write a float32 result
+        of ``shape`` into directly (the memory is mapped into the device's address
+        space).  None when it does not fit now."""
         with self._lock:
-            offset, end = self._take(count * 4)
-            if offset is None:
-                return None
-            slots.append((offset, end, "<f4", list(shape)))
-            return self.floats[offset // 4: offset // 4 + count].view(shape)
+            offset, end = self._take(math.prod(shape) * 4)
+        return None if offset is None else Slice(self, offset, end, shape)
 
     def _take(self, nbytes: int) -> tuple:
         start = self.head
@@ -109,6 +110,50 @@ class Ring:
     def reset(self) -> None:
         """A new forwarder starts reading: everything handed out so far is forgotten."""
         self.tail = self.head
+
+
+def _device_address(host: int) -> int | None:
+    """The device address of registered host memory, from the driver (the same number
+    as the host's on most systems, not on all); None where it cannot be asked.  Asked
+    once: a launcher given a host address asks at every launch (cuPointerGetAttribute)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        address = ctypes.c_uint64()
+        device_pointer = 3  # CU_POINTER_ATTRIBUTE_DEVICE_POINTER (cuda.h)
+        status = cuda.cuPointerGetAttribute(ctypes.byref(address), device_pointer, ctypes.c_uint64(host))
+    except (OSError, AttributeError):
+        return None
+    # Registration maps whole pages: an answer that moves the offset within a page is not an address.
+    ok = status == 0 and address.value and (address.value - host) % mmap.PAGESIZE == 0
+    return address.value if ok else None
+
+
+class Slice:
+    """A claimed slice of the ring as a kernel launcher takes it: ``data_ptr()`` (the
+    launcher maps the host address to the device's) or ``tensor()``, a float32 view."""
+
+    __slots__ = ("ring", "offset", "end", "shape")
+
+    def __init__(self, ring: Ring, offset: int, end: int, shape: tuple):
+        self.ring, self.offset, self.end, self.shape = ring, offset, end, shape
+
+    @property
+    def slot(self) -> tuple:
+        """(offset, end, numpy dtype, shape), as ``Ring.put`` returns it."""
+        return self.offset, self.end, "<f4", list(self.shape)
+
+    def data_ptr(self) -> int:
+        """The host address (a launcher given this object asks the driver for the device's)."""
+        return self.ring.address + self.offset
+
+    def device_ptr(self) -> int | None:
+        """The device's address of the slice, where known: a launcher given it asks nothing."""
+        base = self.ring.device_address
+        return None if base is None else base + self.offset
+
+    def tensor(self) -> torch.Tensor:
+        start = self.offset // 4
+        return self.ring.floats[start: start + math.prod(self.shape)].view(self.shape)
 
 
 _ring: Ring | None = None
