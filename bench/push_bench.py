@@ -22,12 +22,14 @@ in turn), host time:
 Ends with a bitwise check: one push over a recording link, replayed to a receiver,
 equals every mapped parameter.
 
---ep N (CPU): N processes over gloo, the experts spread over them (expert
-parallelism N, the packed path); per round, push() with the local experts gathered a
-window of DDP's expert buffer at a time (runtime/weights/megatron._ExpertWindows) and
-with one gather per expert parameter (the old way), alternated; rank 0's wall time,
-the collectives each ran, and a check that both broadcast the same bytes.  Not here: gathers across TP/EP ranks (one rank), the
-transfer (bench/weight_sync_bench.py on two GPUs) and the engine's load.
+--ep N / --tp N (CPU): N processes over gloo, the experts spread over them (expert
+parallelism N) or every layer's weights split over them (tensor parallelism N, expert
+TP too); the packed path.  Per
+round, push() with the parameters gathered a window of DDP's buffer at a time
+(runtime/weights/megatron._Windows) and with one gather per parameter (the old way),
+alternated; rank 0's wall time, the collectives each ran, and a check that both
+broadcast the same bytes.  Not here: the transfer (bench/weight_sync_bench.py on two
+GPUs) and the engine's load.
 """
 
 from __future__ import annotations
@@ -54,12 +56,15 @@ def parse_args(argv=None):
     p.add_argument("--profile", action="store_true", help="then cProfile 5 pushes from the buffers")
     p.add_argument("--ep", type=int, default=1,
                    help="expert parallelism: that many CPU processes over gloo, timing the expert gathers")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallelism: that many CPU processes over gloo, timing the shard gathers")
     return p.parse_args(argv)
 
 
 def build(args, device: torch.device, rank: int = 0, world: int = 1, store=None):
     """A GPTModel in Megatron's DDP (distributed optimizer's buffers): a world of one,
-    or ``world`` processes of expert parallelism ``args.ep`` over ``store``."""
+    or ``world`` processes of tensor parallelism ``args.tp`` and expert parallelism
+    ``args.ep`` over ``store``."""
     if device.type == "cpu":
         from source_patch.patcher import activate
 
@@ -74,7 +79,7 @@ def build(args, device: torch.device, rank: int = 0, world: int = 1, store=None)
         torch.cuda.set_device(device)
     torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                          store=store or torch.distributed.HashStore(), rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep)
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -85,7 +90,7 @@ def build(args, device: torch.device, rank: int = 0, world: int = 1, store=None)
         ffn_hidden_size=2 * h, normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         qk_layernorm=True, add_bias_linear=False, num_moe_experts=args.experts, moe_router_topk=2,
         moe_ffn_hidden_size=h // 2, moe_token_dispatcher_type="allgather", use_cpu_initialization=device.type == "cpu",
-        params_dtype=torch.bfloat16, bf16=True)
+        params_dtype=torch.bfloat16, bf16=True, tensor_model_parallel_size=args.tp)
     spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False, qk_layernorm=True,
                                     normalization="RMSNorm")
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256, max_sequence_length=64,
@@ -96,10 +101,10 @@ def build(args, device: torch.device, rank: int = 0, world: int = 1, store=None)
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.ep > 1:
+    if args.ep * args.tp > 1:
         from source_patch.runtime.core.endpoint import free_port
 
-        torch.multiprocessing.spawn(expert_parallel, args=(args, free_port()), nprocs=args.ep, join=True)
+        torch.multiprocessing.spawn(parallel, args=(args, free_port()), nprocs=args.ep * args.tp, join=True)
         return
     device = torch.device("cpu") if args.cpu or not torch.cuda.is_available() else torch.device("cuda", 0)
     if device.type == "cpu":
@@ -171,15 +176,16 @@ def profile(push, sync) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
 
 
-def expert_parallel(rank: int, args, port: int) -> None:
-    """--ep N: N CPU processes (one thread each), experts spread over them; every round
-    pushes with the expert windows and with a gather per expert parameter (rank 0
-    sends over a free wire, the others take part in the gathers); rank 0 reports, and
-    checks that both variants send the same bytes."""
+def parallel(rank: int, args, port: int) -> None:
+    """--ep / --tp: that many CPU processes (one thread each); every round pushes with
+    the buffer windows and with a gather per parameter (rank 0 sends over a free wire,
+    the others take part in the gathers); rank 0 reports, and checks that both
+    variants send the same bytes."""
     device = torch.device("cpu")
     torch.set_num_threads(1)
-    store = torch.distributed.TCPStore("127.0.0.1", port, args.ep, rank == 0)
-    ddp = build(args, device, rank, args.ep, store)
+    world = args.ep * args.tp
+    store = torch.distributed.TCPStore("127.0.0.1", port, world, rank == 0)
+    ddp = build(args, device, rank, world, store)
     from source_patch.runtime.weights import megatron as weight_megatron
     from source_patch.runtime.weights import sync as weight_sync
     from source_patch.runtime.weights import transport as wt
@@ -212,11 +218,11 @@ def expert_parallel(rank: int, args, port: int) -> None:
         raise SystemExit("check: the windowed and the per-parameter gathers sent different bytes")
     print(f"check: both variants broadcast the same {len(same)} messages, byte for byte")
     experts = sum(1 for name, _ in ddp.named_parameters() if ".experts." in name)
-    print(f"\npush() with expert parallelism {args.ep}: CPU, gloo, one thread per process, torch {torch.__version__}; "
-          f"{args.layers} layers x {args.experts} experts ({experts} local expert parameters on rank 0); "
-          f"{args.rounds} rounds after {args.warmup} warm-up, alternated")
+    print(f"\npush() with tensor parallelism {args.tp}, expert parallelism {args.ep}: CPU, gloo, one thread per "
+          f"process, torch {torch.__version__}; {args.layers} layers x {args.experts} experts ({experts} local expert "
+          f"parameters on rank 0); {args.rounds} rounds after {args.warmup} warm-up, alternated")
     print(f"{'':<40} {'collectives':>11} {'min ms':>9} {'median ms':>10} {'max ms':>9}")
-    for windows, label in ((False, "expert gathers per parameter (before)"), (True, "expert buffer windows")):
+    for windows, label in ((False, "gathers per parameter (before)"), (True, "buffer windows")):
         values = times[windows]
         print(f"{label:<40} {gathers[windows]:>11} {1e3 * min(values):>9.1f} {1e3 * statistics.median(values):>10.1f} "
               f"{1e3 * max(values):>9.1f}")

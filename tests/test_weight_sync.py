@@ -410,16 +410,25 @@ def test_the_push_bench_runs_a_real_megatron_model_on_cpu_and_checks_the_bytes()
     assert "push(), from DDP's buffers" in out.stdout and "push(), buffers, walk redone (before)" in out.stdout
 
 
-def test_the_push_bench_gathers_expert_windows_and_checks_them_against_per_parameter_gathers():
-    """bench/push_bench.py --ep 2: two processes; both ways of gathering the experts
-    broadcast the same bytes (checked by the bench), with 2 collectives against 8."""
-    out = subprocess.run([sys.executable, ROOT / "bench" / "push_bench.py", "--ep", "2", "--layers", "2",
+@pytest.mark.parametrize("parallel, collectives", [
+    # EP 2: a layout check and one window of the expert buffer, against 8 expert parameters.
+    (["--ep", "2"], {"gathers per parameter (before)": 8, "buffer windows": 2}),
+    # TP 2 (expert TP 2): a layout check and one window each for the dense shards and the
+    # experts', against the 22 tensor-parallel parameters (6 dense, 16 expert).
+    (["--tp", "2"], {"gathers per parameter (before)": 22, "buffer windows": 4}),
+])
+def test_the_push_bench_gathers_buffer_windows_and_checks_them_against_per_parameter_gathers(parallel, collectives):
+    """bench/push_bench.py --ep 2 / --tp 2: two processes; both ways of gathering
+    broadcast the same bytes (checked by the bench), with far fewer collectives."""
+    out = subprocess.run([sys.executable, ROOT / "bench" / "push_bench.py", *parallel, "--layers", "2",
                           "--experts", "4", "--rounds", "1"], capture_output=True, text=True, timeout=180,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert re.search(r"check: both variants broadcast the same \d+ messages, byte for byte", out.stdout)
-    rows = {m.group(1).strip(): int(m.group(2)) for m in re.finditer(r"^(expert .+?)\s+(\d+)\s+[\d.]+", out.stdout, re.M)}
-    assert rows == {"expert gathers per parameter (before)": 8, "expert buffer windows": 2}, out.stdout
+    rows = {m.group(1).strip(): int(m.group(2))
+            for m in re.finditer(r"^((?:gathers|buffer) .+?)\s+(\d+)\s+[\d.]+", out.stdout, re.M)}
+    assert rows == collectives, out.stdout
+
 
 def test_the_bundled_specs_anchor_in_the_installed_upstreams():
     from source_patch.patcher import cli

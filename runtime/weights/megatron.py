@@ -10,9 +10,11 @@ Tensor-parallel shards are all-gathered in Megatron's own tensor-parallel group
 (expert-tensor-parallel for experts), along each parameter's ``partition_dim``;
 a gated ``linear_fc1`` is re-ordered from per-rank ``[gate_r; up_r]`` to
 ``[gate; up]``.  Expert-parallel ranks' experts are all-gathered in the expert
-group, local index i of EP rank r becoming global expert ``r * local + i``: a window
-of DDP's expert buffer at a time where the experts lie in one (``_ExpertWindows``),
-else parameter by parameter.
+group, local index i of EP rank r becoming global expert ``r * local + i``.  Where
+the parameters lie in DDP's buffers, a window of the buffer is gathered at a time
+(``_Windows``: one collective for many parameters) over TP for the dense shards, and
+over EP (expert TP 1) or expert TP (EP 1) for the experts; otherwise, and with both
+EP and expert TP above 1, parameter by parameter.
 The ranks that take part are those whose groups hold global rank 0 (the
 sender); everyone else returns at once.  Each participant walks the parameters
 in the same order, so the gathers pair up.
@@ -111,7 +113,7 @@ class MegatronParams:
         self.in_dense = 0 in dist.get_process_group_ranks(self.tp[0]) if self.tp[0] else self.sender
         self.in_expert = ps.get_expert_data_parallel_rank() == 0 if self.ep[0] else self.in_dense
         self.gated = bool(self.config.gated_linear_unit)
-        self._gathers, self._windows = 0, None  # of the last tensors()
+        self._gathers, self._windows = 0, {}  # of the last tensors(); windows by expert (bool)
 
     @staticmethod
     def _group(group):
@@ -142,17 +144,21 @@ class MegatronParams:
         """(global name, full tensor), in ``shapes()`` order.  Collective over the
         tensor- and expert-parallel groups of rank 0: every participant iterates it.
         ``collectives`` then counts the gathers it ran."""
-        self._gathers, self._windows = 0, None
-        if self.in_expert and self.ep[1] > 1 and self.etp[1] == 1:
-            self._windows = self._expert_windows()
-        windows = self._windows
+        self._gathers, self._windows = 0, {}
+        for expert in (False, True):
+            self._windows[expert] = self._windowed(expert)
         for name, param in self.params:
             expert = _EXPERT.search(name) is not None
             if not (self.in_expert if expert else self.in_dense):
                 continue
             names = self._global_names(name, expert)
-            if expert and windows is not None:
-                yield from zip(names, windows.parts(param))
+            windows, shards = self._windows[expert] or (None, False)
+            if windows is not None and id(param) in windows.where:
+                parts = windows.parts(param)
+                if shards:  # tensor-parallel shards of one parameter
+                    yield names[0], self._join(name, param, parts)
+                else:  # every expert-parallel rank's own expert
+                    yield from zip(names, parts)
                 continue
             full = self._gather_tp(name, param, *(self.etp if expert else self.tp))
             if len(names) == 1:
@@ -165,29 +171,42 @@ class MegatronParams:
 
     @property
     def collectives(self) -> int:
-        """The gathers the last ``tensors()`` ran (the expert windows' included)."""
-        return self._gathers + (self._windows.gathers if self._windows is not None else 0)
+        """The gathers the last ``tensors()`` ran (the buffer windows' included)."""
+        return self._gathers + sum(w[0].gathers for w in self._windows.values() if w is not None)
 
-    def _expert_windows(self) -> "_ExpertWindows | None":
-        """The local experts' parameters gathered a window of their buffer at a time
-        (one collective for a layer's experts instead of one per parameter), when
-        every expert-parallel rank lays its buffers out alike (checked with one small
-        gather); None: per parameter, as before."""
-        experts = [param for name, param in self.params if _EXPERT.search(name)]
-        if not all(param.is_contiguous() for param in experts):
+    def _windowed(self, expert: bool) -> "tuple[_Windows, bool] | None":
+        """(windows, whether they hold tensor-parallel shards) for the dense or the
+        expert parameters that need gathering, gathered a window of their DDP buffer
+        at a time (one collective for many parameters instead of one each), when every
+        rank of the group lays its buffers out alike (checked with one small gather);
+        None: parameter by parameter.  Dense: the tensor-parallel shards over TP.
+        Experts: other ranks' experts over EP (with expert TP 1), or the shards over
+        expert TP (with EP 1); with both above 1, parameter by parameter."""
+        if not (self.in_expert if expert else self.in_dense):
+            return None
+        tp = self.etp if expert else self.tp
+        ours = [param for name, param in self.params if (_EXPERT.search(name) is not None) == expert]
+        if expert and self.ep[1] > 1 and tp[1] == 1:
+            group, shards, params = self.ep, False, ours
+        elif tp[1] > 1 and (not expert or self.ep[1] == 1):
+            group, shards = tp, True
+            params = [param for param in ours if getattr(param, "tensor_model_parallel", False)]
+        else:
+            return None
+        if not params or not all(param.is_contiguous() for param in params):
             return None  # (every rank sees the same structure, so all decide alike)
-        windows = _ExpertWindows(experts, WINDOW_BYTES)
-        if len(windows.spans) == len(experts):  # a storage per parameter (no DDP buffers): no gain
+        windows = _Windows(params, WINDOW_BYTES)
+        if len(windows.spans) == len(params):  # a storage per parameter (no DDP buffers): no gain
             return None
         digest = hashlib.sha256(repr(windows.layout()).encode()).digest()  # a fixed size to gather
-        mine = torch.tensor(struct.unpack("<4q", digest), dtype=torch.int64, device=experts[0].device)
-        every = [torch.empty_like(mine) for _ in range(self.ep[1])]
-        dist.all_gather(every, mine, group=self.ep[0])
+        mine = torch.tensor(struct.unpack("<4q", digest), dtype=torch.int64, device=params[0].device)
+        every = [torch.empty_like(mine) for _ in range(group[1])]
+        dist.all_gather(every, mine, group=group[0])
         self._gathers += 1
         if not all(torch.equal(other, mine) for other in every):
             return None
-        windows.group = self.ep[0]
-        return windows
+        windows.group = group[0]
+        return windows, shards
 
     def _global_names(self, name: str, expert: bool) -> list:
         if not expert or self.ep[1] == 1:
@@ -208,24 +227,27 @@ class MegatronParams:
         tensor = param.detach()
         if size == 1 or not getattr(param, "tensor_model_parallel", False):
             return tensor
-        dim = param.partition_dim
         shards = [torch.empty_like(tensor) for _ in range(size)]
         dist.all_gather(shards, tensor.contiguous(), group=group)
         self._gathers += 1
+        return self._join(name, param, shards)
+
+    def _join(self, name: str, param: torch.Tensor, shards: list) -> torch.Tensor:
+        """The full parameter from its tensor-parallel shards, in group rank order."""
         if self.gated and _FC1.search(name):
             # Each rank holds [gate_r; up_r]: gather the gates, then the ups.
             halves = [shard.chunk(2, dim=0) for shard in shards]
             return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-        return torch.cat(shards, dim=dim)
+        return torch.cat(shards, dim=param.partition_dim)
 
 
-WINDOW_BYTES = 256 << 20  # per expert-parallel rank: the gathered window is EP times this
+WINDOW_BYTES = 256 << 20  # per rank of the group: the gathered window is the group's size times this
 
 
-class _ExpertWindows:
-    """Consecutive expert parameters (in walk order) that lie in one storage, within
-    WINDOW_BYTES of each other: each such window is gathered from every expert-parallel
-    rank in one all_gather of its bytes, on first need, and dropped for the next."""
+class _Windows:
+    """Consecutive parameters (in walk order) that lie in one storage, within
+    WINDOW_BYTES of each other: each such window is gathered from every rank of the
+    group in one all_gather of its bytes, on first need, and dropped for the next."""
 
     def __init__(self, params: list, limit: int):
         self.group, self.gathers = None, 0
@@ -256,7 +278,7 @@ class _ExpertWindows:
         return out
 
     def parts(self, param) -> list:
-        """The parameter as every expert-parallel rank holds it, in group rank order."""
+        """The parameter as every rank of the group holds it, in group rank order."""
         index, start, nbytes = self.where[id(param)]
         if self.current[0] != index:
             self.current = (index, self._gather(index))
