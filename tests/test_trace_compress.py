@@ -263,7 +263,7 @@ def test_direct_launches_compute_what_tritons_own_launches_do_in_every_layout(mo
     launcher; layouts Triton specialises apart (rows == 1, widths not a multiple of 16,
     a pointer off 16-byte alignment, bf16) must each get their own kernel, and results
     written into device memory, pinned memory and the trace ring must be the same."""
-    from source_patch.runtime.trace.ring import Ring
+    from source_patch.runtime.trace import ring as ring_module
 
     fused = tc.fused_kernel()
     if fused is None:
@@ -276,7 +276,7 @@ def test_direct_launches_compute_what_tritons_own_launches_do_in_every_layout(mo
             return jit[grid]
 
     monkeypatch.setattr(fused, "_column_stats", Counting())
-    ring = Ring(size=1 << 22)
+    ring = ring_module.shared()  # the process's one ring: kept registered until exit, never unmapped
     assert ring.pin() and ring.device_address is not None  # asked of the driver once: launches ask nothing
     base = torch.randn(4097 * 130 + 1, device="cuda")
     cases = [base[: 64 * 1024].view(64, 1024), base[1: 1 + 64 * 1024].view(64, 1024),  # aligned, then not
@@ -308,3 +308,4 @@ def test_direct_launches_compute_what_tritons_own_launches_do_in_every_layout(mo
     finally:
         triton_hooks.launch_enter_hook.remove(hook)
     assert len(launches) == before + 1
+
