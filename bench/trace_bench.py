@@ -64,7 +64,8 @@ async def toggling_client(port: int, report: dict, phase: int) -> None:
 
     frames: dict = {}
     cost = {"steps": 0}
-    report.update(frames=frames, cost=cost)
+    control: list = []  # (request, the process's step when it was answered): for --save
+    report.update(frames=frames, cost=cost, control=control)
     loop = asyncio.get_running_loop()
     first = True
     async with connect(f"127.0.0.1:{port}", TOKEN, client="bench", retry=300) as c:
@@ -72,6 +73,7 @@ async def toggling_client(port: int, report: dict, phase: int) -> None:
             while True:
                 before = await c.stats()
                 await c.subscribe(["layer_output"], compressor={"kind": "tiles"}, id="tiles")
+                control.append(("subscribe", before["step"]))
                 started, steps = loop.time(), set()
                 while len(steps) <= phase:  # the first step seen may be partial
                     frame = await c.next_frame()
@@ -79,6 +81,7 @@ async def toggling_client(port: int, report: dict, phase: int) -> None:
                     steps.add(frame.step)
                 await c.unsubscribe("tiles")
                 after = await c.stats()
+                control.append(("unsubscribe", after["step"]))
                 if first:  # its first launches load (or compile) the kernels: a one-off, not per step
                     first = False
                 else:
@@ -176,7 +179,7 @@ def main() -> None:
                    help="trace settings of the toggling process (default: device_timing=1)")
     p.add_argument("--before-settings", default="hub=thread,triton=0", type=before_settings,
                    help="trace settings of the `before` process (default: hub=thread,triton=0)")
-    p.add_argument("--save", metavar="JSON", help="also write the step times and paired ratios here")
+    p.add_argument("--save", metavar="JSON", help="also write the step times, paired ratios and every toggling step's record (index, frames, seconds; the client's requests by step) here")
     p.add_argument("--pool", nargs="+", metavar="JSON", help="run nothing: pool the runs saved with --save "
                    "(several device calls of one setting) and print their comparison")
     p.add_argument("--before", action="store_true",
@@ -194,6 +197,7 @@ def main() -> None:
     samples: dict = {name: [] for name in ["no trace spec", "trace spec, no client", UNTRACED, TRACED,
                                            "stalled client", *(f"{BEFORE}: {c}" for c in ("not traced", "traced"))]}
     pairs: dict = {}
+    records: dict = {}  # per toggling process: every step's (index, frames, seconds) and the client's requests
 
     with tempfile.TemporaryDirectory() as root:
         def run(name: str) -> None:
@@ -228,6 +232,10 @@ def main() -> None:
                 samples[on] += traced
                 samples[off] += untraced
                 pairs.setdefault(name, []).extend(paired(runs))
+                frames = report.get("frames", {})
+                records.setdefault(name, []).append({
+                    "steps": [[i, frames.get(i, 0), t] for i, t in enumerate(times)],
+                    "control": report.get("control", [])})
                 cost = dict(report.get("cost", {}))
                 subscribed = max(cost.pop("steps", 0), 1)
                 reports.setdefault(name, []).append(
@@ -248,7 +256,8 @@ def main() -> None:
     for name, runs in reports.items():
         print(f"{name}: {runs}")
     if args.save:
-        Path(args.save).write_text(json.dumps({"samples": samples, "pairs": pairs, "reports": reports}))
+        Path(args.save).write_text(json.dumps({"samples": samples, "pairs": pairs, "reports": reports,
+                                               "records": records}))
 
 
 def compare(samples: dict, pairs: dict) -> None:
