@@ -25,6 +25,7 @@ chunks, Megatron-FSDP.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import struct
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from .names import strip_wrappers
 
 _EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)|(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)\Z")
+_expert = functools.lru_cache(maxsize=1 << 18)(_EXPERT.search)  # the same names every push
 _FC1 = re.compile(r"\.linear_fc1\.(?:weight|bias)\d*\Z")
 
 
@@ -133,7 +135,7 @@ class MegatronParams:
         """(global name, full shape, dtype) of every parameter, in ``tensors()`` order."""
         for name, param in self.params:
             shape = list(param.shape)
-            expert = _EXPERT.search(name) is not None
+            expert = _expert(name) is not None
             size = (self.etp if expert else self.tp)[1]
             if getattr(param, "tensor_model_parallel", False) and size > 1:
                 shape[param.partition_dim] *= size
@@ -148,7 +150,7 @@ class MegatronParams:
         for expert in (False, True):
             self._windows[expert] = self._windowed(expert)
         for name, param in self.params:
-            expert = _EXPERT.search(name) is not None
+            expert = _expert(name) is not None
             if not (self.in_expert if expert else self.in_dense):
                 continue
             names = self._global_names(name, expert)
@@ -182,17 +184,17 @@ class MegatronParams:
         None: parameter by parameter.  Dense: the tensor-parallel shards over TP.
         Experts: other ranks' experts over EP (with expert TP 1), or the shards over
         expert TP (with EP 1); with both above 1, parameter by parameter."""
-        if not (self.in_expert if expert else self.in_dense):
-            return None
         tp = self.etp if expert else self.tp
-        ours = [param for name, param in self.params if (_EXPERT.search(name) is not None) == expert]
         if expert and self.ep[1] > 1 and tp[1] == 1:
-            group, shards, params = self.ep, False, ours
+            group, shards = self.ep, False
         elif tp[1] > 1 and (not expert or self.ep[1] == 1):
             group, shards = tp, True
-            params = [param for param in ours if getattr(param, "tensor_model_parallel", False)]
         else:
             return None
+        if not (self.in_expert if expert else self.in_dense):
+            return None
+        params = [param for name, param in self.params if (_expert(name) is not None) == expert
+                  and (not shards or getattr(param, "tensor_model_parallel", False))]
         if not params or not all(param.is_contiguous() for param in params):
             return None  # (every rank sees the same structure, so all decide alike)
         windows = _Windows(params, WINDOW_BYTES)
@@ -211,7 +213,7 @@ class MegatronParams:
     def _global_names(self, name: str, expert: bool) -> list:
         if not expert or self.ep[1] == 1:
             return [name]
-        match = _EXPERT.search(name)
+        match = _expert(name)
         local = int(match.group(2) or match.group(5))
         names = []
         for rank in range(self.ep[1]):
