@@ -235,11 +235,12 @@ def _routed_experts(meta, layers=2, topk=2):
     return torch.from_numpy(raw.copy()).reshape(-1, layers, topk).long()
 
 
-def _record_of(folder, rid, timeout=20.0):
-    """The record the scheduler writes when ``rid`` finishes (release_kv_cache)."""
+def _record_of(folder, rid, timeout=20.0, rank=0):
+    """The record the scheduler of TP rank ``rank`` writes when ``rid`` finishes
+    (release_kv_cache): each rank writes its own, after the reply may have gone out."""
     import time
 
-    path = Path(folder) / "rank0" / f"{rid}.safetensors"
+    path = Path(folder) / f"rank{rank}" / f"{rid}.safetensors"
     deadline = time.monotonic() + timeout
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -334,7 +335,7 @@ def _check_tensor_parallel(server, root, prompt, single, instrumented_sglang):
 
     out = server.generate(input_ids=prompt, max_new_tokens=4, rid="tp2-a", sampling={"ignore_eos": True})
     assert out["output_ids"] == single["output_ids"]
-    ranks = [_record_of(root / "routes", "tp2-a")] + [rr.load(root / "routes" / "rank1" / "tp2-a.safetensors")]
+    ranks = [_record_of(root / "routes", "tp2-a", rank=rank) for rank in (0, 1)]
     reference = _record_of(instrumented_sglang.routes, "tp1-ref")
     assert [r.extra["rank"] for r in ranks] == [0, 1]
     for rec in ranks:
