@@ -71,6 +71,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import stats  # bench/: standard library only, like this parent process
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH_SPEC = REPO / "bench" / "import_bench_spec.yaml"
 SHIPPED_SPEC = REPO / "patches" / "megatron_topk.yaml"
@@ -434,21 +436,10 @@ def ratio_line(what: str, b: list, a: list, paired: bool = False) -> str:
     """B against A: the ratio of the medians with a bootstrap 90% interval (resampling
     each side; ``paired``: B[i] and A[i] are a pair, of one round or one process:
     resampling the pairs, the ratio of their medians)."""
-    import random
-
     if len(a) < 3:
         return f"{what}: too few runs for an interval"
-    rng = random.Random(0)
-    boot = []
-    for _ in range(2000):
-        if paired:
-            picks = rng.choices(range(len(a)), k=len(a))
-            boot.append(statistics.median(b[i] for i in picks) / statistics.median(a[i] for i in picks))
-        else:
-            boot.append(statistics.median(rng.choices(b, k=len(b))) / statistics.median(rng.choices(a, k=len(a))))
-    boot.sort()
-    return (f"{what}: {statistics.median(b) / statistics.median(a):.3f}x on the medians "
-            f"(90% interval {boot[100]:.3f}x .. {boot[1899]:.3f}x; n = {len(b)})")
+    ratio, low, high = stats.bootstrap(stats.ratio_of_medians, b, a, paired=paired)
+    return f"{what}: {ratio:.3f}x on the medians (90% interval {low:.3f}x .. {high:.3f}x; n = {len(b)})"
 
 
 # --------------------------------------------------------------------------- table

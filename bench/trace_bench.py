@@ -41,6 +41,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import stats  # bench/
 import training
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout without the package installed
@@ -135,11 +136,8 @@ def paired(runs: list[tuple[bool, list]]) -> list[float]:
 
 def interval(values: list[float]) -> str:
     """The mean and a bootstrap 90% interval of it, in percent."""
-    import random
-
-    rng = random.Random(0)
-    boot = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(2000))
-    return f"{statistics.fmean(values) * 100:+.2f}% (90% interval {boot[100] * 100:+.2f}% .. {boot[1899] * 100:+.2f}%)"
+    mean, low, high = stats.bootstrap(statistics.fmean, values)
+    return f"{mean * 100:+.2f}% (90% interval {low * 100:+.2f}% .. {high * 100:+.2f}%)"
 
 
 async def stalled_client(port: int, report: dict) -> None:

@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+import stats  # bench/
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
 STEP = re.compile(r"^step \d+/\d+ .* time (\d+(?:\.\d+)?) ms$", re.M)
 CUDA = torch.cuda.is_available()
@@ -93,14 +95,9 @@ def table(samples: dict[str, list[float]], title: str) -> None:
 
 def ratio(samples: dict[str, list[float]], a: str, b: str) -> None:
     """`a` against `b`: medians and a bootstrap 90% interval of the median's ratio."""
-    import random
-
     x, y = samples[a], samples[b]
     if len(x) < 3 or len(y) < 3:
         return
-    rng = random.Random(0)
-    boot = sorted(statistics.median(rng.choices(x, k=len(x))) / statistics.median(rng.choices(y, k=len(y)))
-                  for _ in range(2000))
-    med = statistics.median(x) / statistics.median(y)
-    print(f"{a} vs {b}: {(med - 1) * 100:+.2f}% on the medians (90% interval {(boot[100] - 1) * 100:+.2f}% .. "
-          f"{(boot[1899] - 1) * 100:+.2f}%), {(min(x) / min(y) - 1) * 100:+.2f}% on the minima\n", flush=True)
+    med, low, high = stats.bootstrap(stats.ratio_of_medians, x, y)
+    print(f"{a} vs {b}: {(med - 1) * 100:+.2f}% on the medians (90% interval {(low - 1) * 100:+.2f}% .. "
+          f"{(high - 1) * 100:+.2f}%), {(min(x) / min(y) - 1) * 100:+.2f}% on the minima\n", flush=True)

@@ -1,0 +1,29 @@
+"""The benches' one bootstrap: a statistic of some samples with a 90% interval.
+Standard library only, so a bench's parent process need not import torch for it."""
+
+from __future__ import annotations
+
+import random
+import statistics
+from typing import Callable
+
+
+def bootstrap(stat: Callable[..., float], *samples: list, paired: bool = False,
+              rounds: int = 2000) -> tuple[float, float, float]:
+    """(stat(*samples), the 5th and the 95th percentile of stat over ``rounds``
+    resamples).  Each sample is resampled on its own, or with ``paired`` (samples of
+    one length, element i of each a pair) the pairs are, kept together."""
+    rng = random.Random(0)
+    boot = []
+    for _ in range(rounds):
+        if paired:
+            picks = rng.choices(range(len(samples[0])), k=len(samples[0]))
+            boot.append(stat(*([sample[i] for i in picks] for sample in samples)))
+        else:
+            boot.append(stat(*(rng.choices(sample, k=len(sample)) for sample in samples)))
+    boot.sort()
+    return stat(*samples), boot[rounds // 20], boot[rounds - rounds // 20 - 1]
+
+
+def ratio_of_medians(b: list, a: list) -> float:
+    return statistics.median(b) / statistics.median(a)
