@@ -5,7 +5,8 @@ sized tensor, and host time of the trace() call itself.
     python bench/compressor_bench.py --quick    # CPU smoke run
 
 Table 1: CUDA-event time per call (median of --iters), the input already on the
-device, the launches queued behind a sleep so that only the GPU's time is counted; for the runtime's compressors, the device stage (reduce) only: tiles leaves
+device, the launches queued behind a sleep so that only the GPU's time is counted;
+for the runtime's compressors, the device stage (reduce) only: tiles leaves
 its per-tile step to the publisher's host stage.  Two alternatives to the runtime's
 tiles run side by side: the reduction over (rows, within-tile) at once that the
 runtime used before, and a two-kernel variant (var_mean + aminmax over the rows,
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import math
 import statistics
 import sys
@@ -114,6 +116,17 @@ def host_loop(fn, device: str, reps: int, calls: int, between=None) -> float:
     return statistics.median(samples)
 
 
+@contextlib.contextmanager
+def triton_launch(direct: bool):
+    """Within the block, the fused kernel's launches as the trace setting
+    ``triton_launch`` makes them: direct, or through Triton's dispatch (``triton``)."""
+    tc.DIRECT_LAUNCH = direct
+    try:
+        yield
+    finally:
+        tc.DIRECT_LAUNCH = True
+
+
 def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: int = 50,
                profile: bool = False) -> list[tuple[str, float]]:
     """Microseconds per trace() call on the calling thread (see the module doc), and
@@ -152,13 +165,11 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: i
         before = rt.state()
         if x.is_cuda and tc.fused_kernel() is not None:  # direct launches against Triton's dispatch, alternated
             direct, dispatched = [], []
-            try:
-                for _ in range(reps):
-                    for tc.DIRECT_LAUNCH, samples in ((True, direct), (False, dispatched)):
+            for _ in range(reps):
+                for launch_direct, samples in ((True, direct), (False, dispatched)):
+                    with triton_launch(launch_direct):
                         samples.append(host_loop(lambda layer: rt.trace("traced", x, layer=layer), device, 1,
                                                  layers, step_end))
-            finally:
-                tc.DIRECT_LAUNCH = True
             rows += [("tiles subscription, due", statistics.median(direct)),
                      ("  the same, Triton's dispatch each call", statistics.median(dispatched))]
         else:
@@ -185,13 +196,10 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: i
                          host_loop(lambda _: pool.append(rt._record(x.device, False)), device, reps, layers)))
         rows.append(("  device stage, torch reductions", host_loop(lambda _: torch_tiles(x), device, reps, layers)))
         if x.is_cuda and tc.fused_kernel() is not None:
-            tc.DIRECT_LAUNCH = False  # what the setting triton_launch: triton does
-            try:
+            with triton_launch(False):
                 rows.append(("  device stage, Triton's dispatch each call",
                              host_loop(lambda _: rt._device_stage(TILES, x, ring), device, reps, layers,
                                        ring.reset if ring is not None else None)))
-            finally:
-                tc.DIRECT_LAUNCH = True
         after = rt.state()
         results = after["results"] - before["results"]
         frames = after["hub"]["frames_sent"] - before["hub"]["frames_sent"]
