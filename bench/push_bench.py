@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+import stats  # bench/
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -226,6 +228,9 @@ def parallel(rank: int, args, port: int) -> None:
         values = times[windows]
         print(f"{label:<40} {gathers[windows]:>11} {1e3 * min(values):>9.1f} {1e3 * statistics.median(values):>10.1f} "
               f"{1e3 * max(values):>9.1f}")
+    ratio, low, high = stats.bootstrap(stats.ratio_of_medians, times[True], times[False], paired=True)
+    print(f"buffer windows / per parameter: {ratio:.3f}x on the medians (90% interval {low:.3f}x .. {high:.3f}x, "
+          f"the rounds' pairs resampled)")
     print("(rank 0's wall time of push(), from a barrier; the wire costs nothing but records the bytes)", flush=True)
 
 
@@ -275,6 +280,10 @@ def report(args, device, ddp, layout, times) -> None:
         values = times[key]
         print(f"{label:<42} {1e3 * min(values):>9.2f} {1e3 * statistics.median(values):>10.2f} "
               f"{1e3 * max(values):>9.2f} {1e6 * statistics.median(values) / n_tensors:>10.2f}")
+    ratio, low, high = stats.bootstrap(stats.ratio_of_medians, times["push buffers"], times["push, walked"],
+                                       paired=True)
+    print(f"push from the buffers, walk kept / walk redone: {ratio:.3f}x on the medians (90% interval "
+          f"{low:.3f}x .. {high:.3f}x, the rounds resampled)")
     print("(one wall-clock interval per row and round, device synchronised at both ends; the wire costs nothing)",
           flush=True)
 
