@@ -213,8 +213,18 @@ def parallel(rank: int, args, port: int) -> None:
             gathers[windows] = weight_sync.state()["gathers"]
             if r >= args.warmup:
                 times[windows].append(elapsed)
-    if rank != 0:
-        return
+    try:
+        if rank == 0:
+            compare(args, ddp, wires, gathers, times)
+    finally:
+        # Every rank leaves together: a rank that exits while another still holds the
+        # group (gloo's threads, the store on rank 0) can abort in the C++ teardown.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def compare(args, ddp, wires, gathers, times) -> None:
+    """(rank 0 of --ep / --tp) The byte check, then the table."""
     same = [torch.equal(a, b) for a, b in zip(wires[True].messages, wires[False].messages)]
     if len(wires[True].messages) != len(wires[False].messages) or not all(same):
         raise SystemExit("check: the windowed and the per-parameter gathers sent different bytes")
