@@ -127,6 +127,46 @@ def triton_launch(direct: bool):
         tc.DIRECT_LAUNCH = True
 
 
+def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int) -> list[tuple[str, float]]:
+    """Host microseconds of each call a due trace() makes on a CUDA tensor with the
+    forwarder's ring (hub: process), timed alone the way host_loop times trace(): where
+    a due call's time goes, without a profiler's own cost per call (~1 us, as much as
+    most of the parts)."""
+    fused = tc.fused_kernel()
+    ring, index, stats = rt._ring, x.device.index, tuple(TILES.params["stats"])
+    stream = rt._current_stream(index)
+    pool = rt._events.setdefault((index, False), collections.deque())
+    fused.column_stats(x, stats)  # the layout's first launch (Triton's): the direct ones follow
+    launch = next(v for k, v in fused._launches.items() if k[0] == x.shape and k[4] == stats)
+    run, function, metadata = launch.compiled
+    out = torch.empty(launch.shape, device=x.device)
+    raw_stream = torch._C._cuda_getCurrentRawStream(index)
+
+    def timed(fn, between=None) -> float:
+        return host_loop(lambda _: fn(), "cuda", reps, calls, between)
+
+    def event() -> None:
+        event = pool.pop() if pool else torch.cuda.Event()
+        event.record(stream)
+        pool.append(event)
+
+    return [
+        ("torch.cuda.is_current_stream_capturing()", timed(torch.cuda.is_current_stream_capturing)),
+        ("torch._C._cuda_getDevice()", timed(torch._C._cuda_getDevice)),
+        ("torch._C._cuda_getCurrentRawStream(i)", timed(lambda: torch._C._cuda_getCurrentRawStream(index))),
+        ("api._current_stream(i)", timed(lambda: rt._current_stream(index))),
+        ("pooled event.record(stream)", timed(event)),
+        ("ring.claim(shape)", timed(lambda: ring.claim(launch.shape), ring.reset)),
+        ("the launcher alone (arguments ready)",
+         timed(lambda: run(*launch.grid, 1, raw_stream, function, metadata, None, None, None, x.data_ptr(),
+                           out, *launch.args))),
+        ("fused.column_stats(x) into device memory", timed(lambda: fused.column_stats(x, stats))),
+        ("fused.column_stats(x, ring.claim)", timed(lambda: fused.column_stats(x, stats, ring.claim), ring.reset)),
+        ("TILES.reduce(x, ring.claim)", timed(lambda: TILES.reduce(x, ring.claim), ring.reset)),
+        ("api._device_stage(TILES, x, ring)", timed(lambda: rt._device_stage(TILES, x, ring), ring.reset)),
+    ]
+
+
 def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: int = 50,
                profile: bool = False) -> list[tuple[str, float]]:
     """Microseconds per trace() call on the calling thread (see the module doc), and
@@ -174,6 +214,10 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: i
                      ("  the same, Triton's dispatch each call", statistics.median(dispatched))]
         else:
             rows.append(("tiles subscription, due", per_call("traced", True)))
+        if profile and x.is_cuda and hub == "process" and tc.fused_kernel() is not None:
+            print(f"\n-- the parts of a due call, timed alone (hub: {hub}), us")
+            for label, micros in due_call_parts(rt, x, reps, layers):
+                print(f"{label:44}{micros:8.2f}")
         if profile:  # where a due call's time goes, by function (own time)
             import cProfile
             import pstats
@@ -193,7 +237,7 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: i
         if x.is_cuda:  # a CPU result needs no event
             pool = rt._events.setdefault((x.device.index, False), collections.deque())
             rows.append(("  of which: event (from the pool)",
-                         host_loop(lambda _: pool.append(rt._record(x.device, False)), device, reps, layers)))
+                         host_loop(lambda _: pool.append(rt._record(x.device.index, False)), device, reps, layers)))
         rows.append(("  device stage, torch reductions", host_loop(lambda _: torch_tiles(x), device, reps, layers)))
         if x.is_cuda and tc.fused_kernel() is not None:
             with triton_launch(False):
@@ -217,7 +261,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--profile", action="store_true", help="a cProfile of due trace() calls, per hub kind")
+    p.add_argument("--profile", action="store_true", help="where a due trace() call's host time goes: its parts "
+                   "timed alone (GPU, hub: process) and a cProfile, per hub kind")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     shape = (1024, 4, 1024) if device == "cuda" else (64, 4, 256)

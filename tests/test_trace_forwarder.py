@@ -113,10 +113,33 @@ def test_a_kernel_can_claim_a_slice_to_write_its_result_into():
     view.copy_(torch.arange(6.0).view(2, 3))
     assert claimed.slot == (ALIGN, 2 * ALIGN, "<f4", [2, 3]) and view.shape == (2, 3)
     assert claimed.data_ptr() == view.data_ptr() == ring.bytes.data_ptr() + ALIGN  # what a launcher reads
-    assert claimed.device_ptr() is None  # not pinned: no device address
+    assert claimed.device_address is None  # not pinned: no device address
     assert np.array_equal(np.frombuffer(ring.bytes.numpy(), "<f4", 6, ALIGN), np.arange(6.0))
     head = ring.head
     assert ring.claim((4 * ALIGN,)) is None and ring.head == head  # too big now: nothing taken
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_refused_page_lock_leaves_no_cuda_error_for_the_next_kernel():
+    """The ring registers through the driver: a refusal (here: memory registered
+    already) must not stay behind as the runtime's last error, which torch's next
+    launch check would raise in the traced code."""
+    import mmap
+
+    from source_patch.runtime.trace.ring import register, unregister
+
+    memory = mmap.mmap(-1, 1 << 20)
+    address = torch.frombuffer(memory, dtype=torch.uint8).data_ptr()
+    x = torch.ones(4, device="cuda")
+    assert register(address, len(memory))
+    try:
+        assert not register(address, len(memory))  # refused: already registered
+        x.mul_(2)  # raised "part or all of the requested memory range is already mapped" with the runtime's call
+        torch.cuda.synchronize()
+        assert x.tolist() == [2.0] * 4
+    finally:
+        assert unregister(address)
 
 
 @pytest.mark.gpu

@@ -109,11 +109,12 @@ def trace(name: str, tensor, /, **tags):
     if not _enabled:
         return tensor
     table = _table
-    routes = table.routes.get((name, tags.get("layer")))
+    key = (name, tags.get("layer"))
+    routes = table.routes.get(key)
     if routes is None:
-        routes = _first_sight(table, name, tensor, tags)
+        routes = _first_sight(table, key, tensor)
     if routes:
-        _emit(routes, name, tensor, tags)
+        _emit(routes, key, tensor, tags)
     return tensor
 
 
@@ -130,7 +131,7 @@ def trace_step(success: Any = True, *, step: int | None = None) -> Any:
                 _step += 1
         if _pending:
             with _cond:
-                _cond.notify_all()  # the step's results go out together, between steps
+                _wake_publisher()  # the step's results go out together, between steps
     except Exception as exc:  # noqa: BLE001
         _fail("trace_step", exc)
     return success
@@ -259,13 +260,12 @@ trace_state = state
 # ---------------------------------------------------------------- hot path
 
 
-def _first_sight(table: _Table, name: str, tensor, tags: dict) -> tuple:
+def _first_sight(table: _Table, key: tuple, tensor) -> tuple:
     """A (name, layer) not in the table yet: remember it for ``list``, find the
     subscriptions it matches and cache them in this table."""
+    name, layer = key
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"trace({name!r}, ...) takes a tensor, got {type(tensor).__name__}")
-    layer = tags.get("layer")
-    key = (name, layer)
     if key not in _seen and len(_seen) < MAX_NAMES:
         _seen[key] = (list(tensor.shape), str(tensor.dtype))
     routes = tuple(sub for sub in table.subs if sub.matches(name, layer))
@@ -274,11 +274,10 @@ def _first_sight(table: _Table, name: str, tensor, tags: dict) -> tuple:
     return routes
 
 
-def _emit(routes: tuple, name: str, tensor, tags: dict) -> None:
+def _emit(routes: tuple, key: tuple, tensor, tags: dict) -> None:
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"trace({name!r}, ...) takes a tensor, got {type(tensor).__name__}")
+        raise TypeError(f"trace({key[0]!r}, ...) takes a tensor, got {type(tensor).__name__}")
     step = _step
-    key = (name, tags.get("layer"))
     due = []
     for sub in routes:
         following = sub.next_step.get(key)
@@ -289,48 +288,73 @@ def _emit(routes: tuple, name: str, tensor, tags: dict) -> None:
         return
     start = time.perf_counter()
     try:
-        _compress(due, key, name, tensor, tags, step)
+        _compress(due, key, tensor, tags, step)
     except Exception as exc:  # noqa: BLE001 - tracing must never break the step
-        _fail(f"trace({name!r})", exc)
+        _fail(f"trace({key[0]!r})", exc)
     _cost["trace_calls"] += time.perf_counter() - start  # a statistic: a rare lost update is fine
 
 
-def _compress(due: list, key: tuple, name: str, tensor: torch.Tensor, tags: dict, step: int) -> None:
-    if tensor.numel() == 0 or (tensor.is_cuda and torch.cuda.is_current_stream_capturing()):
+def _compress(due: list, key: tuple, tensor: torch.Tensor, tags: dict, step: int) -> None:
+    # A due call's host time is the training thread's cost of tracing (docs/benchmarks.md
+    # times each part): the common case, one compressor on a CUDA tensor into the ring,
+    # takes the fewest calls; each torch or Python call here costs ~0.2-2 us.
+    cuda = tensor.is_cuda
+    if tensor.numel() == 0 or (cuda and _capturing()):
         _count("skipped")  # nothing to reduce / no Python runs at graph replay anyway
         return
-    groups: dict = {}
     for sub in due:
         sub.next_step[key] = step + sub.every
-        groups.setdefault(sub.compressor.key, []).append(sub)
+    groups = (due,) if len(due) == 1 else _by_compressor(due)
     stamp = time.time()
-    tags = {**ambient.context(), **tags}  # now: published later, the microbatch will have moved on
-    timing = tensor.is_cuda and _config["device_timing"]
-    for subs in groups.values():
+    context = ambient.context()
+    if context:  # copied now: published later, the microbatch will have moved on
+        tags = {**context, **tags}
+    device = tensor.get_device() if cuda else None
+    timing = cuda and _config["device_timing"]
+    for subs in groups:
         if len(_pending) >= _config["queue"]:  # the publisher is behind: drop, never wait
             _count("dropped")
             continue
-        start = _record(tensor.device, True) if timing else None
+        start = _record(device, True) if timing else None
         try:
             result, slot = _device_stage(subs[0].compressor, tensor, _ring)
         except Exception as exc:  # noqa: BLE001 - a client's parameters that do not fit
-            _compress_failed(subs, name, exc)
+            _compress_failed(subs, key[0], exc)
             continue
         if result is None:
             _count("dropped")  # the forwarder is behind: its ring is full
             continue
-        if slot is not None and tensor.is_cuda:  # in the ring, or on its way there
-            result, event = None, _record(tensor.device, timing)
+        if slot is not None and cuda:  # in the ring, or on its way there
+            result, event = None, _record(device, timing)
         else:
             result, event = _mark(result, timing)
-        item = _Result(subs, name, tags, step, stamp, result, event, start, tensor, slot)
+        item = _Result(subs, key[0], tags, step, stamp, result, event, start, tensor, slot)
         with _cond:
-            if _publisher is None or not _publisher.is_alive():
-                _start_publisher()
             _pending.append(item)
             _counts["results"] += 1
-            if len(_pending) >= BATCH:
-                _cond.notify_all()
+            if _publisher is None or len(_pending) >= BATCH:
+                _wake_publisher()
+
+
+def _by_compressor(due: list) -> tuple:
+    """Subscriptions with equal compressors share one reduction."""
+    groups: dict = {}
+    for sub in due:
+        groups.setdefault(sub.compressor.key, []).append(sub)
+    return tuple(groups.values())
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (torch's own test, without
+    its Python wrapper)."""
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
+def _wake_publisher() -> None:
+    """(caller holds _cond) Start the publisher where it is not running, and wake it."""
+    if _publisher is None or not _publisher.is_alive():
+        _start_publisher()
+    _cond.notify_all()
 
 
 def _device_stage(compressor, tensor: torch.Tensor, ring) -> tuple:
@@ -339,7 +363,7 @@ def _device_stage(compressor, tensor: torch.Tensor, ring) -> tuple:
     or copied there asynchronously; (None, None) when the ring is full."""
     if ring is None:
         return compressor.reduce(tensor), None
-    if tensor.is_cuda and ring.direct and ring.pin():
+    if ring.direct and tensor.is_cuda and (ring.pinned or ring.pin()):
         head = ring.head
         try:
             result = compressor.reduce(tensor, ring.claim)
@@ -349,7 +373,7 @@ def _device_stage(compressor, tensor: torch.Tensor, ring) -> tuple:
             ring.direct = False  # a kernel that cannot write host memory here: copy from now on
             _fail("a trace kernel writing to the ring (copying instead)", sys.exc_info()[1])
             result = compressor.reduce(tensor)
-        if isinstance(result, Slice):
+        if type(result) is Slice:
             return result, result.slot
     else:
         result = compressor.reduce(tensor)
@@ -364,22 +388,26 @@ def _mark(result: torch.Tensor, timing: bool = False):
     the publisher's host copy waits for (None off CUDA: a CPU result is ready, another
     accelerator's is copied here, synchronously)."""
     if result.is_cuda:
-        return result, _record(result.device, timing)
+        return result, _record(result.get_device(), timing)
     return (result if result.device.type == "cpu" else result.to("cpu")), None
 
 
-def _record(device: torch.device, timing: bool):
-    """An event from the pool, recorded on the current stream: a few microseconds,
-    where creating one per call (and a pinned buffer and a copy) cost ~25."""
-    pool = _events.get((device.index, timing))
+def _record(index: int, timing: bool):
+    """An event from the pool, recorded on device ``index``'s current stream: a few
+    microseconds, where creating one per call (and a pinned buffer and a copy) cost ~25."""
+    pool = _events.get((index, timing))
     if pool is None:
-        pool = _events[(device.index, timing)] = deque()
+        pool = _events[(index, timing)] = deque()
     try:
         event = pool.pop()
     except IndexError:
         event = torch.cuda.Event(enable_timing=timing)
-    event.record(_current_stream(device.index))
+    _event_record(event, _current_stream(index))
     return event
+
+
+# torch.cuda.Event.record(stream) without its Python wrapper, where torch has the C method.
+_event_record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None) or torch.cuda.Event.record
 
 
 _stream_objects: dict = {}  # (device index, stream id) -> torch.cuda.Stream
@@ -405,7 +433,7 @@ class _Result:
     def __init__(self, subs, name, tags, step, stamp, result, event, start, tensor, slot=None):
         self.subs, self.name, self.tags, self.step, self.time = subs, name, tags, step, stamp
         self.host, self.event, self.start = result, event, start  # host: on the device until fetched
-        self.shape, self.dtype = list(tensor.shape), str(tensor.dtype)
+        self.shape, self.dtype = tensor.shape, tensor.dtype  # (torch.Size, torch.dtype) the hub writes out
         self.slot = slot  # (offset, end, dtype, shape) in the shared ring: the bytes are there, not in host
 
 

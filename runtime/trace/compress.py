@@ -75,14 +75,16 @@ class Compressor:
     def reduce(self, tensor: torch.Tensor, into: Callable | None = None) -> torch.Tensor:
         """The device stage: a small tensor on ``tensor``'s device, without a sync.
         ``into(shape)``, where given, offers float32 host memory the device can write (the
-        trace ring): a compressor whose kernel can write there directly returns that
-        tensor (the write lands when the stream gets there); the others ignore it."""
+        trace ring): a compressor whose kernel can write there directly returns what
+        ``into`` gave (the write lands when the stream gets there); the others ignore it."""
         if tensor.numel() == 0:
             raise ValueError("empty tensor")
+        if into is not None and self._into is not None:
+            result = self._into(tensor, into)  # a kernel reads pointers only: nothing to detach
+            if result is not None:
+                return result
         if tensor.is_complex():
             raise TypeError("complex tensors are not supported")
-        if into is not None and self._into is not None:
-            return self._into(tensor, into)  # detached where torch ops run (a kernel reads pointers only)
         return self._reduce(tensor.detach())
 
     def finish(self, array: np.ndarray, shape: tuple) -> np.ndarray:
@@ -156,29 +158,41 @@ def _tiles(params: dict, _raw_max: int) -> Compressor:
     tiles = _int("tiles", "tiles", params["tiles"], 1, MAX_TILES)
     dim = _int("tiles", "dim", params["dim"], -64, 63)
     canonical = {"stats": list(stats), "tiles": tiles, "dim": dim}
+    stats = tuple(stats)
     # float32 [len(stats), n]: `dim` (size D) cut into contiguous tiles of
     # ceil(D / min(tiles, D)) entries (the last may be shorter, so n = ceil(D / size) may
     # be below `tiles`); each stat over every other dim x tile.
     return Compressor("tiles", canonical, lambda x: tile_columns(x, stats, dim),
                       lambda columns, shape: tile_finish(columns, shape, stats, tiles),
-                      lambda x, into: tile_columns(x, stats, dim, into))
+                      lambda x, into: _fused_into(x, stats, dim, into))
 
 
-def tile_columns(x: torch.Tensor, stats, dim: int = -1, into: Callable | None = None) -> torch.Tensor:
+def _fused_into(x: torch.Tensor, stats: tuple, dim: int, into: Callable):
+    """The fused kernel's result written where ``into`` says, or None where that kernel
+    does not apply (tile_columns' conditions; checked here first: this is the traced
+    call's hot path)."""
+    if x.is_cuda and x.is_floating_point() and x.is_contiguous():
+        rank = x.dim()
+        if rank < 2:
+            x, rank, dim = x.reshape(1, -1), 2, -1
+        if dim % rank == rank - 1 and (fused := fused_kernel()) is not None:
+            return fused.column_stats(x, stats, into)
+    return None
+
+
+def tile_columns(x: torch.Tensor, stats, dim: int = -1) -> torch.Tensor:
     """The device stage of tiles, float32 [len(stats), D] (or [splits, len(stats), D] from
     the fused kernel, fused.py): per stat one reduction over
     every dim but ``dim`` (sum; 2-norm; inf-norm; min; max), written in place.  Column
     first: reducing (rows, within-tile) at once ran slower on an H200, and the
     per-tile step is left to the host (docs/benchmarks.md).  Float32 accumulation, no
-    float32 copy of ``x``, no copy for a ``dim`` that is not last.  ``into``: see
-    Compressor.reduce (only the fused kernel writes there)."""
+    float32 copy of ``x``, no copy for a ``dim`` that is not last."""
     x = _floating(x)
     if x.dim() < 2:
         x, dim = x.reshape(1, -1), -1
     dim = dim % x.dim()
-    if x.is_cuda and dim == x.dim() - 1 and x.is_contiguous() and fused_kernel() is not None:
-        return fused_kernel().column_stats(x, tuple(stats), into)  # one launch, one pass (fused.py)
-    x = x.detach()  # from the `into` path: no autograd graph for the reductions
+    if x.is_cuda and dim == x.dim() - 1 and x.is_contiguous() and (fused := fused_kernel()) is not None:
+        return fused.column_stats(x, tuple(stats))  # one launch, one pass (fused.py)
     dims = tuple(d for d in range(x.dim()) if d != dim)
     out = torch.empty((len(stats), x.shape[dim]), dtype=torch.float32, device=x.device)
     for row, stat in zip(out, stats):

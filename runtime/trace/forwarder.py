@@ -137,7 +137,7 @@ class Forwarder:
         for item in items:
             meta = {"subs": [sub.client for sub in item.subs], "name": item.name,
                     "tags": {k: tag_value(v) for k, v in item.tags.items()}, "step": item.step,
-                    "time": item.time, "shape": item.shape, "dtype": item.dtype}
+                    "time": item.time, "shape": list(item.shape), "dtype": str(item.dtype)}
             if item.slot is not None:
                 offset, release, dtype, shape = item.slot  # slots come in order: the last end counts
                 meta["ring"] = [offset, dtype, shape]

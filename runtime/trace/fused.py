@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import compress
+from .ring import Slice
 
 STATS = ("mean", "rms", "absmax", "min", "max")
 ELEMENTS = 2048    # per loop iteration of a program: BLOCK_R x BLOCK_C (x5 accumulators in registers)
@@ -123,6 +124,9 @@ class _Launch:
 _launches: dict = {}  # (shape, dtype, device, 16-byte aligned, stats) -> _Launch
 MAX_LAUNCHES = 4096   # layouts remembered (forgotten all at once beyond: a bound, not an LRU)
 _hooks = triton.knobs.runtime if hasattr(triton, "knobs") else None
+# (absent from a CPU build of torch, where only Triton's interpreter runs this module)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def column_stats(x: torch.Tensor, stats: tuple, into=None):
@@ -134,8 +138,8 @@ def column_stats(x: torch.Tensor, stats: tuple, into=None):
     host memory mapped for the device to write the result into, 16-byte aligned: a
     tensor, or a ring.Slice (launched at its device address where the ring knows it),
     which is then what is returned; None there or no ``into``: device memory."""
-    address = x.data_ptr()
-    key = (x.shape, x.dtype, x.get_device(), address % 16 == 0, stats)
+    address, device = x.data_ptr(), x.get_device()
+    key = (x.shape, x.dtype, device, address & 15 == 0, stats)
     launch = _launches.get(key)
     if launch is None:
         if len(_launches) >= MAX_LAUNCHES:
@@ -145,19 +149,18 @@ def column_stats(x: torch.Tensor, stats: tuple, into=None):
     if out is None:
         out = torch.empty(launch.shape, dtype=torch.float32, device=x.device)
     compiled = launch.compiled
-    if compiled is not None and compress.DIRECT_LAUNCH and _no_hooks() and torch._C._cuda_getDevice() == key[2]:
+    if compiled is not None and compress.DIRECT_LAUNCH and _no_hooks() and _current_device() == device:
         run, function, metadata = compiled
-        target = out if isinstance(out, torch.Tensor) else out.device_ptr() or out  # a ring slice: its device address
+        target = out.device_address or out if type(out) is Slice else out  # a ring slice: its device address
         try:
-            run(*launch.grid, 1, torch._C._cuda_getCurrentRawStream(key[2]), function, metadata, None, None, None,
-                address, target, *launch.args)
+            run(*launch.grid, 1, _current_raw_stream(device), function, metadata, None, None, None, address, target,
+                *launch.args)
             return out
         except TypeError:  # a launcher that takes other arguments (refused before launching): Triton's dispatch
             _launches.clear()
             compress.DIRECT_LAUNCH = False
-    kernel = _column_stats[launch.grid](x, out if isinstance(out, torch.Tensor) else out.tensor(), *launch.args,
-                                        num_warps=8)
-    if compiled is None and kernel is not None and torch._C._cuda_getDevice() == key[2]:
+    kernel = _column_stats[launch.grid](x, out.tensor() if type(out) is Slice else out, *launch.args, num_warps=8)
+    if compiled is None and kernel is not None and _current_device() == device:
         launch.compiled = _launcher(kernel)  # None under Triton's interpreter (kernel None)
     return out
 

@@ -324,7 +324,7 @@ class Hub:
             try:
                 tags = {k: tag_value(v) for k, v in item.tags.items()}
                 frames += result_frames(item.subs, item.host.numpy(), item.name, tags, item.step, item.time,
-                                        item.shape, item.dtype, rank)
+                                        list(item.shape), str(item.dtype), rank)
             except Exception as exc:  # noqa: BLE001 - one bad result must not lose the batch
                 self.runtime._fail(f"publishing {item.name!r}", exc)
         if frames:

@@ -3,7 +3,7 @@ straight from the device.
 
 With ``hub: process`` the training thread copies each reduced result (a few KB to a
 few hundred KB) into the next free slice of this ring, asynchronously on its own
-stream; the memory is page-locked (``cudaHostRegister``) so the copy is a real DMA
+stream; the memory is page-locked (``cuMemHostRegister``) so the copy is a real DMA
 that returns at once.  The publisher thread then only waits for the copies' events
 (without the GIL) and sends the forwarder a short header naming the slices; the
 forwarder reads the bytes from its own mapping of the same memory and says how far it
@@ -20,6 +20,7 @@ never waited for.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 import os
@@ -53,9 +54,7 @@ class Ring:
     def pin(self) -> bool:
         """Page-lock the ring once, for asynchronous device copies (False: cannot)."""
         if self.pinned is None:
-            flags = 1 | 2  # cudaHostRegisterPortable | Mapped: every device's context, kernels write it
-            status = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.size, flags)
-            self.pinned = int(status) == 0
+            self.pinned = register(self.address, self.size)
             if self.pinned:
                 self.device_address = _device_address(self.address)
         return self.pinned
@@ -112,16 +111,49 @@ class Ring:
         self.tail = self.head
 
 
+@functools.lru_cache(maxsize=1)
+def _driver():
+    """The CUDA driver library (ctypes), or None where there is none."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def register(address: int, size: int) -> bool:
+    """Page-lock ``size`` bytes at ``address`` for every device's context and map them
+    into the devices' address space (kernels write there); False where refused.
+    Through the driver, not the runtime: a refused ``cudaHostRegister`` stays the
+    thread's last runtime error, which torch's next kernel launch check would raise in
+    the traced code; the driver's refusal leaves nothing behind."""
+    cuda = _driver()
+    if cuda is None:
+        return False
+    torch.cuda.current_device()  # the runtime's primary context, current on this thread
+    portable, devicemap = 1, 2  # CU_MEMHOSTREGISTER_* (cuda.h)
+    status = cuda.cuMemHostRegister_v2(ctypes.c_void_p(address), ctypes.c_size_t(size),
+                                       ctypes.c_uint(portable | devicemap))
+    return status == 0
+
+
+def unregister(address: int) -> bool:
+    """Undo ``register`` (tests: the ring itself stays registered until exit)."""
+    cuda = _driver()
+    return cuda is not None and cuda.cuMemHostUnregister(ctypes.c_void_p(address)) == 0
+
+
 def _device_address(host: int) -> int | None:
     """The device address of registered host memory, from the driver (the same number
     as the host's on most systems, not on all); None where it cannot be asked.  Asked
     once: a launcher given a host address asks at every launch (cuPointerGetAttribute)."""
+    cuda = _driver()
+    if cuda is None:
+        return None
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
         address = ctypes.c_uint64()
         device_pointer = 3  # CU_POINTER_ATTRIBUTE_DEVICE_POINTER (cuda.h)
         status = cuda.cuPointerGetAttribute(ctypes.byref(address), device_pointer, ctypes.c_uint64(host))
-    except (OSError, AttributeError):
+    except AttributeError:
         return None
     # Registration maps whole pages: an answer that moves the offset within a page is not an address.
     ok = status == 0 and address.value and (address.value - host) % mmap.PAGESIZE == 0
@@ -129,13 +161,16 @@ def _device_address(host: int) -> int | None:
 
 
 class Slice:
-    """A claimed slice of the ring as a kernel launcher takes it: ``data_ptr()`` (the
-    launcher maps the host address to the device's) or ``tensor()``, a float32 view."""
+    """A claimed slice of the ring as a kernel launcher takes it: ``device_address``
+    (where known), ``data_ptr()`` (the launcher maps the host address to the device's)
+    or ``tensor()``, a float32 view."""
 
-    __slots__ = ("ring", "offset", "end", "shape")
+    __slots__ = ("ring", "offset", "end", "shape", "device_address")
 
     def __init__(self, ring: Ring, offset: int, end: int, shape: tuple):
         self.ring, self.offset, self.end, self.shape = ring, offset, end, shape
+        base = ring.device_address
+        self.device_address = None if base is None else base + offset  # a launcher given it asks nothing
 
     @property
     def slot(self) -> tuple:
@@ -145,11 +180,6 @@ class Slice:
     def data_ptr(self) -> int:
         """The host address (a launcher given this object asks the driver for the device's)."""
         return self.ring.address + self.offset
-
-    def device_ptr(self) -> int | None:
-        """The device's address of the slice, where known: a launcher given it asks nothing."""
-        base = self.ring.device_address
-        return None if base is None else base + self.offset
 
     def tensor(self) -> torch.Tensor:
         start = self.offset // 4
