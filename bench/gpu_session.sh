@@ -3,7 +3,7 @@
 #   here:   pip download the cp312 wheels of megatron-core, libcst, packaging and websockets into
 #           .whl/ (see ../shared/gpu.md) and `pip wheel --no-deps --no-build-isolation . -w .whl`
 #           and for `newest`: the cp312 wheel of megatron-core 0.19.2 into .whl/next/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [launch] [weights] [phases] [push] [newest]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [launch] [bias] [weights] [phases] [push] [newest]
 #           (default: all; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
 #  `weights` needs two GPUs: the nvidia-h200-x2 kind; `phases` runs on one)
@@ -17,7 +17,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | ta
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import sys, torch, megatron.core, libcst, source_patch.patcher; print(sys.version.split()[0], torch.__version__)" | tee -a "$OUT/gpu.txt"
 
-parts=${*:-tests dump step routing trace launch weights phases push newest}
+parts=${*:-tests dump step routing trace launch bias weights phases push newest}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 if want tests; then
@@ -57,6 +57,11 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_trace_forwar
 timeout 90 python3 bench/compressor_bench.py --profile 2>&1 | tee "$OUT/compressor_bench_launch.txt" | grep -v "^source-patch"
 timeout 330 python3 bench/trace_bench.py --resolve --before --before-settings device_timing=1,triton_launch=triton \
   --rounds 1 --toggle-steps 700 --phase 4 --warmup 8 --save "$OUT/launch_run.json" 2>&1 | tee "$OUT/trace_bench_launch.txt" | tail -14
+fi
+if want bias; then
+echo "== trace bench bias: the toggling process and an A/A process (same requests, nothing traced), GC time per step"
+timeout 420 python3 bench/trace_bench.py --resolve --aa --gc --settings device_timing=0 --rounds 1 \
+  --toggle-steps 650 --phase 4 --warmup 8 --save "$OUT/bias_run.json" 2>&1 | tee "$OUT/trace_bench_bias.txt" | tail -16
 fi
 if want weights; then
 echo "== weight sync: bucketed vs per-tensor vs raw broadcast, 2 GPUs over NCCL"

@@ -53,14 +53,19 @@ TOKEN = "trace-bench"
 PROCESSES = ["no trace spec", "trace spec, no client", "toggling client", "stalled client"]
 TRACED, UNTRACED = "toggling: traced", "toggling: not traced"
 BEFORE = "before"  # toggling with other trace settings (--before-settings; default the hub in a thread, torch reductions)
-TOGGLING = ("toggling client", BEFORE)
+AA = "A/A client"  # the same toggling traffic, subscribed to a name nothing traces (--aa)
+TOGGLING = ("toggling client", BEFORE, AA)
+LABELS = {"toggling client": (TRACED, UNTRACED), BEFORE: (f"{BEFORE}: traced", f"{BEFORE}: not traced"),
+          AA: ("A/A: subscribed to nothing", "A/A: not subscribed")}
 
 
-async def toggling_client(port: int, report: dict, phase: int) -> None:
+async def toggling_client(port: int, report: dict, phase: int, aa: bool = False) -> None:
     """Subscribe to every layer's output with tiles until frames of `phase` steps have
     arrived, unsubscribe for as long, again until the process ends; count the frames
     of each step and the process's tracing cost over the subscribed phases but the first
-    (whose first launches load or compile the kernels)."""
+    (whose first launches load or compile the kernels).  ``aa``: subscribe to a name
+    nothing traces instead, for `phase` steps by the process's step counter (the A/A
+    check: the same requests, no tracing; steps are then classed by the requests)."""
     from websockets.exceptions import ConnectionClosed
 
     frames: dict = {}
@@ -73,10 +78,13 @@ async def toggling_client(port: int, report: dict, phase: int) -> None:
         try:
             while True:
                 before = await c.stats()
-                await c.subscribe(["layer_output"], compressor={"kind": "tiles"}, id="tiles")
+                await c.subscribe(["trace_bench_nothing" if aa else "layer_output"], compressor={"kind": "tiles"},
+                                  id="tiles")
                 control.append(("subscribe", before["step"]))
                 started, steps = loop.time(), set()
-                while len(steps) <= phase:  # the first step seen may be partial
+                while aa and (await c.stats())["step"] <= before["step"] + phase:
+                    await asyncio.sleep(0.02)
+                while not aa and len(steps) <= phase:  # the first step seen may be partial
                     frame = await c.next_frame()
                     frames[frame.step] = frames.get(frame.step, 0) + 1
                     steps.add(frame.step)
@@ -110,8 +118,7 @@ def split_steps(times: list[float], frames: dict, layers: int, warmup: int) -> l
     for i, t in enumerate(times):
         if i < warmup or i == 0:
             continue
-        now, before = frames.get(i, 0), frames.get(i - 1, 0)
-        kind = True if now == before == layers else False if now == before == 0 else None
+        kind = step_kind(i, frames, layers)
         if kind is None:
             runs.append((None, []))
         elif runs and runs[-1][0] is kind:
@@ -119,6 +126,43 @@ def split_steps(times: list[float], frames: dict, layers: int, warmup: int) -> l
         else:
             runs.append((kind, [t]))
     return [run for run in runs if run[0] is not None]
+
+
+def step_kind(i: int, frames: dict, layers: int) -> bool | None:
+    """Traced (True), not traced (False) or a transition step (None)."""
+    now, before = frames.get(i, 0), frames.get(i - 1, 0)
+    return True if now == before == layers else False if now == before == 0 else None
+
+
+def aa_frames(control: list, layers: int) -> dict:
+    """(A/A) The frames the toggling client would have counted: every layer's for each
+    step after a subscribe was asked and before the unsubscribe was answered."""
+    frames: dict = {}
+    asked = None
+    for request, step in control:
+        if request == "subscribe":
+            asked = step
+        elif asked is not None:
+            frames.update((i, layers) for i in range(asked + 1, step))
+            asked = None
+    return frames
+
+
+def gc_summary(times: list[float], frames: dict, layers: int, warmup: int, gc: list) -> str:
+    """Collections in traced and not-traced steps (classed as split_steps does): ms per
+    step, gen-2 collections, and how many of the slowest tenth of the classed steps
+    collected generation 2."""
+    classed = [(kind, t, gc[i]) for i, t in enumerate(times)
+               if i >= max(warmup, 1) and (kind := step_kind(i, frames, layers)) is not None]
+    parts = []
+    for kind in (True, False):
+        steps = [g for k, _, g in classed if k is kind]
+        if steps:
+            parts.append(f"{'traced' if kind else 'not traced'}: {statistics.fmean(g[0] for g in steps):.2f} ms/step, "
+                         f"{sum(g[3] for g in steps)} gen-2 in {len(steps)} steps")
+    slowest = sorted(classed, key=lambda c: -c[1])[:max(1, len(classed) // 10)]
+    parts.append(f"slowest tenth: {sum(g[3] > 0 for _, _, g in slowest)} of {len(slowest)} collected gen 2")
+    return "gc " + "; ".join(parts)
 
 
 def paired(runs: list[tuple[bool, list]]) -> list[float]:
@@ -180,6 +224,10 @@ def main() -> None:
     p.add_argument("--save", metavar="JSON", help="also write the step times, paired ratios and every toggling step's record (index, frames, seconds; the client's requests by step) here")
     p.add_argument("--pool", nargs="+", metavar="JSON", help="run nothing: pool the runs saved with --save "
                    "(several device calls of one setting) and print their comparison")
+    p.add_argument("--aa", action="store_true", help="also an A/A process: the toggling client's requests, "
+                   "subscribed to a name nothing traces (the protocol's own effect on the step time)")
+    p.add_argument("--gc", action="store_true", help="record the garbage collector's time per step "
+                   "(bench/gc_probe.py) and say whether the slow steps are the ones that collected")
     p.add_argument("--before", action="store_true",
                    help="also a toggling process with --before-settings (by default as before issue 18)")
     args = p.parse_args()
@@ -190,10 +238,13 @@ def main() -> None:
     processes = ["toggling client"] if args.resolve else list(PROCESSES)
     if args.before:
         processes.insert(1, BEFORE)
+    if args.aa:
+        processes.insert(1, AA)
     training.header(args)
     reports: dict = {}
     samples: dict = {name: [] for name in ["no trace spec", "trace spec, no client", UNTRACED, TRACED,
-                                           "stalled client", *(f"{BEFORE}: {c}" for c in ("not traced", "traced"))]}
+                                           "stalled client", *(f"{BEFORE}: {c}" for c in ("not traced", "traced")),
+                                           *LABELS[AA]]}
     pairs: dict = {}
     records: dict = {}  # per toggling process: every step's (index, frames, seconds) and the client's requests
 
@@ -211,6 +262,7 @@ def main() -> None:
             report: dict = {}
             client = {"toggling client": lambda: toggling_client(port, report, args.phase),
                       BEFORE: lambda: toggling_client(port, report, args.phase),
+                      AA: lambda: toggling_client(port, report, args.phase, aa=True),
                       "stalled client": lambda: stalled_client(port, report)}.get(name)
             thread = None
             if client is not None:
@@ -219,21 +271,25 @@ def main() -> None:
                 thread = threading.Thread(target=lambda: asyncio.run(client()), daemon=True)
                 thread.start()
             steps = (args.toggle_steps or args.steps * 4) if name in TOGGLING else args.steps
-            times = training.train(args, training.environment("SOURCE_PATCH_TRACE", **env), name, steps=steps)
+            gc = [] if args.gc else None
+            times = training.train(args, training.environment("SOURCE_PATCH_TRACE", **env), name, steps=steps,
+                                   gc=gc)
             if thread is not None:
                 thread.join(60)
             if name in TOGGLING:
-                runs = split_steps(times, report.get("frames", {}), args.layers, args.warmup)
+                frames = aa_frames(report.get("control", []), args.layers) if name == AA else report.get("frames", {})
+                runs = split_steps(times, frames, args.layers, args.warmup)
                 traced = [t for kind, ts in runs if kind for t in ts]
                 untraced = [t for kind, ts in runs if not kind for t in ts]
-                on, off = (TRACED, UNTRACED) if name == "toggling client" else (f"{BEFORE}: traced", f"{BEFORE}: not traced")
+                on, off = LABELS[name]
                 samples[on] += traced
                 samples[off] += untraced
                 pairs.setdefault(name, []).extend(paired(runs))
-                frames = report.get("frames", {})
                 records.setdefault(name, []).append({
                     "steps": [[i, frames.get(i, 0), t] for i, t in enumerate(times)],
-                    "control": report.get("control", [])})
+                    "control": report.get("control", []), "gc": gc})
+                if gc:
+                    print(f"{name}: " + gc_summary(times, frames, args.layers, args.warmup, gc), flush=True)
                 cost = dict(report.get("cost", {}))
                 subscribed = max(cost.pop("steps", 0), 1)
                 reports.setdefault(name, []).append(
@@ -260,8 +316,9 @@ def main() -> None:
 
 def compare(samples: dict, pairs: dict) -> None:
     training.ratio(samples, TRACED, UNTRACED)
-    if samples.get(f"{BEFORE}: traced"):
-        training.ratio(samples, f"{BEFORE}: traced", f"{BEFORE}: not traced")
+    for name in (BEFORE, AA):
+        if samples.get(LABELS[name][0]):
+            training.ratio(samples, *LABELS[name])
     for name, ratios in pairs.items():
         if len(ratios) >= 3:
             print(f"{name}, paired by toggle cycle ({len(ratios)} traced runs against their "

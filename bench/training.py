@@ -5,6 +5,7 @@ cut short by a time limit still reports what it measured)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
@@ -21,6 +22,7 @@ import stats  # bench/
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
 STEP = re.compile(r"^step \d+/\d+ .* time (\d+(?:\.\d+)?) ms$", re.M)
+GC_STEPS = re.compile(r"^gc-steps: (.*)$", re.M)
 CUDA = torch.cuda.is_available()
 
 
@@ -42,16 +44,21 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def train(args, environ: dict, what: str, steps: int | None = None) -> list[float]:
-    """Run the example with these sizes and environment; its per-step times in ms."""
+def train(args, environ: dict, what: str, steps: int | None = None, gc: list | None = None) -> list[float]:
+    """Run the example with these sizes and environment; its per-step times in ms.
+    With a ``gc`` list: run it under gc_probe.py and fill the list with each step's
+    [ms collecting, collections of generation 0, 1, 2]."""
     size = ["--steps", str(steps or args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden),
             "--heads", str(args.heads), "--seq-len", str(args.seq_len),
             "--micro-batch", str(args.micro_batch), "--micro-batches", str(args.micro_batches),
             "--experts", str(args.experts), "--vocab", str(args.vocab)]
-    out = subprocess.run([sys.executable, str(EXAMPLE), *size], env=environ, capture_output=True,
+    probe = [str(Path(__file__).with_name("gc_probe.py"))] if gc is not None else []
+    out = subprocess.run([sys.executable, *probe, str(EXAMPLE), *size], env=environ, capture_output=True,
                          text=True, timeout=900)
     if out.returncode != 0 or "write error" in out.stdout:
         raise SystemExit(f"{what} failed:\n{out.stdout}\n{out.stderr}")
+    if gc is not None:
+        gc.extend(json.loads(GC_STEPS.search(out.stdout).group(1)))
     return [float(t) for t in STEP.findall(out.stdout)]
 
 
