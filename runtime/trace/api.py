@@ -344,10 +344,9 @@ def _by_compressor(due: list) -> tuple:
     return tuple(groups.values())
 
 
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (torch's own test, without
-    its Python wrapper)."""
-    return torch._C._cuda_isCurrentStreamCapturing()
+# Whether the current CUDA stream is capturing a graph: torch's own test without its
+# Python wrapper (the public one where a build lacks it).
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 def _wake_publisher() -> None:

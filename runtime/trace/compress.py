@@ -164,18 +164,18 @@ def _tiles(params: dict, _raw_max: int) -> Compressor:
     # be below `tiles`); each stat over every other dim x tile.
     return Compressor("tiles", canonical, lambda x: tile_columns(x, stats, dim),
                       lambda columns, shape: tile_finish(columns, shape, stats, tiles),
-                      lambda x, into: _fused_into(x, stats, dim, into))
+                      functools.partial(_fused_into, stats=stats, dim=dim))
 
 
-def _fused_into(x: torch.Tensor, stats: tuple, dim: int, into: Callable):
+def _fused_into(x: torch.Tensor, into: Callable, stats: tuple, dim: int):
     """The fused kernel's result written where ``into`` says, or None where that kernel
     does not apply (tile_columns' conditions; checked here first: this is the traced
     call's hot path)."""
-    if x.is_cuda and x.is_floating_point() and x.is_contiguous():
+    if x.is_cuda and x.is_floating_point() and x.is_contiguous() and USE_TRITON:
         rank = x.dim()
         if rank < 2:
             x, rank, dim = x.reshape(1, -1), 2, -1
-        if dim % rank == rank - 1 and (fused := fused_kernel()) is not None:
+        if dim % rank == rank - 1 and (fused := _fused()) is not None:
             return fused.column_stats(x, stats, into)
     return None
 
