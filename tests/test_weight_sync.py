@@ -416,10 +416,13 @@ def test_the_push_bench_runs_a_real_megatron_model_on_cpu_and_checks_the_bytes()
     # TP 2 (expert TP 2): a layout check and one window each for the dense shards and the
     # experts', against the 22 tensor-parallel parameters (6 dense, 16 expert).
     (["--tp", "2"], {"gathers per parameter (before)": 22, "buffer windows": 4}),
+    # TP 2 and EP 2 (expert TP 2), four processes: the experts' windows gathered over the
+    # EP x expert-TP group at once, against a gather over expert TP and one over EP each.
+    (["--tp", "2", "--ep", "2"], {"gathers per parameter (before)": 22, "buffer windows": 4}),
 ])
 def test_the_push_bench_gathers_buffer_windows_and_checks_them_against_per_parameter_gathers(parallel, collectives):
-    """bench/push_bench.py --ep 2 / --tp 2: two processes; both ways of gathering
-    broadcast the same bytes (checked by the bench), with far fewer collectives."""
+    """bench/push_bench.py --ep 2 / --tp 2 (two processes) / both (four): both ways of
+    gathering broadcast the same bytes (checked by the bench), with far fewer collectives."""
     out = subprocess.run([sys.executable, ROOT / "bench" / "push_bench.py", *parallel, "--layers", "2",
                           "--experts", "4", "--rounds", "1"], capture_output=True, text=True, timeout=180,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})

@@ -13,8 +13,8 @@ a gated ``linear_fc1`` is re-ordered from per-rank ``[gate_r; up_r]`` to
 group, local index i of EP rank r becoming global expert ``r * local + i``.  Where
 the parameters lie in DDP's buffers, a window of the buffer is gathered at a time
 (``_Windows``: one collective for many parameters) over TP for the dense shards, and
-over EP (expert TP 1) or expert TP (EP 1) for the experts; otherwise, and with both
-EP and expert TP above 1, parameter by parameter.
+for the experts over EP, expert TP, or both at once (Megatron's expert-tensor-and-
+model-parallel group); otherwise parameter by parameter.
 The ranks that take part are those whose groups hold global rank 0 (the
 sender); everyone else returns at once.  Each participant walks the parameters
 in the same order, so the gathers pair up.
@@ -110,6 +110,7 @@ class MegatronParams:
         self.tp = self._group(ps.get_tensor_model_parallel_group())
         self.etp = self._group(ps.get_expert_tensor_parallel_group(check_initialized=False))
         self.ep = self._group(ps.get_expert_model_parallel_group(check_initialized=False))
+        self.expert_grid = self._group(ps.get_expert_tensor_and_model_parallel_group(check_initialized=False))
         experts = self.config.num_moe_experts or 0
         self.local_experts = experts // self.ep[1] if experts else 0
         self.in_dense = 0 in dist.get_process_group_ranks(self.tp[0]) if self.tp[0] else self.sender
@@ -154,13 +155,18 @@ class MegatronParams:
             if not (self.in_expert if expert else self.in_dense):
                 continue
             names = self._global_names(name, expert)
-            windows, shards = self._windows[expert] or (None, False)
+            windows, mode = self._windows[expert] or (None, None)
             if windows is not None and id(param) in windows.where:
                 parts = windows.parts(param)
-                if shards:  # tensor-parallel shards of one parameter
+                if mode == "shards":  # tensor-parallel shards of one parameter
                     yield names[0], self._join(name, param, parts)
-                else:  # every expert-parallel rank's own expert
+                elif mode == "experts":  # every expert-parallel rank's own expert
                     yield from zip(names, parts)
+                elif getattr(param, "tensor_model_parallel", False):  # both: each EP rank's expert from its shards
+                    for global_name, members in zip(names, windows.grid):
+                        yield global_name, self._join(name, param, [parts[m] for m in members])
+                else:  # both, a parameter expert TP does not split: each EP rank's first copy
+                    yield from zip(names, (parts[members[0]] for members in windows.grid))
                 continue
             full = self._gather_tp(name, param, *(self.etp if expert else self.tp))
             if len(names) == 1:
@@ -176,39 +182,46 @@ class MegatronParams:
         """The gathers the last ``tensors()`` ran (the buffer windows' included)."""
         return self._gathers + sum(w[0].gathers for w in self._windows.values() if w is not None)
 
-    def _windowed(self, expert: bool) -> "tuple[_Windows, bool] | None":
-        """(windows, whether they hold tensor-parallel shards) for the dense or the
-        expert parameters that need gathering, gathered a window of their DDP buffer
-        at a time (one collective for many parameters instead of one each), when every
-        rank of the group lays its buffers out alike (checked with one small gather);
-        None: parameter by parameter.  Dense: the tensor-parallel shards over TP.
-        Experts: other ranks' experts over EP (with expert TP 1), or the shards over
-        expert TP (with EP 1); with both above 1, parameter by parameter."""
+    def _windowed(self, expert: bool) -> "tuple[_Windows, str] | None":
+        """(windows, mode) for the dense or the expert parameters that need gathering,
+        gathered a window of their DDP buffer at a time (one collective for many
+        parameters instead of one each), when every rank of the group lays its buffers
+        out alike (checked with one small gather); None: parameter by parameter.
+        Modes: "shards", the tensor-parallel shards over TP (dense) or expert TP (EP 1);
+        "experts", other ranks' experts over EP (expert TP 1); "both", over the group
+        of EP x expert TP ranks, whose (EP rank, expert TP rank) come with the check
+        (``windows.grid[ep rank]``: the group ranks of that EP rank's shards, in order)."""
         tp = self.etp if expert else self.tp
-        if expert and self.ep[1] > 1 and tp[1] == 1:
-            group, shards = self.ep, False
-        elif tp[1] > 1 and (not expert or self.ep[1] == 1):
-            group, shards = tp, True
+        if expert and self.ep[1] > 1:
+            mode, group = ("experts", self.ep) if tp[1] == 1 else ("both", self.expert_grid)
+        elif tp[1] > 1:
+            mode, group = "shards", tp
         else:
             return None
-        if not (self.in_expert if expert else self.in_dense):
+        if not (self.in_expert if expert else self.in_dense) or group[0] is None:
             return None
         params = [param for name, param in self.params if (_expert(name) is not None) == expert
-                  and (not shards or getattr(param, "tensor_model_parallel", False))]
+                  and (mode != "shards" or getattr(param, "tensor_model_parallel", False))]
         if not params or not all(param.is_contiguous() for param in params):
             return None  # (every rank sees the same structure, so all decide alike)
         windows = _Windows(params, WINDOW_BYTES)
         if len(windows.spans) == len(params):  # a storage per parameter (no DDP buffers): no gain
             return None
         digest = hashlib.sha256(repr(windows.layout()).encode()).digest()  # a fixed size to gather
-        mine = torch.tensor(struct.unpack("<4q", digest), dtype=torch.int64, device=params[0].device)
+        place = [dist.get_rank(self.ep[0]), dist.get_rank(self.etp[0])] if mode == "both" else [0, 0]
+        mine = torch.tensor([*struct.unpack("<4q", digest), *place], dtype=torch.int64, device=params[0].device)
         every = [torch.empty_like(mine) for _ in range(group[1])]
         dist.all_gather(every, mine, group=group[0])
         self._gathers += 1
-        if not all(torch.equal(other, mine) for other in every):
+        if not all(torch.equal(other[:4], mine[:4]) for other in every):
             return None
+        if mode == "both":
+            places = sorted((int(o[4]), int(o[5]), member) for member, o in enumerate(every))
+            windows.grid = [[member for ep, _, member in places if ep == r] for r in range(self.ep[1])]
+            if any(len(members) != self.etp[1] for members in windows.grid):
+                return None  # not an EP x expert-TP grid (every rank gathered the same places: all agree)
         windows.group = group[0]
-        return windows, shards
+        return windows, mode
 
     def _global_names(self, name: str, expert: bool) -> list:
         if not expert or self.ep[1] == 1:
@@ -252,7 +265,7 @@ class _Windows:
     group in one all_gather of its bytes, on first need, and dropped for the next."""
 
     def __init__(self, params: list, limit: int):
-        self.group, self.gathers = None, 0
+        self.group, self.gathers, self.grid = None, 0, None
         self.where: dict = {}   # id(param) -> (window index, first byte in the storage, bytes)
         self.spans: list = []   # window -> (a parameter of its storage, first byte, bytes)
         for param in params:
