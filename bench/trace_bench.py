@@ -70,8 +70,9 @@ async def toggling_client(port: int, report: dict, phase: int, aa: bool = False)
 
     frames: dict = {}
     cost = {"steps": 0}
+    calls: list = []  # due trace() calls by duration (state()["due_call_us"]), subscribed phases but the first
     control: list = []  # (request, the process's step when it was answered): for --save
-    report.update(frames=frames, cost=cost, control=control)
+    report.update(frames=frames, cost=cost, control=control, calls=calls)
     loop = asyncio.get_running_loop()
     first = True
     async with connect(f"127.0.0.1:{port}", TOKEN, client="bench", retry=300) as c:
@@ -97,6 +98,8 @@ async def toggling_client(port: int, report: dict, phase: int, aa: bool = False)
                     for key, seconds in after["cost_seconds"].items():
                         cost[key] = cost.get(key, 0.0) + seconds - before["cost_seconds"][key]
                     cost["steps"] += after["step"] - before["step"]
+                    spread = [a - b for a, b in zip(after.get("due_call_us") or [], before.get("due_call_us") or [])]
+                    calls[:] = [a + b for a, b in zip(calls, spread)] if calls else spread
                 report["ring"] = after.get("ring")
                 off_until = loop.time() + (loop.time() - started)
                 while (left := off_until - loop.time()) > 0:  # frames still in flight land here
@@ -146,6 +149,20 @@ def aa_frames(control: list, layers: int) -> dict:
             frames.update((i, layers) for i in range(asked + 1, step))
             asked = None
     return frames
+
+
+def call_quantiles(counts: list) -> str:
+    """Quantiles of the due calls' durations from their power-of-two histogram: the
+    bucket each falls in, as its upper bound."""
+    total = sum(counts)
+    if not total:
+        return "none"
+    parts, seen, wanted = [], 0, [(0.5, "p50"), (0.9, "p90"), (0.99, "p99"), (1.0, "max")]
+    for i, n in enumerate(counts):
+        seen += n
+        while wanted and seen >= wanted[0][0] * total:
+            parts.append(f"{wanted.pop(0)[1]} <{2 ** i} us")
+    return f"{total} calls: " + ", ".join(parts)
 
 
 def gc_summary(times: list[float], frames: dict, layers: int, warmup: int, gc: list) -> str:
@@ -295,6 +312,7 @@ def main() -> None:
                 reports.setdefault(name, []).append(
                     {"traced": len(traced), "not traced": len(untraced), "client dropped": report.get("client_dropped"),
                      "ms per subscribed step": {k: round(v / subscribed * 1e3, 3) for k, v in cost.items()},
+                     "due trace() calls": call_quantiles(report.get("calls", [])),
                      "ring": report.get("ring")})
             else:
                 samples[name] += times[args.warmup:]

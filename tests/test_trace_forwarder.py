@@ -61,6 +61,7 @@ def test_frames_are_encoded_and_served_by_another_process(served):
     want = tc.parse({"kind": "tiles", "tiles": 8})(x).numpy()
     assert all(np.array_equal(f.array, want) and f.layer == 2 for f in frames)
     assert [f.step for f in frames] == [0, 1, 2] and stats["results"] == 3 and stats["step"] == 3
+    assert sum(state()["due_call_us"]) == 3 and stats["due_call_us"] == state()["due_call_us"]  # by duration
     pid = state()["hub"]["forwarder_pid"]
     assert pid != os.getpid() and alive(pid)
     assert state()["hub"]["frames_sent"] == 3  # asked of the forwarder, not a stale copy

@@ -95,6 +95,11 @@ _counts = _counters.counts  # written under _cond, like the queue
 # trace() calls (compressor launches, an event), the publisher's CPU time, and (with
 # the device_timing setting) the device time of the reductions, from CUDA events.
 _cost = {"trace_calls": 0.0, "publisher_cpu": 0.0, "device_reduce": 0.0}
+# Due trace() calls by duration: _call_us[i] counts those of 2**(i-1) to 2**i us (i = 0:
+# under 1 us; the last also counts everything longer): whether a mean is many slow
+# calls or a few long waits (for the GIL, for the launch queue).
+CALL_BUCKETS = 20
+_call_us = [0] * CALL_BUCKETS
 _events: dict = {}   # (device index, timing) -> deque of CUDA events the publisher is done with
 _streams: dict = {}  # device index -> the publisher's copy stream
 
@@ -172,6 +177,7 @@ def state(with_hub: bool = True) -> dict:
         counts = dict(_counts)
         queued = len(_pending) + _busy
         cost = dict(_cost)
+        calls = list(_call_us)
     hub = _hub
     hub_stats = hub.stats() if hub is not None and with_hub else None
     cost["hub_cpu"] = hub.cpu_seconds() if hub is not None else 0.0
@@ -185,6 +191,7 @@ def state(with_hub: bool = True) -> dict:
         "series": len(_seen),
         "subscriptions": len(_table.subs),
         "cost_seconds": cost,
+        "due_call_us": calls,
         "hub": hub_stats,
         "ring": _ring.state() if _ring is not None else None,
         "url": hub.url if hub is not None else None,
@@ -211,6 +218,7 @@ def reset() -> dict:
     with _cond:
         for key in _cost:
             _cost[key] = 0.0
+        _call_us[:] = [0] * CALL_BUCKETS
     _step = 0
     _seen.clear()
     _table = _Table(_table.subs)
@@ -291,7 +299,9 @@ def _emit(routes: tuple, key: tuple, tensor, tags: dict) -> None:
         _compress(due, key, tensor, tags, step)
     except Exception as exc:  # noqa: BLE001 - tracing must never break the step
         _fail(f"trace({key[0]!r})", exc)
-    _cost["trace_calls"] += time.perf_counter() - start  # a statistic: a rare lost update is fine
+    elapsed = time.perf_counter() - start
+    _cost["trace_calls"] += elapsed  # statistics: a rare lost update is fine
+    _call_us[min(int(elapsed * 1e6).bit_length(), CALL_BUCKETS - 1)] += 1
 
 
 def _compress(due: list, key: tuple, tensor: torch.Tensor, tags: dict, step: int) -> None:
@@ -551,7 +561,7 @@ def _share_state() -> None:
         return
     try:
         with _cond:
-            snapshot = {**_counts, "cost_seconds": dict(_cost)}
+            snapshot = {**_counts, "cost_seconds": dict(_cost), "due_call_us": list(_call_us)}
         snapshot.update(step=_step, rank=ranks.global_rank(), series=len(_seen),
                         ring=_ring.state() if _ring is not None else None)
         key = tuple(snapshot[k] for k in ("step", "series", *_COUNTERS))

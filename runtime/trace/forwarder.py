@@ -283,7 +283,7 @@ class Mirror:
     def __init__(self, conn: Connection, write: threading.Lock):
         self.conn, self._write = conn, write
         self.snapshot: dict = {"step": 0, "rank": 0, "results": 0, "dropped": 0, "skipped": 0, "errors": 0,
-                               "compress_errors": 0, "too_large": 0, "cost_seconds": {}}
+                               "compress_errors": 0, "too_large": 0, "cost_seconds": {}, "due_call_us": []}
         self.series: list = []
         self.by_number: dict = {}   # subscription number -> the hub's Subscription
         self._numbers = itertools.count()

@@ -575,7 +575,8 @@ class Hub:
                 "results": state["results"], "runtime_dropped": state["dropped"] + self.counts["late"],
                 "skipped": state["skipped"], "errors": state["errors"],
                 "compress_errors": state["compress_errors"], "too_large": state["too_large"],
-                "cost_seconds": state["cost_seconds"], "ring": state.get("ring"), "you": client.info()}
+                "cost_seconds": state["cost_seconds"], "due_call_us": state.get("due_call_us"),
+                "ring": state.get("ring"), "you": client.info()}
 
     # -- token file
 
