@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import importlib.util
+import marshal
+import operator
 import os
 import sys
 import warnings
@@ -71,7 +73,8 @@ class PatchFinder:
         self.cache = cache
         self.specs: list[Spec] = []
         self.targets: frozenset[str] = frozenset()  # the one lookup every import pays
-        self._checked: dict[tuple, str | None] = {}  # (requires, site dir) -> unmet message
+        self._index: dict[str, tuple] = {}  # target -> (its (spec, patches), all, requires, names)
+        self._checked: dict[tuple, tuple] = {}  # (requires, site dir) -> (unmet message, basis or None)
         self.imported: set[str] = set()  # targets seen by an import
         self.skipped: list[Skipped] = []
         self.applied_dists: set[str] = set()  # distributions required by applied patches
@@ -87,7 +90,28 @@ class PatchFinder:
         self._rebuild()
 
     def _rebuild(self) -> None:
-        self.targets = frozenset(p.module for spec in self.specs for p in spec.patches)
+        """Per target: each spec's patches of it; all of them in order (its stat entry
+        is keyed by them all); the distinct requirements they name; and the patches'
+        names for that key where every spec came from the code cache: the spec's key
+        there (its text, file and this tool) and the patch's index, so an import need
+        not serialize them (``slice_parts``, the key otherwise)."""
+        index: dict[str, tuple] = {}
+        for spec in self.specs:
+            named = getattr(spec, "cache_key", None)  # set by spec._compiled
+            mine: dict[str, list] = {}
+            for i, p in enumerate(spec.patches):
+                mine.setdefault(p.module, []).append((i, p))
+            for module, numbered in mine.items():
+                pairs, every, requires, names = index.setdefault(module, ([], [], {}, []))
+                pairs.append((spec, [p for _, p in numbered]))
+                for i, p in numbered:
+                    every.append(p)
+                    requires.update((r, None) for r in (spec.requires, p.requires) if r)
+                    names.append(named and named + i.to_bytes(4, "little"))
+        self._index = {  # the names' prefix is never a marshalled tuple's first bytes
+            module: (pairs, every, tuple(requires), b"spec keys\0" + b"".join(names) if all(names) else None)
+            for module, (pairs, every, requires, names) in index.items()}
+        self.targets = frozenset(self._index)
 
     # -- import protocol
 
@@ -97,6 +121,10 @@ class PatchFinder:
         return self._patched_spec(fullname, path, target)
 
     def _patched_spec(self, fullname, path, target):
+        entry = self._index.get(fullname)
+        if entry is None:  # removed by a deactivation in another thread meanwhile
+            return None
+        pairs, every, requires, names = entry
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
@@ -106,26 +134,65 @@ class PatchFinder:
         else:
             return None
         self.imported.add(fullname)
-        patches = self._applicable(fullname, spec.origin)
+        origin = spec.origin
+        plain = isinstance(spec.loader, importlib.machinery.SourceFileLoader)
+        near = site_dir_of(fullname, origin) if requires else None
+        early = self._early(every, requires, names, origin, near) if plain and requires else None
+        patches = self._applicable(fullname, pairs, near)
         if not patches:
             return spec
-        if not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+        if not plain:
             raise ActivationError(
                 f"cannot patch {fullname}: it is loaded by {type(spec.loader).__name__} from "
-                f"{spec.origin}, not from a Python source file")
-        spec.loader = PatchingLoader(fullname, spec.origin, patches, self.cache, self)
+                f"{origin}, not from a Python source file")
+        loader = spec.loader = PatchingLoader(fullname, origin, patches, self.cache, self)
+        loader.every, loader.names = every, names
+        if early is not None and early[2] is not None and early[1] == _mask(patches, every):
+            loader.early = early  # the entry read for the verdicts holds this very code
         return spec
 
-    def _applicable(self, fullname: str, origin: str | None) -> list[Patch]:
+    def _early(self, every, requires, names, origin: str | None, near: str | None):
+        """Where the target's requirements are not all judged in this process yet: its
+        stat entry, read here instead of in get_code.  The entry carries the verdicts
+        it was written with (``_records``); each whose basis still holds counts as
+        judged, so a warm import reads no ``requires/`` entry.  Returns (stat key, which
+        patches the code is of, the code or None, the verdicts not taken), or None."""
+        needed = [(r, near) for r in requires if (r, near) not in self._checked]
+        if not needed or near is None or not self.cache.stat_keys:
+            return None
+        try:
+            sig = signature(os.stat(origin))
+        except OSError:
+            return None
+        sk = stat_key(sig, names or _slice(every)[1], origin)
+        records, mask, code = _stat_entry(self.cache.read(sk, "stat"))
+        try:  # ((requires, site dir, basis, verdict), ...), each file of basis as it was
+            for requires_, where, basis, verdict in records:
+                if ((requires_, where) in needed and (verdict is None or isinstance(verdict, str))
+                        and len(basis) >= 2 and all(_signature_of(path) == was for path, was in basis)):
+                    self._checked[requires_, where] = (verdict, basis)
+                    needed.remove((requires_, where))
+        except (TypeError, ValueError):
+            pass  # another layout: judge again
+        return sk, mask, code, needed
+
+    def _records(self, fullname: str, origin: str) -> tuple:
+        """The target's verdicts judged in this process that can be remembered, with
+        their bases: what its stat entry carries for ``_early``."""
+        entry = self._index.get(fullname)
+        if entry is None or not entry[2]:
+            return ()
+        near = site_dir_of(fullname, origin)
+        judged = [(r, self._checked.get((r, near), (None, None))) for r in entry[2]]
+        return tuple((r, near, basis, verdict) for r, (verdict, basis) in judged if basis is not None)
+
+    def _applicable(self, fullname: str, pairs, near: str | None) -> list[Patch]:
         """The target's patches whose specs' and own ``requires`` hold.  An unmet spec
         requirement follows the spec's ``on_unmet``; an unmet patch requirement skips
         just that patch (one spec can target several frameworks)."""
         out = []
-        for spec in self.specs:
-            mine = [p for p in spec.patches if p.module == fullname]
-            if not mine:
-                continue
-            problem = self._unmet(spec.requires, fullname, origin)
+        for spec, mine in pairs:
+            problem = self._unmet(spec.requires, near) if spec.requires else None
             if problem and spec.on_unmet == "error":
                 raise RequirementError(f"{spec.file}: spec {spec.name!r}: {problem}; "
                                        f"{fullname} would be imported unpatched (set on_unmet: "
@@ -136,7 +203,7 @@ class PatchFinder:
                 self.skipped += [Skipped(p, problem) for p in mine]
                 continue
             for patch in mine:
-                reason = self._unmet(patch.requires, fullname, origin)
+                reason = self._unmet(patch.requires, near) if patch.requires else None
                 if reason:
                     self.skipped.append(Skipped(patch, reason))
                 else:
@@ -145,25 +212,25 @@ class PatchFinder:
                         self.applied_dists.update(d for d, _ in spec.requires + patch.requires)
         return out
 
-    def _unmet(self, requires, fullname: str, origin: str | None) -> str | None:
+    def _unmet(self, requires, near: str | None) -> str | None:
         """``unmet(requires)`` near the target's site directory, once per process."""
         if not requires:
             return None
-        near = site_dir_of(fullname, origin)
         key = (requires, near)
         if key not in self._checked:
             self._checked[key] = self._verdict(requires, near)
-        return self._checked[key]
+        return self._checked[key][0]
 
-    def _verdict(self, requires, near: str | None) -> str | None:
-        """``unmet(requires, near=near)``, remembered across processes in the code cache
-        (``requires/``) while what it rests on holds: the stat signatures of the site
-        directory (installing, removing or upgrading a distribution there changes it)
-        and of each METADATA file the versions came from.  Not remembered where a
+    def _verdict(self, requires, near: str | None) -> tuple:
+        """``unmet(requires, near=near)`` and the basis it is remembered by (or None),
+        remembered across processes in the code cache (``requires/``, and in stat
+        entries: ``_records``) while what it rests on holds: the stat signatures of the
+        site directory (installing, removing or upgrading a distribution there changes
+        it) and of each METADATA file the versions came from.  Not remembered where a
         version came from elsewhere on sys.path, or with SOURCE_PATCH_CACHE_CHECK=content."""
         cache = self.cache
         if near is None or not cache.stat_keys:
-            return unmet(requires, near=near)
+            return unmet(requires, near=near), None
         k = _verdict_key(requires, near)
         stored = cache.get_data(k, "requires")
         try:  # (format, requires, near, basis, verdict), each file of basis as it was
@@ -171,14 +238,15 @@ class PatchFinder:
                     and stored[2] == near and len(stored[3]) >= 2
                     and (stored[4] is None or isinstance(stored[4], str))
                     and all(_signature_of(path) == tuple(sig) for path, sig in stored[3])):
-                return stored[4]
+                return stored[4], stored[3]
         except (TypeError, ValueError, IndexError):
             pass  # another layout: judge again
         verdict, basis = judge(requires, near)
         if basis is not None and all(settled(sig) for _, sig in basis) and all(
                 _signature_of(path) == sig for path, sig in basis):  # unchanged while read
             cache.put(k, (_VERDICT_FORMAT, requires, near, basis, verdict), "requires")
-        return verdict
+            return verdict, basis
+        return verdict, None
 
     def invalidate_caches(self) -> None:
         pass
@@ -324,7 +392,15 @@ def metadata_fields(path, names) -> dict[str, str]:
 
 
 class PatchingLoader(importlib.machinery.SourceFileLoader):
-    """A source loader whose code is the patched source, never written to __pycache__."""
+    """A source loader whose code is the patched source, never written to __pycache__.
+
+    Its stat entry is keyed by all the patches the finder has for the module
+    (``every``), of which ``patches`` applied here: the entry says which applied and
+    carries the requirement verdicts that decided it (``PatchFinder._early``)."""
+
+    every = None  # all the finder's patches of this module (None: just ``patches``)
+    names = None  # their names for the stat key (PatchFinder._rebuild), else slice_parts
+    early = None  # PatchFinder._early's read of the stat entry, when its code is this one
 
     def __init__(self, fullname: str, path: str, patches: list[Patch], cache: CodeCache,
                  finder: PatchFinder | None = None):
@@ -335,9 +411,20 @@ class PatchingLoader(importlib.machinery.SourceFileLoader):
         self.applied = patches
 
     def get_code(self, fullname: str) -> CodeType:
-        """The patched code: by the source's stat key (no read, no hash), else by its
-        content key (then remembered under the stat key), else rewritten and stored."""
+        """The patched code: as the finder read it (``early``), else by the source's stat
+        key (no read, no hash), else by its content key (then remembered under the stat
+        key), else rewritten and stored."""
         cache = self.code_cache
+        early, self.early = self.early, None  # used once: a later call looks again
+        if early is not None:
+            sk, mask, code, missing = early
+            if missing and self.finder is not None:  # judged again here: remember them there
+                records = self.finder._records(fullname, self.path)
+                if {(r[0], r[1]) for r in records} & set(missing):
+                    cache.write(sk, marshal.dumps((_STAT_FORMAT, records, mask, code)), "stat")
+            return code
+        every = self.every or self.patches
+        mask = None if every is self.patches else _mask(self.patches, every)
         sk = None
         if cache.stat_keys:
             try:
@@ -345,9 +432,9 @@ class PatchingLoader(importlib.machinery.SourceFileLoader):
             except OSError:
                 sig = None  # get_data raises the import's error
             if sig is not None:
-                sk = stat_key(sig, _slice(self.patches)[1], self.path)
-                code = cache.get(sk, "stat")
-                if code is not None:
+                sk = stat_key(sig, self.names or _slice(every)[1], self.path)
+                _, stored, code = _stat_entry(cache.read(sk, "stat"))
+                if code is not None and stored == mask:
                     return code
         source = self.get_data(self.path)
         k = key(source, _digest(self.patches), self.path)
@@ -372,8 +459,9 @@ class PatchingLoader(importlib.machinery.SourceFileLoader):
             except OSError:
                 again = None
             if again == sig:
-                import marshal
-
+                records = self.finder._records(fullname, self.path) if self.finder else ()
+                if records or mask is not None:  # else the code alone, as the content entry
+                    payload = marshal.dumps((_STAT_FORMAT, records, mask, code))
                 cache.write(sk, payload if payload is not None else marshal.dumps(code), "stat")
         return code
 
@@ -390,23 +478,53 @@ class PatchingLoader(importlib.machinery.SourceFileLoader):
 
     def exec_module(self, module: ModuleType) -> None:
         code = self.get_code(module.__name__)
-        for handle in {p.handle for p in self.applied}:
-            module.__dict__[handle] = HANDLE
-        module.__source_patches__ = tuple(
-            Applied(p.spec_name, p.id, p.target, p.location.file) for p in self.applied)
+        namespace, applied = module.__dict__, []
+        for p in self.applied:
+            namespace[p.handle] = HANDLE
+            applied.append(Applied(p.spec_name, p.id, p.target, p.location.file))
+        module.__source_patches__ = tuple(applied)
         importlib._bootstrap._call_with_frames_removed(exec, code, module.__dict__)  # as SourceFileLoader
 
 
 def _loads_code(payload) -> CodeType | None:
     if payload is None:
         return None
-    import marshal
-
     try:
         code = marshal.loads(payload)
     except (ValueError, EOFError, TypeError):
         return None
     return code if isinstance(code, CodeType) else None
+
+
+_STAT_FORMAT = 1  # a stat entry with more than code: (_STAT_FORMAT, records, mask, code)
+
+
+def _stat_entry(payload) -> tuple:
+    """A stat entry's (verdict records, mask, code): a code object alone (no records,
+    every patch applied), or the tuple; ((), None, None) if neither."""
+    try:
+        value = marshal.loads(payload) if payload is not None else None
+    except (ValueError, EOFError, TypeError):
+        value = None
+    if isinstance(value, CodeType):
+        return (), None, value
+    if (isinstance(value, tuple) and len(value) == 4 and value[0] == _STAT_FORMAT
+            and isinstance(value[1], tuple) and isinstance(value[3], CodeType)):
+        return value[1], value[2], value[3]
+    return (), None, None
+
+
+def _mask(patches, every) -> tuple[int, ...] | None:
+    """Which of ``every`` (by position) are ``patches``; None: all of them."""
+    if _same(patches, every):
+        return None
+    ids = set(map(id, patches))
+    return tuple(i for i, p in enumerate(every) if id(p) in ids)
+
+
+def _same(a, b) -> bool:
+    """The same objects in the same order."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 _SLICES: dict[tuple[int, ...], list] = {}  # ids -> [the patches, slice_parts, slice_digest or None]
@@ -417,7 +535,7 @@ def _slice(patches: list[Patch]) -> list:
     theirs: equal ids and identical objects are the same set)."""
     ids = tuple(map(id, patches))
     hit = _SLICES.get(ids)
-    if hit is None or not all(a is b for a, b in zip(hit[0], patches)):
+    if hit is None or not _same(hit[0], patches):
         if len(_SLICES) >= 4096:  # specs activated again and again (tests): start over
             _SLICES.clear()
         hit = _SLICES[ids] = [tuple(patches), slice_parts(patches), None]
@@ -430,8 +548,6 @@ def slice_parts(patches: list[Patch]) -> bytes:
     None marshalled in format 2, which is canonical (format 3 and later mark
     interned strings and back-references, which differ between equal values).
     Cheaper than that digest's JSON and SHA-256, which only a stat-key miss pays."""
-    import marshal
-
     return marshal.dumps(tuple(
         (p.spec_name, p.id, p.module, p.target, p.handle, p.on_drift, p.location.file, p.location.line,
          tuple((e.at, e.code, e.match, e.wrap, e.bind, e.count) for e in p.edits))

@@ -194,13 +194,18 @@ def _compiled(text: str, file: str, cache=None) -> Spec:
 
     cache, k = cache or CodeCache(), spec_key(text, file)
     stored = cache.get_data(k)
+    spec = None
     if stored is not None:
         try:
-            return _rebuild(Spec, stored)
+            spec = _rebuild(Spec, stored)
         except (TypeError, ValueError, IndexError):
             pass  # another layout: validate again
-    spec = loads(text, file)
-    cache.put(k, astuple(spec))
+    if spec is None:
+        spec = loads(text, file)
+        cache.put(k, astuple(spec))
+    # The key names the spec wholly (its text, file and this tool): the finder keys stat
+    # entries by it.  Not a field, so dataclasses.replace() (another spec) drops it.
+    object.__setattr__(spec, "cache_key", k)
     return spec
 
 

@@ -413,8 +413,88 @@ def test_a_corrupt_verdict_is_judged_again(gated, tmp_path, monkeypatch, no_race
     good = memo.read_bytes()
     for bad in (b"", good[:-3], good[:-1] + bytes([good[-1] ^ 1])):
         memo.write_bytes(bad)
+        for entry in entries(cache_dir, "stat"):  # which carries the verdict too
+            entry.unlink()
         assert call_add(name, spec, cache_dir) == 300
         assert memo.read_bytes() == good
+    assert judged.calls == 4
+
+
+class KindReads:
+    """Counts CodeCache.read calls per kind ("", "specs", "stat", "requires")."""
+
+    def __init__(self, monkeypatch):
+        self.kinds = []
+        original = CodeCache.read
+
+        def read(cache, k, kind=""):
+            self.kinds.append(kind)
+            return original(cache, k, kind)
+
+        monkeypatch.setattr(CodeCache, "read", read)
+
+
+def test_a_warm_import_reads_its_verdict_from_the_stat_entry(gated, tmp_path, monkeypatch, no_race_window):
+    """One read for code and verdict: the stat entry carries the verdicts that decided it."""
+    name, source, spec, info = gated
+    judged, cache_dir = Judged(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    reads = KindReads(monkeypatch)
+    assert call_add(name, spec, cache_dir) == 300
+    assert judged.calls == 1 and [k for k in reads.kinds if k != "specs"] == ["stat"]
+
+
+def test_a_corrupt_stat_entry_with_a_verdict_falls_back(gated, tmp_path, monkeypatch, no_race_window):
+    name, source, spec, info = gated
+    judged, cache_dir = Judged(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    (by_stat,) = entries(cache_dir, "stat")
+    good = by_stat.read_bytes()
+    for bad in (b"", good[:-3], good[:-1] + bytes([good[-1] ^ 1])):
+        by_stat.write_bytes(bad)
+        assert call_add(name, spec, cache_dir) == 300  # the verdict from requires/, the code by content
+        reads = KindReads(monkeypatch)
+        assert call_add(name, spec, cache_dir) == 300
+        assert [k for k in reads.kinds if k != "specs"] == ["stat"]  # written again, whole
+    assert judged.calls == 1
+
+
+TWO_PATCHES = """
+source_patch: 1.1
+name: two
+patches:
+  - id: newer
+    module: {module}
+    target: add
+    requires: {{fakedist: ">=2"}}
+    edits:
+      - {{at: return, code: "result = result + 1"}}
+  - id: older
+    module: {module}
+    target: add
+    requires: {{fakedist: "<2"}}
+    edits:
+      - {{at: return, code: "result = result * 100"}}
+"""
+
+
+def test_a_skipped_patch_is_remembered_in_the_stat_entry(gated, tmp_path, monkeypatch, no_race_window):
+    """Version-gated variants of one target: the stat entry says which applied, with
+    the verdicts that decided it; a change of version decides again."""
+    name, source, _, info = gated
+    spec = tmp_path / "two.yaml"
+    spec.write_text(TWO_PATCHES.format(module=name))
+    judged, cache_dir = Judged(monkeypatch), tmp_path / "cache"
+    assert call_add(name, spec, cache_dir) == 300
+    assert judged.calls == 2
+    reads = KindReads(monkeypatch)
+    assert call_add(name, spec, cache_dir) == 300
+    assert judged.calls == 2 and [k for k in reads.kinds if k != "specs"] == ["stat"]
+    time.sleep(0.05)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakedist\nVersion: 2.0\n\n")
+    assert call_add(name, spec, cache_dir) == 4  # now the other patch
+    assert judged.calls == 4
+    assert call_add(name, spec, cache_dir) == 4
     assert judged.calls == 4
 
 
@@ -432,6 +512,19 @@ def test_content_checks_opt_out_of_remembered_verdicts(gated, tmp_path, monkeypa
     cache_dir = tmp_path / "cache"
     assert call_add(name, spec, cache_dir) == 300
     assert entries(cache_dir, "requires") == []
+
+
+def test_a_loaded_spec_is_named_by_its_cache_key(write_spec):
+    """Stat entries of a loaded spec's patches are keyed by the spec's cache key (its
+    text, file and the tool); a spec made from it otherwise is another, unnamed spec."""
+    import dataclasses
+
+    from source_patch.patcher.spec import load
+
+    spec = load(write_spec(SPEC))
+    assert len(spec.cache_key) == 32 and load(write_spec(SPEC.replace("100", "7"))).cache_key != spec.cache_key
+    other = dataclasses.replace(spec, description="x")
+    assert not hasattr(other, "cache_key")
 
 
 def test_the_stat_keys_patch_part_covers_the_slice_digest(write_spec):
