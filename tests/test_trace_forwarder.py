@@ -120,6 +120,15 @@ def test_a_kernel_can_claim_a_slice_to_write_its_result_into():
     assert ring.claim((4 * ALIGN,)) is None and ring.head == head  # too big now: nothing taken
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback without a CUDA driver")
+def test_without_a_cuda_driver_the_ring_is_not_page_locked_and_host_results_still_use_it():
+    from source_patch.runtime.trace.ring import ALIGN, Ring, register
+
+    ring = Ring(size=4 * ALIGN)
+    assert register(ring.address, ring.size) is False and ring.pin() is False and ring.device_address is None
+    assert ring.takes(torch.ones(2))  # a host result needs no page-locking: it still goes through the ring
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_refused_page_lock_leaves_no_cuda_error_for_the_next_kernel():
