@@ -260,7 +260,7 @@ def main() -> None:
     training.header(args)
     reports: dict = {}
     samples: dict = {name: [] for name in ["no trace spec", "trace spec, no client", UNTRACED, TRACED,
-                                           "stalled client", *(f"{BEFORE}: {c}" for c in ("not traced", "traced")),
+                                           "stalled client", *reversed(LABELS[BEFORE]),
                                            *LABELS[AA]]}
     pairs: dict = {}
     records: dict = {}  # per toggling process: every step's (index, frames, seconds) and the client's requests
@@ -355,7 +355,7 @@ def pool(files: list[str]) -> None:
     for arg in files:
         file, _, only = arg.rpartition(":") if arg.endswith((":before", ":toggling")) else (arg, "", "")
         saved = json.loads(Path(file).read_text())
-        relabel = {f"{BEFORE}: traced": TRACED, f"{BEFORE}: not traced": UNTRACED, BEFORE: "toggling client"}
+        relabel = {**dict(zip(LABELS[BEFORE], LABELS["toggling client"])), BEFORE: "toggling client"}
         for name, times in saved["samples"].items():
             if only == "before" and name.startswith(BEFORE):
                 samples.setdefault(relabel[name], []).extend(times)

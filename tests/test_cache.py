@@ -405,13 +405,18 @@ def test_a_remembered_verdict_follows_the_site_directory(gated, tmp_path, monkey
     assert any("which is not installed" in str(w.message) for w in recwarn)
 
 
+def damaged(good: bytes) -> tuple:
+    """A cache entry emptied, truncated, and with its last bit flipped."""
+    return b"", good[:-3], good[:-1] + bytes([good[-1] ^ 1])
+
+
 def test_a_corrupt_verdict_is_judged_again(gated, tmp_path, monkeypatch, no_race_window):
     name, source, spec, info = gated
     judged, cache_dir = Judged(monkeypatch), tmp_path / "cache"
     assert call_add(name, spec, cache_dir) == 300
     (memo,) = entries(cache_dir, "requires")
     good = memo.read_bytes()
-    for bad in (b"", good[:-3], good[:-1] + bytes([good[-1] ^ 1])):
+    for bad in damaged(good):
         memo.write_bytes(bad)
         for entry in entries(cache_dir, "stat"):  # which carries the verdict too
             entry.unlink()
@@ -450,7 +455,7 @@ def test_a_corrupt_stat_entry_with_a_verdict_falls_back(gated, tmp_path, monkeyp
     assert call_add(name, spec, cache_dir) == 300
     (by_stat,) = entries(cache_dir, "stat")
     good = by_stat.read_bytes()
-    for bad in (b"", good[:-3], good[:-1] + bytes([good[-1] ^ 1])):
+    for bad in damaged(good):
         by_stat.write_bytes(bad)
         assert call_add(name, spec, cache_dir) == 300  # the verdict from requires/, the code by content
         reads = KindReads(monkeypatch)

@@ -164,13 +164,14 @@ def _tiles(params: dict, _raw_max: int) -> Compressor:
     # be below `tiles`); each stat over every other dim x tile.
     return Compressor("tiles", canonical, lambda x: tile_columns(x, stats, dim),
                       lambda columns, shape: tile_finish(columns, shape, stats, tiles),
-                      functools.partial(_fused_into, stats=stats, dim=dim))
+                      functools.partial(_fused_columns, stats=stats, dim=dim))
 
 
-def _fused_into(x: torch.Tensor, into: Callable, stats: tuple, dim: int):
-    """The fused kernel's result written where ``into`` says, or None where that kernel
-    does not apply (tile_columns' conditions; checked here first: this is the traced
-    call's hot path)."""
+def _fused_columns(x: torch.Tensor, into: Callable | None, stats: tuple, dim: int):
+    """The fused kernel's column statistics (fused.py), written where ``into`` says (see
+    Compressor.reduce; None: device memory), or None where that kernel does not apply:
+    Triton not wanted or not importable, not a contiguous floating CUDA tensor, or
+    ``dim`` not its last.  The ring's hot path calls it directly, tile_columns first."""
     if x.is_cuda and x.is_floating_point() and x.is_contiguous() and USE_TRITON:
         rank = x.dim()
         if rank < 2:
@@ -188,11 +189,12 @@ def tile_columns(x: torch.Tensor, stats, dim: int = -1) -> torch.Tensor:
     per-tile step is left to the host (docs/benchmarks.md).  Float32 accumulation, no
     float32 copy of ``x``, no copy for a ``dim`` that is not last."""
     x = _floating(x)
+    fused = _fused_columns(x, None, tuple(stats), dim)  # one launch, one pass
+    if fused is not None:
+        return fused
     if x.dim() < 2:
         x, dim = x.reshape(1, -1), -1
     dim = dim % x.dim()
-    if x.is_cuda and dim == x.dim() - 1 and x.is_contiguous() and (fused := fused_kernel()) is not None:
-        return fused.column_stats(x, tuple(stats))  # one launch, one pass (fused.py)
     dims = tuple(d for d in range(x.dim()) if d != dim)
     out = torch.empty((len(stats), x.shape[dim]), dtype=torch.float32, device=x.device)
     for row, stat in zip(out, stats):
