@@ -23,6 +23,7 @@ Methods (sender's wall time from a barrier until every receiver is done):
                buffers with the distributed optimizer), planned with plan_buffers: each
                bucket is broadcast from the buffer itself, no pack; receiver as bucketed
   buffers -c   the same without checksums
+  buffers streamed  from the buffers, the receiver in stage "bucket"
 
 --timeline N (two GPUs) then records N checksummed and N unchecked bucketed updates
 per side with torch.profiler and prints, per update, what the GPU did: time to the
@@ -93,6 +94,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--profile", action="store_true", help="then profile the host side of bucketed updates")
     p.add_argument("--phases", action="store_true", help="one process: time each phase of an update alone")
+    p.add_argument("--milestones", action="store_true",
+                   help="print each round's host timeline per side (protocol steps, buckets, GC pauses)")
     p.add_argument("--timeline", type=int, default=0, metavar="N",
                    help="then profile N updates per variant on the GPUs and print each one's timeline summary")
     args = p.parse_args(argv)
@@ -136,11 +139,14 @@ class Run:
         self.layout = model_layout(args)
         self.bytes = sum(2 * shape[0] * (shape[1] if len(shape) > 1 else 1) for _, shape in self.layout)
         self.link = None
+        self.marks: Optional[list] = None  # --milestones: (what, perf_counter) of this round
 
     def setup(self, port: int):
         backend = "gloo" if self.device.type == "cpu" else "nccl"
         group = self.wt.open_group("127.0.0.1", port, self.rank, 2, "bench", backend, self.args.timeout)
         self.link = self.wt.Link(group, self.args.timeout)
+        if self.args.milestones:
+            watch(self)
         gen = torch.Generator(device=self.device).manual_seed(0)
         make = (lambda shape: torch.randn(shape, generator=gen, device=self.device, dtype=torch.bfloat16)) \
             if self.rank == 0 else (lambda shape: torch.empty(shape, device=self.device, dtype=torch.bfloat16))
@@ -151,7 +157,9 @@ class Run:
         self.manifests = {True: planned, False: dataclasses.replace(planned, checksum=False)}
         self.version = 0
         if self.rank == 0:
-            self.from_buffers = {c: in_one_buffer(self.wt, planned, self.layout, self.tensors, c) for c in (True, False)}
+            manifest, source = in_one_buffer(self.wt, planned, self.layout, self.tensors)
+            # one Buffers for both: a sender keeps its plan while the buffers are the same
+            self.from_buffers = {True: (manifest, source), False: (dataclasses.replace(manifest, checksum=False), source)}
 
     def sync(self):
         if self.device.type == "cuda":
@@ -188,14 +196,73 @@ class Run:
 
     def timed(self, fn) -> float:
         self.sync()
+        if self.marks is not None:
+            self.marks.clear()
         start = time.perf_counter()
         fn()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        if self.marks is not None:
+            self.rounds.append((start, end, list(self.marks)))
+        return end - start
 
 
-def in_one_buffer(wt, planned, layout, tensors, checksum=True):
+def watch(run: Run) -> None:
+    """--milestones: note when each of the link's waits and votes returns, and the
+    collector's pauses (host clock), per timed round."""
+    import gc
+
+    link, run.marks, run.rounds = run.link, [], []
+    wait = link.wait
+
+    def timed_wait(work, what):
+        wait(work, what)
+        run.marks.append((what, time.perf_counter()))
+
+    def collected(phase, info):
+        run.marks.append((f"gc{info['generation']}-{phase}", time.perf_counter()))
+
+    link.wait = timed_wait
+    gc.callbacks.append(collected)
+    run.unwatch = lambda: gc.callbacks.remove(collected)
+
+
+STEPS = {"header": "hdr", "waiting for an update": "hdr", "layout vote": "layout", "manifest": "manifest",
+         "manifest vote": "vote", "verdict": "verdict"}
+
+
+def milestones(run: Run, rank: int, names: list) -> None:
+    """Per method and round, ms from the start when each wait returned: header,
+    manifest, vote, each bucket's data and checksum (b ...), verdict; the round's
+    time first; gc: the collector's pauses in the round."""
+    lines = []
+    for (start, end, marks), name in zip(run.rounds, names):
+        if name in ("raw", "per-tensor"):
+            continue
+        before, buckets, after, gc_ms, gc_start = [], [], [], 0.0, None
+        for what, t in marks:
+            ms = 1e3 * (t - start)
+            if what.startswith("gc"):
+                if what.endswith("start"):
+                    gc_start = t
+                elif gc_start is not None:
+                    gc_ms += 1e3 * (t - gc_start)
+            elif what.startswith("bucket"):
+                buckets.append(f"{ms:.1f}")
+            elif what in STEPS:
+                (after if buckets else before).append(f"{STEPS[what]} {ms:.1f}")
+        lines.append(f"  {name:<16} {1e3 * (end - start):6.1f} | {' '.join(before)} | b {' '.join(buckets)} | "
+                     f"{' '.join(after)} | gc {gc_ms:.1f}")
+    run.unwatch()
+    for r in range(2):
+        run.sync()
+        if r == rank:
+            side = "sender" if rank == 0 else "receiver"
+            print(f"\n== milestones, {side} (rank {rank}); ms from the round's start\n" + "\n".join(lines), flush=True)
+
+
+def in_one_buffer(wt, planned, layout, tensors):
     """The tensors copied into one flat buffer at the offsets plan() gives them (as a
     parameter buffer holds them), and plan_buffers() of those views: the same
     manifest entries, so a receiver's cached views serve both."""
@@ -203,7 +270,7 @@ def in_one_buffer(wt, planned, layout, tensors, checksum=True):
     views = [(name, buffer[e.offset: e.offset + e.nbytes].view(t.dtype).view(t.shape))
              for (name, _), e, t in zip(layout, planned.entries, tensors)]
     torch._foreach_copy_([v for _, v in views], tensors)
-    manifest, source = wt.plan_buffers(views, planned.bucket_bytes, planned.version, checksum)
+    manifest, source = wt.plan_buffers(views, planned.bucket_bytes, planned.version)
     assert manifest.entries == planned.entries
     return manifest, source
 
@@ -216,6 +283,7 @@ METHODS = {
     "streamed": lambda r: r.bucketed(stage="bucket"),
     "buffers": lambda r: r.bucketed(buffers=True),
     "buffers -c": lambda r: r.bucketed(checksum=False, buffers=True),
+    "buffers streamed": lambda r: r.bucketed(stage="bucket", buffers=True),
 }
 
 
@@ -229,15 +297,18 @@ def worker(rank: int, args, port: int):
     run.setup(port)
     check(run)
     times = {name: [] for name in METHODS}
-    names = list(METHODS)
+    names, order = list(METHODS), []
     for r in range(args.warmup + args.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order
             seconds = run.timed(lambda: METHODS[name](run))
+            order.append(name)
             if r >= args.warmup:
                 times[name].append(seconds)
     check(run, "after the timed rounds: ")  # the last update still exact, bit for bit
     if rank == 0:
         report(run, times, args)
+    if args.milestones:
+        milestones(run, rank, order)
     if args.profile:
         profile(run, rank)
     if args.timeline:
@@ -338,18 +409,18 @@ def report(run: Run, times: dict, args):
     print(f"model: {gib:.2f} GiB bf16, {n} tensors ({small} small <= {args.small_kb} KiB), "
           f"bucket {args.bucket_mb} MiB, {args.rounds} rounds after {args.warmup} warm-up\n")
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{'method':<12} {'median s':>10} {'min s':>9} {'max s':>9} {'GB/s':>8} {'% of raw':>9} "
+    print(f"{'method':<16} {'median s':>10} {'min s':>9} {'max s':>9} {'GB/s':>8} {'% of raw':>9} "
           f"{'worst round':>11} {'x per-tensor':>13}")
     for name, values in times.items():
         gbps = run.bytes / med[name] / 1e9
-        print(f"{name:<12} {med[name]:>10.4f} {min(values):>9.4f} {max(values):>9.4f} {gbps:>8.1f} "
+        print(f"{name:<16} {med[name]:>10.4f} {min(values):>9.4f} {max(values):>9.4f} {gbps:>8.1f} "
               f"{100 * med['raw'] / med[name]:>8.1f}% {100 * med['raw'] / max(values):>10.1f}% "
               f"{med['per-tensor'] / med[name]:>12.1f}x")
     print("\n% of raw: the raw broadcast's median time over the method's (worst round: over its slowest)")
     print("every round, ms (the order of methods rotates by one each round):")
     for name, values in times.items():
-        print(f"  {name:<12} " + " ".join(f"{1e3 * v:.1f}" for v in values))
-    for name in ("bucketed", "streamed", "buffers"):
+        print(f"  {name:<16} " + " ".join(f"{1e3 * v:.1f}" for v in values))
+    for name in ("bucketed", "streamed", "buffers", "buffers streamed"):
         print(f"{name}: {100 * med['raw'] / med[name]:.0f}% of raw at the median, "
               f"{100 * med['raw'] / max(times[name]):.0f}% in the worst round; "
               f"{med['per-tensor'] / med[name]:.1f}x per-tensor", flush=True)
@@ -506,7 +577,7 @@ def phases_check(wt, manifest, packing, tensors, tx, rx) -> None:
     send() broadcast for it, and both receivers hand out the sent tensors."""
     step = 2 if manifest.checksum else 1  # per bucket: the bytes, then the checksum
     for k, sources in packing.batches(iter(tensors)):
-        if k < manifest.buckets and not torch.equal(packing.pack(k, sources), tx.messages[2 + step * k]):
+        if k < manifest.buckets and not torch.equal(packing.pack(k, sources), tx.messages[3 + step * k]):
             raise SystemExit(f"bucket {k}: packed bytes differ from the bytes send() broadcast")
     for stage in ("update", "bucket"):
         rx.rewind()

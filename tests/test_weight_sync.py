@@ -2,8 +2,8 @@
 patches/weight_sync.yaml, both sides).
 
 Unit: manifest validation, bucket layout, settings, the call sites' pass-through.
-Transport: two processes over gloo run scenario after scenario on one group
-(tests/e2e/weight_sync_transport.py).  End to end: Megatron-Core trainers on CPU
+Transport: two processes over gloo (and over NCCL where two GPUs are) run
+scenario after scenario on one group (tests/e2e/weight_sync_transport.py).  End to end: Megatron-Core trainers on CPU
 (tests/e2e/weight_sync_trainer.py) push to an engine running SGLang's own
 weight-update code with its Qwen3MoeForCausalLM (tests/e2e/weight_sync_engine.py).
 """
@@ -71,7 +71,7 @@ def test_a_receiver_parses_the_same_tensor_list_once():
     (lambda d: d.__setitem__("total_bytes", 1 << 41), "exceeds max_update_bytes"),
     (lambda d: d.__setitem__("bucket_bytes", 100), "multiples of 16"),
     (lambda d: d.__setitem__("version", "7"), "version: expected a non-negative integer"),
-    (lambda d: d.__setitem__("format", 2), "not a format-1 manifest"),
+    (lambda d: d.__setitem__("format", 1), "not a format-2 manifest"),
 ])
 def test_a_bad_manifest_is_refused_with_a_reason(change, error):
     doc = json.loads(wt.plan([("a", (4,), torch.float32), ("b", (4,), torch.float32)], 64, 1).to_json())
@@ -110,7 +110,7 @@ def test_packed_buckets_are_the_bytes_the_receiver_reconstructs():
     for k, sources in packing.batches(t for _, t in data):
         bucket = packing.pack(k, sources)
         assert torch.equal(bucket, stream[slice(*m.window(k))]), k
-        assert torch.equal(bucket, tx.messages[2 + 2 * k]), k  # header, manifest, then (bytes, sum) per bucket
+        assert torch.equal(bucket, tx.messages[3 + 2 * k]), k  # header, manifest length and body, (bytes, sum) per bucket
         packed += 1
     assert packed == m.buckets > 10
     for e, (_, t) in zip(m.entries, data):  # each tensor's bytes at its planned offset
@@ -550,9 +550,9 @@ def finish(procs, deadline):
     return codes
 
 
-def transport_pair(tmp, common):
+def transport_pair(tmp, common, backend="gloo"):
     port = models.free_port()
-    return [start([E2E / "weight_sync_transport.py", role, port, tmp / f"transport.{role}.json"], common,
+    return [start([E2E / "weight_sync_transport.py", role, port, tmp / f"transport.{role}.json", backend], common,
                   open(tmp / f"transport.{role}.log", "w")) for role in ("send", "receive")]
 
 
@@ -617,9 +617,21 @@ def runs(tmp_path_factory):
     return tmp, codes, logs
 
 
-@pytest.fixture(scope="module")
-def transport(runs):
-    tmp, codes, logs = runs
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                                 reason="needs two GPUs")]
+
+
+@pytest.fixture(scope="module", params=["gloo", pytest.param("nccl", marks=TWO_GPUS)])
+def transport(request, tmp_path_factory):
+    """The transport's scenarios (tests/e2e/weight_sync_transport.py) on one group:
+    over gloo with the other CPU runs, or over NCCL with one GPU per end."""
+    if request.param == "gloo":
+        tmp, codes, logs = request.getfixturevalue("runs")
+    else:
+        tmp = tmp_path_factory.mktemp("transport_nccl")
+        gpus = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}
+        codes = {"transport": finish(transport_pair(tmp, gpus, "nccl"), time.monotonic() + 180)}
+        logs = {p.name: p.read_text()[-2000:] for p in tmp.glob("*.log")}
     assert codes["transport"] == [0, 0], logs
     sent, received = (json.loads((tmp / f"transport.{r}.json").read_text()) for r in ("send", "receive"))
     return {s["scenario"]: (s, r) for s, r in zip(sent, received)}
@@ -649,6 +661,21 @@ def test_a_consumer_that_stops_or_a_refused_manifest_fail_cleanly(transport):
     assert "exceeds max_update_bytes=1000" in received["message"] and "refused" in sent["message"]
     sent, received = transport["roundtrip-after-failures"]
     assert sent["ok"] and received["ok"]  # the group is still in step after all of the above
+
+
+def test_the_manifest_travels_only_with_a_layout_the_receiver_has_not_seen(transport):
+    manifests = {name: received["manifests"] for name, (_, received) in transport.items()}
+    assert manifests["roundtrip-update"] == 1  # the first update
+    assert manifests["other-layout"] == 1 and transport["other-layout"][1]["handed"] == 200
+    # the same layout again, in either stage, after failures, or after another layout: none
+    for name in ("roundtrip-bucket", "tamper-update", "tamper-bucket", "abandon-bucket",
+                 "refuse-manifest", "roundtrip-after-failures", "first-layout-again"):
+        assert manifests[name] == 0 and transport[name][0].get("error") != "WeightSyncTimeout", name
+    sent, received = transport["refuse-new-layout"]  # parsed, then refused: nothing is kept of it
+    assert received["manifests"] == 1 and "exceeds max_update_bytes=1000" in received["message"]
+    assert "refused" in sent["message"]
+    sent, received = transport["first-layout-again"]
+    assert sent["ok"] and received["ok"] and received["handed"] == 203
 
 
 def test_a_silent_peer_times_out_instead_of_hanging(transport):

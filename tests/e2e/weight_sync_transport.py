@@ -1,11 +1,13 @@
-"""Both ends of weight_transport over gloo, one scenario after another on one group.
+"""Both ends of weight_transport over gloo (or NCCL, one GPU per end), one scenario
+after another on one group.
 
-    python tests/e2e/weight_sync_transport.py send|receive PORT OUT.json
+    python tests/e2e/weight_sync_transport.py send|receive PORT OUT.json [gloo|nccl]
 
 Each scenario is one update (version = its index + 1); the receiver checks what it
 got against the same seeded tensors.  Results: OUT.json, per scenario
 ``{"ok": true}`` or ``{"error": type, "message": ..., "seconds": ...}``, plus for
-a streamed receive the number of tensors handed out before a failure.
+a streamed receive the number of tensors handed out before a failure, and on the
+receiver how many manifests the update carried (only a layout it has not seen).
 """
 
 import json
@@ -28,6 +30,9 @@ SCENARIOS = [
     ("abandon-bucket", "bucket", None, "stop-after-3"),
     ("refuse-manifest", "update", None, "max-update-bytes-1000"),
     ("roundtrip-after-failures", "bucket", None, None),
+    ("other-layout", "update", None, "other-layout"),
+    ("refuse-new-layout", "update", None, "third-layout max-update-bytes-1000"),
+    ("first-layout-again", "bucket", None, None),
     ("stall", "update", None, "sender-stalls"),
 ]
 
@@ -47,8 +52,17 @@ def tensors():
     return out
 
 
+DEVICE = "cpu"  # nccl: cuda:<rank>
+
+
+def tensors_for(option):
+    layouts = {"other-layout": -3, "third-layout": -2}
+    cut = next((n for name, n in layouts.items() if option and name in option), None)
+    return [(name, t.to(DEVICE)) for name, t in tensors()[:cut]]
+
+
 def send(link, version, option):
-    data = tensors()
+    data = tensors_for(option)
     if option == "sender-stalls":
         time.sleep(LINK_TIMEOUT + 1)  # the receiver gives up first
         return
@@ -62,9 +76,9 @@ handed = 0  # tensors the last receive handed out (streamed: also before a failu
 def receive(link, version, stage, tamper, option):
     global handed
     handed = 0
-    expected = tensors()
+    expected = tensors_for(option)
     wt.before_verify = (lambda k, buf: buf[:8].bitwise_not_() if k == tamper else None)
-    limit = 1000 if option == "max-update-bytes-1000" else 1 << 40
+    limit = 1000 if option and "max-update-bytes-1000" in option else 1 << 40
     update = wt.receive(link, stage=stage, max_update_bytes=limit)
     assert update.version == version
     stream = iter(update.tensors)
@@ -81,15 +95,34 @@ def receive(link, version, stage, tamper, option):
     assert handed == len(expected)
 
 
+manifests = 0  # manifests the last receive got
+
+
+def counted(receive_manifest):
+    def wrapper(*args, **kwargs):
+        global manifests
+        manifests += 1
+        return receive_manifest(*args, **kwargs)
+    return wrapper
+
+
 def main():
+    global manifests, DEVICE
     role, port, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    backend = sys.argv[4] if len(sys.argv) > 4 else "gloo"
+    rank = 0 if role == "send" else 1
+    if backend == "nccl":
+        DEVICE = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+    wt._manifest = counted(wt._manifest)
     torch.set_num_threads(1)
-    group = wt.open_group("127.0.0.1", port, 0 if role == "send" else 1, 2, "transport_test", "gloo", 60)
+    group = wt.open_group("127.0.0.1", port, rank, 2, "transport_test", backend, 60)
     link = wt.Link(group, LINK_TIMEOUT)
     results = []
     for index, (name, stage, tamper, option) in enumerate(SCENARIOS):
         start = time.monotonic()
         result = {"scenario": name}
+        manifests = 0
         try:
             if role == "send":
                 send(link, index + 1, option)
@@ -99,7 +132,7 @@ def main():
         except Exception as exc:  # noqa: BLE001 - recorded for the test
             result.update(ok=False, error=type(exc).__name__, message=str(exc))
         if role == "receive":
-            result["handed"] = handed
+            result.update(handed=handed, manifests=manifests)
         result["seconds"] = round(time.monotonic() - start, 3)
         results.append(result)
         with open(out, "w") as f:
