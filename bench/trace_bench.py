@@ -245,6 +245,8 @@ def main() -> None:
                    "subscribed to a name nothing traces (the protocol's own effect on the step time)")
     p.add_argument("--gc", action="store_true", help="record the garbage collector's time per step "
                    "(bench/gc_probe.py) and say whether the slow steps are the ones that collected")
+    p.add_argument("--calls", action="store_true", help="time the parts of each due trace() call in the "
+                   "toggling processes (bench/gc_probe.py --calls: the call, device stage, launcher, event)")
     p.add_argument("--before", action="store_true",
                    help="also a toggling process with --before-settings (by default as before issue 18)")
     args = p.parse_args()
@@ -288,9 +290,13 @@ def main() -> None:
                 thread = threading.Thread(target=lambda: asyncio.run(client()), daemon=True)
                 thread.start()
             steps = (args.toggle_steps or args.steps * 4) if name in TOGGLING else args.steps
-            gc = [] if args.gc else None
+            gc = [] if args.gc or args.calls else None
+            calls = {} if args.calls and name in TOGGLING else None
             times = training.train(args, training.environment("SOURCE_PATCH_TRACE", **env), name, steps=steps,
-                                   gc=gc)
+                                   gc=gc, calls=calls)
+            for part, (n, total, counts, first) in (calls or {}).items():
+                print(f"{name}, {part}: first {(first or 0) / 1e3:.1f} ms, then mean {total / max(n, 1):.1f} us; "
+                      f"{call_quantiles(counts)}", flush=True)
             if thread is not None:
                 thread.join(60)
             if name in TOGGLING:
@@ -305,7 +311,7 @@ def main() -> None:
                 records.setdefault(name, []).append({
                     "steps": [[i, frames.get(i, 0), t] for i, t in enumerate(times)],
                     "control": report.get("control", []), "gc": gc})
-                if gc:
+                if gc and args.gc:
                     print(f"{name}: " + gc_summary(times, frames, args.layers, args.warmup, gc), flush=True)
                 cost = dict(report.get("cost", {}))
                 subscribed = max(cost.pop("steps", 0), 1)

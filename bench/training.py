@@ -23,6 +23,7 @@ import stats  # bench/
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
 STEP = re.compile(r"^step \d+/\d+ .* time (\d+(?:\.\d+)?) ms$", re.M)
 GC_STEPS = re.compile(r"^gc-steps: (.*)$", re.M)
+CALL_PARTS = re.compile(r"^call-parts: (.*)$", re.M)
 CUDA = torch.cuda.is_available()
 
 
@@ -44,21 +45,26 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def train(args, environ: dict, what: str, steps: int | None = None, gc: list | None = None) -> list[float]:
+def train(args, environ: dict, what: str, steps: int | None = None, gc: list | None = None,
+          calls: dict | None = None) -> list[float]:
     """Run the example with these sizes and environment; its per-step times in ms.
     With a ``gc`` list: run it under gc_probe.py and fill the list with each step's
-    [ms collecting, collections of generation 0, 1, 2]."""
+    [ms collecting, collections of generation 0, 1, 2]; with a ``calls`` dict (and a
+    ``gc`` list) fill it with the parts of the due trace() calls (gc_probe --calls)."""
     size = ["--steps", str(steps or args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden),
             "--heads", str(args.heads), "--seq-len", str(args.seq_len),
             "--micro-batch", str(args.micro_batch), "--micro-batches", str(args.micro_batches),
             "--experts", str(args.experts), "--vocab", str(args.vocab)]
     probe = [str(Path(__file__).with_name("gc_probe.py"))] if gc is not None else []
+    probe += ["--calls"] if probe and calls is not None else []
     out = subprocess.run([sys.executable, *probe, str(EXAMPLE), *size], env=environ, capture_output=True,
                          text=True, timeout=900)
     if out.returncode != 0 or "write error" in out.stdout:
         raise SystemExit(f"{what} failed:\n{out.stdout}\n{out.stderr}")
     if gc is not None:
         gc.extend(json.loads(GC_STEPS.search(out.stdout).group(1)))
+    if probe and calls is not None:
+        calls.update(json.loads(CALL_PARTS.search(out.stdout).group(1)))
     return [float(t) for t in STEP.findall(out.stdout)]
 
 

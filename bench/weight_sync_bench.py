@@ -94,6 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--profile", action="store_true", help="then profile the host side of bucketed updates")
     p.add_argument("--phases", action="store_true", help="one process: time each phase of an update alone")
+    p.add_argument("--gc-off", action="store_true", help="the collector disabled during the timed rounds")
     p.add_argument("--milestones", action="store_true",
                    help="print each round's host timeline per side (protocol steps, buckets, GC pauses)")
     p.add_argument("--timeline", type=int, default=0, metavar="N",
@@ -298,6 +299,10 @@ def worker(rank: int, args, port: int):
     check(run)
     times = {name: [] for name in METHODS}
     names, order = list(METHODS), []
+    if args.gc_off:
+        import gc
+        gc.collect()
+        gc.disable()
     for r in range(args.warmup + args.rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order
             seconds = run.timed(lambda: METHODS[name](run))
