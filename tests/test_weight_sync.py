@@ -512,6 +512,31 @@ def test_the_parameter_walk_is_kept_until_a_parameter_or_module_is_registered():
     assert [name for name, _ in weight_megatron.named_params(wrapped)][-2:] == ["2.weight", "2.bias"]
 
 
+def test_buffer_windows_are_kept_across_pushes_until_a_buffer_moves():
+    """The windows of parameters to gather (views of one DDP-like buffer) are built
+    once per walk and kept while the buffer stays put; their state is reset per push."""
+    from source_patch.runtime.weights import megatron as weight_megatron
+
+    buffer = torch.zeros(4 * 1024)
+    params = []
+    for i in range(4):
+        param = torch.nn.Parameter(buffer[i * 1024: (i + 1) * 1024].view(32, 32))
+        param.tensor_model_parallel = True
+        params.append((f"decoder.layers.{i}.self_attention.linear_proj.weight", param))
+    walked = weight_megatron.MegatronParams.__new__(weight_megatron.MegatronParams)
+    walked.chunk, walked.params = torch.nn.Module(), params
+    windows, digest = walked._local_windows(False, "shards")
+    assert len(windows.spans) == 1 and len(digest) == 4  # one window over the buffer
+    windows.current, windows.gathers = (0, ["gathered bytes"]), 3  # what a push leaves
+    again, same = walked._local_windows(False, "shards")
+    assert again is windows and same == digest and again.current == (None, None) and again.gathers == 0
+    walked.params = list(params)  # a new walk of the same parameters: built anew
+    assert walked._local_windows(False, "shards")[0] is not windows
+    for _, param in params:  # the buffer moved: each parameter now has a storage of its own
+        param.data = param.data.clone()
+    assert walked._local_windows(False, "shards") == (None, None)  # no gain from windows now
+
+
 def test_a_push_plan_is_kept_while_the_walk_and_layout_hold():
     from source_patch.runtime.weights import names as weight_names
 
