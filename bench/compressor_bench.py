@@ -17,7 +17,11 @@ Table 2: host time of trace() on the calling thread, the way a training step cal
 it: one call per layer (50 "layers"), then trace_step().  Disabled, enabled with no
 subscription for the name, and with a tiles subscription (compressor launch, async
 copy, queueing).  On a GPU nothing waits for the device there, so this is the launch
-cost the training thread pays.  Then the CPU time per frame of the publisher thread
+cost the training thread pays; "after other work" times each due call alone after
+work like a training layer's between two calls (other torch ops on the host and the
+device, a pass over 32 MiB), which leaves the call's code and data out of the caches:
+in training a due call reads ~4x its back-to-back time.  Then the CPU time per frame
+of the publisher thread
 (host stage, encoding) and of the hub thread (sending), with a real hub and a
 recording client (trace_client record) in another process: in a training process
 these threads take the GIL from the training thread.
@@ -109,6 +113,43 @@ def host_loop(fn, device: str, reps: int, calls: int, between=None) -> float:
         for i in range(calls):
             fn(i)
         samples.append((time.perf_counter() - t0) / calls * 1e6)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if between is not None:
+            between()
+    return statistics.median(samples)
+
+
+class OtherWork:
+    """What runs between two due calls in training, untimed: other torch ops (their
+    dispatch code), a few small device kernels, and a pass over 32 MiB of memory."""
+
+    def __init__(self, device: str):
+        self.memory = torch.ones(8 << 20)
+        self.small = torch.randn(64, 64)
+        self.device = torch.randn(4096, device=device) if device == "cuda" else None
+
+    def __call__(self) -> None:
+        self.memory.sum()
+        x = torch.nn.functional.layer_norm(self.small, (64,))
+        x = torch.nn.functional.gelu(torch.softmax(x @ self.small, -1)).sum(0)
+        torch.sort(torch.cumsum(x, 0))
+        if self.device is not None:
+            torch.nn.functional.relu_((self.device * 2).add_(1))
+
+
+def after_other_work(fn, device: str, reps: int, calls: int, between=None) -> float:
+    """Median host microseconds of ``fn(i)`` when each call follows OtherWork (as
+    host_loop, but each call timed alone)."""
+    work, samples = OtherWork(device), []
+    for _ in range(reps):
+        total = 0.0
+        for i in range(calls):
+            work()
+            t0 = time.perf_counter()
+            fn(i)
+            total += time.perf_counter() - t0
+        samples.append(total / calls * 1e6)
         if device == "cuda":
             torch.cuda.synchronize()
         if between is not None:
@@ -214,6 +255,9 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: i
                      ("  the same, Triton's dispatch each call", statistics.median(dispatched))]
         else:
             rows.append(("tiles subscription, due", per_call("traced", True)))
+        rows.append(("  the same, each call after other work",
+                     after_other_work(lambda layer: rt.trace("traced", x, layer=layer), device, reps, layers,
+                                      step_end)))
         if profile and x.is_cuda and hub == "process" and tc.fused_kernel() is not None:
             print(f"\n-- the parts of a due call, timed alone (hub: {hub}), us")
             for label, micros in due_call_parts(rt, x, reps, layers):
