@@ -36,5 +36,5 @@ def test_three_iterations_serve_weight_versions_1_2_3_and_replay_removes_the_mis
     noisy, ids, both = (max_dlogp(lines, f"router noise 0.3, {label}")
                         for label in ("mismatch", "replay ids", "replay ids+weights"))
     assert len(noisy) == len(ids) == len(both) == 3
-    assert all(n > 1e-3 and b < 1e-5 and b < i < n for n, i, b in zip(noisy, ids, both))
+    assert all(n > 1e-3 and b < 1e-5 and b < i < n for n, i, b in zip(noisy, ids, both)), (noisy, ids, both)
     assert all("100.0%" not in line for line in lines if line.startswith("  router noise 0.3, routing agreement"))

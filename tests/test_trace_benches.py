@@ -1,0 +1,35 @@
+"""The trace benches' CPU smoke runs: they run, and what they print holds together
+(bench/compressor_bench.py, bench/trace_bench.py --calls with bench/gc_probe.py)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> str:
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return out.stdout
+
+
+def test_the_compressor_bench_times_due_calls_back_to_back_and_after_other_work():
+    out = run("bench/compressor_bench.py", "--quick")
+    rows = {m.group(1).strip(): (float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"^(.{1,44}?)\s+([\d.]+)\s+([\d.]+)$", out, re.M)}
+    for hub in range(2):  # hub: process, hub: thread
+        disabled, due = rows["disabled"][hub], rows["tiles subscription, due"][hub]
+        assert 0 < disabled < due, rows
+        assert rows["the same, each call after other work"][hub] > 0, rows
+
+
+def test_trace_bench_calls_times_the_parts_of_each_due_call_in_training():
+    out = run("bench/trace_bench.py", "--quick", "--resolve", "--calls", "--toggle-steps", "40")
+    parts = {m.group(1): int(m.group(3)) for m in
+             re.finditer(r"^toggling client, \s*(.+?): first [\d.]+ ms, then mean ([\d.]+) us; (\d+) calls", out, re.M)}
+    calls = parts["due call (_compress)"]
+    assert calls > 0 and parts["device stage (launch, ring)"] == calls, parts  # one device stage per due call
