@@ -104,15 +104,25 @@ def timed(fn, x, iters: int) -> float:
     return statistics.median(samples)
 
 
-def host_loop(fn, device: str, reps: int, calls: int, between=None) -> float:
+def host_loop(fn, device: str, reps: int, calls: int, between=None, before=None) -> float:
     """Median host microseconds per call of ``fn(i)`` over batches of ``calls`` calls;
-    after each batch the device is synchronised and ``between()`` runs (untimed)."""
+    after each batch the device is synchronised and ``between()`` runs (untimed).
+    With ``before``: it runs ahead of each call, untimed, and each call is timed alone."""
     samples = []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        if before is None:
+            t0 = time.perf_counter()
+            for i in range(calls):
+                fn(i)
+            elapsed = time.perf_counter() - t0
+        else:
+            elapsed = 0.0
+            for i in range(calls):
+                before()
+                t0 = time.perf_counter()
+                fn(i)
+                elapsed += time.perf_counter() - t0
+        samples.append(elapsed / calls * 1e6)
         if device == "cuda":
             torch.cuda.synchronize()
         if between is not None:
@@ -136,25 +146,6 @@ class OtherWork:
         torch.sort(torch.cumsum(x, 0))
         if self.device is not None:
             torch.nn.functional.relu_((self.device * 2).add_(1))
-
-
-def after_other_work(fn, device: str, reps: int, calls: int, between=None) -> float:
-    """Median host microseconds of ``fn(i)`` when each call follows OtherWork (as
-    host_loop, but each call timed alone)."""
-    work, samples = OtherWork(device), []
-    for _ in range(reps):
-        total = 0.0
-        for i in range(calls):
-            work()
-            t0 = time.perf_counter()
-            fn(i)
-            total += time.perf_counter() - t0
-        samples.append(total / calls * 1e6)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if between is not None:
-            between()
-    return statistics.median(samples)
 
 
 @contextlib.contextmanager
@@ -256,8 +247,8 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: i
         else:
             rows.append(("tiles subscription, due", per_call("traced", True)))
         rows.append(("  the same, each call after other work",
-                     after_other_work(lambda layer: rt.trace("traced", x, layer=layer), device, reps, layers,
-                                      step_end)))
+                     host_loop(lambda layer: rt.trace("traced", x, layer=layer), device, reps, layers, step_end,
+                               before=OtherWork(device))))
         if profile and x.is_cuda and hub == "process" and tc.fused_kernel() is not None:
             print(f"\n-- the parts of a due call, timed alone (hub: {hub}), us")
             for label, micros in due_call_parts(rt, x, reps, layers):

@@ -38,18 +38,16 @@ def on_collection(phase: str, info: dict) -> None:
         current[1 + info["generation"]] += 1
 
 
-BUCKETS = 20  # as the trace runtime's due_call_us histogram
-
-
 def probe_calls() -> dict:
     """Wrap the trace runtime's due-call parts (module globals, looked up at each call)
     with timers; their [calls, total us, histogram, first us] fill as training runs."""
     from source_patch.runtime.trace import api
 
     parts: dict = {}
+    buckets = api.CALL_BUCKETS  # the runtime's due_call_us histogram's
 
     def timed(name: str, fn):
-        part = parts.setdefault(name, [0, 0.0, [0] * BUCKETS, None])
+        part = parts.setdefault(name, [0, 0.0, [0] * buckets, None])
 
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
@@ -62,7 +60,7 @@ def probe_calls() -> dict:
                 else:
                     part[0] += 1
                     part[1] += us
-                part[2][min(int(us).bit_length(), BUCKETS - 1)] += 1
+                part[2][min(int(us).bit_length(), buckets - 1)] += 1
         return wrapper
 
     api._compress = timed("due call (_compress)", api._compress)

@@ -234,7 +234,7 @@ class MegatronParams:
         key = (expert, mode, WINDOW_BYTES)
         plans = _window_plans.setdefault(self.chunk, {})
         cached = plans.get(key)
-        if cached is not None and cached[0] is self.params and (cached[1] is None or cached[1].unmoved()):
+        if cached is not None and cached[0] is self.params and (cached[1] is None or unmoved(cached[1].storages)):
             if cached[1] is not None:
                 cached[1].reset()
             return cached[1], cached[2]
@@ -283,6 +283,19 @@ class MegatronParams:
         return torch.cat(shards, dim=param.partition_dim)
 
 
+def storage_anchors(tensors) -> list:
+    """One tensor per storage, and where that storage was: ``unmoved`` tells later
+    whether the buffers are still there (DDP's stay put)."""
+    seen: dict = {}
+    for tensor in tensors:
+        seen.setdefault(tensor.untyped_storage().data_ptr(), tensor)
+    return [(tensor, ptr) for ptr, tensor in seen.items()]
+
+
+def unmoved(anchors: list) -> bool:
+    return all(tensor.untyped_storage().data_ptr() == ptr for tensor, ptr in anchors)
+
+
 WINDOW_BYTES = 256 << 20  # per rank of the group: the gathered window is the group's size times this
 _window_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # chunk -> {(expert, mode, bytes): windows}
 
@@ -309,12 +322,9 @@ class _Windows:
             self.spans.append(span)
             self.where[id(param)] = (len(self.spans) - 1, start, end - start)
         self.current = (None, None)  # (window index, its gathered bytes per rank)
-        self.storages = [(anchor, anchor.untyped_storage().data_ptr()) for anchor, _, _ in self.spans]
-
-    def unmoved(self) -> bool:
-        """Every window's storage is where it was (DDP's buffers stay put; a parameter
-        replaced by assignment makes a new walk, so new windows)."""
-        return all(anchor.untyped_storage().data_ptr() == ptr for anchor, ptr in self.storages)
+        # Where the windows' storages were (a parameter replaced by assignment makes a
+        # new walk, so new windows).
+        self.storages = storage_anchors(anchor for anchor, _, _ in self.spans)
 
     def reset(self) -> None:
         """For the next push: no gathered bytes, no gathers counted, group and grid anew."""

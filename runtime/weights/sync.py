@@ -185,20 +185,15 @@ class _Plan:
         optimizer).  extras: (Megatron name, parameter, indices of its mapped outputs
         that are not views of a buffer: a fused QKV split by copies), mapped anew at
         each push.  Planned once; planned again if a buffer moved."""
+        from . import megatron as weight_megatron
+
         key = (_config["bucket_bytes"], _config["checksum"])
         cached = self.buffers.get(key)
-        if cached is None or not all(p.untyped_storage().data_ptr() == ptr for p, ptr in cached[1]):
-            self.buffers = {key: (_from_buffers(params, layout, *key), _anchors(params))}
+        if cached is None or not weight_megatron.unmoved(cached[1]):
+            anchors = weight_megatron.storage_anchors(param for _, param in params.params)
+            self.buffers = {key: (_from_buffers(params, layout, *key), anchors)}
             cached = self.buffers[key]
         return cached[0]
-
-
-def _anchors(params) -> list:
-    """One parameter per storage, and where that storage was."""
-    seen: dict = {}
-    for _, param in params.params:
-        seen.setdefault(param.untyped_storage().data_ptr(), param)
-    return [(param, ptr) for ptr, param in seen.items()]
 
 
 def _from_buffers(params, layout, bucket_bytes: int, checksum: bool):
