@@ -67,6 +67,9 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when a test loads this file
+import stats  # noqa: E402 - bench/
+
 
 def load_transport():
     try:
@@ -415,13 +418,16 @@ def report(run: Run, times: dict, args):
           f"bucket {args.bucket_mb} MiB, {args.rounds} rounds after {args.warmup} warm-up\n")
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{'method':<16} {'median s':>10} {'min s':>9} {'max s':>9} {'GB/s':>8} {'% of raw':>9} "
-          f"{'worst round':>11} {'x per-tensor':>13}")
+          f"{'90% interval':>15} {'worst round':>11} {'x per-tensor':>13}")
     for name, values in times.items():
         gbps = run.bytes / med[name] / 1e9
+        # paired by round: each round runs every method once, one after the other
+        _, low, high = stats.bootstrap(stats.ratio_of_medians, times["raw"], values, paired=True)
         print(f"{name:<16} {med[name]:>10.4f} {min(values):>9.4f} {max(values):>9.4f} {gbps:>8.1f} "
-              f"{100 * med['raw'] / med[name]:>8.1f}% {100 * med['raw'] / max(values):>10.1f}% "
-              f"{med['per-tensor'] / med[name]:>12.1f}x")
-    print("\n% of raw: the raw broadcast's median time over the method's (worst round: over its slowest)")
+              f"{100 * med['raw'] / med[name]:>8.1f}% {f'{100 * low:.1f}..{100 * high:.1f}%':>15} "
+              f"{100 * med['raw'] / max(values):>10.1f}% {med['per-tensor'] / med[name]:>12.1f}x")
+    print("\n% of raw: the raw broadcast's median time over the method's (90% interval: a bootstrap over "
+          "the rounds, resampled as pairs; worst round: over its slowest)")
     print("every round, ms (the order of methods rotates by one each round):")
     for name, values in times.items():
         print(f"  {name:<16} " + " ".join(f"{1e3 * v:.1f}" for v in values))
