@@ -159,6 +159,62 @@ def triton_launch(direct: bool):
         tc.DIRECT_LAUNCH = True
 
 
+@contextlib.contextmanager
+def events_per_batch(rt, per_batch: bool):
+    """Within the block, a stepping process's results wait for one event per batch
+    (the runtime's way) or each for its own, recorded by trace() (the way before)."""
+    rt.PER_BATCH_EVENTS = per_batch
+    try:
+        yield
+    finally:
+        rt.PER_BATCH_EVENTS = True
+
+
+def due_variants(rt, x: torch.Tensor, device: str, reps: int, layers: int, step_end) -> dict[str, list[float]]:
+    """Microseconds per due trace() call of each variant, one sample per round of
+    ``layers`` calls (then trace_step), the variants alternated round by round so that
+    drift hits them alike: back to back and each call after other work, the runtime's
+    way against an event per result and (on a GPU) against Triton's dispatch."""
+    other = OtherWork(device)
+    gpu = x.is_cuda and tc.fused_kernel() is not None
+    variants = [("due", True, True, None), ("due, an event per result", False, True, None)]
+    if gpu:
+        variants.append(("due, Triton's dispatch each call", True, False, None))
+    variants += [("after other work", True, True, other), ("after other work, an event per result", False, True, other)]
+    samples: dict = {label: [] for label, *_ in variants}
+    for _ in range(reps):
+        for label, per_batch, direct, before in variants:
+            with events_per_batch(rt, per_batch), triton_launch(direct):
+                samples[label].append(host_loop(lambda layer: rt.trace("traced", x, layer=layer), device, 1,
+                                                layers, step_end, before=before))
+    return samples
+
+
+ROW_LABELS = {"due": "tiles subscription, due", "due, an event per result": "  the same, an event per result",
+              "due, Triton's dispatch each call": "  the same, Triton's dispatch each call",
+              "after other work": "  the same, after other work",
+              "after other work, an event per result": "  after other work, an event per result"}
+
+
+def print_variants(samples: dict[str, list[float]], hub: str, layers: int) -> None:
+    """min, median and its 90% interval per variant; against the variant above it that
+    it differs from in one thing, the paired ratio of medians and its interval."""
+    from stats import bootstrap, ratio_of_medians
+
+    reps = len(next(iter(samples.values())))
+    print(f"\n-- due trace() calls, hub: {hub}: us per call, {reps} rounds of {layers} calls, alternated")
+    print(f"{'variant':40}{'min':>8}{'median':>9}{'90% interval':>18}   against")
+    base = {"due, an event per result": "due", "due, Triton's dispatch each call": "due",
+            "after other work": "due", "after other work, an event per result": "after other work"}
+    for label, values in samples.items():
+        _, low, high = bootstrap(statistics.median, values)
+        line = f"{label:40}{min(values):8.1f}{statistics.median(values):9.1f}{low:9.1f} ..{high:6.1f}"
+        if label in base:
+            ratio, r_low, r_high = bootstrap(ratio_of_medians, values, samples[base[label]], paired=True)
+            line += f"   {ratio:.3f}x ({r_low:.3f} .. {r_high:.3f}) of '{base[label]}'"
+        print(line)
+
+
 def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int) -> list[tuple[str, float]]:
     """Host microseconds of each call a due trace() makes on a CUDA tensor with the
     forwarder's ring (hub: process), timed alone the way host_loop times trace(): where
@@ -199,7 +255,7 @@ def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int) -> list[tuple[str
     ]
 
 
-def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: int = 50,
+def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: int = 50,
                profile: bool = False) -> list[tuple[str, float]]:
     """Microseconds per trace() call on the calling thread (see the module doc), and
     the CPU time per frame of the publisher and hub threads, with a real hub and a
@@ -235,20 +291,9 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 20, layers: i
         rows = [("disabled", per_call("traced", False)),
                 ("enabled, name not subscribed", per_call("idle", True))]
         before = rt.state()
-        if x.is_cuda and tc.fused_kernel() is not None:  # direct launches against Triton's dispatch, alternated
-            direct, dispatched = [], []
-            for _ in range(reps):
-                for launch_direct, samples in ((True, direct), (False, dispatched)):
-                    with triton_launch(launch_direct):
-                        samples.append(host_loop(lambda layer: rt.trace("traced", x, layer=layer), device, 1,
-                                                 layers, step_end))
-            rows += [("tiles subscription, due", statistics.median(direct)),
-                     ("  the same, Triton's dispatch each call", statistics.median(dispatched))]
-        else:
-            rows.append(("tiles subscription, due", per_call("traced", True)))
-        rows.append(("  the same, each call after other work",
-                     host_loop(lambda layer: rt.trace("traced", x, layer=layer), device, reps, layers, step_end,
-                               before=OtherWork(device))))
+        samples = due_variants(rt, x, device, reps, layers, step_end)
+        print_variants(samples, hub, layers)
+        rows += [(ROW_LABELS[label], statistics.median(v)) for label, v in samples.items()]
         if profile and x.is_cuda and hub == "process" and tc.fused_kernel() is not None:
             print(f"\n-- the parts of a due call, timed alone (hub: {hub}), us")
             for label, micros in due_call_parts(rt, x, reps, layers):
@@ -332,9 +377,9 @@ def main() -> None:
             assert torch.allclose(variants[label](check).cpu(), reference, rtol=1e-3, atol=1e-5), label
         hubs = ("process", "thread")
         costs = [host_costs(device, shape, tmp, hub, profile=args.profile) for hub in hubs]
-    print(f"\n{'host time, float32 input, us':44}" + "".join(f"{'hub: ' + hub:>16}" for hub in hubs))
+    print(f"\n{'host time, float32 input, us':48}" + "".join(f"{'hub: ' + hub:>16}" for hub in hubs))
     for i, (label, _) in enumerate(costs[0]):
-        print(f"{label:44}" + "".join(f"{rows[i][1]:16.2f}" for rows in costs))
+        print(f"{label:48}" + "".join(f"{rows[i][1]:16.2f}" for rows in costs))
 
 
 if __name__ == "__main__":

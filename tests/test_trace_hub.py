@@ -494,10 +494,12 @@ def test_tracing_a_cuda_tensor_never_synchronizes(hub):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_cuda_result_is_the_tensor_as_traced_and_its_device_time_is_counted(hub):
-    # The publisher copies results on its own stream, behind the training thread's
-    # events: an in-place change right after trace() must not reach the frame.
-    configure(device_timing=True)
+@pytest.mark.parametrize("timing", [True, False], ids=["event-per-result", "event-per-batch"])
+def test_a_cuda_result_is_the_tensor_as_traced_and_its_device_time_is_counted(hub, timing):
+    # The publisher copies results on its own stream (or reads the ring) behind the
+    # training thread's events: an in-place change right after trace() must not reach
+    # the frame, with an event per result (device_timing) or one per batch.
+    configure(device_timing=timing)
     x = torch.randn(256, 4, 1024, device="cuda")
     wants = []
 
@@ -518,7 +520,41 @@ def test_a_cuda_result_is_the_tensor_as_traced_and_its_device_time_is_counted(hu
         configure(device_timing=False)
     assert all(np.array_equal(f.array, want) for f, want in zip(got, wants))
     assert not np.array_equal(wants[0], wants[1])
-    assert device_seconds > 0
+    assert (device_seconds > 0) == timing
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_stepping_process_records_one_event_per_batch_and_only_on_its_own_thread(hub, monkeypatch):
+    from source_patch.runtime.trace import api
+
+    recorded = []
+    record = api._event_record
+    monkeypatch.setattr(api, "_event_record", lambda event, stream: recorded.append(stream) or record(event, stream))
+    xs = [torch.randn(64, 4, 256, device="cuda") for _ in range(4)]
+
+    async def main():
+        async with connect(url()) as c:
+            await c.subscribe(["hidden"], compressor={"kind": "tiles", "tiles": 16})
+            step(*xs)  # warm-up (and a step has ended: batches have an end from now on)
+            await frames(c, 4)
+            recorded.clear()
+            step(*xs)
+            got = await frames(c, 4)
+            per_batch = len(recorded)
+            for layer, x in enumerate(xs):
+                trace("hidden", x, layer=layer)
+            # Another thread's flush may not record on this thread's stream: nothing goes out.
+            flushed = await asyncio.to_thread(flush, 0.5)
+            unsealed = len(api._unsealed)
+            trace_step()
+            return got, per_batch, flushed, unsealed, await frames(c, 4)
+
+    got, per_batch, flushed, unsealed, after = run(main())
+    want = [tc.parse({"kind": "tiles", "tiles": 16})(x).cpu().numpy() for x in xs]
+    assert per_batch == 1 and not flushed and unsealed == 4
+    assert [f.layer for f in after] == [0, 1, 2, 3] and [f.step for f in after] == [2] * 4
+    assert all(np.array_equal(f.array, w) for f, w in zip(got + after, want + want))
 
 
 def test_a_port_in_use_means_no_hub_and_training_goes_on(tmp_path):

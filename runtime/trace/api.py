@@ -78,8 +78,10 @@ _table = _Table()
 _seen: dict = {}             # (name, layer) -> (shape, dtype) at first sight
 _subscribed = threading.Event()
 
-# -- results on their way to the hub (guarded by _cond)
-_cond = threading.Condition()
+# -- results on their way to the hub (guarded by _lock; the hot path takes the lock
+# itself, a C call, where the condition's own __enter__ is a Python frame)
+_lock = threading.Lock()
+_cond = threading.Condition(_lock)
 _pending: deque = deque()
 _busy = 0                    # results the publisher has taken but not yet handed over
 _publisher: threading.Thread | None = None
@@ -101,6 +103,15 @@ _cost = {"trace_calls": 0.0, "publisher_cpu": 0.0, "device_reduce": 0.0}
 CALL_BUCKETS = 20
 _call_us = [0] * CALL_BUCKETS
 _events: dict = {}   # (device index, timing) -> deque of CUDA events the publisher is done with
+# A process that calls trace_step gets one event per stream per batch, recorded when the
+# batch is handed over (step end, a full batch, FLUSH_SECONDS), not one per result: the
+# event record was the largest part of a due call in training (docs/benchmarks.md).
+# The publisher never records on the training thread's stream (it might be capturing a
+# CUDA graph): results without their event wait in _pending for the tracing thread.
+PER_BATCH_EVENTS = True
+_stepping = False            # trace_step has been called: batches end
+_unsealed: list = []         # results in _pending waiting for their batch's event
+_tracer: int | None = None   # the thread that traced them (the one that may record it)
 _streams: dict = {}  # device index -> the publisher's copy stream
 
 
@@ -126,7 +137,7 @@ def trace(name: str, tensor, /, **tags):
 def trace_step(success: Any = True, *, step: int | None = None) -> Any:
     """Advance the step counter after an optimizer step; return ``success`` unchanged.
     Megatron's ``(ok, grad_norm, num_zeros)`` counts only when ok; ``step=N`` sets it."""
-    global _step
+    global _step, _stepping
     try:
         if step is not None:
             _step = int(step)
@@ -134,8 +145,10 @@ def trace_step(success: Any = True, *, step: int | None = None) -> Any:
             ok = success[0] if isinstance(success, tuple) and success else success
             if ok:
                 _step += 1
+        _stepping = True
         if _pending:
-            with _cond:
+            with _lock:
+                _seal()
                 _wake_publisher()  # the step's results go out together, between steps
     except Exception as exc:  # noqa: BLE001
         _fail("trace_step", exc)
@@ -229,6 +242,7 @@ def flush(timeout: float = 5.0) -> bool:
     """Wait until traced results have reached the clients' queues and those are sent."""
     deadline = time.monotonic() + timeout
     with _cond:
+        _seal()  # on the tracing thread; any other waits for that thread to seal them
         _cond.notify_all()
         while _pending or _busy:
             if not (_publisher and _publisher.is_alive()):
@@ -244,7 +258,7 @@ def flush(timeout: float = 5.0) -> bool:
 def close(timeout: float = 2.0) -> None:
     """Send what is queued (up to ``timeout``), close the clients (1001) and the hub,
     stop the publisher.  Registered with atexit; configuring again restarts them."""
-    global _enabled, _publisher, _stop
+    global _enabled, _publisher, _stop, _unsealed
     _enabled = False
     try:
         flush(timeout)
@@ -259,6 +273,7 @@ def close(timeout: float = 2.0) -> None:
     with _cond:
         _publisher, _stop = None, False
         _pending.clear()
+        _unsealed = []
 
 
 # Names under which the handle exports these (runtime/facade.py).
@@ -321,6 +336,7 @@ def _compress(due: list, key: tuple, tensor: torch.Tensor, tags: dict, step: int
         tags = {**context, **tags}
     device = tensor.get_device() if cuda else None
     timing = cuda and _config["device_timing"]
+    deferred = cuda and not timing and _stepping and PER_BATCH_EVENTS
     for subs in groups:
         if len(_pending) >= _config["queue"]:  # the publisher is behind: drop, never wait
             _count("dropped")
@@ -335,14 +351,22 @@ def _compress(due: list, key: tuple, tensor: torch.Tensor, tags: dict, step: int
             _count("dropped")  # the forwarder is behind: its ring is full
             continue
         if slot is not None and cuda:  # in the ring, or on its way there
-            result, event = None, _record(device, timing)
+            result = None
+            event = None if deferred else _record(device, timing)
+        elif deferred and result.is_cuda:
+            event = None
         else:
             result, event = _mark(result, timing)
         item = _Result(subs, key[0], tags, step, stamp, result, event, start, tensor, slot)
-        with _cond:
+        if event is None and deferred:
+            item.stream = _current_stream(device)
+        with _lock:
             _pending.append(item)
             _counts["results"] += 1
-            if _publisher is None or len(_pending) >= BATCH:
+            if item.stream is not None:
+                _defer(item)
+            if _publisher is None or len(_pending) >= BATCH or (_unsealed and stamp - _unsealed[0].time > FLUSH_SECONDS):
+                _seal()
                 _wake_publisher()
 
 
@@ -357,6 +381,42 @@ def _by_compressor(due: list) -> tuple:
 # Whether the current CUDA stream is capturing a graph: torch's own test without its
 # Python wrapper (the public one where a build lacks it).
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
+def _defer(item) -> None:
+    """(caller holds _lock) ``item`` waits for its batch's event (see _seal)."""
+    global _tracer
+    _unsealed.append(item)
+    _tracer = threading.get_ident()
+
+
+def _seal() -> None:
+    """(caller holds _lock) Record the event the unsealed results wait for, one per
+    stream, behind their kernels: only on the thread that launched them (another
+    thread's stream may be capturing a CUDA graph), and not while capturing."""
+    global _unsealed
+    if not _unsealed or _tracer != threading.get_ident() or _capturing():
+        return
+    events: dict = {}
+    for item in _unsealed:
+        event = events.get(item.stream)
+        if event is None:
+            event = events[item.stream] = _record(item.stream.device_index, False, item.stream)
+        item.event = event
+    _unsealed = []
+
+
+def _take() -> list:
+    """(caller holds _lock) The pending results the publisher may take: all of them, or
+    those ahead of the first that still waits for its event (order is kept)."""
+    if not _unsealed:
+        items = list(_pending)
+        _pending.clear()
+        return items
+    first, items = _unsealed[0], []
+    while _pending[0] is not first:
+        items.append(_pending.popleft())
+    return items
 
 
 def _wake_publisher() -> None:
@@ -401,17 +461,19 @@ def _mark(result: torch.Tensor, timing: bool = False):
     return (result if result.device.type == "cpu" else result.to("cpu")), None
 
 
-def _record(index: int, timing: bool):
-    """An event from the pool, recorded on device ``index``'s current stream: a few
-    microseconds, where creating one per call (and a pinned buffer and a copy) cost ~25."""
+def _record(index: int, timing: bool, stream=None):
+    """An event from the pool, recorded on ``stream`` (device ``index``'s current one by
+    default): a few microseconds, where creating one per call (and a pinned buffer and
+    a copy) cost ~25.  Blocking: the publisher sleeps on it, where a spinning wait would
+    take a core (maybe the training thread's sibling) until the GPU gets there."""
     pool = _events.get((index, timing))
     if pool is None:
         pool = _events[(index, timing)] = deque()
     try:
         event = pool.pop()
     except IndexError:
-        event = torch.cuda.Event(enable_timing=timing)
-    _event_record(event, _current_stream(index))
+        event = torch.cuda.Event(enable_timing=timing, blocking=True)
+    _event_record(event, stream or _current_stream(index))
     return event
 
 
@@ -437,13 +499,15 @@ def _current_stream(index: int):
 
 
 class _Result:
-    __slots__ = ("subs", "name", "tags", "step", "time", "host", "event", "start", "shape", "dtype", "slot")
+    __slots__ = ("subs", "name", "tags", "step", "time", "host", "event", "start", "shape", "dtype", "slot",
+                 "stream")
 
     def __init__(self, subs, name, tags, step, stamp, result, event, start, tensor, slot=None):
         self.subs, self.name, self.tags, self.step, self.time = subs, name, tags, step, stamp
         self.host, self.event, self.start = result, event, start  # host: on the device until fetched
         self.shape, self.dtype = tensor.shape, tensor.dtype  # (torch.Size, torch.dtype) the hub writes out
         self.slot = slot  # (offset, end, dtype, shape) in the shared ring: the bytes are there, not in host
+        self.stream = None  # where the batch's event goes, while the result waits for it (_seal)
 
 
 def _fetch(items: list) -> None:
@@ -453,41 +517,44 @@ def _fetch(items: list) -> None:
     stay referenced until the copies are done, so their memory is not reused under them."""
     waiting = [item for item in items if item.event is not None]
     groups: dict = {}
-    done = []
+    done: dict = {}  # events to wait for, each once (a batch's results share one)
     for item in waiting:
         if item.slot is None:
             groups.setdefault((item.host.device.index, item.host.dtype), []).append(item)
         else:
-            done.append(item.event)  # copied into the forwarder's ring already: only wait
+            done[item.event] = None  # copied into the forwarder's ring already: only wait
     for (index, dtype), group in groups.items():
         stream = _streams.get(index)
         if stream is None:
             stream = _streams[index] = torch.cuda.Stream(device=index)
         with torch.cuda.stream(stream):
-            for item in group:
-                stream.wait_event(item.event)
+            for event in dict.fromkeys(item.event for item in group):
+                stream.wait_event(event)
             flat = torch.cat([item.host.reshape(-1) for item in group]) if len(group) > 1 \
                 else group[0].host.reshape(-1)
             host = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
             event = torch.cuda.Event(blocking=True)  # sleep on it, do not spin
             event.record(stream)
-        done.append(event)
+        done[event] = None
         offset = 0
         for item in group:
             n = item.host.numel()
             item.host, offset = host[offset: offset + n].view(item.host.shape), offset + n
     for event in done:
         event.synchronize()
+    pooled = {}  # each event back to its pool once
     for item in waiting:
         if item.slot is not None:
             item.host = None
         if item.start is not None:
-            with _cond:
+            with _lock:
                 _cost["device_reduce"] += item.start.elapsed_time(item.event) / 1e3
             _events[(item.event.device.index, True)].append(item.start)
-        _events[(item.event.device.index, item.start is not None)].append(item.event)
+        pooled[item.event] = item.start is not None
         item.event = item.start = None
+    for event, timing in pooled.items():
+        _events[(event.device.index, timing)].append(event)
 
 
 def _compress_failed(subs: list, name: str, exc: Exception) -> None:
@@ -521,12 +588,12 @@ def _publish_loop() -> None:
     global _busy
     while True:
         with _cond:
-            if not _pending and not _stop:
+            items = _take()
+            if not items:
+                if _stop:
+                    return
                 _cond.wait(FLUSH_SECONDS)
-            if _stop and not _pending:
-                return
-            items = list(_pending)
-            _pending.clear()
+                items = _take()
             _busy += len(items)
         if not items:
             _share_state()
@@ -678,9 +745,12 @@ def _stop_hub() -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child (a data loader worker) inherits no threads: it does not trace."""
-    global _enabled, _cond, _pending, _busy, _publisher, _stop, _hub, _hub_key, _table, _counters, _counts, _ring
+    global _enabled, _lock, _cond, _pending, _busy, _publisher, _stop, _hub, _hub_key, _table, _counters, _counts, \
+        _ring, _unsealed, _tracer
     _enabled = False
-    _cond = threading.Condition()
+    _lock = threading.Lock()
+    _cond = threading.Condition(_lock)
+    _unsealed, _tracer = [], None
     _counters = Counters(_COUNTERS, "source_patch.trace", "trace", lock=_cond)
     _counts = _counters.counts
     _pending, _busy, _publisher, _stop = deque(), 0, None, False
