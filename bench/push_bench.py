@@ -16,7 +16,9 @@ in turn), host time:
   mapping         every parameter through names.to_hf (name and layout conversion:
                   fused QKV split, gate/up split), as the packed path does
   push buffers    push(): sent from DDP's parameter buffers (the default without gathers)
-  push tensors    push() with from_buffers off: mapped and packed tensor by tensor
+  push tensors    push() with from_buffers off: mapped and packed tensor by tensor (on a GPU
+                  a bucket of the same tensors as the push before replays its copies)
+  push tensors, copied   the same with replay_packing off: every tensor copied
   push, walked    push buffers, with the kept walk dropped before each push (the old cost)
 --profile then prints cProfile's top functions (own time) over 5 pushes from the buffers.
 Ends with a bitwise check: one push over a recording link, replayed to a receiver,
@@ -137,8 +139,8 @@ def main(argv=None) -> None:
             for _ in weight_names.to_hf(name, full, layout):
                 pass
 
-    def push(from_buffers=True, walked=False):
-        weight_sync.configure(from_buffers=from_buffers)
+    def push(from_buffers=True, walked=False, replay=True):
+        weight_sync.configure(from_buffers=from_buffers, replay_packing=replay)
         if walked:
             weight_megatron._walks.pop(ddp, None)
         wire.rewind()
@@ -149,6 +151,7 @@ def main(argv=None) -> None:
 
     rows = {"walk": walk, "params": lambda: weight_megatron.MegatronParams(chunks), "mapping": mapping,
             "push buffers": push, "push tensors": lambda: push(from_buffers=False),
+            "push tensors, copied": lambda: push(from_buffers=False, replay=False),
             "push, walked": lambda: push(walked=True)}
     times: dict = {key: [] for key in rows}
     for r in range(args.warmup + args.rounds):
@@ -270,6 +273,7 @@ LABELS = {
     "mapping": "name/layout mapping (to_hf), every tensor",
     "push buffers": "push(), from DDP's buffers",
     "push tensors": "push(), packed tensor by tensor",
+    "push tensors, copied": "the same, no replayed packing",
     "push, walked": "push(), buffers, walk redone (before)",
 }
 

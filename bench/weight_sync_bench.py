@@ -180,16 +180,20 @@ class Run:
             self.link.wait(work, "per-tensor")
         self.link.vote(0, "ack")
 
-    def bucketed(self, checksum=True, stage="update", buffers=False):
+    def bucketed(self, checksum=True, stage="update", buffers=False, replay=True):
         wt = self.wt
         if self.rank == 0:  # planned once, as the trainer does: a push only changes the version
             self.version += 1
             if buffers:
                 manifest, source = self.from_buffers[checksum]
                 wt.send(self.link, dataclasses.replace(manifest, version=self.version), source)
-            else:
+                return None
+            wt.PACK_GRAPHS = replay
+            try:
                 wt.send(self.link, dataclasses.replace(self.manifests[checksum], version=self.version),
                         iter(self.tensors))
+            finally:
+                wt.PACK_GRAPHS = True
             return None
         update = wt.receive(self.link, stage=stage)
         if stage == "bucket":
@@ -284,6 +288,7 @@ METHODS = {
     "per-tensor": lambda r: r.per_tensor(),
     "bucketed": lambda r: r.bucketed(),
     "bucketed -c": lambda r: r.bucketed(checksum=False),
+    "bucketed, copied": lambda r: r.bucketed(replay=False),
     "streamed": lambda r: r.bucketed(stage="bucket"),
     "buffers": lambda r: r.bucketed(buffers=True),
     "buffers -c": lambda r: r.bucketed(checksum=False, buffers=True),
@@ -301,17 +306,23 @@ def worker(rank: int, args, port: int):
     run.setup(port)
     check(run)
     times = {name: [] for name in METHODS}
-    names, order = list(METHODS), []
+    # Per-tensor's rounds come after the others: the update timed right after its
+    # thousands of small broadcasts read 13-28 ms instead of 13-14 (whichever method
+    # it was, also after a 1 s pause; two H100, 2026-11-25), which made the bucketed
+    # row bimodal for as long as the methods rotated through one sequence.
+    rotated = [name for name in METHODS if name != "per-tensor"]
+    order = []
     if args.gc_off:
         import gc
         gc.collect()
         gc.disable()
-    for r in range(args.warmup + args.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order
-            seconds = run.timed(lambda: METHODS[name](run))
-            order.append(name)
-            if r >= args.warmup:
-                times[name].append(seconds)
+    for names in (rotated, ["per-tensor"]):
+        for r in range(args.warmup + args.rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order
+                seconds = run.timed(lambda: METHODS[name](run))
+                order.append(name)
+                if r >= args.warmup:
+                    times[name].append(seconds)
     check(run, "after the timed rounds: ")  # the last update still exact, bit for bit
     if rank == 0:
         report(run, times, args)
@@ -428,10 +439,10 @@ def report(run: Run, times: dict, args):
               f"{100 * med['raw'] / max(values):>10.1f}% {med['per-tensor'] / med[name]:>12.1f}x")
     print("\n% of raw: the raw broadcast's median time over the method's (90% interval: a bootstrap over "
           "the rounds, resampled as pairs; worst round: over its slowest)")
-    print("every round, ms (the order of methods rotates by one each round):")
+    print("every round, ms (the order of methods rotates by one each round; per-tensor runs after the others):")
     for name, values in times.items():
         print(f"  {name:<16} " + " ".join(f"{1e3 * v:.1f}" for v in values))
-    for name in ("bucketed", "streamed", "buffers", "buffers streamed"):
+    for name in ("bucketed", "bucketed, copied", "streamed", "buffers", "buffers streamed"):
         print(f"{name}: {100 * med['raw'] / med[name]:.0f}% of raw at the median, "
               f"{100 * med['raw'] / max(times[name]):.0f}% in the worst round; "
               f"{med['per-tensor'] / med[name]:.1f}x per-tensor", flush=True)

@@ -342,6 +342,37 @@ def test_buffers_on_a_gpu_are_sent_from_device_memory_with_extras_in_both_stages
         assert check_streamed(wt.receive(rx, stage=stage), views + extra) == [e.name for e in m.entries]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_packed_buckets_replay_their_copies_while_the_sources_stay_and_copy_where_they_moved():
+    data = [(n, t.cuda()) for n, t in mixed_tensors()]
+    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
+    tx = wt.LoopbackLink("cuda")
+    rx = wt.LoopbackLink("cuda", replay=tx)
+
+    def update(version: int) -> None:
+        for _, t in data:  # new values in the same memory, as an optimizer step writes them
+            t.copy_((torch.rand(t.shape) * 9 + version).to(t.dtype))
+        tx.rewind()
+        rx.rewind()
+        wt.send(tx, dataclasses.replace(m, version=version), (t for _, t in data))
+        received = wt.receive(rx).tensors
+        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, data)), version
+
+    for version in (1, 2, 3):  # copied (addresses noted), captured and replayed, replayed
+        update(version)
+    replays = tx.packing.replays
+    assert all(g is not None for g in replays.graphs) and len(replays.graphs) == m.buckets > 10
+    moved = next(i for i, (n, _) in enumerate(data) if n == "big")  # crosses buckets
+    data[moved] = ("big", data[moved][1].clone())
+    update(4)
+    spanned = {k for k in range(m.buckets) for e in m.entries if e.name == "big"
+               if m.window(k)[0] < e.offset + e.nbytes and m.window(k)[1] > e.offset}
+    assert [k for k, g in enumerate(replays.graphs) if g is None] == sorted(spanned)
+    update(5), update(6)  # the moved tensor's buckets captured again
+    assert all(g is not None for g in replays.graphs)
+
+
 def test_a_corrupted_bucket_sent_from_buffers_fails_the_update(monkeypatch):
     named, _ = param_buffers()
     m, source = wt.plan_buffers(named, 1024, version=1)

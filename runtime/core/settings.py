@@ -359,6 +359,10 @@ SCHEMAS["weight_sync"] = {
     "from_buffers": Setting(True, boolean, "trainer: send the parameters that lie in Megatron's contiguous "
                             "parameter buffers (distributed optimizer, no tensor- or expert-parallel "
                             "gather) straight from them: no packing, no per-tensor work per push"),
+    "replay_packing": Setting(True, boolean, "trainer, GPU: a bucket packed from the same tensors (same "
+                              "addresses, contiguous) as the push before is packed by replaying its copies, "
+                              "captured once as a CUDA graph (thread-local capture, nothing allocated): ~10 us of "
+                              "host time per bucket instead of ~1 us per tensor"),
     "timeout_s": Setting(300.0, seconds(positive=True), "longest wait for any step of an update (also the first "
                                                   "connection); then the update fails instead of hanging"),
     "every": Setting(1, integer(low=1), "trainer: push after every N-th successful optimizer step"),

@@ -134,6 +134,7 @@ def push(model_chunks, version: int | None = None) -> None:
             for _ in tensors if buffers is None else ():  # the other participants' gathers still need rank 0
                 pass
             raise
+        transport.PACK_GRAPHS = _config["replay_packing"]
         transport.send(link, dataclasses.replace(manifest, version=version), tensors, extra=extra)
     except Exception as exc:
         _trainer["failures"] += 1

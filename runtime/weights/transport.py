@@ -509,10 +509,18 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
+# Pack a bucket whose sources are the tensors of the update before (same addresses,
+# contiguous) by replaying its copies, captured as a CUDA graph: one launch per bucket
+# where the copies' launches cost the sender's host ~1 us per tensor, the limit with
+# many small tensors (docs/benchmarks.md).  Setting weight_sync.replay_packing.
+PACK_GRAPHS = True
+
+
 class _Packing:
     """Where each tensor goes in the two bucket buffers, computed once per layout and
     kept on the link: packing bucket k is then one ``_foreach_copy_`` per dtype from
-    its tensors into cached views, with no per-tensor view work in the hot loop.
+    its tensors into cached views, with no per-tensor view work in the hot loop; on a
+    GPU, once bucket k has had the same sources twice, a replay of those copies.
 
     ``batches`` takes and checks the tensors bucket by bucket and ``pack`` copies one
     bucket into its buffer; the sender interleaves them with its broadcasts, the
@@ -554,6 +562,7 @@ class _Packing:
                 self.hold[first].append((i, position))
                 self.release[k].append(i)
         self.groups = [_by_dtype(c) for c in copies]
+        self.replays = _Replays(n, device)
 
     def matches(self, manifest: Manifest) -> bool:
         return self.key == (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
@@ -587,10 +596,14 @@ class _Packing:
     def pack(self, k: int, sources: list) -> torch.Tensor:
         """Copy bucket k's ``sources`` (from ``batches``) into its buffer; returns the
         bucket's bytes.  The buffer must be free (its previous bucket sent)."""
-        for (dsts, _), srcs in zip(self.groups[k], sources):
-            torch._foreach_copy_(dsts, srcs)
+        if not self.replays.replay(k, sources, self._copy):
+            self._copy(k, sources)
         start, end = self.manifest.window(k)
         return self.buffers[k % 2][: end - start]
+
+    def _copy(self, k: int, sources: list) -> None:
+        for (dsts, _), srcs in zip(self.groups[k], sources):
+            torch._foreach_copy_(dsts, srcs)
 
     def _mismatch(self, k: int, batch: list) -> None:
         for i, tensor in zip(self.new[k], batch):
@@ -601,6 +614,60 @@ class _Packing:
 
 
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+_ADDRESS, _CONTIGUOUS = operator.methodcaller("data_ptr"), operator.methodcaller("is_contiguous")
+
+
+class _Replays:
+    """Per bucket, its copies captured as a CUDA graph and the source addresses they
+    were captured for.  A bucket's sources are known by their addresses alone: their
+    shapes and dtypes are checked against the plan before, and only contiguous ones
+    are captured (a graph reads the memory, whatever tensor is there now).  Captured
+    on a side stream in thread-local mode, so other threads' CUDA calls (NCCL's
+    watchdog) go on; nothing is allocated during a capture."""
+
+    def __init__(self, buckets: int, device: torch.device):
+        self.on = device.type == "cuda"
+        self.device = device
+        self.graphs: list = [None] * buckets  # (addresses, CUDAGraph)
+        self.seen: list = [None] * buckets    # addresses of the update before, not captured yet
+        self.stream = None
+
+    def replay(self, k: int, sources: list, copy: Callable) -> bool:
+        """Whether bucket k was packed by a replay (else the caller copies): its
+        graph's sources, or the same contiguous ones as last time (captured now)."""
+        if not (self.on and PACK_GRAPHS):
+            return False
+        addresses = [list(map(_ADDRESS, srcs)) for srcs in sources]
+        graph = self.graphs[k]
+        if graph is not None and graph[0] == addresses:
+            graph[1].replay()
+            return True
+        self.graphs[k] = None
+        if self.seen[k] != addresses:
+            self.seen[k] = addresses if all(all(map(_CONTIGUOUS, srcs)) for srcs in sources) else None
+            return False
+        try:
+            self.graphs[k] = (addresses, self._capture(k, sources, copy))
+        except Exception:  # noqa: BLE001 - a copy that cannot be captured: copy, and never capture again
+            self.on = False
+            return False
+        self.seen[k] = None
+        self.graphs[k][1].replay()
+        return True
+
+    def _capture(self, k: int, sources: list, copy: Callable):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                copy(k, sources)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return graph
 
 
 def _by_dtype(copies: list) -> list:
