@@ -3,8 +3,8 @@ every other rank receives (NCCL on GPU, gloo on CPU).
 
     group = open_group("10.0.0.1", 29600, rank, world_size, "source_patch_weights", "nccl", 300)
     link = Link(group, timeout_s=300)
-    send(link, plan(specs, bucket_bytes=1 << 30, version=7), tensors)    # rank 0
-    send(link, *plan_buffers(named_views, 1 << 30, 7))                    # or from the buffers themselves
+    send(link, plan(specs, bucket_bytes=512 << 20, version=7), tensors)  # rank 0
+    send(link, *plan_buffers(named_views, 512 << 20, 7))                  # or from the buffers themselves
     update = receive(link)                                               # engine ranks
     model.load_weights(update.tensors)
 
