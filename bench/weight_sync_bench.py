@@ -11,13 +11,16 @@ source_patch, else straight from this checkout).  The synthetic model has
 experts: ``--small-kb`` and smaller), the rest in ``--large-mb`` matrices, and one
 embedding-like tensor larger than a bucket (split across buckets).
 
-Methods (sender's wall time from a barrier until every receiver is done):
+Methods (sender's wall time from a barrier until every receiver is done; each round
+runs them all in a rotating order, per-tensor in rounds of its own after the others):
   raw          one broadcast of a flat buffer of the model's size: the interconnect's bandwidth
   per-tensor   one async broadcast per tensor, all waited (SGLang's non-bucketed path, into
                preallocated tensors)
   bucketed     weight_transport.send/receive: manifest, double-buffered buckets, per-bucket
-               checksums, verdict; the receiver stages the whole update (stage "update")
+               checksums, verdict; the receiver stages the whole update (stage "update");
+               on a GPU each bucket's copies replayed once its sources repeat (PACK_GRAPHS)
   bucketed -c  the same without checksums
+  bucketed, copied  bucketed with every tensor copied each update (replay_packing off)
   streamed     stage "bucket": the receiver verifies and hands out bucket by bucket
   buffers      the sender's tensors are views of one flat buffer (as Megatron's parameter
                buffers with the distributed optimizer), planned with plan_buffers: each
