@@ -8,6 +8,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -521,6 +522,44 @@ def test_a_cuda_result_is_the_tensor_as_traced_and_its_device_time_is_counted(hu
     assert all(np.array_equal(f.array, want) for f, want in zip(got, wants))
     assert not np.array_equal(wants[0], wants[1])
     assert (device_seconds > 0) == timing
+
+
+def test_results_waiting_for_their_batch_event_are_held_back_in_order_and_sealed_per_stream(monkeypatch):
+    # The bookkeeping of one event per batch (api._defer, _seal, _take), without a
+    # GPU: events are stand-ins, recorded on stand-in streams.
+    from collections import deque
+
+    from source_patch.runtime.trace import api
+
+    recorded = []
+    monkeypatch.setattr(api, "_record", lambda index, timing, stream=None: recorded.append(stream) or object())
+    monkeypatch.setattr(api, "_capturing", lambda: False)
+    monkeypatch.setattr(api, "_pending", deque())
+    monkeypatch.setattr(api, "_unsealed", [])
+    monkeypatch.setattr(api, "_tracer", None)
+
+    class Stand:  # hashable, compared by identity, as streams and results are
+        def __init__(self, **attrs):
+            self.__dict__.update(attrs)
+
+    a, b = Stand(device_index=0), Stand(device_index=1)
+    ready = Stand(event="its own", stream=None)        # a result with its own event
+    a1, b1, a2 = (Stand(event=None, stream=s) for s in (a, b, a))
+    late = Stand(event="its own", stream=None)         # after them: waits to keep the order
+    with api._lock:
+        api._pending.append(ready)
+        for item in (a1, b1, a2):
+            api._pending.append(item)
+            api._defer(item)
+        api._pending.append(late)
+        assert api._take() == [ready]  # the publisher stops at the first unsealed result
+        other = threading.Thread(target=api._seal)  # another thread's stream may be capturing: no event
+        other.start()
+        other.join()
+        assert recorded == [] and api._take() == []
+        api._seal()  # the tracing thread: one event per stream, behind its results
+        assert recorded == [a, b] and a1.event is a2.event and a1.event is not b1.event
+        assert api._take() == [a1, b1, a2, late] and api._unsealed == []
 
 
 @pytest.mark.gpu

@@ -342,6 +342,48 @@ def test_buffers_on_a_gpu_are_sent_from_device_memory_with_extras_in_both_stages
         assert check_streamed(wt.receive(rx, stage=stage), views + extra) == [e.name for e in m.entries]
 
 
+def test_replayed_packing_reads_the_captured_sources_so_a_moved_tensor_is_copied_again(monkeypatch):
+    # The replay bookkeeping on CPU: a stand-in "graph" copies from the sources it was
+    # captured with, as a CUDA graph reads the captured addresses.  A bucket replayed
+    # after its tensor moved would send the old tensor's bytes: the receiver's check
+    # catches that.
+    captured = []
+
+    def capture(self, k, sources, copy):
+        captured.append(k)
+        return type("Graph", (), {"replay": lambda _: copy(k, sources)})()
+
+    monkeypatch.setattr(wt._Replays, "_capture", capture)
+    data = mixed_tensors()
+    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+
+    def update(version: int) -> None:
+        for _, t in data:
+            t.copy_((torch.rand(t.shape) * 9 + version).to(t.dtype))
+        tx.rewind()
+        rx.rewind()
+        wt.send(tx, dataclasses.replace(m, version=version), (t for _, t in data))
+        if version == 1:
+            tx.packing.replays.on = True  # as on a GPU
+        received = wt.receive(rx).tensors
+        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, data)), version
+
+    update(1)
+    update(2)  # sources seen
+    update(3)  # captured, replayed
+    assert sorted(captured) == list(range(m.buckets))
+    moved = next(i for i, (n, _) in enumerate(data) if n == "big")
+    data[moved] = ("big", data[moved][1].clone())
+    captured.clear()
+    for version in (4, 5, 6):  # copied, seen, captured again: the moved tensor's buckets only
+        update(version)
+    spanned = {k for k in range(m.buckets) for e in m.entries if e.name == "big"
+               if m.window(k)[0] < e.offset + e.nbytes and m.window(k)[1] > e.offset}
+    assert sorted(captured) == sorted(spanned)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_packed_buckets_replay_their_copies_while_the_sources_stay_and_copy_where_they_moved():
