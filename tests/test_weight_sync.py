@@ -384,6 +384,27 @@ def test_replayed_packing_reads_the_captured_sources_so_a_moved_tensor_is_copied
     assert sorted(captured) == sorted(spanned)
 
 
+def test_a_bucket_that_cannot_be_captured_is_copied_and_said_once(monkeypatch, caplog):
+    def capture(self, k, sources, copy):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(wt._Replays, "_capture", capture)
+    data = mixed_tensors()
+    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    for version in (1, 2, 3, 4):
+        tx.rewind()
+        rx.rewind()
+        wt.send(tx, dataclasses.replace(m, version=version), (t for _, t in data))
+        if version == 1:
+            tx.packing.replays.on = True  # as on a GPU
+        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(wt.receive(rx).tensors, data))
+    said = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()]
+    assert len(said) == 1 and "RuntimeError: operation not permitted" in said[0] and "more" not in said[0]
+    assert not tx.packing.replays.on
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_packed_buckets_replay_their_copies_while_the_sources_stay_and_copy_where_they_moved():

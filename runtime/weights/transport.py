@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import math
 import operator
 import re
@@ -648,8 +649,11 @@ class _Replays:
             return False
         try:
             self.graphs[k] = (addresses, self._capture(k, sources, copy))
-        except Exception:  # noqa: BLE001 - a copy that cannot be captured: copy, and never capture again
+        except Exception as exc:  # noqa: BLE001 - a copy that cannot be captured: copy, and never capture again
             self.on = False
+            logging.getLogger("source_patch.weight_sync").warning(
+                "weight sync: packing bucket %d could not be captured as a CUDA graph (%s: %s); packing by "
+                "copies from now on", k, type(exc).__name__, _first_line(exc))
             return False
         self.seen[k] = None
         self.graphs[k][1].replay()
