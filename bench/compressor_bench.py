@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import math
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
+from unittest import mock
 
 import torch
 from safetensors.torch import save_file
@@ -148,70 +149,66 @@ class OtherWork:
             torch.nn.functional.relu_((self.device * 2).add_(1))
 
 
-@contextlib.contextmanager
 def triton_launch(direct: bool):
     """Within the block, the fused kernel's launches as the trace setting
     ``triton_launch`` makes them: direct, or through Triton's dispatch (``triton``)."""
-    tc.DIRECT_LAUNCH = direct
-    try:
-        yield
-    finally:
-        tc.DIRECT_LAUNCH = True
+    return mock.patch.object(tc, "DIRECT_LAUNCH", direct)
 
 
-@contextlib.contextmanager
-def events_per_batch(rt, per_batch: bool):
-    """Within the block, a stepping process's results wait for one event per batch
-    (the runtime's way) or each for its own, recorded by trace() (the way before)."""
-    rt.PER_BATCH_EVENTS = per_batch
-    try:
-        yield
-    finally:
-        rt.PER_BATCH_EVENTS = True
+class Variant(NamedTuple):
+    """A way of making due trace() calls: one event per batch (the runtime's way) or
+    one per result, direct launches or Triton's dispatch, back to back or each after
+    other work; ``against``: the variant it differs from in one thing."""
+    label: str
+    row: str  # its row in the host-time table
+    per_batch: bool = True
+    direct: bool = True
+    after_other_work: bool = False
+    against: str | None = None
+    gpu_only: bool = False
 
 
-def due_variants(rt, x: torch.Tensor, device: str, reps: int, layers: int, step_end) -> dict[str, list[float]]:
-    """Microseconds per due trace() call of each variant, one sample per round of
-    ``layers`` calls (then trace_step), the variants alternated round by round so that
-    drift hits them alike: back to back and each call after other work, the runtime's
-    way against an event per result and (on a GPU) against Triton's dispatch."""
+VARIANTS = (
+    Variant("due", "tiles subscription, due"),
+    Variant("due, an event per result", "  the same, an event per result", per_batch=False, against="due"),
+    Variant("due, Triton's dispatch each call", "  the same, Triton's dispatch each call", direct=False,
+            against="due", gpu_only=True),
+    Variant("after other work", "  the same, after other work", after_other_work=True, against="due"),
+    Variant("after other work, an event per result", "  after other work, an event per result", per_batch=False,
+            after_other_work=True, against="after other work"),
+)
+
+
+def due_variants(rt, x: torch.Tensor, device: str, reps: int, layers: int, step_end) -> dict:
+    """{Variant: microseconds per due trace() call, one sample per round of ``layers``
+    calls (then trace_step)}, the variants alternated round by round so that drift
+    hits them alike (Triton's dispatch on a GPU only)."""
     other = OtherWork(device)
     gpu = x.is_cuda and tc.fused_kernel() is not None
-    variants = [("due", True, True, None), ("due, an event per result", False, True, None)]
-    if gpu:
-        variants.append(("due, Triton's dispatch each call", True, False, None))
-    variants += [("after other work", True, True, other), ("after other work, an event per result", False, True, other)]
-    samples: dict = {label: [] for label, *_ in variants}
+    samples: dict = {v: [] for v in VARIANTS if gpu or not v.gpu_only}
     for _ in range(reps):
-        for label, per_batch, direct, before in variants:
-            with events_per_batch(rt, per_batch), triton_launch(direct):
-                samples[label].append(host_loop(lambda layer: rt.trace("traced", x, layer=layer), device, 1,
-                                                layers, step_end, before=before))
+        for v in samples:
+            with mock.patch.object(rt, "PER_BATCH_EVENTS", v.per_batch), triton_launch(v.direct):
+                samples[v].append(host_loop(lambda layer: rt.trace("traced", x, layer=layer), device, 1, layers,
+                                            step_end, before=other if v.after_other_work else None))
     return samples
 
 
-ROW_LABELS = {"due": "tiles subscription, due", "due, an event per result": "  the same, an event per result",
-              "due, Triton's dispatch each call": "  the same, Triton's dispatch each call",
-              "after other work": "  the same, after other work",
-              "after other work, an event per result": "  after other work, an event per result"}
-
-
-def print_variants(samples: dict[str, list[float]], hub: str, layers: int) -> None:
-    """min, median and its 90% interval per variant; against the variant above it that
-    it differs from in one thing, the paired ratio of medians and its interval."""
+def print_variants(samples: dict, hub: str, layers: int) -> None:
+    """min, median and its 90% interval per variant; against the variant it differs
+    from in one thing, the paired ratio of medians and its interval."""
     from stats import bootstrap, ratio_of_medians
 
+    by_label = {v.label: values for v, values in samples.items()}
     reps = len(next(iter(samples.values())))
     print(f"\n-- due trace() calls, hub: {hub}: us per call, {reps} rounds of {layers} calls, alternated")
     print(f"{'variant':40}{'min':>8}{'median':>9}{'90% interval':>18}   against")
-    base = {"due, an event per result": "due", "due, Triton's dispatch each call": "due",
-            "after other work": "due", "after other work, an event per result": "after other work"}
-    for label, values in samples.items():
+    for v, values in samples.items():
         _, low, high = bootstrap(statistics.median, values)
-        line = f"{label:40}{min(values):8.1f}{statistics.median(values):9.1f}{low:9.1f} ..{high:6.1f}"
-        if label in base:
-            ratio, r_low, r_high = bootstrap(ratio_of_medians, values, samples[base[label]], paired=True)
-            line += f"   {ratio:.3f}x ({r_low:.3f} .. {r_high:.3f}) of '{base[label]}'"
+        line = f"{v.label:40}{min(values):8.1f}{statistics.median(values):9.1f}{low:9.1f} ..{high:6.1f}"
+        if v.against is not None:
+            ratio, r_low, r_high = bootstrap(ratio_of_medians, values, by_label[v.against], paired=True)
+            line += f"   {ratio:.3f}x ({r_low:.3f} .. {r_high:.3f}) of '{v.against}'"
         print(line)
 
 
@@ -293,7 +290,7 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: i
         before = rt.state()
         samples = due_variants(rt, x, device, reps, layers, step_end)
         print_variants(samples, hub, layers)
-        rows += [(ROW_LABELS[label], statistics.median(v)) for label, v in samples.items()]
+        rows += [(v.row, statistics.median(values)) for v, values in samples.items()]
         if profile and x.is_cuda and hub == "process" and tc.fused_kernel() is not None:
             print(f"\n-- the parts of a due call, timed alone (hub: {hub}), us")
             for label, micros in due_call_parts(rt, x, reps, layers):

@@ -66,6 +66,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional
+from unittest import mock
 
 import torch
 import torch.multiprocessing as mp
@@ -191,12 +192,9 @@ class Run:
                 manifest, source = self.from_buffers[checksum]
                 wt.send(self.link, dataclasses.replace(manifest, version=self.version), source)
                 return None
-            wt.PACK_GRAPHS = replay
-            try:
+            with mock.patch.object(wt, "PACK_GRAPHS", replay):
                 wt.send(self.link, dataclasses.replace(self.manifests[checksum], version=self.version),
                         iter(self.tensors))
-            finally:
-                wt.PACK_GRAPHS = True
             return None
         update = wt.receive(self.link, stage=stage)
         if stage == "bucket":

@@ -342,6 +342,35 @@ def test_buffers_on_a_gpu_are_sent_from_device_memory_with_extras_in_both_stages
         assert check_streamed(wt.receive(rx, stage=stage), views + extra) == [e.name for e in m.entries]
 
 
+def packed_updates(device: str, replay_on_cpu: bool = False):
+    """mixed_tensors() on ``device``, their plan, the sender's loopback link and
+    update(version): new values into the same tensors (as an optimizer step writes
+    them), sent packed, received and checked.  ``replay_on_cpu``: the sender's replays
+    are switched on after the first update, as on a GPU."""
+    data = [(n, t.to(device)) for n, t in mixed_tensors()]
+    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
+    tx = wt.LoopbackLink(device)
+    rx = wt.LoopbackLink(device, replay=tx)
+
+    def update(version: int) -> None:
+        for _, t in data:
+            t.copy_((torch.rand(t.shape) * 9 + version).to(t.dtype))
+        tx.rewind()
+        rx.rewind()
+        wt.send(tx, dataclasses.replace(m, version=version), (t for _, t in data))
+        if replay_on_cpu and version == 1:
+            tx.packing.replays.on = True
+        received = wt.receive(rx).tensors
+        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, data)), version
+
+    return data, m, tx, update
+
+
+def buckets_holding(m, name: str) -> list:
+    return [k for k in range(m.buckets) for e in m.entries if e.name == name
+            if m.window(k)[0] < e.offset + e.nbytes and m.window(k)[1] > e.offset]
+
+
 def test_replayed_packing_reads_the_captured_sources_so_a_moved_tensor_is_copied_again(monkeypatch):
     # The replay bookkeeping on CPU: a stand-in "graph" copies from the sources it was
     # captured with, as a CUDA graph reads the captured addresses.  A bucket replayed
@@ -354,22 +383,7 @@ def test_replayed_packing_reads_the_captured_sources_so_a_moved_tensor_is_copied
         return type("Graph", (), {"replay": lambda _: copy(k, sources)})()
 
     monkeypatch.setattr(wt._Replays, "_capture", capture)
-    data = mixed_tensors()
-    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
-    tx = wt.LoopbackLink("cpu")
-    rx = wt.LoopbackLink("cpu", replay=tx)
-
-    def update(version: int) -> None:
-        for _, t in data:
-            t.copy_((torch.rand(t.shape) * 9 + version).to(t.dtype))
-        tx.rewind()
-        rx.rewind()
-        wt.send(tx, dataclasses.replace(m, version=version), (t for _, t in data))
-        if version == 1:
-            tx.packing.replays.on = True  # as on a GPU
-        received = wt.receive(rx).tensors
-        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, data)), version
-
+    data, m, tx, update = packed_updates("cpu", replay_on_cpu=True)
     update(1)
     update(2)  # sources seen
     update(3)  # captured, replayed
@@ -379,9 +393,7 @@ def test_replayed_packing_reads_the_captured_sources_so_a_moved_tensor_is_copied
     captured.clear()
     for version in (4, 5, 6):  # copied, seen, captured again: the moved tensor's buckets only
         update(version)
-    spanned = {k for k in range(m.buckets) for e in m.entries if e.name == "big"
-               if m.window(k)[0] < e.offset + e.nbytes and m.window(k)[1] > e.offset}
-    assert sorted(captured) == sorted(spanned)
+    assert sorted(captured) == buckets_holding(m, "big")
 
 
 def test_a_bucket_that_cannot_be_captured_is_copied_and_said_once(monkeypatch, caplog):
@@ -389,17 +401,9 @@ def test_a_bucket_that_cannot_be_captured_is_copied_and_said_once(monkeypatch, c
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
     monkeypatch.setattr(wt._Replays, "_capture", capture)
-    data = mixed_tensors()
-    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
-    tx = wt.LoopbackLink("cpu")
-    rx = wt.LoopbackLink("cpu", replay=tx)
+    _, _, tx, update = packed_updates("cpu", replay_on_cpu=True)
     for version in (1, 2, 3, 4):
-        tx.rewind()
-        rx.rewind()
-        wt.send(tx, dataclasses.replace(m, version=version), (t for _, t in data))
-        if version == 1:
-            tx.packing.replays.on = True  # as on a GPU
-        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(wt.receive(rx).tensors, data))
+        update(version)
     said = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()]
     assert len(said) == 1 and "RuntimeError: operation not permitted" in said[0] and "more" not in said[0]
     assert not tx.packing.replays.on
@@ -408,20 +412,7 @@ def test_a_bucket_that_cannot_be_captured_is_copied_and_said_once(monkeypatch, c
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_packed_buckets_replay_their_copies_while_the_sources_stay_and_copy_where_they_moved():
-    data = [(n, t.cuda()) for n, t in mixed_tensors()]
-    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
-    tx = wt.LoopbackLink("cuda")
-    rx = wt.LoopbackLink("cuda", replay=tx)
-
-    def update(version: int) -> None:
-        for _, t in data:  # new values in the same memory, as an optimizer step writes them
-            t.copy_((torch.rand(t.shape) * 9 + version).to(t.dtype))
-        tx.rewind()
-        rx.rewind()
-        wt.send(tx, dataclasses.replace(m, version=version), (t for _, t in data))
-        received = wt.receive(rx).tensors
-        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, data)), version
-
+    data, m, tx, update = packed_updates("cuda")
     for version in (1, 2, 3):  # copied (addresses noted), captured and replayed, replayed
         update(version)
     replays = tx.packing.replays
@@ -429,9 +420,7 @@ def test_packed_buckets_replay_their_copies_while_the_sources_stay_and_copy_wher
     moved = next(i for i, (n, _) in enumerate(data) if n == "big")  # crosses buckets
     data[moved] = ("big", data[moved][1].clone())
     update(4)
-    spanned = {k for k in range(m.buckets) for e in m.entries if e.name == "big"
-               if m.window(k)[0] < e.offset + e.nbytes and m.window(k)[1] > e.offset}
-    assert [k for k, g in enumerate(replays.graphs) if g is None] == sorted(spanned)
+    assert [k for k, g in enumerate(replays.graphs) if g is None] == buckets_holding(m, "big")
     update(5), update(6)  # the moved tensor's buckets captured again
     assert all(g is not None for g in replays.graphs)
 
