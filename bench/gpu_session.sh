@@ -3,10 +3,10 @@
 #   here:   pip download the cp312 wheels of megatron-core, libcst, packaging and websockets into
 #           .whl/ (see ../shared/gpu.md) and `pip wheel --no-deps --no-build-isolation . -w .whl`
 #           and for `newest`: the cp312 wheel of megatron-core 0.19.2 into .whl/next/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [launch] [bias] [weights] [phases] [push] [newest]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [launch] [bias] [weights] [pushx2] [phases] [push] [newest]
 #           (default: all; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
-#  `weights` needs two GPUs: the nvidia-h200-x2 kind; `phases` runs on one)
+#  `weights` and `pushx2` need two GPUs: the nvidia-h100-x2 kind; `phases` runs on one)
 # The project's wheel goes into the interpreter's own environment, so its .pth start
 # hook runs and SOURCE_PATCH works in child processes as it does for users.
 set -uo pipefail
@@ -17,7 +17,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | ta
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import sys, torch, megatron.core, libcst, source_patch.patcher; print(sys.version.split()[0], torch.__version__)" | tee -a "$OUT/gpu.txt"
 
-parts=${*:-tests dump step routing trace launch bias weights phases push newest}
+parts=${*:-tests dump step routing trace launch bias weights pushx2 phases push newest}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 if want tests; then
@@ -72,6 +72,14 @@ timeout 240 python3 bench/weight_sync_bench.py --gb 4 --rounds 9 --timeline 4 2>
   | grep -v "^USDT\|profiler" | tee "$OUT/weight_sync_bench.txt" | tail -50
 timeout 240 python3 bench/weight_sync_bench.py --gb 4 --small-frac 0.5 --rounds 9 2>&1 \
   | tee "$OUT/weight_sync_bench_small.txt" | tail -24
+fi
+if want pushx2; then
+echo "== weight sync, whole push(): a real Megatron MoE on GPU 0 pushed to a receiver on GPU 1 over NCCL"
+# hidden 512: 48 x 128 experts of 256 KiB tensors, 4.6 GiB; hidden 64: 74 MiB, the host's share
+for hidden in 512 64; do
+  timeout 240 python3 bench/push_bench.py --engine --hidden $hidden --rounds 9 2>&1 \
+    | grep -v "Warning\|warnings.warn" | tee "$OUT/push_engine_$hidden.txt" | tail -9
+done
 fi
 if want phases; then
 echo "== weight sync phases (one GPU, one process): pack, checksum, receivers, load, d2d copy"

@@ -20,9 +20,23 @@ in turn), host time:
                   a bucket of the same tensors as the push before replays its copies)
   push tensors, copied   the same with replay_packing off: every tensor copied
   push, walked    push buffers, with the kept walk dropped before each push (the old cost)
---profile then prints cProfile's top functions (own time) over 5 pushes from the buffers.
+--profile then prints cProfile's top functions (own time; with --engine cumulative)
+over 5 pushes from the buffers.
 Ends with a bitwise check: one push over a recording link, replayed to a receiver,
 equals every mapped parameter.
+
+--engine (two GPUs; --cpu: two gloo processes): the whole push, transfer included.
+Rank 0 trains on GPU 0 (a world of one) and pushes to rank 1, a receiver on GPU 1
+(``transport.receive``, the engine side's protocol without SGLang's load), over NCCL
+groups of two (``transport.open_group``, as push() opens its own).  Per round, in
+rotated order: one raw broadcast of the update's bytes, push() from DDP's buffers,
+push() packed tensor by tensor; rank 0's wall time from a barrier to the verdict,
+min / median / % of raw with a 90% interval.  Each push method has a group of its
+own: a receiver keeps one layout's staged buffer and views, and the two methods lay
+the tensors out differently (switching costs a new buffer and ~19k views: ~100 ms a
+push when the methods alternated on one group).  Ends with a bitwise check of each
+path: the parameters are redrawn in place, pushed, and the receiver sends back what
+it got.
 
 --ep N / --tp N (CPU): N processes over gloo, the experts spread over them (expert
 parallelism N) or every layer's weights split over them (tensor parallelism N, expert
@@ -62,6 +76,9 @@ def parse_args(argv=None):
                    help="expert parallelism: that many CPU processes over gloo, timing the expert gathers")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor parallelism: that many CPU processes over gloo, timing the shard gathers")
+    p.add_argument("--engine", action="store_true",
+                   help="two processes (GPUs 0 and 1): push to a receiver over NCCL, the transfer included")
+    p.add_argument("--stage", choices=("update", "bucket"), default="update", help="--engine: the receiver's stage")
     return p.parse_args(argv)
 
 
@@ -105,10 +122,13 @@ def build(args, device: torch.device, rank: int = 0, world: int = 1, store=None)
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.ep * args.tp > 1:
+    if args.ep * args.tp > 1 or args.engine:
         from source_patch.runtime.core.endpoint import free_port
 
-        torch.multiprocessing.spawn(parallel, args=(args, free_port()), nprocs=args.ep * args.tp, join=True)
+        if args.engine:
+            torch.multiprocessing.spawn(engine, args=(args, free_port(), free_port()), nprocs=2, join=True)
+        else:
+            torch.multiprocessing.spawn(parallel, args=(args, free_port()), nprocs=args.ep * args.tp, join=True)
         return
     device = torch.device("cpu") if args.cpu or not torch.cuda.is_available() else torch.device("cuda", 0)
     if device.type == "cpu":
@@ -168,7 +188,7 @@ def main(argv=None) -> None:
     report(args, device, ddp, layout, times)
 
 
-def profile(push, sync) -> None:
+def profile(push, sync, sort: str = "tottime") -> None:
     import cProfile
     import pstats
 
@@ -178,7 +198,7 @@ def profile(push, sync) -> None:
         push()
     sync()
     profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+    pstats.Stats(profiler).sort_stats(sort).print_stats(25)
 
 
 def parallel(rank: int, args, port: int) -> None:
@@ -265,6 +285,184 @@ def check(ddp, chunks, layout, device, weight_sync, wt) -> None:
     if got != len(expected):
         raise SystemExit(f"check: {got} of {len(expected)} tensors received")
     print(f"check: one push from the buffers, replayed: all {got} engine tensors equal the mapped parameters")
+
+
+# ------------------------------------------------------------------ --engine
+
+ENGINE_ROWS = ("raw", "push buffers", "push tensors")
+METHOD = {"raw": "buffers", "push buffers": "buffers", "push tensors": "tensors"}  # the row's group
+
+
+def engine(rank: int, args, *ports: int) -> None:
+    """--engine: rank 0 builds the model and pushes, rank 1 receives; both run the
+    same schedule of rows, so every collective meets its peer."""
+    cpu = args.cpu or not torch.cuda.is_available()
+    device = torch.device("cpu") if cpu else torch.device("cuda", rank)
+    if cpu:
+        torch.set_num_threads(1)
+    else:
+        torch.cuda.set_device(device)
+    from source_patch.runtime.weights import transport as wt
+
+    def links() -> dict:  # one group per push method (see the module doc)
+        return {method: wt.Link(wt.open_group("127.0.0.1", port, rank, 2, f"push_{method}",
+                                              "gloo" if cpu else "nccl", 300), 300)
+                for method, port in zip(("buffers", "tensors"), ports)}
+
+    if rank == 1:
+        ends = _Ends(links(), args)
+        ends.receiver()
+    else:
+        start = time.perf_counter()
+        ddp = build(args, device)  # a world of its own, as a trainer's default group is
+        print(f"built in {time.perf_counter() - start:.1f} s", flush=True)
+        from source_patch.runtime.weights import sync as weight_sync
+
+        weight_sync.configure(checksum=args.checksum)
+        ends = _Ends(links(), args)
+        ends.sender(ddp, weight_sync)
+        torch.distributed.destroy_process_group()
+    for link in ends.links.values():
+        wt.close_group(link.group)
+
+
+class _Ends:
+    """The two ends of --engine's schedule, over one link per push method."""
+
+    def __init__(self, links: dict, args):
+        self.links, self.args = links, args
+        self.link = links["buffers"]  # barriers, the raw broadcast
+        self.rotation = [list(ENGINE_ROWS[r % 3:] + ENGINE_ROWS[:r % 3]) for r in range(args.warmup + args.rounds)]
+
+    def barrier(self) -> None:
+        if self.link.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.link.vote(0, "barrier")
+
+    def raw(self, flat: torch.Tensor) -> None:
+        self.link.wait(self.link.broadcast(flat), "raw")
+        self.link.vote(0, "ack")  # as push() ends with its verdict
+
+    def receiver(self) -> None:
+        from source_patch.runtime.weights import transport as wt
+
+        for method in self.links:  # the warm-up pushes; then the update's size
+            self.receive(wt, method)
+        size = torch.zeros(1, dtype=torch.int64, device=self.link.device)
+        self.link.wait(self.link.broadcast(size), "size")
+        flat = torch.empty(int(size.item()), dtype=torch.uint8, device=self.link.device)
+        for order in self.rotation:
+            for row in order:
+                self.barrier()
+                if row == "raw":
+                    self.raw(flat)
+                else:
+                    self.receive(wt, METHOD[row])
+        for _ in range(5 if self.args.profile else 0):
+            self.receive(wt, "buffers")
+        for method, link in self.links.items():  # the bitwise check: send back what arrived
+            self.barrier()
+            got = sorted(self.receive(wt, method))
+            joined = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in got])
+            broadcast_from(link, torch.tensor([joined.numel()], dtype=torch.int64, device=joined.device))
+            broadcast_from(link, joined)
+        self.barrier()
+
+    def receive(self, wt, method: str) -> list:
+        update = wt.receive(self.links[method], stage=self.args.stage)
+        got = [(name, tensor.clone() if self.args.stage == "bucket" else tensor) for name, tensor in update.tensors]
+        update.close()
+        return got
+
+    def sender(self, ddp, weight_sync) -> None:
+        def push(method: str):
+            weight_sync.configure(from_buffers=method == "buffers", replay_packing=True)
+            weight_sync._connected = lambda: self.links[method]  # the bench's groups (push() is unchanged)
+            self.version += 1
+            weight_sync.push([ddp], version=self.version)
+            if weight_sync.state()["sent_from"] != method:
+                raise SystemExit(f"push sent from {weight_sync.state()['sent_from']}, not {method}")
+
+        self.version = 0
+        for method in self.links:
+            push(method)
+        nbytes = weight_sync.state()["last_bytes"]
+        self.link.wait(self.link.broadcast(torch.tensor([nbytes], dtype=torch.int64, device=self.link.device)),
+                       "size")
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.link.device)
+        times: dict = {row: [] for row in ENGINE_ROWS}
+        for r, order in enumerate(self.rotation):
+            for row in order:
+                self.barrier()
+                t0 = time.perf_counter()
+                if row == "raw":
+                    self.raw(flat)
+                else:
+                    push(METHOD[row])
+                if self.link.device.type == "cuda":
+                    torch.cuda.synchronize()
+                if r >= self.args.warmup:
+                    times[row].append(time.perf_counter() - t0)
+        if self.args.profile:  # where a push from the buffers spends its host time, transfer included
+            profile(lambda: push("buffers"), torch.cuda.synchronize if torch.cuda.is_available() else lambda: None,
+                    "cumtime")
+        checked = [self.check(ddp, push, method) for method in self.links]
+        self.barrier()
+        engine_report(self.args, ddp, nbytes, times, checked)
+
+    def check(self, ddp, push, method: str) -> int:
+        """Redraw every parameter in place (DDP's buffers stay), push, and compare what
+        the receiver got, byte for byte, with the parameters mapped here."""
+        from source_patch.runtime.weights import names as weight_names
+
+        with torch.no_grad():
+            for p in ddp.parameters():
+                p.uniform_(-1, 1)
+        self.barrier()
+        push(method)
+        layout = weight_names.Layout.from_config(ddp.config)
+        expected = sorted((n, t) for name, p in ddp.named_parameters()
+                          for n, t in weight_names.to_hf(weight_names.strip_wrappers(name), p.detach(), layout))
+        joined = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in expected])
+        size = torch.zeros(1, dtype=torch.int64, device=joined.device)
+        broadcast_from(self.links[method], size)
+        back = torch.empty(int(size.item()), dtype=torch.uint8, device=joined.device)
+        broadcast_from(self.links[method], back)
+        if not torch.equal(back, joined):
+            raise SystemExit(f"check: the receiver's tensors differ from the trainer's (pushed from {method})")
+        return len(expected)
+
+
+def broadcast_from(link, tensor: torch.Tensor, src: int = 1) -> None:
+    link.wait(torch.distributed.broadcast(tensor, group=link.group, group_src=src, async_op=True), "check")
+
+
+def engine_report(args, ddp, nbytes: int, times: dict, checked: list) -> None:
+    where = "CPU x2 (gloo)" if args.cpu or not torch.cuda.is_available() else \
+        f"{torch.cuda.get_device_name(0)} x2 (NCCL)"
+    n_params = sum(1 for _ in ddp.parameters())
+    print(f"check: pushed from the buffers and packed, the receiver got all {checked[0]} engine tensors "
+          "equal to the trainer's, byte for byte")
+    print(f"\nwhole push(): {where}, torch {torch.__version__}; {args.layers} layers x {args.experts} experts, "
+          f"hidden {args.hidden}: {n_params} Megatron parameters -> {checked[0]} engine tensors, "
+          f"{nbytes / (1 << 30):.2f} GiB; checksums {'on' if args.checksum else 'off'}, receiver stage "
+          f"{args.stage}; {args.rounds} rounds after {args.warmup} warm-up, rows rotated")
+    print(f"{'':<28} {'min ms':>9} {'median ms':>10} {'max ms':>9} {'GB/s':>7} {'% of raw':>9} {'90% interval':>15}")
+    raw = statistics.median(times["raw"])
+    for row, values in times.items():
+        _, low, high = stats.bootstrap(stats.ratio_of_medians, times["raw"], values, paired=True)
+        median = statistics.median(values)
+        print(f"{ENGINE_LABELS[row]:<28} {1e3 * min(values):>9.2f} {1e3 * median:>10.2f} {1e3 * max(values):>9.2f} "
+              f"{nbytes / median / 1e9:>7.1f} {100 * raw / median:>8.1f}% {f'{100 * low:.1f}..{100 * high:.1f}%':>15}")
+    print("(rank 0's wall time from a barrier to the verdict: host work, gathers of none (one rank), packing, "
+          "transfer, checksums, the receiver's verification; not the engine's load_weights)")
+    print("every round, ms:")
+    for row, values in times.items():
+        print(f"  {ENGINE_LABELS[row]:<28} " + " ".join(f"{1e3 * v:.1f}" for v in values), flush=True)
+
+
+ENGINE_LABELS = {"raw": "raw broadcast, same bytes", "push buffers": "push(), from DDP's buffers",
+                 "push tensors": "push(), packed"}
 
 
 LABELS = {

@@ -319,6 +319,31 @@ def test_extra_tensors_are_packed_after_the_buffers_and_checked_against_the_plan
         wt.send(wt.LoopbackLink("cpu", record=False), m, source, extra=[extra[0][1], extra[1][1]])
 
 
+def test_extra_tensors_are_computed_while_the_buckets_before_them_are_on_the_wire():
+    """push() splits the fused QKV weights for each update: taking them lazily, when
+    the first bucket that holds one is packed, overlaps that host work with the
+    transfer of the buckets before (a whole push over two H200 paid it up front)."""
+    named, buffers = param_buffers()
+    extra = [("qkv.q", torch.randn(7, 3)), ("big", torch.randn(600))]
+    m, source = wt.plan_buffers(named, 256, 1, extra=[(n, tuple(t.shape), t.dtype) for n, t in extra])
+    first = min(e.offset for e in m.entries[-2:]) // m.bucket_bytes
+    assert first >= 2  # the test's premise: buckets of the buffers alone come first
+    tx = wt.LoopbackLink("cpu")
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    sent_before: list = []
+
+    def computed():
+        for _, tensor in extra:
+            sent_before.append(len(tx.messages))
+            yield tensor
+
+    wt.send(tx, m, source, extra=computed())
+    assert check_streamed(wt.receive(rx, stage="update"), named + extra) == [e.name for e in m.entries]
+    header_and_manifest = 3
+    per_bucket = 2  # its bytes and its checksum
+    assert sent_before == [header_and_manifest + per_bucket * first] * 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_buffers_on_a_gpu_are_sent_from_device_memory_with_extras_in_both_stages():
@@ -491,6 +516,21 @@ def test_the_push_bench_runs_a_real_megatron_model_on_cpu_and_checks_the_bytes()
     assert out.returncode == 0, out.stderr[-2000:]
     assert re.search(r"check: one push from the buffers, replayed: all \d+ engine tensors equal", out.stdout)
     assert "push(), from DDP's buffers" in out.stdout and "push(), buffers, walk redone (before)" in out.stdout
+
+
+@pytest.mark.parametrize("stage", ["update", "bucket"])
+def test_the_push_bench_pushes_to_a_receiver_process_and_gets_the_bytes_back(stage):
+    """bench/push_bench.py --engine (two gloo processes here, two GPUs there): the
+    whole push, transfer included, from the buffers and packed; the receiver sends
+    back what it got and the trainer compares it byte for byte."""
+    out = subprocess.run([sys.executable, ROOT / "bench" / "push_bench.py", "--engine", "--cpu", "--stage", stage,
+                          "--layers", "2", "--experts", "4", "--rounds", "2"], capture_output=True, text=True,
+                         timeout=180, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"check: pushed from the buffers and packed, the receiver got all \d+ engine tensors equal",
+                     out.stdout)
+    for label in ("raw broadcast, same bytes", "push(), from DDP's buffers", "push(), packed"):
+        assert re.search(rf"^  {re.escape(label)}\s+[\d.]+ [\d.]+$", out.stdout, re.M), out.stdout  # every round
 
 
 @pytest.mark.parametrize("parallel, collectives", [

@@ -122,8 +122,9 @@ def push(model_chunks, version: int | None = None) -> None:
         buffers = plan.from_buffers(params, layout) if _config["from_buffers"] and not params.gathers else None
         if buffers is not None:
             manifest, tensors = buffers[0], buffers[1]
-            extra = [out for name, param, picks in buffers[2]
-                     for i, (_, out) in enumerate(weight_names.to_hf(name, param.detach(), layout)) if i in picks]
+            # Computed while the buckets before them are on the wire (transport._Spans).
+            extra = (out for name, param, picks in buffers[2]
+                     for i, (_, out) in enumerate(weight_names.to_hf(name, param.detach(), layout)) if i in picks)
         else:
             manifest = plan.manifest()
             tensors = (out for name, full in params.tensors() for _, out in weight_names.to_hf(name, full, layout))
