@@ -9,6 +9,7 @@ weight-update code with its Qwen3MoeForCausalLM (tests/e2e/weight_sync_engine.py
 """
 
 import dataclasses
+import gc
 import importlib.util
 import itertools
 import json
@@ -611,6 +612,43 @@ def test_a_failed_push_is_logged_or_raised(monkeypatch, caplog):
     monkeypatch.setitem(weight_sync._config, "on_error", "raise")
     with pytest.raises(wt.WeightSyncError, match="engine gone"):
         weight_sync.weight_sync_step(opt, result)
+
+
+def test_push_pauses_the_garbage_collector_and_leaves_it_as_it_was(monkeypatch):
+    """A packed push's tens of thousands of short-lived objects drove full collections
+    of the trainer's heap every few pushes (0.3-0.5 s each); push() runs with the
+    collector off, and leaves it on or off as it found it, also when it fails."""
+    from source_patch.runtime.weights import megatron as weight_megatron
+
+    seen, collections, inside = [], [], []
+
+    def gather(chunks):  # push()'s first step: allocate as a push does, then stop
+        seen.append(gc.isenabled())
+        inside.append(True)
+        kept = [[] for _ in range(100)]  # with a threshold of 1, each would start a collection
+        inside.clear()
+        raise wt.WeightSyncError(f"stop after {len(kept)} lists")
+
+    def counted(phase, info):
+        if inside:
+            collections.append(phase)
+
+    monkeypatch.setattr(weight_megatron, "finish_param_gather", gather)
+    monkeypatch.setattr(weight_sync, "_trainer", dict(weight_sync._trainer))
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    gc.callbacks.append(counted)
+    try:
+        for on in (True, False):
+            gc.enable() if on else gc.disable()
+            with pytest.raises(wt.WeightSyncError, match="stop after 100 lists"):
+                weight_sync.push([], version=1)
+            assert gc.isenabled() is on
+    finally:
+        gc.callbacks.remove(counted)
+        gc.set_threshold(*threshold)
+        gc.enable()
+    assert seen == [False, False] and collections == []
 
 
 def test_the_parameter_walk_is_kept_until_a_parameter_or_module_is_registered():
