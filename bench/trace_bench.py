@@ -285,8 +285,9 @@ def main() -> None:
                       "stalled client": lambda: stalled_client(port, report)}.get(name)
             thread = None
             if client is not None:
-                if name == "stalled client":
-                    env["SOURCE_PATCH_TRACE_WAIT"] = "300"  # every timed step has the client
+                # Every timed step has the client: training starts once it has subscribed
+                # (a loaded 2-core CI VM connected it after a --quick run's 40 steps).
+                env["SOURCE_PATCH_TRACE_WAIT"] = "300" if name == "stalled client" else "60"
                 thread = threading.Thread(target=lambda: asyncio.run(client()), daemon=True)
                 thread.start()
             steps = (args.toggle_steps or args.steps * 4) if name in TOGGLING else args.steps
