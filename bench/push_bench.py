@@ -51,7 +51,9 @@ GPUs) and the engine's load.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -309,18 +311,23 @@ def engine(rank: int, args, *ports: int) -> None:
                                               "gloo" if cpu else "nccl", 300), 300)
                 for method, port in zip(("buffers", "tensors"), ports)}
 
-    # No group is destroyed at the end: on two H200, destroying them held each process
-    # until its 4-minute timeout; the processes exit (NCCL warns of the leak).
     if rank == 1:
         _Ends(links(), args).receiver()
-        return
-    start = time.perf_counter()
-    ddp = build(args, device)  # a world of its own, as a trainer's default group is
-    print(f"built in {time.perf_counter() - start:.1f} s", flush=True)
-    from source_patch.runtime.weights import sync as weight_sync
+    else:
+        start = time.perf_counter()
+        ddp = build(args, device)  # a world of its own, as a trainer's default group is
+        print(f"built in {time.perf_counter() - start:.1f} s", flush=True)
+        from source_patch.runtime.weights import sync as weight_sync
 
-    weight_sync.configure(checksum=args.checksum)
-    _Ends(links(), args).sender(ddp, weight_sync)
+        weight_sync.configure(checksum=args.checksum)
+        _Ends(links(), args).sender(ddp, weight_sync)
+    # Both ends passed the last barrier; leave without tearing the groups down:
+    # destroying them held each process until its timeout on two H200 (NCCL), and
+    # leaving them to the interpreter's exit now and then aborted a process in gloo's
+    # C++ teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _Ends:
