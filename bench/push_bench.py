@@ -269,16 +269,21 @@ def compare(args, ddp, wires, gathers, times) -> None:
     print("(rank 0's wall time of push(), from a barrier; the wire costs nothing but records the bytes)", flush=True)
 
 
-def check(ddp, chunks, layout, device, weight_sync, wt) -> None:
-    """One push over a recording link, replayed: every engine tensor equals the mapped parameter."""
+def mapped(ddp, layout) -> list:
+    """[(engine name, tensor)]: every parameter through the name and layout mapping."""
     from source_patch.runtime.weights import names as weight_names
 
+    return [(n, t) for name, p in ddp.named_parameters()
+            for n, t in weight_names.to_hf(weight_names.strip_wrappers(name), p.detach(), layout)]
+
+
+def check(ddp, chunks, layout, device, weight_sync, wt) -> None:
+    """One push over a recording link, replayed: every engine tensor equals the mapped parameter."""
     weight_sync.configure(from_buffers=True)
     tx = wt.LoopbackLink(device)
     weight_sync._connected = lambda: tx
     weight_sync.push(chunks, version=2)
-    expected = {n: t for name, p in ddp.named_parameters()
-                for n, t in weight_names.to_hf(weight_names.strip_wrappers(name), p.detach(), layout)}
+    expected = dict(mapped(ddp, layout))
     got = 0
     for name, tensor in wt.receive(wt.LoopbackLink(device, replay=tx)).tensors:
         if not torch.equal(tensor, expected[name]):
@@ -424,9 +429,7 @@ class _Ends:
                 p.uniform_(-1, 1)
         self.barrier()
         push(method)
-        layout = weight_names.Layout.from_config(ddp.config)
-        expected = sorted((n, t) for name, p in ddp.named_parameters()
-                          for n, t in weight_names.to_hf(weight_names.strip_wrappers(name), p.detach(), layout))
+        expected = sorted(mapped(ddp, weight_names.Layout.from_config(ddp.config)))
         joined = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in expected])
         size = torch.zeros(1, dtype=torch.int64, device=joined.device)
         broadcast_from(self.links[method], size)

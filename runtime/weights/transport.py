@@ -487,8 +487,9 @@ def send(link: Link, manifest: Manifest, tensors: Iterable[torch.Tensor] | Buffe
     """Send one update: ``tensors`` in manifest order, or the ``Buffers`` that
     ``plan_buffers`` returned with ``manifest`` (and its ``extra`` tensors, in
     order: an iterable taken when the first bucket that holds one is packed, so a
-    generator computes them while the buckets before are on the wire).  Raises WeightSyncError (a receiver rejected it, a checksum differed, a
-    peer failed or timed out).  On failure the rest of ``tensors`` is still
+    generator computes them while the buckets before are on the wire).  Raises
+    WeightSyncError (a receiver rejected it, a checksum differed, a peer failed or
+    timed out).  On failure the rest of ``tensors`` is still
     consumed, so whoever produces them (tensor-parallel gathers) stays in step with
     its peers."""
     if isinstance(tensors, Buffers):
@@ -609,10 +610,12 @@ class _Packing:
 
     def _mismatch(self, k: int, batch: list) -> None:
         for i, tensor in zip(self.new[k], batch):
-            e = self.manifest.entries[i]
-            if tensor.shape != e.shape or tensor.dtype != e.dtype:
-                raise WeightSyncError(f"{e.name}: got {tuple(tensor.shape)} {tensor.dtype}, "
-                                      f"planned {e.shape} {e.dtype}")
+            _as_planned(tensor, self.manifest.entries[i])
+
+
+def _as_planned(tensor: torch.Tensor, e: Entry) -> None:
+    if tensor.shape != e.shape or tensor.dtype != e.dtype:
+        raise WeightSyncError(f"{e.name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {e.shape} {e.dtype}")
 
 
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
@@ -768,9 +771,7 @@ class _Spans:
         if len(tensors) != len(planned):
             raise WeightSyncError(f"got {len(tensors)} extra tensors, planned {len(planned)}")
         for (_, e), tensor in zip(planned, tensors):
-            if tensor.shape != e.shape or tensor.dtype != e.dtype:
-                raise WeightSyncError(f"{e.name}: got {tuple(tensor.shape)} {tensor.dtype}, "
-                                      f"planned {e.shape} {e.dtype}")
+            _as_planned(tensor, e)
         return [t.reshape(-1).view(torch.uint8) for t in tensors]
 
     def pack(self, k: int, extra: list) -> torch.Tensor:
