@@ -7,6 +7,11 @@ trace hub: N concurrent authenticated WebSocket hellos (max_clients get in; the 
 are refused with 1013: at most 64 sockets may wait to say hello, and only
 max_clients authenticated ones are served).  Prints min / median / p90 / p99 / max latency per round, and the
 failures (anything but a 200, or but welcome/1013).
+
+slowloris: --idle sockets (200) each send half a request and stall, then one
+authenticated GET /state is timed; one row per round, and a row of the min / median
+over rounds (the endpoint keeps at most 64 unauthenticated sockets, dropping the
+oldest, and closes each 2 s after its accept).
 """
 
 from __future__ import annotations
@@ -50,6 +55,30 @@ def dump_round(port: int, clients: int) -> tuple:
     return [r[0] for r in results], sum(not r[1] for r in results)
 
 
+def slowloris_round(port: int, idle: int) -> tuple:
+    """The latency of one authenticated GET /state with ``idle`` half-requests open."""
+    import socket
+
+    sockets = []
+    try:
+        for _ in range(idle):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+            sock.sendall(b"GET /state HTTP/1.1\r\nHost: x\r\n")  # never finished
+            sockets.append(sock)
+        start = time.perf_counter()
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            conn.request("GET", "/state", headers={"Authorization": f"Bearer {TOKEN}"})
+            ok = conn.getresponse().status == 200
+            conn.close()
+        except OSError:
+            ok = False
+        return time.perf_counter() - start, ok
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 async def hub_round(port: int, clients: int, max_clients: int) -> tuple:
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
@@ -86,6 +115,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--idle", type=int, default=200, help="idle half-requests in the slowloris rows")
     args = p.parse_args()
     from source_patch.runtime.dump import api as dump
     from source_patch.runtime.trace import api as trace
@@ -100,6 +130,14 @@ def main() -> int:
     for r in range(args.rounds):
         lat, failed = dump_round(dump_port, args.clients)
         row("dump /state", r, lat, failed)
+    slow = []
+    for r in range(args.rounds):
+        lat, ok = slowloris_round(dump_port, args.idle)
+        slow.append((lat, ok))
+        row(f"dump, {args.idle} idle", r, [lat], int(not ok))
+    lat = [x for x, _ in slow]
+    print(f"{'slowloris, all rounds':22} {'-':>5} {min(lat) * 1000:7.1f} {statistics.median(lat) * 1000:7.1f}"
+          f" {'':>7} {'':>7} {max(lat) * 1000:7.1f} {sum(not ok for _, ok in slow):>6}", flush=True)
     for r in range(args.rounds):
         lat, failed, welcomed = asyncio.run(hub_round(hub_port, args.clients, 8))
         row(f"hub hello ({welcomed} in)", r, lat, failed)

@@ -256,6 +256,9 @@ def activate_from_env(environ=os.environ, *, remember: bool = False) -> Activati
     value = environ.get(ENV, "")
     refs = split_refs(value)
     if not refs:
+        if value:  # only separators and blanks: off, as an empty value, but say so
+            _say(f"source-patch: warning: {ENV}={show(value)} names no spec file, so nothing is patched "
+                 f"(set it empty or unset it to silence this)")
         return None
     try:
         paths = [str(spec_mod.resolve(r)) for r in refs]
@@ -296,8 +299,41 @@ class FailedActivation:
             raise NotActivatedError(
                 f"source-patch: {ENV} could not be activated, so importing {shorten(fullname)} is refused "
                 f"(the program would run unpatched; {ON_ERROR}=warn runs it unpatched anyway):\n{self.error}",
-                self.error)
+                self.error) from None
         return None
+
+
+def _trimmed_hook(previous):
+    """sys.excepthook showing a NotActivatedError with the user's frames only: the
+    import statement that was refused, not importlib's frames and ours."""
+
+    def hook(kind, value, tb):
+        if isinstance(value, NotActivatedError):
+            tb = _user_frames(tb)
+            value = value.with_traceback(tb)
+        previous(kind, value, tb)
+
+    hook.source_patch = True
+    return hook
+
+
+_OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _user_frames(tb):
+    """The traceback without importlib's frames and this package's own."""
+    import types
+
+    kept = []
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not (name.startswith("<frozen importlib") or name.startswith(_OURS)):
+            kept.append(tb)
+        tb = tb.tb_next
+    out = None
+    for frame in reversed(kept):
+        out = types.TracebackType(out, frame.tb_frame, frame.tb_lasti, frame.tb_lineno)
+    return out
 
 
 def _is_third_party(fullname: str) -> bool:
@@ -314,6 +350,8 @@ def _fail(error: SourcePatchError, policy: str) -> None:
         _say(f"source-patch: warning: {error} ({ON_ERROR}=warn: running UNPATCHED)")
         return
     sys.meta_path.insert(0, FailedActivation(error))  # armed before anything that could fail
+    if not getattr(sys.excepthook, "source_patch", False):
+        sys.excepthook = _trimmed_hook(sys.excepthook)
     if policy != "error":
         _say(f"source-patch: {ON_ERROR}={show(policy)} is not 'error' or 'warn': treated as 'error'")
     _say(f"source-patch: error: {error}")

@@ -50,7 +50,7 @@ ENV = "SOURCE_PATCH"
 REPORT = "SOURCE_PATCH_REPORT"
 MAGIC = b"SPB1"
 FORMAT = 1  # of the record's fields; another value is a miss
-MAX_SPEC_BYTES = 64 << 20  # as spec.MAX_SPEC_BYTES (a larger file is the full path's error)
+MAX_SPEC_BYTES = 8 << 20  # as spec.MAX_SPEC_BYTES (a larger file is the full path's error)
 RACY_NS = 2_000_000_000
 
 _HERE = os.path.dirname(os.path.realpath(__file__))
@@ -70,17 +70,23 @@ def cache_dir() -> str:
 
 
 def untrusted(directory) -> str | None:
-    """Why a cache directory must not be used (None: it may), as ssh judges its files."""
+    """Why a cache directory must not be used (None: it may), as ssh judges its files.
+    Only its top folder: each read and write checks its whole path (``open_folder``)."""
     try:
         st = os.stat(directory)
     except OSError:  # absent (created 0700 on first write) or unreachable (writes fail: no cache)
         return None
     if not stat.S_ISDIR(st.st_mode):
         return "it is not a directory"
+    return _foreign(st, "it")
+
+
+def _foreign(st, what: str) -> str | None:
+    """Why a folder or file another user could have written must not be read (None: it may)."""
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"it is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
+        return f"{what} is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+        return f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
     return None
 
 
@@ -268,12 +274,11 @@ def _holds(record: dict, paths: tuple, texts: tuple) -> bool:
 
 
 def _load(path: str) -> dict | None:
-    """A record, or None: missing, foreign or truncated.  (Written by an atomic rename
-    into a directory only this user can write, as the code cache's files.)"""
+    """A record, or None: missing, foreign, truncated or not private (``read_private``:
+    a record decides what is patched)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
+        data = read_private(os.path.dirname(os.path.dirname(path)), ("boot", os.path.basename(path)))
+    except OSError:  # missing, or Untrusted: the full path runs (and warns)
         return None
     if not data.startswith(MAGIC):
         return None
@@ -288,7 +293,9 @@ def write(paths, texts, found: dict) -> bool:
     """Store the record of a full activation at start-up that found every target
     (``found``: module -> the file found, or None where it may be missing)."""
     directory = cache_dir()
-    if untrusted(directory):
+    reason = untrusted(directory)
+    if reason:
+        refuse(directory, reason)
         return False
     environment, tools = _environment(), _tools()
     import time
@@ -305,26 +312,143 @@ def write(paths, texts, found: dict) -> bool:
         payload = MAGIC + marshal.dumps(record)
     except ValueError:  # a sys.path entry that is not a str (a Path, bytes): no record
         return False
-    target = record_path(directory, paths)
     try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
-        replace_file(target, payload)
+        write_private(directory, ("boot", os.path.basename(record_path(directory, paths))), payload)
+    except Untrusted as exc:
+        refuse(directory, str(exc))
+        return False
     except OSError:
         return False
     return True
 
 
-def replace_file(target: str, data) -> None:
-    """Write ``data`` to a temporary file (mode 0600) beside ``target``, then rename it
-    over ``target``: readers see the old file or the new one, never a part."""
-    import tempfile  # only writes pay for it
+_REFUSED: set = set()  # cache directories warned about in this process
 
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+
+def refuse(directory: str, reason: str) -> None:
+    """Warn, once per process and directory, that a cache directory is not used."""
+    key = os.path.abspath(directory)
+    if key in _REFUSED:
+        return
+    _REFUSED.add(key)
+    import warnings
+
+    warnings.warn(f"source-patch: not using the code cache {directory}: {reason} (its files would be "
+                  "executed; the imports they serve parse instead). Set SOURCE_PATCH_CACHE to a directory "
+                  "only you can write (or delete this one: it is rebuilt)", RuntimeWarning, stacklevel=3)
+
+
+# --------------------------------------------------------------------------- private files
+#
+# The code cache's files are executed (marshal.loads), and its boot records decide
+# what is patched: every read and write walks the path from the cache's top folder
+# down by folder descriptors, checking each opened folder and the file itself
+# (owned by this user, not writable by group or others) on every use, so that a
+# folder made or swapped by another user since the last look is never read.
+
+
+class Untrusted(OSError):
+    """A cache folder or file that another user could have written (its reason)."""
+
+
+_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_AT = os.open in os.supports_dir_fd and os.rename in os.supports_dir_fd  # POSIX (os.replace too)
+
+
+def open_folder(root: str, parts, create: bool = False) -> int:
+    """A descriptor of the folder ``root/parts...``: each folder opened, then checked
+    on its descriptor; none below the root may be a symbolic link.  ``create``: a
+    missing folder is made 0700 (the root's parents with the usual modes)."""
+    if not _AT:
+        raise OSError("no directory descriptors here: the code cache is not used")
+    fd = _open_dir(root, None, create, "it")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
+        for i, part in enumerate(parts):
+            sub = _open_dir(part, fd, create, "its folder " + "/".join(parts[:i + 1]))
+            os.close(fd)
+            fd = sub
     except BaseException:
-        os.unlink(tmp)
+        os.close(fd)
         raise
+    return fd
+
+
+def _open_dir(name: str, at: int | None, create: bool, what: str) -> int:
+    flags = _READ | getattr(os, "O_DIRECTORY", 0) | (_NOFOLLOW if at is not None else 0)  # the root may be a link
+    try:
+        fd = os.open(name, flags, dir_fd=at)
+    except FileNotFoundError:
+        if not create:
+            raise
+        if at is None:
+            os.makedirs(os.path.dirname(os.path.abspath(name)), exist_ok=True)
+        try:
+            os.mkdir(name, 0o700, dir_fd=at)
+            os.chmod(name, 0o700, dir_fd=at)  # exactly 0700, whatever the umask
+        except FileExistsError:
+            pass  # made meanwhile by another process: checked below like any other
+        fd = os.open(name, flags, dir_fd=at)
+    except OSError as exc:  # the root unreachable (a file on its path): no cache, as when absent
+        raise (_refusal(exc, what) if at is not None else exc) from None
+    reason = _foreign(os.fstat(fd), what)
+    if reason:
+        os.close(fd)
+        raise Untrusted(reason)
+    return fd
+
+
+def _refusal(exc: OSError, what: str) -> OSError:
+    """A symbolic link or a non-folder where a folder or file should be: Untrusted."""
+    import errno
+
+    if exc.errno == errno.ELOOP:
+        return Untrusted(f"{what} is a symbolic link")
+    if exc.errno == errno.ENOTDIR:
+        return Untrusted(f"{what} is a symbolic link or not a directory")
+    return exc
+
+
+def read_private(root: str, parts) -> bytes:
+    """The bytes of the file ``root/parts...`` (the last part its name), read only
+    where it and every folder down to it pass the check.  Raises Untrusted, or
+    OSError where it is missing or not a regular file."""
+    *folders, name = parts
+    folder = open_folder(root, folders)
+    what = "its file " + "/".join(parts)
+    try:
+        fd = os.open(name, _READ | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), dir_fd=folder)
+    except OSError as exc:
+        raise _refusal(exc, what) from None
+    finally:
+        os.close(folder)
+    with open(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{what} is not a regular file")
+        reason = _foreign(st, what)
+        if reason:
+            raise Untrusted(reason)
+        return f.readall()
+
+
+def write_private(root: str, parts, data) -> None:
+    """Write ``data`` to ``root/parts...`` (the folders made 0700 where missing, each
+    checked): a temporary file (mode 0600) renamed over the target, so readers see
+    the old file or the new one, never a part."""
+    *folders, name = parts
+    folder = open_folder(root, folders, create=True)
+    tmp = f".tmp-{os.urandom(8).hex()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                     0o600, dir_fd=folder)
+        try:
+            with open(fd, "wb") as f:
+                os.fchmod(fd, 0o600)  # whatever the umask
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            os.unlink(tmp, dir_fd=folder)
+            raise
+    finally:
+        os.close(folder)

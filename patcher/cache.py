@@ -22,9 +22,12 @@ corrupted files (a write is a rename of a complete file, so that takes a
 crash, a full disk or a bad disk).  The CRC is not an authenticity check; the
 trust check below is: only this user can write the directory.
 
-Trust (the code is ``marshal.loads``-ed and executed): the directory is created
-0700 and files 0600; a cache directory owned by another user, or writable by
-group or others, is not used at all (one warning), as ssh treats its files.
+Trust (the code is ``marshal.loads``-ed and executed): every folder is created
+0700 and every file 0600, whatever the umask; every read and write walks down
+from the top folder by folder descriptors and checks each folder and the file on
+use (``boot.open_folder``): one owned by another user, writable by group or
+others, or a symbolic link is not read (one warning per process), as ssh treats
+its files.
 Cold start: the first process to miss a key takes a lock on it, parses and
 writes; the others wait on the lock and load what it wrote (a holder that dies
 releases the lock with its process; a waiter gives up after LOCK_WAIT_S and
@@ -40,14 +43,12 @@ import marshal
 import os
 import sys
 import time
-import warnings
 from functools import lru_cache
-from io import FileIO
 from pathlib import Path
 from types import CodeType
 from zlib import crc32
 
-from .boot import RACY_NS, cache_dir, replace_file, untrusted  # shared with the start-up fast path
+from .boot import RACY_NS, Untrusted, cache_dir, open_folder, read_private, refuse, write_private
 
 MAGIC = b"SPC2"
 _HEADER = len(MAGIC) + 32 + 8 + 4  # magic, key, payload length, payload CRC-32
@@ -127,32 +128,22 @@ class CodeCache:
     def __init__(self, directory: Path | None = None):
         self.dir = Path(directory) if directory else default_dir()
         self._root = os.fspath(self.dir)
-        self.writable = True
-        self._trusted: bool | None = None  # checked on first use
+        self.writable = True  # False after a failed write: no more attempts
         # Stat keys unless SOURCE_PATCH_CACHE_CHECK=content (read once, as the directory).
         self.stat_keys = os.environ.get(CHECK_ENV, "").strip().lower() != "content"
 
     def path(self, k: bytes, specs: bool = False, kind: str = "") -> Path:
         """Code objects in ``<xx>/``; compiled specs in ``specs/<xx>/``, stat-keyed code
         in ``stat/<xx>/``, requirement verdicts in ``requires/<xx>/``."""
-        return Path(self._file(k, "specs" if specs else kind))
+        return Path(self._root, *self._parts(k, "specs" if specs else kind))
 
-    def _file(self, k: bytes, kind: str = "") -> str:
+    @staticmethod
+    def _parts(k: bytes, kind: str = "") -> tuple[str, ...]:
         name = k.hex()
-        if kind:
-            return f"{self._root}{os.sep}{kind}{os.sep}{name[:2]}{os.sep}{name}.spc"
-        return f"{self._root}{os.sep}{name[:2]}{os.sep}{name}.spc"
+        return (kind, name[:2], f"{name}.spc") if kind else (name[:2], f"{name}.spc")
 
-    def usable(self) -> bool:
-        if self._trusted is None:
-            reason = untrusted(self._root)
-            self._trusted = reason is None
-            if reason:
-                warnings.warn(f"source-patch: not using the code cache {self.dir}: {reason} (its files "
-                              "would be executed); every patched import parses again. Set SOURCE_PATCH_CACHE "
-                              "to a directory only you can write", RuntimeWarning, stacklevel=2)
-                self.writable = False
-        return self._trusted
+    def _refuse(self, exc: Untrusted) -> None:
+        refuse(self._root, str(exc))  # once per process: checked on every use all the same
 
     def get(self, k: bytes, kind: str = "") -> CodeType | None:
         """The code stored under a content key (``kind`` "stat": under a stat key)."""
@@ -168,12 +159,12 @@ class CodeCache:
 
     def read(self, k: bytes, kind: str = "") -> memoryview | None:
         """An entry's checked payload (marshalled; a view, not a copy, as importlib
-        reads a .pyc), or None: missing, short, foreign or corrupt."""
-        if not (self._trusted or self.usable()):
-            return None
+        reads a .pyc), or None: missing, short, foreign, corrupt or not private."""
         try:
-            with FileIO(self._file(k, kind)) as f:  # unbuffered: one read into one buffer
-                data = f.readall()
+            data = read_private(self._root, self._parts(k, kind))
+        except Untrusted as exc:
+            self._refuse(exc)
+            return None
         except OSError:
             return None
         if len(data) < _HEADER or data[:4] != MAGIC or data[4:36] != k:
@@ -187,7 +178,7 @@ class CodeCache:
     def put(self, k: bytes, value, kind: str | None = None) -> bool:
         """Store a code object or a tuple of plain values (by default: a tuple is a
         compiled spec); a cache that cannot be written is skipped, never an error."""
-        if not self.writable or not self.usable():
+        if not self.writable:
             return False
         if kind is None:
             kind = "specs" if isinstance(value, tuple) else ""
@@ -195,22 +186,22 @@ class CodeCache:
 
     def write(self, k: bytes, payload, kind: str = "") -> bool:
         """Store a marshalled payload (as ``read`` returns it) under a key."""
-        if not self.writable or not self.usable():
+        if not self.writable:
             return False
         blob = MAGIC + k + len(payload).to_bytes(8, "little") + crc32(payload).to_bytes(4, "little") + payload
-        target = self._file(k, kind)
         try:
-            self._mkdir(os.path.dirname(target))
-            replace_file(target, blob)
+            write_private(self._root, self._parts(k, kind), blob)
+        except Untrusted as exc:
+            self._refuse(exc)
+            return False
         except OSError:
             self.writable = False
             return False
         return True
 
     def _mkdir(self, folder) -> None:
-        if not os.path.isdir(folder):
-            os.makedirs(self._root, mode=0o700, exist_ok=True)
-            os.makedirs(folder, mode=0o700, exist_ok=True)
+        """Make the folders down to ``folder`` (inside the cache), each 0700 and checked."""
+        os.close(open_folder(self._root, Path(folder).relative_to(self._root).parts, create=True))
 
     @contextlib.contextmanager
     def lock(self, k: bytes):
@@ -221,14 +212,21 @@ class CodeCache:
         except ImportError:  # not POSIX
             yield
             return
-        handle = None
-        if self.writable and self.usable():
+        *folders, name = self._parts(k)
+        lock_name = name[:-len(".spc")] + ".lock"
+        folder = handle = None
+        if self.writable:
             try:
-                self._mkdir(self.path(k).parent)
-                handle = open(self.path(k).with_suffix(".lock"), "a")
+                folder = open_folder(self._root, folders, create=True)
+                handle = os.open(lock_name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                 dir_fd=folder)
+            except Untrusted as exc:
+                self._refuse(exc)
             except OSError:
-                handle = None
+                pass
         if handle is None:
+            if folder is not None:
+                os.close(folder)
             yield
             return
         try:
@@ -243,10 +241,11 @@ class CodeCache:
                     time.sleep(0.05)
             yield
         finally:
-            if self.path(k).exists():  # done: later processes hit the entry and never lock
-                with contextlib.suppress(OSError):
-                    os.unlink(handle.name)
-            handle.close()  # releases the lock
+            with contextlib.suppress(OSError):
+                os.stat(name, dir_fd=folder, follow_symlinks=False)  # done: later processes
+                os.unlink(lock_name, dir_fd=folder)  # hit the entry and never lock
+            os.close(handle)  # releases the lock
+            os.close(folder)
 
 
 def _loads(payload):

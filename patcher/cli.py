@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     new.add_argument("--target", help="the function or Class.method to patch")
     new.add_argument("-o", "--output", metavar="FILE", help="where to write it ('-': stdout)")
     matrix = command("matrix", _matrix, "check specs against many upstream releases (wheels or "
-                     "unpacked dirs); exit 1 if an anchor is broken", against=False)
+                     "unpacked dirs); exit 1 if an anchor is broken, 2 if a spec or release is "
+                     "unusable", against=False)
     matrix.add_argument("--releases", nargs="+", required=True, metavar="WHEEL_OR_DIR")
     matrix.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-': stdout)")
     matrix.add_argument("--write", metavar="FILE", help="also write the table as Markdown (docs/compat.md)")
@@ -77,9 +78,23 @@ def _parser() -> argparse.ArgumentParser:
                    specs=False, against=False)
     hook.add_argument("action", choices=("install", "uninstall", "status"))
     compare = command("compare", _compare, "compare rollout (SGLang) and training (Megatron) dumps layer by "
-                      "layer; exit 1 past the threshold (see docs/sglang.md)", specs=False, against=False)
+                      "layer; exit 1 past the threshold, 2 if they cannot be compared (see docs/compare.md)",
+                      specs=False, against=False)
     compare.add_argument("args", nargs=argparse.REMAINDER, help="ROLLOUT_DIR TRAIN_DIR [--rtol R] [--json F] ...")
+    settings = command("settings", _settings, "print every runtime setting (key, environment variable, "
+                       "default, meaning) as Markdown", specs=False, against=False)
+    settings.add_argument("--write", metavar="FILE", help="write it to FILE instead (docs/settings.md)")
     return parser
+
+
+def _settings(args) -> int:
+    from source_patch.runtime.core.settings_doc import markdown
+
+    if args.write:
+        Path(args.write).write_text(markdown(), encoding="utf-8")
+    else:
+        sys.stdout.write(markdown())
+    return 0
 
 
 def _compare(args) -> int:
@@ -212,11 +227,15 @@ def _matrix(args) -> int:
     releases, grid = matrix.run(specs, args.releases, matrix.progress_bar())
     text = matrix.table(specs, releases, grid)
     print(text)
-    if args.write:
-        Path(args.write).write_text(_COMPAT_HEAD + text + "\n", encoding="utf-8")
-    if args.json:
-        doc = matrix.as_json(specs, releases, grid)
-        sys.stdout.write(doc + "\n") if args.json == "-" else Path(args.json).write_text(doc)
+    if args.json == "-":
+        sys.stdout.write(matrix.as_json(specs, releases, grid) + "\n")
+    try:
+        if args.write:
+            Path(args.write).write_text(_COMPAT_HEAD + text + "\n", encoding="utf-8")
+        if args.json and args.json != "-":
+            Path(args.json).write_text(matrix.as_json(specs, releases, grid))
+    except OSError as exc:  # a missing folder: an error line, not a traceback
+        raise SourcePatchError(f"cannot write {shorten(exc.filename)}: {exc.strerror or exc}") from None
     return matrix.exit_code(grid)
 
 

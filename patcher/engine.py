@@ -629,9 +629,10 @@ class _Transformer(cst.CSTTransformer):
     def __init__(self, plan: _Plan, positions, offset: int = 0):
         super().__init__()
         self.plan, self.positions, self.offset = plan, positions, offset
-        # id(new statement) -> (statement, original anchor line); holding the node
-        # keeps its id from being reused by another object.
-        self.inserted: dict[int, tuple[cst.CSTNode, int]] = {}
+        # id(new statement) -> (statement, original anchor line, whether it is spec code
+        # alone: no original node inside); holding the node keeps its id from being
+        # reused by another object.
+        self.inserted: dict[int, tuple[cst.CSTNode, int, bool]] = {}
         self.planned = set(plan.before) | set(plan.after) | set(plan.replace) | set(plan.returns)
         # libcst rebuilds every node it visits, so identity cannot tell an untouched
         # subtree from an edited one.  Track it: a node is changed when its leave_*
@@ -656,11 +657,11 @@ class _Transformer(cst.CSTTransformer):
     def insert(self, code: str, anchor_line: int) -> list[cst.BaseStatement]:
         stmts = _parse_code(code)
         for stmt in stmts:
-            self.inserted[id(stmt)] = (stmt, anchor_line)
+            self.inserted[id(stmt)] = (stmt, anchor_line, True)
         return stmts
 
     def mark(self, stmt: cst.BaseStatement, anchor_line: int) -> cst.BaseStatement:
-        self.inserted[id(stmt)] = (stmt, anchor_line)
+        self.inserted[id(stmt)] = (stmt, anchor_line, False)
         return stmt
 
     # -- call wraps
@@ -818,8 +819,11 @@ def _line_map(new_tree: cst.Module, orig_positions, origin: dict, inserted: dict
             stack.extend(getattr(node, "leading_lines", ()))
             continue
         if new is not None and id(node) in inserted:
+            _, line, alone = inserted[id(node)]
             for k in range(new.start.line, new.end.line + 1):
-                mapping[k] = inserted[id(node)][1]
+                mapping[k] = line
+            if alone:
+                continue  # spec code only: nothing inside maps elsewhere (a walk per node)
         stack.extend(node.children)
     return _carry(mapping) if carry else mapping
 

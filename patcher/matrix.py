@@ -10,25 +10,61 @@ per target module for all specs together.  Every patch gets a state:
 A spec whose own ``requires`` excludes a release is ``refused`` there as a whole (at run
 time its ``on_unmet`` decides).  Patches whose module is not in a release (the other
 framework) are not counted.
+
+A wheel is untrusted input: opened as a regular file only, its declared sizes checked
+against :class:`Limits` before anything is read, and only the sources the specs target
+(and its METADATA) unpacked, into a folder named by the wheel's sha256, never by its
+file name.  A wheel or directory that cannot be used is a :class:`ReleaseError`
+(exit 2; 1 means an anchor is broken).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 import re
+import shutil
+import stat
+import struct
 import sys
+import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import AnchorError, SourcePatchError
+from ..runtime.core.bounded import open_regular, read_regular
+from .errors import AnchorError, SourcePatchError, shorten
 from .finder import metadata_fields, unmet
 from .locate import NotFound, find_source
 from .spec import Patch, Spec
 
 APPLIES, GATED, BROKEN = "applies", "gated", "broken"
 CACHE = Path.home() / ".cache" / "source-patch" / "matrix"
+
+
+class ReleaseError(SourcePatchError):
+    """A wheel or directory that cannot be read as a release (the CLI exits 2)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a wheel may be or declare; checked before anything is decompressed."""
+
+    wheel_bytes: int = 512 << 20  # the file (its central directory is parsed in memory)
+    members: int = 100_000  # entries in the archive
+    total_bytes: int = 2 << 30  # declared uncompressed size of all entries together
+    member_bytes: int = 32 << 20  # one unpacked file (a source or METADATA), uncompressed
+    ratio: int = 200  # uncompressed / compressed, for an entry over 1 MiB
+
+
+LIMITS = Limits()
+# What a broken, truncated or exotic archive raises from zipfile (encrypted entries:
+# RuntimeError; unknown compression: NotImplementedError; bad names: UnicodeDecodeError).
+_BAD_ZIP = (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, ValueError,
+            RuntimeError, NotImplementedError, OverflowError, struct.error, OSError)
 
 
 @dataclass
@@ -68,34 +104,156 @@ class Cell:
 # --------------------------------------------------------------------------- releases
 
 
-def release(path: str | Path, cache: Path = CACHE) -> Release:
-    """A wheel (unpacked into ``cache`` once) or an unpacked directory."""
+def release(path: str | Path, cache: Path | None = None, modules=None,
+            limits: Limits | None = None) -> Release:
+    """A wheel (unpacked into ``cache`` once: the sources of ``modules``, or every ``.py``
+    when None) or an unpacked directory."""
     path = Path(path)
     if path.suffix == ".whl":
-        root = cache / path.stem
-        if not (root / ".complete").exists():
-            _unpack(path, root)
+        root = _unpacked(path, cache or CACHE, modules, limits or LIMITS)
     elif path.is_dir():
         root = path
     else:
-        raise SourcePatchError(f"not a wheel or a directory: {path}")
+        raise ReleaseError(f"not a wheel or a directory: {_text(path)}")
     infos = sorted(root.glob("*.dist-info"))
     if len(infos) != 1:
-        raise SourcePatchError(f"{root}: expected one *.dist-info, found {len(infos)}")
+        raise ReleaseError(f"{_text(root)}: expected one *.dist-info, found {len(infos)}")
     meta = metadata_fields(infos[0] / "METADATA", ("Name", "Version"))
     tops = {p.name for p in root.iterdir() if p.is_dir() and not p.name.endswith((".dist-info", ".data"))}
     return Release(meta.get("Name", infos[0].name), meta.get("Version", "?"), str(root), tops)
 
 
-def _unpack(wheel: Path, root: Path) -> None:
-    """Python sources and metadata only: all a dry run reads."""
-    with zipfile.ZipFile(wheel) as zf:
-        for name in zf.namelist():
-            if name.endswith(".py") or ".dist-info/" in name:
-                if ".." in Path(name).parts or name.startswith("/"):
-                    raise SourcePatchError(f"{wheel}: unsafe path in the archive: {name}")
-                zf.extract(name, root)
-    (root / ".complete").touch()
+def _text(value) -> str:
+    """User text (a path, a member name) on one line: escapes shown, cut to 200 characters."""
+    return shorten(repr(str(value))[1:-1])
+
+
+def _unpacked(wheel: Path, cache: Path, modules, limits: Limits) -> Path:
+    what = f"wheel {_text(wheel)}"
+    with open_regular(wheel, what=what, error=ReleaseError) as f:  # a FIFO or folder: refused, no hang
+        digest, size = hashlib.sha256(), 0
+        try:
+            while chunk := f.read(1 << 20):
+                size += len(chunk)
+                if size > limits.wheel_bytes:
+                    raise ReleaseError(f"{what}: larger than {limits.wheel_bytes:,} bytes")
+                digest.update(chunk)
+            f.seek(0)
+        except OSError as exc:
+            raise ReleaseError(f"{what}: cannot read it ({exc.strerror or exc})") from None
+        # Named by the wheel's content and what is unpacked, never by its file name: another
+        # wheel under the same name is another folder.
+        wanted = "*" if modules is None else "\n".join(sorted(modules))
+        folder = _private_dir(cache)
+        root = folder / f"{digest.hexdigest()}-{hashlib.sha256(wanted.encode()).hexdigest()[:16]}"
+        if root.is_dir():
+            return root
+        tmp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=folder))  # 0700
+        try:
+            _unpack(f, what, tmp, modules, limits)
+            try:
+                os.rename(tmp, root)  # atomic: a crash mid-unpack leaves a temp folder, never an entry
+            except OSError:
+                if not root.is_dir():  # else another run unpacked the same wheel first
+                    raise
+        except OSError as exc:
+            raise SourcePatchError(f"matrix cache {_text(folder)}: cannot write "
+                                   f"({exc.strerror or exc})") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def _private_dir(path: Path) -> Path:
+    """``path``, its missing levels created 0700; refused if another user owns it or others
+    can write to it (they could plant a folder under a wheel's hash)."""
+    try:
+        _mkdirs(path)
+        st = os.stat(path)
+    except OSError as exc:
+        raise SourcePatchError(f"matrix cache {_text(path)}: {exc.strerror or exc}") from None
+    if (hasattr(os, "getuid") and st.st_uid != os.getuid()) or st.st_mode & 0o022:
+        raise SourcePatchError(f"matrix cache {_text(path)}: owned by another user or writable by "
+                               "others; remove it or make it yours with mode 700")
+    return path
+
+
+def _mkdirs(path: Path) -> None:
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for level in reversed(missing):  # os.makedirs gives the upper levels the umask's mode
+        level.mkdir(mode=0o700, exist_ok=True)
+
+
+def _unpack(f, what: str, root: Path, modules, limits: Limits) -> None:
+    """The wheel's METADATA and the sources ``modules`` resolve through, into ``root``."""
+    try:
+        zf = zipfile.ZipFile(f)
+        infos = zf.infolist()
+    except _BAD_ZIP as exc:
+        raise ReleaseError(f"{what}: not a readable zip archive ({_reason(exc)})") from None
+    if len(infos) > limits.members:
+        raise ReleaseError(f"{what}: {len(infos):,} entries, more than {limits.members:,}")
+    names = [i.filename for i in infos]
+    if len(set(names)) != len(names):
+        raise ReleaseError(f"{what}: an entry name appears twice")
+    total = 0
+    for info in infos:
+        parts = info.filename.replace("\\", "/").split("/")
+        if info.filename.startswith(("/", "\\")) or ":" in parts[0] or ".." in parts:
+            raise ReleaseError(f"{what}: unsafe path in the archive: {_text(info.filename)}")
+        kind = stat.S_IFMT(info.external_attr >> 16)
+        if kind not in (0, stat.S_IFREG, stat.S_IFDIR):  # a symlink (or device) entry
+            raise ReleaseError(f"{what}: {_text(info.filename)} is not a regular file in the archive")
+        total += info.file_size
+        if total > limits.total_bytes:
+            raise ReleaseError(f"{what}: declares more than {limits.total_bytes:,} bytes uncompressed")
+        if info.file_size > 1 << 20 and info.file_size > limits.ratio * max(info.compress_size, 1):
+            raise ReleaseError(f"{what}: {_text(info.filename)} expands more than {limits.ratio} times")
+    metadata = [n for n in names if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)]
+    if len(metadata) != 1:
+        raise ReleaseError(f"{what}: expected one *.dist-info/METADATA, found {len(metadata)}")
+    for name in metadata + [n for n in names if _wanted(n, modules)]:
+        info = zf.getinfo(name)
+        if info.file_size > limits.member_bytes:
+            raise ReleaseError(f"{what}: {_text(name)} is {info.file_size:,} bytes, more than "
+                               f"{limits.member_bytes:,}")
+        try:
+            data = zf.read(info)  # stops at the declared size; checks the CRC
+        except _BAD_ZIP as exc:
+            raise ReleaseError(f"{what}: {_text(name)} cannot be read ({_reason(exc)})") from None
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ReleaseError(f"{what}: {_text(name)} is not UTF-8 "
+                               f"({exc.reason} at byte {exc.start})") from None
+        dest = root.joinpath(*name.split("/"))
+        _mkdirs(dest.parent)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with open(fd, "wb") as out:
+            out.write(data)
+    # Top-level packages as folders: what ``release`` counts as the frameworks it ships.
+    for top in {n.split("/")[0] for n in names if "/" in n}:
+        if top.isidentifier():
+            (root / top).mkdir(mode=0o700, exist_ok=True)
+
+
+def _wanted(name: str, modules) -> bool:
+    """A source ``find_source`` may read for one of ``modules``: each level's ``.py`` or
+    ``__init__.py`` (every ``.py`` when ``modules`` is None)."""
+    if not name.endswith(".py"):
+        return False
+    if modules is None:
+        return True
+    stem = name[: -len("/__init__.py")] if name.endswith("/__init__.py") else name[:-3]
+    dotted = stem.replace("/", ".")
+    return any(m == dotted or m.startswith(dotted + ".") for m in modules)
+
+
+def _reason(exc: BaseException) -> str:
+    return _text(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
 # --------------------------------------------------------------------------- checking
@@ -119,18 +277,29 @@ def check_release(specs: list[Spec], rel: Release) -> dict[str, Cell]:
     for module, pairs in todo.items():
         try:
             path = find_source(module, rel.root)
+            source = _source(path)  # a ReleaseError is not a broken anchor: it stops the run
             # Every patch may drift alone: the engine reports each instead of stopping.
             lenient = [dataclasses.replace(p, on_drift="skip") for _, p in pairs]
-            result = rewrite(path.read_text(encoding="utf-8"), lenient, module=module,
-                             file=str(path), version=lambda: rel.label)
+            result = rewrite(source, lenient, module=module, file=str(path), version=lambda: rel.label)
             dropped = {(p.spec_name, p.id): err for p, err in result.dropped}
             for s, p in pairs:
                 err = dropped.get((p.spec_name, p.id))
                 cells[s.file].states[p.id] = (BROKEN, _first_problem(err)) if err else (APPLIES, "")
+        except ReleaseError:
+            raise
         except (NotFound, AnchorError, SourcePatchError) as exc:
             for s, p in pairs:
                 cells[s.file].states[p.id] = (BROKEN, _first_problem(exc))
     return cells
+
+
+def _source(path: Path) -> str:
+    """A target's source, from a wheel's folder or a user's directory (a FIFO there: refused)."""
+    data = read_regular(path, max_bytes=LIMITS.member_bytes, what="release source", error=ReleaseError)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ReleaseError(f"{_text(path)}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
 def _first_problem(error: Exception) -> str:
@@ -148,12 +317,12 @@ def run(specs: list[Spec], paths: list[str], progress=None) -> tuple[list[Releas
         except InvalidVersion:
             return rel.dist, Version("0")
 
-    releases, grid = [], {}
-    for i, path in enumerate(paths):
+    # Every release is opened first: a bad one fails the run before minutes of checking.
+    modules = {p.module for s in specs for p in s.patches}
+    releases, grid = [release(path, modules=modules) for path in paths], {}
+    for i, (path, rel) in enumerate(zip(paths, releases)):
         if progress:
             progress(i, len(paths), Path(path).name)
-        rel = release(path)
-        releases.append(rel)
         for file, cell in check_release(specs, rel).items():
             grid[file, rel.label] = cell
     if progress:
@@ -165,7 +334,7 @@ def run(specs: list[Spec], paths: list[str], progress=None) -> tuple[list[Releas
 
 
 def exit_code(grid: dict) -> int:
-    """0: everything applies or is gated; 1: an anchor is broken."""
+    """0: everything applies or is gated; 1: an anchor is broken (a ReleaseError: 2)."""
     return 1 if any(c.count(BROKEN) for c in grid.values()) else 0
 
 

@@ -22,16 +22,41 @@ from .errors import Location, SpecError, shorten, show
 # PyYAML is imported by loads() on first use: a spec read before comes from the code
 # cache (load), so a warm start-up never imports it.  The builder below runs only
 # after loads() has bound these.
-yaml = SafeConstructor = None
+yaml = SafeConstructor = _Loader = None
+
+# Limits on one spec, so that a valid but oversized one fails at once with its file and
+# line instead of costing minutes at every cache miss: PyYAML composes ~5 us a byte of
+# dense YAML, and the rewrite costs libcst ~0.1-0.3 ms per inserted syntax node (parse,
+# transform, positions) and ~2 ms per edit.  The bundled specs use at most 38 edits,
+# 600 syntax nodes of code and 511 YAML nodes.
+MAX_SPEC_BYTES = 8 << 20
+MAX_YAML_NODES = 50_000  # composed nodes, aliases included
+MAX_EDITS = 1_000  # edits of all patches, an aliased list counted at each use
+MAX_CODE_NODES = 20_000  # Python syntax nodes of all code and wrap fields, likewise
+
+
+class _TooManyNodes(Exception):
+    pass
 
 
 def _import_yaml() -> None:
-    global yaml, SafeConstructor
+    global yaml, SafeConstructor, _Loader
     if yaml is None:
         import yaml as module
         from yaml.constructor import SafeConstructor as constructor
 
-        yaml, SafeConstructor = module, constructor
+        class Loader(module.SafeLoader):
+            """Stops composing past MAX_YAML_NODES, where that is (time and memory)."""
+
+            nodes = 0
+
+            def compose_node(self, parent, index):
+                self.nodes += 1
+                if self.nodes > MAX_YAML_NODES:
+                    raise _TooManyNodes(self.peek_event().start_mark)
+                return super().compose_node(parent, index)
+
+        yaml, SafeConstructor, _Loader = module, constructor, Loader
 
 FORMAT_VERSION = "1.1"
 FORMAT_VERSIONS = ("1", "1.1")  # every format this loader reads; 1.1 only adds fields
@@ -221,9 +246,6 @@ def _rebuild(cls, values: tuple):
     return cls(**kw)
 
 
-MAX_SPEC_BYTES = 64 << 20
-
-
 def _read(path: Path) -> str:
     """A spec file's text: a regular file of at most MAX_SPEC_BYTES, UTF-8.  Opened
     without blocking, so a FIFO or a device is refused instead of hanging or filling memory."""
@@ -245,7 +267,11 @@ def loads(text: str, file: str = "<string>") -> Spec:
     """Parse and validate spec text; ``file`` is used in error locations."""
     _import_yaml()
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_Loader)
+    except _TooManyNodes as exc:
+        mark = exc.args[0]
+        raise SpecError(f"too large: more than {MAX_YAML_NODES:,} YAML nodes (a spec holds a few hundred)",
+                        Location(file, mark.line + 1, mark.column + 1)) from None
     except yaml.MarkedYAMLError as exc:
         from .yaml_words import explain
 
@@ -270,6 +296,7 @@ class _Builder:
     def __init__(self, file: str):
         self.file = file
         self.version = FORMAT_VERSION
+        self.edits = self.code_nodes = 0  # so far, against MAX_EDITS and MAX_CODE_NODES
 
     def loc(self, node: yaml.Node | None, path: str) -> Location:
         if node is None:
@@ -323,7 +350,7 @@ class _Builder:
     def python(self, node, path: str) -> str:
         """A string field holding Python source; syntax errors point into the YAML."""
         text = self.scalar(node, path)
-        _, error, lineno = _parse(text)
+        tree, error, lineno = _parse(text)
         if error:
             if node.style == "|":  # a literal block: its lines are the YAML lines after the '|'
                 line = node.start_mark.line + 1 + lineno
@@ -331,7 +358,16 @@ class _Builder:
                 line = node.start_mark.line + 1
             raise SpecError(f"invalid Python: {shorten(error)}",
                             Location(self.file, line, node.start_mark.column + 1, path))
+        self.count_code(tree, node, path)
         return text
+
+    def count_code(self, tree: ast.AST, node, path: str) -> None:
+        """Add inserted code's syntax nodes to the spec's total; past MAX_CODE_NODES, fail here."""
+        for _ in ast.walk(tree):
+            self.code_nodes += 1
+            if self.code_nodes > MAX_CODE_NODES:
+                self.fail(f"too much inserted code: more than {MAX_CODE_NODES:,} Python syntax nodes "
+                          f"in this spec's code and wrap fields", node, path)
 
     # -- the document
 
@@ -457,6 +493,9 @@ class _Builder:
                      self.loc(node, path))
 
     def edit(self, node, path: str) -> Edit:
+        self.edits += 1
+        if self.edits > MAX_EDITS:
+            self.fail(f"too many edits: more than {MAX_EDITS:,} in one spec", node, path)
         if not isinstance(node, yaml.MappingNode):
             self.fail(f"expected a mapping, got {_kind(node)}", node, path)
         at_node = next((v for k, v in node.value
@@ -514,6 +553,7 @@ class _Builder:
         if uses != 1:
             self.fail(f"the wrap expression must use the name {CALL_PLACEHOLDER} exactly once "
                       f"(it stands for the matched call), found {uses}", node, path)
+        self.count_code(tree, node, path)
         return text
 
 

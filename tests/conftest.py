@@ -34,7 +34,7 @@ def write_spec(tmp_path):
 @pytest.fixture(scope="session")
 def sglang_cpu():
     """Let sglang import on a CPU torch: the only torchvision on the index is a CUDA
-    build, whose import needs these operator schemas (see /work/shared/sglang.md)."""
+    build, whose import needs these operator schemas (see the shared notes, sglang.md)."""
     import importlib.util
 
     if importlib.util.find_spec("sglang") is None:

@@ -87,3 +87,50 @@ def test_the_check_catches_a_cross_capability_import(tmp_path):
     (tmp_path / "core" / "tags.py").write_text("import os\nfrom ..trace.api import trace\n")
     assert cross_imports(tmp_path) == ["core/tags.py:2 imports source_patch.runtime.trace.api",
                                        "trace/api.py:1 imports source_patch.runtime.dump"]
+
+
+def import_cycles(root: Path = RUNTIME, package: str = PACKAGE) -> list:
+    """Cycles among the modules under ``root`` (lazy imports inside functions included):
+    each as 'a -> b -> a', module names relative to ``package``."""
+    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in _sources(root)}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for _, target, _ in _imports(path, root):
+            if target.startswith(package + "."):
+                target = target[len(package) + 1:]
+                # `from . import x` names a module or a symbol: take the longest module prefix
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + ".") and modules[target].name != "__init__.py":
+                    edges.add(target)
+        graph[name] = edges
+    cycles, state = [], {}
+
+    def visit(node, trail):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(trail[trail.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def test_the_runtime_has_no_import_cycle():
+    cycles = import_cycles()
+    assert not cycles, "import cycles in the runtime:\n" + "\n".join(cycles)
+
+
+def test_the_cycle_check_can_fail(tmp_path):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "__init__.py").write_text("")
+    (tmp_path / "core" / "a.py").write_text("def f():\n    from . import b\n")
+    (tmp_path / "core" / "b.py").write_text("from .a import f\n")
+    assert import_cycles(tmp_path) == ["core.a -> core.b -> core.a"]

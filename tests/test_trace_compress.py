@@ -286,9 +286,7 @@ def test_direct_launches_compute_what_tritons_own_launches_do_in_every_layout(mo
              "ring": ring.claim}
     stats = tc.TILE_STATS
     for x in cases:
-        monkeypatch.setattr(tc, "DIRECT_LAUNCH", False)  # the setting triton_launch: triton
-        want = fused.column_stats(x, stats).cpu()
-        monkeypatch.setattr(tc, "DIRECT_LAUNCH", True)
+        want = fused.column_stats(x, stats, direct=False).cpu()  # the setting triton_launch: triton
         before = len(launches)
         for where, into in intos.items():
             for _ in range(2):

@@ -11,6 +11,8 @@ import random
 import socket
 from pathlib import Path
 
+from . import bounded
+
 _handed: set = set()
 
 
@@ -67,28 +69,12 @@ def write_private_json(path: Path, info: dict) -> None:
         raise
 
 
-MAX_JSON_DEPTH = 32  # client JSON nests no deeper than this (json.loads recurses: a deep body is a crash)
+MAX_JSON_DEPTH = bounded.MAX_DEPTH  # client JSON nests no deeper (json.loads recurses: a deep body is a crash)
 
 
 def parse_json(data: bytes | str, max_depth: int = MAX_JSON_DEPTH):
     """``json.loads`` for a client's input, refusing nesting deeper than ``max_depth``
     first (ValueError) instead of letting the parser recurse into a RecursionError."""
     text = data.decode() if isinstance(data, (bytes, bytearray)) else data
-    depth, in_string, escaped = 0, False, False
-    for char in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            if depth > max_depth:
-                raise ValueError(f"JSON nested deeper than {max_depth} levels")
-        elif char in "]}":
-            depth -= 1
+    bounded.check_nesting(text, max_depth=max_depth)
     return json.loads(text)

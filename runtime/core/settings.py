@@ -354,7 +354,8 @@ SCHEMAS["weight_sync"] = {
     "world_size": Setting(2, integer(low=2), "ranks in the update group: 1 trainer + every engine rank"),
     "group_name": Setting("source_patch_weights", _nonempty_text, "the update group's name (SGLang's group_name)"),
     "backend": Setting("auto", choice("auto", "nccl", "gloo"), "auto: nccl when CUDA is available, else gloo"),
-    "bucket_bytes": Setting(512 << 20, size(low=16), "bytes per bucket; the sender double-buffers two of them "
+    # At least 4 KiB (receivers also refuse more than 16,384 buckets: transport.MAX_BUCKETS).
+    "bucket_bytes": Setting(512 << 20, size(low=4 << 10), "bytes per bucket; the sender double-buffers two of them "
                             "(512 MiB: the fastest of 128 MiB-1 GiB on two H100, docs/benchmarks.md)"),
     "checksum": Setting(True, boolean, "per-bucket checksum (int64 word sum on the device), checked by receivers"),
     "from_buffers": Setting(True, boolean, "trainer: send the parameters that lie in Megatron's contiguous "

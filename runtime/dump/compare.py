@@ -23,6 +23,10 @@ tokens).  Then, per (name, layer) in layer order: the rows compared, max |a - b|
 relative L2 ``||a - b|| / ||b||`` and cosine similarity; the first pair whose relative
 L2 exceeds ``rtol`` is the first divergent layer.  SGLang's ``layer_id`` is 0-based,
 Megatron's ``layer_number`` 1-based (``layer_offset``, default 1).
+
+Exit codes of the CLI: 0 no divergence, 1 divergence, 2 anything that stops the
+comparison (a failed layout self-test, unreadable or malformed dumps, a report that
+cannot be written), always as one line on stderr.
 """
 
 from __future__ import annotations
@@ -54,16 +58,39 @@ class Rec(NamedTuple):
     name: str
     tags: dict
     tensor: torch.Tensor
+    where: str = ""  # its manifest line, for errors
 
 
 def load(path, names=None) -> list:
-    """The records of a dump directory that a comparison needs, tensors read once."""
+    """The records of a dump directory that a comparison needs, tensors read once
+    (each file's header once, through reader.read_tensors)."""
     wanted = set(NAMES) | set(ROUTING) | {"input_ids", "positions", "row_request"} if names is None else set(names)
-    return [Rec(r.name, r.tags, r.tensor) for r in reader.load(path) if r.name in wanted]
+    records = [r for r in reader.load(path) if r.name in wanted]
+    keys: dict = {}
+    for r in records:
+        keys.setdefault(r.file, []).append(r.key)
+    tensors = {file: reader.read_tensors(file, wanted_keys) for file, wanted_keys in keys.items()}
+    return [Rec(r.name, r.tags, tensors[r.file][r.key], f"{r.file.parent / reader.MANIFEST} record {r.seq}")
+            for r in records]
 
 
 class LayoutError(ValueError):
     """The two sides do not hold the same tokens at the rows they claim."""
+
+
+DumpError = reader.DumpError  # malformed dumps: exit 2, as unreadable ones
+
+
+def _where(rec: Rec) -> str:
+    return f"{rec.name} ({rec.where})" if rec.where else rec.name
+
+
+def _tag(rec: Rec, key: str):
+    """An integer tag the comparison groups or orders by (step, rank, layer, tp), or None."""
+    value = rec.tags.get(key)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise DumpError(f"{_where(rec)}: tag '{key}' is {reader.shown(value)}, expected an integer")
 
 
 @dataclass
@@ -124,15 +151,32 @@ def _by_step(records) -> dict:
     or sequence-parallel rank holds a slice of the sequence; see layout.py)."""
     steps: dict = {}
     for r in records:
-        steps.setdefault((r.tags.get("step"), r.tags.get("rank")), []).append(r)
+        _tag(r, "layer")
+        steps.setdefault((_tag(r, "step"), _tag(r, "rank")), []).append(r)
     return steps
 
 
 def _keys(row_map, positions) -> list:
-    """(rid, position) of every element of a row map; None for padding (-1)."""
-    rids = row_map.tags["rids"]
-    return [None if i < 0 else (rids[i], p)
-            for i, p in zip(row_map.tensor.reshape(-1).tolist(), positions.tensor.reshape(-1).tolist())]
+    """(rid, position) of every element of a row map; None for padding (-1).  A row map
+    without its ``rids``, empty, not integers, pointing past its rids or of another
+    size than its positions is a DumpError (it would pair the wrong rows)."""
+    rids = row_map.tags.get("rids")
+    if not (isinstance(rids, list) and rids and all(isinstance(r, (str, int)) and not isinstance(r, bool)
+                                                    for r in rids)):
+        raise DumpError(f"{_where(row_map)}: tag 'rids' is {reader.shown(rids)}, expected a list of request ids")
+    for rec in (row_map, positions):
+        if rec.tensor.numel() == 0 or rec.tensor.dtype.is_floating_point or rec.tensor.dtype == torch.bool:
+            raise DumpError(f"{_where(rec)}: expected a non-empty integer tensor, got "
+                            f"{list(rec.tensor.shape)} {str(rec.tensor.dtype).removeprefix('torch.')}")
+    if positions.tensor.numel() != row_map.tensor.numel():
+        raise DumpError(f"{_where(positions)}: {positions.tensor.numel()} positions for "
+                        f"{row_map.tensor.numel()} rows of row_request")
+    index = row_map.tensor.reshape(-1).tolist()
+    if not -1 <= min(index) <= max(index) < len(rids):
+        raise DumpError(f"{_where(row_map)}: values {min(index)}..{max(index)} outside -1..{len(rids) - 1} "
+                        f"(its {len(rids)} rids)")
+    rids = [str(r) for r in rids]  # one kind, so keys sort
+    return [None if i < 0 else (rids[i], p) for i, p in zip(index, positions.tensor.reshape(-1).tolist())]
 
 
 def gather_vocab_parallel(records) -> list:
@@ -143,7 +187,7 @@ def gather_vocab_parallel(records) -> list:
     groups: dict = {}
     out = []
     for r in records:
-        if r.name == "logits" and r.tags.get("tp") is not None:
+        if r.name == "logits" and _tag(r, "tp") is not None and r.tensor.dim() > 0:
             rest = tuple(sorted((k, str(v)) for k, v in r.tags.items() if k not in ("tp", "rank")))
             groups.setdefault(rest, []).append(r)
         else:
@@ -152,7 +196,7 @@ def gather_vocab_parallel(records) -> list:
         shards.sort(key=lambda r: r.tags["tp"])
         if len(shards) > 1 and len({r.tensor.shape[:-1] for r in shards}) == 1:
             joined = torch.cat([r.tensor for r in shards], dim=-1)
-            out.append(Rec("logits", shards[0].tags, joined))  # keeps the lowest TP rank's rank tag
+            out.append(Rec("logits", shards[0].tags, joined, shards[0].where))  # keeps the lowest TP rank's rank tag
         else:
             out.extend(shards)
     return out
@@ -173,20 +217,20 @@ def index_rows(records) -> dict:
             if name not in NAMES and name not in ROUTING and name != "input_ids":
                 continue
             # [s, b, ...] as the row map, or its rows flattened ([s * b, ...]: the router's view)
-            flat = rec.tensor.reshape(len(keys), -1) if rec.tensor.numel() % len(keys) == 0 and (
-                rec.tensor.shape[: row_map.tensor.dim()] == row_map.tensor.shape
-                or rec.tensor.shape[0] == len(keys)) else None
+            t = rec.tensor
+            flat = t.reshape(len(keys), -1) if t.dim() > 0 and t.numel() % len(keys) == 0 and (
+                t.shape[: row_map.tensor.dim()] == row_map.tensor.shape or t.shape[0] == len(keys)) else None
             target = out.setdefault((name, layer), {})
             if flat is not None:
                 for key, row in zip(keys, flat):
                     if key is not None:
                         target[key] = row
-            elif name == "logits":  # one row per request: its last row in this pass
+            elif name == "logits" and rec.tensor.dim() > 0:  # one row per request: its last row in this pass
                 last = {}
                 for key in keys:
                     if key is not None:
                         last[key[0]] = key if key[0] not in last or key[1] > last[key[0]][1] else last[key[0]]
-                for i, rid in enumerate(row_map.tags["rids"]):
+                for i, rid in enumerate(map(str, row_map.tags["rids"])):  # as _keys names them
                     if rid in last and i < rec.tensor.shape[0]:
                         target[last[rid]] = rec.tensor[i]
     return out
@@ -202,9 +246,10 @@ def compare(rollout, train, *, rtol: float = 1e-4, layer_offset: int = 1) -> Rep
         raise LayoutError("no (request, position) is held by both sides: different request ids, or a side "
                           "without row_request / positions records")
     for key in shared:
-        if int(ids_a[key]) != int(ids_b[key]):
+        token_a, token_b = _token(ids_a[key], "rollout", key), _token(ids_b[key], "training", key)
+        if token_a != token_b:
             raise LayoutError(f"layout self-test: request {key[0]!r} position {key[1]}: token "
-                              f"{int(ids_a[key])} in the rollout, {int(ids_b[key])} in training")
+                              f"{token_a} in the rollout, {token_b} in training")
     report = Report(tokens=len(shared), requests=len({k[0] for k in shared}), rtol=rtol)
     order = sorted((k for k in a if k[0] in NAMES), key=lambda k: (k[1] is None, k[1] or 0, _ORDER[k[0]]))
     for name, layer in order:
@@ -220,6 +265,22 @@ def compare(rollout, train, *, rtol: float = 1e-4, layer_offset: int = 1) -> Rep
     return report
 
 
+def _token(row: torch.Tensor, side: str, key) -> int:
+    if row.numel() != 1:
+        raise DumpError(f"input_ids of request {key[0]!r} position {key[1]} in {side}: {row.numel()} values, "
+                        "expected one token id per row")
+    return int(row.reshape(()))
+
+
+def _width(rows, name, layer) -> int:
+    """The values per row, the same in every row of both sides (else DumpError)."""
+    sizes = sorted({t.numel() for t in rows})
+    if len(sizes) != 1:
+        raise DumpError(f"{name} layer {'-' if layer is None else layer}: rows of {', '.join(map(str, sizes))} "
+                        "values (the two sides' hidden or vocabulary sizes differ?)")
+    return sizes[0]
+
+
 def _next_token_logprobs(report: Report, a: dict, b: dict, ids: dict) -> None:
     """Where both sides hold the logits at (request, p) and the token at p + 1 is known:
     each side's log-prob of that token, and the RL mismatch figures between them
@@ -231,7 +292,11 @@ def _next_token_logprobs(report: Report, a: dict, b: dict, ids: dict) -> None:
     keys = sorted(k for k in set(la) & set(lb) if (k[0], k[1] + 1) in ids)
     if not keys:
         return
-    targets = torch.tensor([int(ids[(rid, pos + 1)]) for rid, pos in keys])
+    targets = torch.tensor([_token(ids[(rid, pos + 1)], "rollout", (rid, pos + 1)) for rid, pos in keys])
+    vocab = _width([la[k] for k in keys] + [lb[k] for k in keys], "logits", None)
+    if not 0 <= int(targets.min()) <= int(targets.max()) < vocab:
+        raise DumpError(f"next-token log-probs: token ids {int(targets.min())}..{int(targets.max())} outside "
+                        f"the logits' vocabulary of {vocab}")
     rollout = token_logprobs(torch.stack([la[k].reshape(-1) for k in keys]), targets)
     train = token_logprobs(torch.stack([lb[k].reshape(-1) for k in keys]), targets)
     m = mismatch(rollout, train)
@@ -261,38 +326,78 @@ _ORDER = {name: i for i, name in enumerate(NAMES)}
 
 
 def _row(name, layer, xs, ys, rtol) -> Row:
+    _width(list(xs) + list(ys), name, layer)
     x = torch.stack([t.float().reshape(-1) for t in xs])
     y = torch.stack([t.float().reshape(-1) for t in ys])
     diff = x - y
     ref = float(y.norm())
-    rel = float(diff.norm()) / ref if ref > 0 else (0.0 if float(diff.norm()) == 0 else math.inf)
+    # a zero reference: 0 if equal, else inf; a NaN anywhere stays NaN (it diverges either way)
+    rel = float(diff.norm()) / ref if ref > 0 or math.isnan(ref) else (0.0 if float(diff.norm()) == 0 else math.inf)
     cos = float(torch.nn.functional.cosine_similarity(x.reshape(1, -1), y.reshape(1, -1)))
     return Row(name, layer, len(xs), float(diff.abs().max()), rel, cos, rel <= rtol)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m source_patch.runtime.dump.compare",
-                                description="Compare rollout (SGLang) and training (Megatron) dumps layer by layer.")
+                                description="Compare rollout (SGLang) and training (Megatron) dumps layer by layer. "
+                                            "Exit 0: no divergence, 1: divergence, 2: cannot compare.")
     p.add_argument("rollout")
     p.add_argument("train")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative L2 above which a layer diverges")
     p.add_argument("--layer-offset", type=int, default=1, help="training layer = rollout layer + this")
-    p.add_argument("--json", help="write the report here as JSON")
+    p.add_argument("--json", help="write the report here as JSON (NaN and infinities as strings)")
     p.add_argument("--html", help="write the report here as a self-contained HTML page with plots")
     args = p.parse_args(argv)
     try:
+        for flag, path in (("--json", args.json), ("--html", args.html)):
+            _check_output(flag, path)
         report = compare(args.rollout, args.train, rtol=args.rtol, layer_offset=args.layer_offset)
-    except (LayoutError, FileNotFoundError, ValueError) as exc:
-        print(f"compare: {exc}", file=sys.stderr)
-        return 2
+    except (LayoutError, OSError, ValueError) as exc:  # DumpError is a ValueError
+        return _fail(exc)
+    except Exception as exc:  # noqa: BLE001 - a malformed dump nothing above foresaw: still exit 2, no traceback
+        return _fail(f"unreadable dumps ({type(exc).__name__}: {exc})")
     print(report.table())
-    if args.json:
-        Path(args.json).write_text(json.dumps(report.to_json(), indent=1))
-    if args.html:
-        from . import compare_html
+    try:
+        if args.json:
+            Path(args.json).write_text(json.dumps(json_safe(report.to_json()), indent=1, allow_nan=False))
+        if args.html:
+            from . import compare_html
 
-        compare_html.write(report.to_json(), args.html)
+            compare_html.write(report.to_json(), args.html)
+    except OSError as exc:
+        return _fail(f"cannot write the report: {exc}")
     return 0 if report.first_divergent is None else 1
+
+
+def _check_output(flag: str, path) -> None:
+    """Before comparing: the report's folder must exist (it is not created: a mistyped
+    path is an error, not a new folder) and the path must not be a folder."""
+    if path is None:
+        return
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: no folder {folder}")
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path}: is a folder")
+
+
+def _fail(message) -> int:
+    lines = str(message).strip().splitlines() or [type(message).__name__]
+    text = lines[0] if len(lines[0]) <= 500 else lines[0][:497] + "..."
+    print(f"compare: {text}", file=sys.stderr)
+    return 2
+
+
+def json_safe(value):
+    """``value`` with NaN and infinities as the strings "NaN", "Infinity", "-Infinity"
+    (bare, as Python writes them, they are not JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 if __name__ == "__main__":

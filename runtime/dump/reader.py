@@ -6,7 +6,11 @@
 
 Nothing is unpickled and no file name is parsed: every record comes from a line of
 ``rank-<r>/manifest.jsonl``; its tensor is read from the safetensors file on first
-access.  CLI summary::
+access.  Both go through the bounded reader (core/bounded.py): a manifest line or a
+tensor header that is too large, too deep, malformed or points outside its rank
+directory, and a FIFO, device or symlink where a file should be, are a
+:class:`DumpError` naming the file, never a hang, a ``RecursionError`` or a crash.
+CLI summary::
 
     python -m source_patch.runtime.dump.reader sp-dumps/default [--name 'attn_*'] [--step 0]
 """
@@ -14,13 +18,26 @@ access.  CLI summary::
 from __future__ import annotations
 
 import fnmatch
-import json
+import math
+import os
+import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..core import bounded
+
 MANIFEST = "manifest.jsonl"
+MAX_LINE = 1 << 20              # bytes in one manifest line (ours: a few hundred)
+MAX_LINE_ITEMS = 10_000         # arrays and objects in one line (its tags)
+MAX_HEADER = 100_000_000        # bytes of a safetensors header (the safetensors library's own limit)
+MAX_HEADER_ITEMS = 1_000_000    # arrays and objects in it: 3 per tensor
+MAX_DIMS = 64
+
+
+class DumpError(ValueError):
+    """An unreadable or malformed dump: a manifest line, the file it names, a tensor header."""
 
 
 @dataclass
@@ -61,17 +78,15 @@ class Record:
         return self.load()
 
     def load(self, device: str = "cpu"):
-        from safetensors import safe_open
-
-        with safe_open(str(self.file), framework="pt", device=device) as handle:
-            return handle.get_tensor(self.key)
+        tensor = read_tensors(self.file, [self.key])[self.key]
+        return tensor if device == "cpu" else tensor.to(device)
 
 
 def rank_dirs(path: str | Path, exp_name: str | None = None) -> list[Path]:
     """The rank directories under ``path``: a rank directory itself, an experiment
     directory, or a dump root (then ``exp_name``, or its only experiment)."""
     root = Path(path)
-    if (root / MANIFEST).is_file():
+    if (root / MANIFEST).exists():  # not is_file(): a FIFO or folder there is an error, not skipped
         return [root]
     if exp_name is not None:
         root = root / exp_name
@@ -92,7 +107,7 @@ def rank_dirs(path: str | Path, exp_name: str | None = None) -> list[Path]:
 
 def _with_manifest(folder: Path) -> list:
     """Process folders (``rank-<r>``, ``engine_<r>``: the ``rank_dir`` setting) of one experiment."""
-    return [d for d in folder.iterdir() if (d / MANIFEST).is_file()] if folder.is_dir() else []
+    return [d for d in folder.iterdir() if (d / MANIFEST).exists()] if folder.is_dir() else []
 
 
 def _rank_number(folder: Path):
@@ -101,15 +116,110 @@ def _rank_number(folder: Path):
 
 
 def read_manifest(rank_dir: Path) -> Iterable[dict]:
-    """Lines of one manifest; a torn last line (a crash mid-append) is skipped."""
-    with open(rank_dir / MANIFEST, "rb") as lines:
-        for raw in lines:
+    """Lines of one manifest, each a checked record line (:func:`check_line`); a torn
+    last line (a crash mid-append) is skipped, any other bad line is a DumpError."""
+    path = rank_dir / MANIFEST
+    with bounded.open_regular(path, what="manifest", error=DumpError) as lines:
+        number = 0
+        while True:
+            raw = lines.readline(MAX_LINE + 1)
+            number += 1
+            if len(raw) > MAX_LINE:
+                raise DumpError(f"{path}:{number}: a line over {MAX_LINE:,} bytes")
             if not raw.endswith(b"\n"):
-                break
-            try:
-                yield json.loads(raw)
-            except ValueError:
-                continue
+                return  # the end, or a torn last line
+            where = f"{path}:{number}"
+            yield check_line(bounded.load_json(raw, what=where, error=DumpError, max_bytes=MAX_LINE,
+                                               max_items=MAX_LINE_ITEMS, kind=dict), where)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def plain_name(name) -> bool:
+    """A file name inside its folder: no separator, not '.', '..' or empty."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
+            and not any(sep and sep in name for sep in ("/", "\\", os.sep, os.altsep)))
+
+
+def check_line(line: dict, where: str) -> dict:
+    """``line`` if it has every field a record needs with the right type, else DumpError.
+    ``file`` must be a plain name: a line cannot point outside its rank directory."""
+    problems = []
+    for key, ok, want in (("name", isinstance(line.get("name"), str), "a string"),
+                          ("file", plain_name(line.get("file")), "a plain file name in the rank directory"),
+                          ("key", isinstance(line.get("key"), str), "a string"),
+                          ("dtype", isinstance(line.get("dtype"), str), "a string"),
+                          ("seq", _is_int(line.get("seq")), "an integer"),
+                          ("tags", isinstance(line.get("tags", {}), dict), "an object"),
+                          ("shape", _is_shape(line.get("shape")), "a list of sizes")):
+        if not ok:
+            problems.append(f"'{key}' is {shown(line.get(key))}, expected {want}")
+    if problems:
+        raise DumpError(f"{where}: " + "; ".join(problems))
+    return line
+
+
+def _is_shape(shape) -> bool:
+    return isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_int(n) and n >= 0 for n in shape)
+
+
+def shown(value) -> str:
+    """A value for a one-line error: repr, cut to 60 characters; None (absent or null) as missing."""
+    text = "missing" if value is None else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_tensors(path: str | Path, keys) -> dict:
+    """``{key: tensor}`` for ``keys`` of one safetensors file, on the CPU.  The file must
+    be a regular file (not a FIFO, device or symlink); its header goes through the
+    bounded reader, and each tensor's dtype, shape and offsets are checked against the
+    file before anything is allocated.  Any problem is a DumpError naming the file."""
+    import torch
+
+    with bounded.open_regular(path, what="tensor file", error=DumpError, follow_symlinks=False) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if length is None or length > min(MAX_HEADER, size - 8):
+            raise DumpError(f"{path}: not a safetensors file (header length {length} in a file of {size} bytes)")
+        header = bounded.load_json(f.read(length), what=f"{path}: header", error=DumpError, max_bytes=MAX_HEADER,
+                                   max_items=MAX_HEADER_ITEMS, kind=dict)
+        data = size - 8 - length
+        out = {}
+        for key in keys:
+            dtype, shape, start, end = _entry(header, key, data, f"{path}: tensor {shown(key)}")
+            buffer = torch.empty(end - start, dtype=torch.uint8)
+            f.seek(8 + length + start)
+            if end > start and f.readinto(buffer.numpy()) != end - start:
+                raise DumpError(f"{path}: tensor {shown(key)}: the file ended early")
+            out[key] = buffer.view(dtype).reshape(shape)
+    return out
+
+
+def _entry(header: dict, key: str, data: int, where: str) -> tuple:
+    """(torch dtype, shape, start, end) of ``key``, checked: a known dtype, a shape of
+    at most MAX_DIMS sizes whose bytes are exactly its offsets' span, inside the data."""
+    from .files import ST_DTYPES
+
+    entry = header.get(key) if key != "__metadata__" else None
+    if not isinstance(entry, dict):
+        raise DumpError(f"{where}: not in the file")
+    dtype = {code: t for t, code in ST_DTYPES.items()}.get(entry.get("dtype"))
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if dtype is None:
+        raise DumpError(f"{where}: unknown dtype {shown(entry.get('dtype'))}")
+    if not _is_shape(shape):
+        raise DumpError(f"{where}: shape {shown(shape)} is not a list of at most {MAX_DIMS} sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
+            and 0 <= offsets[0] <= offsets[1] <= data):
+        raise DumpError(f"{where}: data_offsets {shown(offsets)} outside the file's {data} data bytes")
+    start, end = offsets
+    if math.prod(shape) * dtype.itemsize != end - start:
+        raise DumpError(f"{where}: shape {shown(shape)} of {ST_DTYPES[dtype]} does not fit its "
+                        f"{end - start} bytes")
+    return dtype, shape, start, end
 
 
 def _matches(value: Any, wanted: Any, glob: bool = False) -> bool:
@@ -136,7 +246,7 @@ def load(path: str | Path, name=None, layer=None, step=None, rank=None, phase=No
     out = []
     for rank_dir in rank_dirs(path, exp_name):
         for line in read_manifest(rank_dir):
-            record_tags = line.get("tags", {})
+            record_tags = line.get("tags", {})  # check_line: a dict
             if not (_matches(line.get("name"), name, glob=True)
                     and _matches(record_tags.get("layer"), layer)
                     and _matches(record_tags.get("step"), step)
@@ -223,7 +333,7 @@ def main(argv=None) -> int:
     try:
         records = load(args.dir, name=args.name, step=args.step, rank=args.rank, layer=args.layer,
                        phase=args.phase, exp_name=args.exp_name)
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # DumpError is a ValueError
         print(exc, file=sys.stderr)
         return 1
     print(summary(records))

@@ -56,34 +56,103 @@ def process_token() -> str:
 
 
 class _Server(ThreadingHTTPServer):
-    """A thread per request, at most WORKERS at once; further connections wait in the
-    kernel's accept backlog (not refused: Python's default backlog of 5 overflowed
-    under 200 concurrent clients)."""
+    """A thread per connection.  Until its request head (the request line and headers)
+    has arrived a socket is *unauthenticated*: at most MAX_UNAUTHENTICATED are kept (one
+    more drops the oldest that has not sent a whole head) and each is closed
+    AUTH_TIMEOUT_S after its accept, so idle or trickling sockets neither pile up nor hold
+    a worker (the trace hub caps them the same way).  Requests with the token run at most
+    WORKERS at once.  The accept loop never waits; connections not yet accepted wait in
+    the kernel's backlog (256: Python's default of 5 overflowed under 200 clients)."""
 
     daemon_threads = True
     request_queue_size = 256
     WORKERS = 16
+    MAX_UNAUTHENTICATED = 64
+    AUTH_TIMEOUT_S = 2.0
 
-    def server_activate(self):
+    def __init__(self, *args, **kwargs):
         self._slots = threading.BoundedSemaphore(self.WORKERS)
-        super().server_activate()
+        self._lock = threading.Lock()
+        self._waiting: dict = {}  # socket whose request head is still to come -> deadline
+        self._admitted: set = set()
+        super().__init__(*args, **kwargs)
+
+    def server_close(self):
+        # the accept loop and its timeouts are gone: hang up on sockets still sending a head
+        with self._lock:
+            for sock in self._waiting:
+                _hang_up(sock)
+            self._waiting.clear()
+        super().server_close()
 
     def process_request(self, request, client_address):
-        self._slots.acquire()  # the accept loop waits here while every worker is busy
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
+        with self._lock:
+            self._waiting[request] = time.monotonic() + self.AUTH_TIMEOUT_S
+            if len(self._waiting) > self.MAX_UNAUTHENTICATED:
+                self._drop_oldest_stalled()
+        super().process_request(request, client_address)
+
+    def _drop_oldest_stalled(self) -> None:
+        # skip sockets whose whole head waits in the kernel: a request whose thread has
+        # not run yet (under a burst of real clients), not a stall
+        for sock in self._waiting:
+            if not _head_waiting(sock):
+                del self._waiting[sock]
+                _hang_up(sock)
+                return
+
+    def service_actions(self):
+        """Every poll of the accept loop (0.2 s): close sockets past their deadline."""
+        now = time.monotonic()
+        with self._lock:
+            for sock in [s for s, deadline in self._waiting.items() if deadline <= now]:
+                del self._waiting[sock]
+                _hang_up(sock)
+
+    def head_read(self, sock) -> bool:
+        """The request head of ``sock`` is in: no longer capped or timed out here (no
+        more reads before the token is checked).  False if it was dropped meanwhile."""
+        with self._lock:
+            return self._waiting.pop(sock, None) is not None
+
+    def admit(self, sock) -> None:
+        """The request carried the token: wait for a worker slot."""
+        self._slots.acquire()
+        with self._lock:
+            self._admitted.add(sock)
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            with self._lock:
+                self._waiting.pop(request, None)
+                admitted = request in self._admitted
+                self._admitted.discard(request)
+            if admitted:
+                self._slots.release()
 
     # SO_REUSEADDR (the default) skips TIME_WAIT leftovers; on Linux it never lets two
     # processes listen on one port, so ranks still do not share one.
+
+
+def _head_waiting(sock) -> bool:
+    """True if a whole request head sits unread in ``sock``'s receive buffer (peeked
+    through a duplicate: the socket's own timeout would make a peek wait)."""
+    try:
+        with socket.socket(fileno=os.dup(sock.fileno())) as peek:
+            return b"\r\n\r\n" in peek.recv(8192, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return False
+
+
+def _hang_up(sock) -> None:
+    """Wake the thread blocked reading ``sock`` (it reads end of file and ends); that
+    thread closes the socket."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class _Server6(_Server):
@@ -166,13 +235,17 @@ class HTTPError(Exception):
 class _Handler(BaseHTTPRequestHandler):
     server_version = "source-patch-dump/1"
     protocol_version = "HTTP/1.0"  # one request per connection: no leftover body to misread
-    timeout = 5  # a client that stalls mid-request loses its worker after this
+    timeout = 5  # an authenticated client that stalls mid-body loses its worker after this
 
     ROUTES = {
         "/state": ("GET", "state"), "/dumper/get_state": ("GET", "state"),
         "/configure": ("POST", "configure"), "/dumper/configure": ("POST", "configure"),
         "/reset": ("POST", "reset"), "/dumper/reset": ("POST", "reset"),
     }
+
+    def parse_request(self) -> bool:
+        # the head is in; one dropped (capped or late) meanwhile has a shut socket
+        return super().parse_request() and self.server.head_read(self.request)
 
     def log_message(self, format, *args):  # noqa: A002 - the base class's name
         log.debug("control %s - %s", self.address_string(), format % args)
@@ -201,6 +274,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise HTTPError(404, f"no endpoint {path}", endpoints=["GET /state", "POST /configure",
                                                                       "POST /reset"])
             self._authorize(control.token)
+            self.server.admit(self.request)
             wanted, action = route
             if method != wanted:
                 raise HTTPError(405, f"{path} takes {wanted}, not {method}")

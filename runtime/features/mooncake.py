@@ -1,6 +1,10 @@
 """The Mooncake backend of the feature store: one Mooncake object per tensor, keyed
-``ref.key(name)`` = ``{store}/{sample}/g{generation}/{name}``, plus one 8-byte
-marker ``{store}/{sample}/gen`` holding the sample's current generation.
+``ref.key(name)`` = ``{store}/{sample}/g{generation}/{name}``, plus one 40-byte
+marker ``{store}/{sample}/gen`` holding the sample's current generation and a digest
+of its tensors' names, dtypes and shapes.  A Mooncake object is raw bytes, so the
+digest is what refuses a ref naming another dtype or shape of the same byte count
+(as the dir backend refuses it from its header); it is read in the get's one round
+trip, with the data.
 
 Facts it is built on (the design notes, "Mooncake store facts",
 re-checked with mooncake-transfer-engine-non-cuda 0.3.13.post1):
@@ -40,6 +44,8 @@ measured at 2-30 us for 64 MiB).  Two paths, chosen per tensor by size:
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -53,12 +59,21 @@ from pathlib import Path
 import torch
 
 from ..core.endpoint import free_port
-from .store import FeatureStore, StoreError, byte_view, next_generation, stale
+from .base import FeatureStore, StoreError, byte_view, next_generation, stale
 
 OK, NO_SPACE, INVALID, NOT_FOUND, LEASE_HELD = 0, -200, -600, -704, -706
 ALIGN = 64
 MIN_POOLED = 64 << 10
-MARKER_BYTES = 8
+GENERATION_BYTES, DIGEST_BYTES = 8, 32
+MARKER_BYTES = GENERATION_BYTES + DIGEST_BYTES  # fits the staging buffer's first ALIGN bytes
+
+
+def marker_bytes(ref) -> bytes:
+    """The marker of ``ref``: its generation, then a digest of each tensor's name,
+    dtype and shape (sorted by name: a ref's order does not matter)."""
+    metas = sorted([m.name, m.dtype, list(m.shape)] for m in ref.tensors)
+    digest = hashlib.sha256(json.dumps(metas, separators=(",", ":")).encode()).digest()
+    return ref.generation.to_bytes(GENERATION_BYTES, "little") + digest
 
 
 def missing(key: str) -> StoreError:
@@ -177,7 +192,9 @@ class MooncakeStore(FeatureStore):
         super().__init__(store)
         if min(segment_mb, buffer_mb, pool_mb, direct_kb) < 0:
             raise ValueError("segment_mb, buffer_mb, pool_mb and direct_kb must be >= 0")
-        # the TCP transport binds all interfaces unless told; a loopback-only host needs this
+        # The address the transfer engine advertises outside P2P-handshake mode; it binds
+        # nothing: Mooncake's client listens on every interface whatever it is given
+        # (docs/features.md, "Listeners").
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_hostname)
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -228,7 +245,7 @@ class MooncakeStore(FeatureStore):
                         raise StoreError(f"put of {key} ({meta.nbytes} bytes) failed rc={rc}{hint(rc)}")
                 if len(rcs) != len(keys):
                     raise StoreError(f"put of sample {sample_id}: {len(rcs)} results for {len(keys)} objects")
-            transfer.marker().copy_(torch.frombuffer(bytearray(generation.to_bytes(8, "little")), dtype=torch.uint8))
+            transfer.marker().copy_(torch.frombuffer(bytearray(marker_bytes(ref)), dtype=torch.uint8))
             rc = self.client.upsert_from(marker_key, transfer.marker_ptr, MARKER_BYTES, self.config)
             if rc != OK:
                 raise StoreError(f"put of {marker_key} (the generation marker) failed rc={rc}{hint(rc)}")
@@ -255,7 +272,7 @@ class MooncakeStore(FeatureStore):
             return None
         if rc != MARKER_BYTES:
             raise StoreError(f"reading {key} (the generation marker) failed rc={rc}, expected {MARKER_BYTES} bytes")
-        return int.from_bytes(bytes(buf[:MARKER_BYTES].numpy()), "little")
+        return int.from_bytes(bytes(buf[:GENERATION_BYTES].numpy()), "little")
 
     # -- get ---------------------------------------------------------------------
     def _get(self, ref, out):
@@ -275,9 +292,14 @@ class MooncakeStore(FeatureStore):
             if rcs[0] != MARKER_BYTES:
                 raise StoreError(f"reading {marker_key} (the generation marker) failed rc={rcs[0]}, "
                                  f"expected {MARKER_BYTES} bytes")
-            current = int.from_bytes(bytes(transfer.marker().numpy()), "little")
+            marker = bytes(transfer.marker().numpy())
+            current = int.from_bytes(marker[:GENERATION_BYTES], "little")
             if current != ref.generation:
                 raise stale(ref, current)
+            if marker != marker_bytes(ref):
+                raise StoreError(f"sample {ref.sample_id} generation {ref.generation} holds other tensors than "
+                                 f"the ref names (another name, dtype or shape): refused, as its bytes would "
+                                 f"be read reinterpreted")
             for key, meta, rc in zip(keys[1:], metas_of(transfer), rcs[1:]):
                 if rc == NOT_FOUND:
                     raise missing(key)
@@ -356,8 +378,10 @@ def master(log: str | os.PathLike | None = None, timeout: float = 20.0):
                          f"pip install mooncake-transfer-engine-non-cuda")
     rpc, metrics = free_port(), free_port()
     with open(log or os.devnull, "wb") as out:
+        # every listener on loopback (the HTTP metadata server is off, and would be too)
         proc = subprocess.Popen([str(binary), "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
-                                 "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
+                                 "--metrics_host=127.0.0.1", f"--metrics_port={metrics}",
+                                 "--http_metadata_server_host=127.0.0.1"],
                                 stdout=out, stderr=subprocess.STDOUT)
         try:
             _wait_healthy(proc, metrics, timeout, log)

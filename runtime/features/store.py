@@ -28,155 +28,17 @@ import os
 import re
 import secrets
 import struct
-import threading
 import time
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import torch
 
+from ..core import bounded
 from ..core.settings import boolean
-from .ref import DTYPES, MAX_DIMS, MAX_TENSOR_BYTES, MAX_TENSORS, FeatureRef, RefError, check_id, meta_of
+from .base import FeatureStore, StoreError, byte_view, next_generation, stale
+from .ref import DTYPES, MAX_DIMS, MAX_TENSORS
 
 __all__ = ["FeatureStore", "SharedDirStore", "StoreError", "open_store"]
-
-STAT_KEYS = ("puts", "gets", "releases", "bytes_put", "bytes_got", "put_seconds", "get_seconds",
-             "transfer_seconds", "register_seconds", "copy_seconds", "registrations",
-             "release_retries", "cleanup_errors")
-
-
-class StoreError(RuntimeError):
-    """A store operation failed: I/O, a short read, a missing object, a full segment."""
-
-
-def next_generation(current: int | None) -> int:
-    """Strictly above ``current``, and at least the wall clock in microseconds, so a
-    sample re-put after its release (marker gone) never reuses an old generation."""
-    return max((current or 0) + 1, time.time_ns() // 1000)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a flat uint8 view (0-dim tensors too)."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def stale(ref: FeatureRef, current: int) -> RefError:
-    if current > ref.generation:
-        return RefError(f"stale ref: sample {ref.sample_id} generation {ref.generation}, current {current}")
-    return RefError(f"ref of sample {ref.sample_id} names generation {ref.generation}, "
-                    f"but the store's current generation is {current} (a ref from another store?)")
-
-
-class FeatureStore:
-    """A store of samples' tensors.  Subclasses implement ``_put``, ``_get``,
-    ``_release`` and ``_close``; this class checks arguments and refs, allocates the
-    outputs, and keeps the counters.  Safe to share between threads."""
-
-    def __init__(self, store: str = "features"):
-        self.name = check_id(store, "store name")
-        self._lock = threading.Lock()
-        self._stats = dict.fromkeys(STAT_KEYS, 0)
-        self._closed = False
-
-    # -- the API -------------------------------------------------------------------
-    def put(self, sample_id: str, tensors: dict) -> FeatureRef:
-        """Store ``tensors`` (CPU; non-contiguous ones are copied) as ``sample_id``'s
-        features; a re-put replaces them under a new generation."""
-        self._check_open()
-        check_id(sample_id, "sample_id")
-        if not isinstance(tensors, dict) or not 0 < len(tensors) <= MAX_TENSORS:
-            raise ValueError(f"tensors must be a dict of 1 to {MAX_TENSORS} named tensors")
-        items = []
-        for name, tensor in tensors.items():
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"tensor {str(name)[:80]!r} is a {type(tensor).__name__}, not a torch.Tensor")
-            if tensor.device.type != "cpu" or tensor.layout != torch.strided:
-                raise ValueError(f"tensor {str(name)[:80]!r} must be a dense CPU tensor, "
-                                 f"got {tensor.layout} on {tensor.device}")
-            meta = meta_of(name, tensor)
-            if len(meta.shape) > MAX_DIMS or meta.nbytes > MAX_TENSOR_BYTES:
-                raise RefError(f"tensor {name!r}: at most {MAX_DIMS} dimensions and "
-                               f"{MAX_TENSOR_BYTES >> 30} GiB per tensor")
-            items.append((meta, tensor.detach().contiguous()))
-        start = time.perf_counter()
-        ref = self._put(sample_id, items)
-        self._add(puts=1, bytes_put=ref.nbytes, put_seconds=time.perf_counter() - start)
-        return ref
-
-    def get(self, ref: FeatureRef, out: dict | None = None) -> dict:
-        """The tensors of ``ref``, read straight into tensors allocated from the ref's
-        meta, or into ``out[name]`` where given (contiguous CPU tensors of the ref's
-        shape and dtype, e.g. reused across samples: no page faults on fresh memory).
-        RefError: a stale or foreign ref; StoreError: missing objects, short reads."""
-        self._check_open()
-        self._check_ref(ref)
-        start = time.perf_counter()
-        out = {m.name: _target(m, (out or {}).get(m.name)) for m in ref.tensors}
-        self._get(ref, out)
-        self._add(gets=1, bytes_got=ref.nbytes, get_seconds=time.perf_counter() - start)
-        return out
-
-    def release(self, ref: FeatureRef) -> None:
-        """Remove the objects of ``ref``.  Idempotent; a failure is a StoreError."""
-        self._check_open()
-        self._check_ref(ref)
-        self._release(ref)
-        self._add(releases=1)
-
-    def close(self) -> None:
-        """Idempotent.  For Mooncake, the objects this client put go with it."""
-        if not self._closed:
-            self._closed = True
-            self._close()
-
-    def stats(self) -> dict:
-        """Counters: puts, gets, releases, bytes_put, bytes_got, put_seconds,
-        get_seconds, transfer_seconds (moving bytes), register_seconds (registering
-        memory with the transfer engine), copy_seconds (staging copies), ..."""
-        with self._lock:
-            return dict(self._stats, store=self.name, backend=type(self).__name__)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    # -- for subclasses ------------------------------------------------------------
-    def _put(self, sample_id: str, items: list) -> FeatureRef:
-        raise NotImplementedError
-
-    def _get(self, ref: FeatureRef, out: dict) -> None:
-        raise NotImplementedError
-
-    def _release(self, ref: FeatureRef) -> None:
-        raise NotImplementedError
-
-    def _close(self) -> None:
-        pass
-
-    def _add(self, **counts) -> None:
-        with self._lock:
-            for key, value in counts.items():
-                self._stats[key] += value
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreError(f"feature store {self.name!r} is closed")
-
-    def _check_ref(self, ref) -> None:
-        if not isinstance(ref, FeatureRef):
-            raise RefError(f"expected a FeatureRef, got {type(ref).__name__} (FeatureRef.from_json reads JSON)")
-        if ref.store != self.name:
-            raise RefError(f"ref of store {ref.store!r} given to store {self.name!r}")
-
-    def _make_ref(self, sample_id: str, generation: int, items: list) -> FeatureRef:
-        ref = FeatureRef(self.name, sample_id, generation, tuple(meta for meta, _ in items))
-        return FeatureRef.from_json(ref.to_json())  # what a reader will accept, checked now
-
 
 # -- shared directory ---------------------------------------------------------------
 
@@ -185,6 +47,9 @@ ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 assert set(ST_DTYPES) == set(DTYPES)
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
+# a header is {name: {"dtype", "shape": [...], "data_offsets": [...]}, "__metadata__": {...}}:
+# 3 levels deep, 3 containers per tensor
+HEADER_DEPTH, MAX_HEADER_CONTAINERS = 3, 3 * MAX_TENSORS + 2
 CHUNK = 64 << 20  # largest single read/write call
 
 
@@ -206,7 +71,10 @@ class SharedDirStore(FeatureStore):
         super().__init__(store)
         self.folder = os.path.abspath(os.fspath(folder))
         self.fsync = bool(fsync)
-        os.makedirs(self.folder, exist_ok=True)
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot use {self.folder} as a feature store folder: {exc.strerror or exc}") from None
 
     def path(self, sample_id: str, generation: int) -> str:
         return os.path.join(self.folder, f"{sample_id}.g{generation}.safetensors")
@@ -266,16 +134,16 @@ class SharedDirStore(FeatureStore):
     def _get(self, ref, out):
         path = self.path(ref.sample_id, ref.generation)
         start = time.perf_counter()
-        try:
-            f = open(path, "rb", buffering=0)
-        except FileNotFoundError:
+        try:  # a regular file only: a FIFO or device planted here is refused, never read
+            f = bounded.open_regular(path, what="feature file", error=StoreError, follow_symlinks=False)
+        except StoreError:
+            if os.path.lexists(path):
+                raise
             present = self.generations(ref.sample_id)
             if present and present[-1] != ref.generation:
                 raise stale(ref, present[-1]) from None
             raise StoreError(f"missing object {path}: sample {ref.sample_id} generation {ref.generation} "
                              f"was released (or never written to this folder)") from None
-        except OSError as exc:
-            raise StoreError(f"cannot open {path}: {exc}") from exc
         with f:
             size = os.fstat(f.fileno()).st_size
             entries, base = read_header(f, size, path)
@@ -330,28 +198,35 @@ def read_into(f, data) -> int:
 
 def read_header(f, size: int, path: str):
     """(tensor name -> {dtype, shape, data_offsets}, offset of the data) of an open
-    safetensors file; every field checked (the file is as untrusted as a ref)."""
+    safetensors file; every field checked (the file is as untrusted as a ref): the
+    header through the bounded JSON reader, each tensor's bytes inside the file."""
     raw = f.read(8)
     if len(raw) < 8:
         raise StoreError(f"short read of {path}: rc={len(raw)}, expected an 8-byte safetensors header length")
     (length,) = struct.unpack("<Q", raw)
     if length > min(MAX_HEADER, size - 8):
         raise StoreError(f"{path}: header length {length} is beyond the file ({size} bytes) or the limit")
-    text = read_exactly(f, length, path)
-    try:
-        header = json.loads(text)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise StoreError(f"{path}: the safetensors header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise StoreError(f"{path}: the safetensors header is not an object")
+    header = bounded.load_json(read_exactly(f, length, path), what=f"{path}: the safetensors header",
+                               error=StoreError, max_bytes=MAX_HEADER, max_depth=HEADER_DEPTH,
+                               max_items=MAX_HEADER_CONTAINERS, kind=dict)
     header.pop("__metadata__", None)
     for name, entry in header.items():
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if (not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str)
-                or not isinstance(entry.get("shape"), list) or not isinstance(offsets, list) or len(offsets) != 2
-                or not all(type(x) is int and x >= 0 for x in offsets) or offsets[0] > offsets[1]):
-            raise StoreError(f"{path}: malformed header entry for tensor {str(name)[:80]!r}")
+        if not _entry_ok(entry, size - 8 - length):
+            raise StoreError(f"{path}: malformed header entry for tensor {str(name)[:80]!r} (a dtype, a shape "
+                             f"of at most {MAX_DIMS} sizes, data_offsets starting inside the file's {size} bytes)")
     return header, 8 + length
+
+
+def _entry_ok(entry, data_bytes: int) -> bool:
+    """Whether a header entry is {dtype: str, shape: [int], data_offsets: [begin, end]}
+    with 0 <= begin <= end and begin inside the data (no seek past the file's end: an
+    end past it is a truncated file, reported as a short read)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        return False
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    return (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(d) is int and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)
+            and 0 <= offsets[0] <= min(offsets[1], data_bytes))
 
 
 def read_exactly(f, n: int, path: str) -> bytes:
@@ -388,18 +263,6 @@ def _options(url: str, query: str, given: dict, schema: dict) -> dict:
         return {key: schema[key](value) for key, value in merged.items()}
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{url}: bad option value: {exc}") from None
-
-
-def _target(meta, given):
-    """Where one tensor of a ref is read to: ``given``, checked, or a new tensor."""
-    dtype = torch_dtype(meta.dtype)
-    if given is None:
-        return torch.empty(meta.shape, dtype=dtype)
-    if (not isinstance(given, torch.Tensor) or tuple(given.shape) != meta.shape or given.dtype != dtype
-            or given.device.type != "cpu" or not given.is_contiguous()):
-        raise ValueError(f"out[{meta.name!r}] must be a contiguous CPU tensor of shape {list(meta.shape)} "
-                         f"and dtype {meta.dtype}")
-    return given
 
 
 def open_store(url: str, **options) -> FeatureStore:

@@ -21,7 +21,10 @@ again, and a restarted producer's duplicates are refused by the commit (dedup by
 sample id).  Nothing depends on the saved stream offset: it only skips re-reading.
 
 One producer per stream (an exclusive ``flock`` on the stream file) and one
-consumer per control db (``flock`` on ``<db>.consumer.lock``); one db per stream.
+consumer per control db (``flock`` on ``<db>.consumer.lock``); one db per stream:
+the db records the stream file it was first used with (device, inode) and refuses
+another.  A producer only ever changes a file it created as a stream: an existing
+file must be a valid stream bound to its db, checked before anything is cut.
 The end marker is final: a reader stops at the first one, and a producer refuses
 a stream that has one.  Keep ``high_watermark`` above the consumer's ack batch, or
 the producer waits for acks that wait for refs (the reader then reports idle).
@@ -37,15 +40,21 @@ import fcntl
 import json
 import os
 import sqlite3
+import stat
 import sys
 import time
 from contextlib import contextmanager
 from typing import Iterable, Iterator, NamedTuple
 
-from .ref import FeatureRef, RefError
+from ..core import bounded
+from .ref import MAX_TENSORS, FeatureRef, RefError
 
 MAX_LINE = 1 << 20  # bytes per stream line; a valid ref is well under it (ref.py's limits)
 END = {"end": True}
+# a line {"seq", "ref": {"tensors": [{"shape": []}]}} nests 5 deep; a db row (the ref) 4;
+# each tensor opens 2 containers
+LINE_DEPTH, ROW_DEPTH, MAX_CONTAINERS = 5, 4, 2 * MAX_TENSORS + 3
+SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
 class StreamError(RuntimeError):
@@ -83,24 +92,55 @@ def _lock(fd: int, what: str) -> None:
         raise StreamError(f"{what} is held by another live process") from None
 
 
+def _open_rw(path: str, what: str, append: bool = False) -> tuple[int, bool]:
+    """(fd, created): ``path`` opened read-write, created if absent.  Only a regular
+    file is opened: a symlink, folder, FIFO or device is refused, checked before the
+    open (opening a device can act) and again on the fd; nothing blocks."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_APPEND if append else 0)
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise StreamError(f"cannot create {what} {path}: {e.strerror or e}") from None
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            fd = os.open(path, flags)
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return fd, False
+            os.close(fd)
+    except OSError as e:
+        raise StreamError(f"cannot open {what} {path}: {e.strerror or e}") from None
+    raise StreamError(f"{what} {path} is not a regular file (a symlink, folder, FIFO or device): refused")
+
+
 # ---- the stream: writer and reader ------------------------------------------------
 
 class RefWriter:
     """Appends records to the stream.  A line goes out in one ``os.write``; a reader
     only parses lines that end in a newline, so it never takes a partial line for a
     record.  A torn tail (a writer killed mid-line, a failed write) is cut off before
-    the next append: no reader has consumed it, since it had no newline."""
+    the next append: no reader has consumed it, since it had no newline.
 
-    def __init__(self, path, fsync: bool = False, max_line: int = MAX_LINE):
+    An existing file is checked first, read only (``_check_stream``): one that is not
+    a ref stream is refused untouched.  ``bind(stat, fresh)``, if given, runs after that
+    check and before any cut (the producer binds its db there, and may refuse)."""
+
+    def __init__(self, path, fsync: bool = False, max_line: int = MAX_LINE, bind=None):
         self.path, self.fsync, self.max_line = os.fspath(path), fsync, max_line
         self._torn = False
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd, created = _open_rw(self.path, "stream", append=True)
         _lock(self._fd, f"stream {self.path}")
+        st = os.fstat(self._fd)
         try:
-            self._cut_torn_tail()
-            self.last_seq, self.ended = _last_record(self.path, max_line)
+            self.last_seq, self.ended, complete = _check_stream(self._fd, self.path, max_line)
+            if bind is not None:
+                bind(st, created or st.st_size == 0)
+            self._cut_torn_tail(complete)
         except BaseException:
             self.abandon()
+            if created:
+                _remove_if_empty(self.path, st)
             raise
 
     def append(self, ref: FeatureRef, seq: int) -> int:
@@ -162,17 +202,49 @@ def _complete_size(fd: int) -> int:
     return 0
 
 
-def _last_record(path: str, max_line: int) -> tuple[int | None, bool]:
-    """(seq of the last ref line or None, whether the stream has ended), read from the tail."""
-    fd = os.open(path, os.O_RDONLY)
+def _remove_if_empty(path: str, st: os.stat_result) -> None:
+    """Remove the file this process created at ``path`` (still empty, same inode)."""
     try:
-        size = _complete_size(fd)
-        if size == 0:
-            return None, False
-        start = max(0, size - max_line - 2)
-        tail = os.pread(fd, size - start, start)
-    finally:
-        os.close(fd)
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino) and now.st_size == 0:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _torn_append(tail: bytes) -> bool:
+    """Whether bytes after the last newline can be a torn append of ours: the start of
+    a record line or of the end marker (anything else is not a stream's tail)."""
+    head = b'{"seq":'
+    return tail[:len(head)] == head[:len(tail)] or b'{"end":true}'.startswith(tail)
+
+
+def _check_stream(fd: int, path: str, max_line: int) -> tuple[int | None, bool, int]:
+    """(seq of the last record or None, whether the stream has ended, size of its
+    complete lines) of an open file, read only.  StreamCorrupt, naming the file as
+    not a stream, unless its first and last complete lines are records and what
+    follows the last newline can be a torn append."""
+    size, complete = os.fstat(fd).st_size, _complete_size(fd)
+    try:
+        if size - complete > max_line or not _torn_append(os.pread(fd, size - complete, complete)):
+            raise StreamCorrupt(f"{path}: the {size - complete} bytes after the last newline "
+                                f"(byte offset {complete}) are not the start of a record")
+        if complete == 0:
+            return None, False, 0
+        first = os.pread(fd, min(complete, max_line + 1), 0)
+        if b"\n" not in first:
+            raise StreamCorrupt(f"{path}: line at byte offset 0 is over the {max_line}-byte limit")
+        _parse(first[:first.index(b"\n")], 0, path)
+        return (*_last_record(fd, complete, path, max_line), complete)
+    except StreamCorrupt as e:
+        raise StreamCorrupt(f"{e} -- not a ref stream: refused, the file is left untouched") from None
+
+
+def _last_record(fd: int, size: int, path: str, max_line: int) -> tuple[int | None, bool]:
+    """(seq of the last ref line or None, whether the stream has ended), read from the
+    tail of the ``size`` bytes of complete lines."""
+    start = max(0, size - max_line - 2)
+    tail = os.pread(fd, size - start, start)
     head = tail.rfind(b"\n", 0, len(tail) - 1) + 1
     if head == 0 and start > 0:
         raise StreamCorrupt(f"{path}: the last line is over the {max_line}-byte limit")
@@ -183,10 +255,8 @@ def _last_record(path: str, max_line: int) -> tuple[int | None, bool]:
 def _parse(line: bytes, offset: int, path: str) -> Record | None:
     """One line -> a Record, or None for the end marker; StreamCorrupt names the offset."""
     where = f"{path}: line at byte offset {offset}"
-    try:
-        doc = json.loads(line)
-    except (ValueError, RecursionError) as e:  # ValueError: bad JSON or bad UTF-8
-        raise StreamCorrupt(f"{where} is not JSON: {str(e)[:120]}") from None
+    doc = bounded.load_json(line, what=f"{where} is not JSON", error=StreamCorrupt, max_bytes=MAX_LINE,
+                            max_depth=LINE_DEPTH, max_items=MAX_CONTAINERS)
     if doc == END and doc["end"] is True:  # not 1 or 1.0, which compare equal to True
         return None
     if not isinstance(doc, dict) or set(doc) != {"seq", "ref"}:
@@ -210,7 +280,7 @@ class RefReader:
         self.path, self.offset = os.fspath(path), offset
         self.idle_timeout, self.poll, self.max_line = float(idle_timeout), poll, max_line
         self.ended = False
-        self._fd = None
+        self._file = None
         self._lines: collections.deque[bytes] = collections.deque()  # complete lines read ahead
 
     def __iter__(self) -> Iterator[Record]:
@@ -248,25 +318,34 @@ class RefReader:
         return record
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _open(self) -> bool:
+        """Open the stream (a regular file only: a FIFO or folder is a StreamError, never
+        a hang); False while it does not exist (the producer has not started: idle)."""
+        try:
+            self._file = bounded.open_regular(self.path, what="stream", error=StreamError)
+        except StreamError:
+            if not os.path.exists(self.path):
+                return False
+            raise
+        return True
 
     def _fill(self) -> bool:
         """Read the complete lines after ``offset``; a partial last line is left for the
         next poll (only complete lines are kept, so a cut torn tail never lingers here)."""
-        if self._fd is None:
-            try:
-                self._fd = os.open(self.path, os.O_RDONLY)
-            except FileNotFoundError:
-                return False  # the producer has not started yet: idle
-        size = os.fstat(self._fd).st_size
+        if self._file is None and not self._open():
+            return False
+        fd = self._file.fileno()
+        size = os.fstat(fd).st_size
         if size < self.offset:
             raise StreamCorrupt(f"{self.path} shrank to {size} bytes, below offset {self.offset}: "
                                 f"it was truncated or replaced")
         if size == self.offset:
             return False
-        chunk = os.pread(self._fd, min(size - self.offset, self.max_line + 1), self.offset)
+        chunk = os.pread(fd, min(size - self.offset, self.max_line + 1), self.offset)
         cut = chunk.rfind(b"\n")
         if cut < 0:
             if len(chunk) > self.max_line:
@@ -300,6 +379,10 @@ CREATE TABLE IF NOT EXISTS consumer_offsets (
     stream TEXT PRIMARY KEY,
     dev INTEGER NOT NULL, ino INTEGER NOT NULL, offset INTEGER NOT NULL, updated_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS stream (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    path TEXT NOT NULL, dev INTEGER NOT NULL, ino INTEGER NOT NULL, bound_at REAL NOT NULL
+);
 """
 _DUPLICATE, _FULL = object(), object()
 
@@ -308,18 +391,35 @@ class ControlPlane:
     """Sample states in SQLite, shared by the producer and consumer processes: WAL (readers
     never block the writer), a busy timeout (writers queue instead of failing), every write
     one ``BEGIN IMMEDIATE`` transaction, ``synchronous=FULL`` (an ack survives power loss).
-    One connection per process: open a ControlPlane in each process, never share one."""
+    One connection per process: open a ControlPlane in each process, never share one.
+    Every SQLite error is a StreamError naming the db (a db that is not SQLite, a
+    folder, a FIFO or a device is refused before SQLite opens it)."""
 
     def __init__(self, path, busy_timeout: float = 30.0):
         self.path = os.fspath(path)
         self._pid = os.getpid()
-        self._db = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None)
-        self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-        self._wal(busy_timeout)
-        self._db.execute("PRAGMA synchronous = FULL")
-        with self._tx() as db:
-            for statement in filter(str.strip, _SCHEMA.split(";")):
-                db.execute(statement)
+        _check_db_file(self.path)
+        with self._sql():
+            self._db = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None)
+        try:
+            with self._sql():
+                self._db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+                self._wal(busy_timeout)
+                self._db.execute("PRAGMA synchronous = FULL")
+            with self._tx() as db:
+                for statement in filter(str.strip, _SCHEMA.split(";")):
+                    db.execute(statement)
+        except BaseException:
+            self._db.close()
+            raise
+
+    @contextmanager
+    def _sql(self):
+        """SQLite's errors as StreamError naming the db (a clean error, not sqlite3's)."""
+        try:
+            yield
+        except sqlite3.Error as e:
+            raise StreamError(f"control db {self.path}: {e}") from e
 
     def _wal(self, busy_timeout: float) -> None:
         """Switch to WAL.  Two processes opening a new db at once race on it, and SQLite
@@ -344,19 +444,65 @@ class ControlPlane:
         if os.getpid() != self._pid:
             raise StreamError(f"ControlPlane {self.path} opened in process {self._pid} is used in "
                               f"process {os.getpid()}: open one in each process")
-        self._db.execute("BEGIN IMMEDIATE")
+        with self._sql():
+            self._db.execute("BEGIN IMMEDIATE")
         try:
-            yield self._db
+            with self._sql():
+                yield self._db
         except BaseException:
-            self._db.execute("ROLLBACK")
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # SQLite rolled back already (e.g. a full disk)
             raise
-        self._db.execute("COMMIT")
+        with self._sql():
+            self._db.execute("COMMIT")
 
     def _read(self, sql: str, args=()) -> list:
         if os.getpid() != self._pid:
             raise StreamError(f"ControlPlane {self.path} opened in process {self._pid} is used in "
                               f"process {os.getpid()}: open one in each process")
-        return self._db.execute(sql, args).fetchall()
+        with self._sql():
+            return self._db.execute(sql, args).fetchall()
+
+    def _ref(self, seq: int, text) -> FeatureRef:
+        """The ref of a db row, read as untrusted as a stream line (bounded, checked)."""
+        where = f"control db {self.path}: the ref of seq {seq}"
+        if not isinstance(text, (str, bytes)):
+            raise StreamCorrupt(f"{where} is a {type(text).__name__}, not JSON text")
+        doc = bounded.load_json(text, what=where, error=StreamCorrupt, max_bytes=MAX_LINE,
+                                max_depth=ROW_DEPTH, max_items=MAX_CONTAINERS)
+        try:
+            return FeatureRef.from_json(doc)
+        except RefError as e:
+            raise StreamCorrupt(f"{where}: {e}") from None
+
+    def bind_stream(self, path: str, st: os.stat_result, fresh: bool) -> None:
+        """Bind this db to the stream file ``st`` (device, inode) on first use; after
+        that, refuse any other file.  A file with records (not ``fresh``) is only
+        accepted by the db it was bound to: a stream and its db are made together."""
+        with self._tx() as db:
+            row = db.execute("SELECT path, dev, ino FROM stream").fetchone()
+            if row is None and fresh:
+                db.execute("INSERT INTO stream VALUES (0, ?, ?, ?, ?)",
+                           (os.path.realpath(path), st.st_dev, st.st_ino, time.time()))
+            elif row is None:
+                raise StreamError(f"stream {path} already holds records, but control db {self.path} was "
+                                  f"never bound to it: a stream and its db are made together")
+            elif (row[1], row[2]) != (st.st_dev, st.st_ino):
+                raise StreamError(_other_stream(self.path, row, path))
+
+    def check_stream(self, path: str) -> None:
+        """StreamError if this db is bound to a stream file other than ``path``'s."""
+        rows = self._read("SELECT path, dev, ino FROM stream")
+        if not rows:
+            return
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != (rows[0][1], rows[0][2]):
+            raise StreamError(_other_stream(self.path, rows[0], path))
 
     def commit(self, ref: FeatureRef) -> bool:
         """Record ``ref`` as committed; False if its sample was committed or acked before."""
@@ -410,7 +556,7 @@ class ControlPlane:
 
     def unacked(self) -> list[FeatureRef]:
         """Committed, not acked, in seq order: what a restarted consumer must re-read."""
-        return [FeatureRef.from_json(json.loads(ref)) for _, ref in self._unacked_rows()]
+        return [self._ref(seq, ref) for seq, ref in self._unacked_rows()]
 
     def _unacked_rows(self, after_seq: int = -1) -> list:
         return self._read("SELECT seq, ref FROM samples WHERE state = 'committed' AND seq > ? "
@@ -442,7 +588,7 @@ class ControlPlane:
             return 0
         dev, ino, offset = rows[0]
         try:
-            with open(stream, "rb") as f:
+            with bounded.open_regular(stream, what="stream") as f:  # a FIFO must not hang this
                 st = os.fstat(f.fileno())
                 if (st.st_dev, st.st_ino) != (dev, ino) or not 0 < offset <= st.st_size:
                     return 0
@@ -462,23 +608,56 @@ class ControlPlane:
         self.close()
 
 
+def _other_stream(db: str, row, path: str) -> str:
+    return (f"control db {db} belongs to stream {row[0]} (device {row[1]}, inode {row[2]}), and {path} "
+            f"is another file: one db per stream (a new stream needs a new db)")
+
+
+def _check_db_file(path: str) -> None:
+    """Refuse, before SQLite opens it, a db path that is not a regular file (a folder,
+    a FIFO: SQLite would block on it, a device) or a non-empty file that is not SQLite."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return  # SQLite creates it
+    except OSError as e:
+        raise StreamError(f"control db {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise StreamError(f"control db {path} is not a regular file (a folder, FIFO or device): refused")
+    if st.st_size:
+        with bounded.open_regular(path, what="control db", error=StreamError) as f:
+            magic = f.read(len(SQLITE_MAGIC))
+        if magic != SQLITE_MAGIC:
+            raise StreamError(f"control db {path} is not an SQLite database: refused, left untouched")
+
+
 # ---- producer and consumer -------------------------------------------------------
 
 class Producer:
     """Publishes refs: commit in SQLite, then append to the stream.  Opening it appends
     the lines a previous producer committed but did not write (it died in between), so
-    the stream again holds every committed, unacked sample."""
+    the stream again holds every committed, unacked sample.
+
+    The stream is checked before the db is opened, and the db bound to it (or checked
+    to be bound to it) before any torn tail is cut: a file that is not this db's
+    stream is refused untouched, and a refused new stream file is removed."""
 
     def __init__(self, stream_path, db_path, high_watermark: int = 64, poll: float = 0.05,
                  timeout: float | None = None, fsync: bool = False):
         if high_watermark < 1:
             raise ValueError("high_watermark must be at least 1")
         self.high_watermark, self.poll, self.timeout = high_watermark, poll, timeout
-        self.plane = ControlPlane(db_path)
+        self.plane = None
+
+        def bind(st, fresh):
+            self.plane = ControlPlane(db_path)
+            self.plane.bind_stream(os.fspath(stream_path), st, fresh)
+
         try:
-            self.writer = RefWriter(stream_path, fsync=fsync)
+            self.writer = RefWriter(stream_path, fsync=fsync, bind=bind)
         except BaseException:
-            self.plane.close()
+            if self.plane is not None:
+                self.plane.close()
             raise
         if self.writer.ended:
             self.writer.abandon()
@@ -522,7 +701,7 @@ class Producer:
         """Append, in seq order, the committed unacked samples past the last line written."""
         self._behind = True
         for seq, ref in self.plane._unacked_rows(self._last_seq):
-            self._append(seq, FeatureRef.from_json(json.loads(ref)))
+            self._append(seq, self.plane._ref(seq, ref))
         self._behind = False
 
     def in_flight(self) -> int:
@@ -558,18 +737,27 @@ class Consumer:
 
     def __init__(self, stream_path, db_path, idle_timeout: float = 30.0, poll: float = 0.05):
         self.stream_path, self.idle_timeout, self.poll = os.fspath(stream_path), idle_timeout, poll
-        self._lock_fd = os.open(os.fspath(db_path) + ".consumer.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        _lock(self._lock_fd, f"consumer lock of {os.fspath(db_path)}")
-        self.plane = ControlPlane(db_path)
-        self.resumed_from = self.plane.saved_offset(self.stream_path)
         self.reader: RefReader | None = None
         self._yielded: set[str] = set()
+        self._lock_fd, _ = _open_rw(os.fspath(db_path) + ".consumer.lock", "consumer lock")
+        _lock(self._lock_fd, f"consumer lock of {os.fspath(db_path)}")
+        try:
+            self.plane = ControlPlane(db_path)
+            self.plane.check_stream(self.stream_path)
+            self.resumed_from = self.plane.saved_offset(self.stream_path)
+        except BaseException:
+            if hasattr(self, "plane"):
+                self.plane.close()
+            os.close(self._lock_fd)
+            raise
 
     def __iter__(self) -> Iterator[FeatureRef]:
         # 1. what a previous run took but did not ack (and lines that never made it out)
         yield from self._sweep()
         # 2. the stream; a line is always committed first, so an unknown sample means
-        #    the stream and the db do not belong together
+        #    the stream and the db do not belong together (checked again: the producer
+        #    may have bound the db since)
+        self.plane.check_stream(self.stream_path)
         self.reader = RefReader(self.stream_path, self.resumed_from, self.idle_timeout, self.poll)
         for record in self.reader:
             sample = record.ref.sample_id
@@ -668,7 +856,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         out = status(args.db, args.stream)
-    except StreamError as e:
+    except (StreamError, OSError, sqlite3.Error) as e:  # bad input: a message, never a traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.json:

@@ -177,7 +177,7 @@ def _fused_columns(x: torch.Tensor, into: Callable | None, stats: tuple, dim: in
         if rank < 2:
             x, rank, dim = x.reshape(1, -1), 2, -1
         if dim % rank == rank - 1 and (fused := _fused()) is not None:
-            return fused.column_stats(x, stats, into)
+            return fused.column_stats(x, stats, into, DIRECT_LAUNCH)
     return None
 
 
@@ -210,7 +210,7 @@ def tile_columns(x: torch.Tensor, stats, dim: int = -1) -> torch.Tensor:
 
 
 USE_TRITON = True  # the trace setting `triton` (api.py sets it)
-DIRECT_LAUNCH = True  # the trace setting `triton_launch` is "direct" (api.py sets it; fused.py reads it)
+DIRECT_LAUNCH = True  # the trace setting `triton_launch` is "direct" (api.py sets it; passed to fused.py)
 
 
 def fused_kernel():

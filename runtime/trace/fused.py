@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import compress
 from .ring import Slice
 
 STATS = ("mean", "rms", "absmax", "min", "max")
@@ -122,6 +121,7 @@ class _Launch:
 
 
 _launches: dict = {}  # (shape, dtype, device, 16-byte aligned, stats) -> _Launch
+_direct_ok = True    # false once this Triton's launcher refused our arguments: its dispatch from then on
 MAX_LAUNCHES = 4096   # layouts remembered (forgotten all at once beyond: a bound, not an LRU)
 _hooks = triton.knobs.runtime if hasattr(triton, "knobs") else None
 # (absent from a CPU build of torch, where only Triton's interpreter runs this module)
@@ -129,7 +129,7 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def column_stats(x: torch.Tensor, stats: tuple, into=None):
+def column_stats(x: torch.Tensor, stats: tuple, into=None, direct: bool = True):
     """float32 [splits, len(stats), cols] of a contiguous CUDA tensor viewed as [rows,
     cols] (cols: its last dim): per column and split of the rows, the sum ("mean"),
     2-norm ("rms"), inf-norm ("absmax"), min and max.  The rows are split (at most
@@ -137,7 +137,10 @@ def column_stats(x: torch.Tensor, stats: tuple, into=None):
     (compress.tile_finish) combines the splits, off the training thread.  ``into(shape)``:
     host memory mapped for the device to write the result into, 16-byte aligned: a
     tensor, or a ring.Slice (launched at its device address where the ring knows it),
-    which is then what is returned; None there or no ``into``: device memory."""
+    which is then what is returned; None there or no ``into``: device memory.
+    ``direct``: launch the compiled kernel directly (the trace setting ``triton_launch``),
+    else through Triton's dispatch."""
+    global _direct_ok
     address, device = x.data_ptr(), x.get_device()
     key = (x.shape, x.dtype, device, address & 15 == 0, stats)
     launch = _launches.get(key)
@@ -149,7 +152,7 @@ def column_stats(x: torch.Tensor, stats: tuple, into=None):
     if out is None:
         out = torch.empty(launch.shape, dtype=torch.float32, device=x.device)
     compiled = launch.compiled
-    if compiled is not None and compress.DIRECT_LAUNCH and _no_hooks() and _current_device() == device:
+    if compiled is not None and direct and _direct_ok and _no_hooks() and _current_device() == device:
         run, function, metadata = compiled
         target = out.device_address or out if type(out) is Slice else out  # a ring slice: its device address
         try:
@@ -158,7 +161,7 @@ def column_stats(x: torch.Tensor, stats: tuple, into=None):
             return out
         except TypeError:  # a launcher that takes other arguments (refused before launching): Triton's dispatch
             _launches.clear()
-            compress.DIRECT_LAUNCH = False
+            _direct_ok = False
     kernel = _column_stats[launch.grid](x, out.tensor() if type(out) is Slice else out, *launch.args, num_warps=8)
     if compiled is None and kernel is not None and _current_device() == device:
         launch.compiled = _launcher(kernel)  # None under Triton's interpreter (kernel None)

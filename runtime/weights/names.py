@@ -21,6 +21,9 @@ Two families, chosen by the model's config:
 Every parameter must match a rule: an unknown name raises UnmappedParameter
 rather than being dropped, because SGLang's ``load_weights`` silently skips
 names it does not know and the engine would keep serving a stale tensor.
+
+On the engine, :func:`check_model` holds a received manifest against the SGLang
+model it is for (names, full shapes, dtypes) before anything is loaded.
 """
 
 from __future__ import annotations
@@ -217,3 +220,118 @@ def from_hf(name: str, shape, hf: dict, layout: Layout, layer_offset: int = 0) -
     if tuple(tensor.shape) != tuple(shape):
         raise ValueError(f"{name}: the checkpoint gives shape {list(tensor.shape)}, the model has {list(shape)}")
     return tensor
+
+
+# ----------------------------------------------------------------- the engine's side: what its model loads
+# SGLang's load_weights skips a name it does not know, and its loaders narrow or pad
+# a tensor of another size: an update it "loaded" may have changed nothing.  So a
+# receiver checks the manifest against its model before the manifest vote.
+
+# The stacked names of SGLang's Llama-style load_weights (Starcoder2 declares no
+# packed_modules_mapping); a model's own packed_modules_mapping comes first.
+STACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+_CASTS = {torch.float32, torch.bfloat16, torch.float16}  # SGLang's loaders cast between these
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def check_model(model, tensors) -> None:
+    """ValueError unless ``tensors``, [(checkpoint name, shape, dtype)], are exactly
+    what SGLang's ``model.load_weights`` loads: every name known, none missing, each
+    full (unsharded) shape and dtype its parameter's (float32, bfloat16 and float16
+    cast into each other, as SGLang's loaders do)."""
+    expected = engine_tensors(model)
+    unknown, shapes, dtypes, seen = [], [], [], set()
+    for name, shape, dtype in tensors:
+        want = expected.get(name)
+        if want is None:
+            if not _elsewhere(model, name):
+                unknown.append(name)
+            continue
+        seen.add(name)
+        full, held, padded = want
+        if not _fits(tuple(shape), full, padded):
+            shapes.append(f"{name} {list(shape)}, loads {list(full)}")
+        if dtype != held and not (dtype in _CASTS and held in _CASTS):
+            dtypes.append(f"{name} {str(dtype).removeprefix('torch.')}, holds {str(held).removeprefix('torch.')}")
+    missing = [name for name in expected if name not in seen]
+    found = [(what, items) for what, items in (("not in the model", unknown), ("missing", missing),
+                                                ("wrong shape", shapes), ("wrong dtype", dtypes)) if items]
+    if found:
+        raise ValueError("the update does not match the model: " + "; ".join(
+            f"{len(items)} {what} ({', '.join(item[:200] for item in items[:3])}{', ...' if len(items) > 3 else ''})"
+            for what, items in found))
+
+
+def _elsewhere(model, name: str) -> bool:
+    """Whether another pipeline stage loads ``name`` (load_weights skips it here)."""
+    if getattr(getattr(model, "pp_group", None), "world_size", 1) <= 1:
+        return False
+    layer, inner = _LAYER.search(name), model.model
+    return layer is None or not inner.start_layer <= int(layer.group(1)) < inner.end_layer
+
+
+def _fits(shape: tuple, full: tuple, padded: int | None) -> bool:
+    """``padded``: a dim the engine pads to a larger size, so a smaller one fits."""
+    return len(shape) == len(full) and all(
+        got == want or (dim == padded and got <= want) for dim, (got, want) in enumerate(zip(shape, full)))
+
+
+def engine_tensors(model) -> dict:
+    """{checkpoint name: (full shape, dtype, padded dim or None)} of every tensor
+    ``model.load_weights`` takes, from the model's parameters and the full sizes
+    their SGLang layers keep (a parameter holds this rank's shard)."""
+    from sglang.srt.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    stacked = {**STACKED, **(getattr(type(model), "packed_modules_mapping", None) or {})}
+    out = {}
+    for name, param in model.named_parameters():
+        owner, _, kind = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if isinstance(module, FusedMoE):
+            items = _experts(module, name)
+        elif isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)):
+            items = _stacked(module, owner, kind, stacked)
+        elif isinstance(module, LinearBase):  # weight (out, in), bias (out,)
+            items = [(name, (module.output_size, module.input_size)[: param.dim()], None)]
+        elif isinstance(module, VocabParallelEmbedding):
+            items = [(name, (module.org_vocab_size, module.embedding_dim), None)]
+        else:
+            items = [(name, tuple(param.shape), None)]
+        out.update((hf, (tuple(shape), param.dtype, padded)) for hf, shape, padded in items)
+    return out
+
+
+def _stacked(module, owner: str, kind: str, stacked: dict) -> list:
+    """The q/k/v or gate/up parts of a fused linear layer's weight or bias."""
+    prefix, _, fused = owner.rpartition(".")
+    parts = stacked.get(fused)
+    if parts is None:
+        raise ValueError(f"{owner}: a fused layer whose checkpoint names are not known")
+    if hasattr(module, "total_num_heads"):  # QKV: rows from the head counts
+        rows = [module.total_num_heads * module.head_size, module.total_num_kv_heads * module.head_size,
+                module.total_num_kv_heads * module.v_head_size]
+    else:
+        rows = list(module.output_sizes)
+    dims = 2 if kind == "weight" else 1
+    return [(f"{prefix}.{part}.{kind}", (size, module.input_size)[:dims], None) for part, size in zip(parts, rows)]
+
+
+def _experts(module, name: str) -> list:
+    """Every expert's gate/up (w13) or down (w2) part under FusedMoE's own names
+    (make_expert_params_mapping; expert ids global: each rank's loader keeps its own)."""
+    inter = module.intermediate_size_per_partition * module.moe_tp_size
+    hidden = getattr(module, "hidden_size_unpadded", module.hidden_size)
+    # flashinfer's TRT-LLM MoE rounds the per-rank intermediate size up to 128.
+    pads = getattr(module, "use_flashinfer_trtllm_moe", False)
+    count = module.num_experts - getattr(module, "num_fused_shared_experts", 0)
+    out = []
+    for param_prefix, ckpt_prefix, _, shard in type(module).make_expert_params_mapping(
+            "gate_proj", "down_proj", "up_proj", count):
+        if param_prefix in name:
+            shape, dim = ((hidden, inter), 1) if shard == "w2" else ((inter, hidden), 0)
+            bias = not name.endswith("weight")
+            out.append((name.replace(param_prefix, ckpt_prefix, 1), shape[:1] if bias else shape,
+                        dim if pads and not bias else None))
+    return out

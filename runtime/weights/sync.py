@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -298,11 +299,22 @@ def weight_sync_receive(updater: Any, group_name: str):
     try:
         _pending = transport.receive(link, stage=_config["stage"],
                                      max_metadata_bytes=_config["max_metadata_bytes"],
-                                     max_update_bytes=_config["max_update_bytes"])
+                                     max_update_bytes=_config["max_update_bytes"],
+                                     check=functools.partial(_fits_model, updater))
     except Exception as exc:
         _engine_failed(exc)
         raise
     return _pending.tensors
+
+
+def _fits_model(updater: Any, manifest: transport.Manifest) -> None:
+    """A new layout must be exactly what the model loads (names.check_model): SGLang's
+    load_weights skips unknown names and would report a partial update as complete.
+    Raised before the manifest vote, so nothing is loaded and the trainer fails at once."""
+    from . import names as weight_names
+
+    model = updater.get_model() if hasattr(updater, "get_model") else updater.get_model_runner().model
+    weight_names.check_model(model, [(e.name, e.shape, e.dtype) for e in manifest.entries])
 
 
 def weight_sync_loaded(result: Any) -> Any:

@@ -49,6 +49,7 @@ import logging
 import math
 import operator
 import re
+import socket
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -57,12 +58,20 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from ..core import bounded
+
 MAGIC = 0x53505753  # "SPWS"
 FORMAT = 2  # 1: the manifest travelled with every update (header: its length)
 ALIGN = 16          # stream offsets and bucket sizes: multiples of this
 
 OK, CHECKSUM_MISMATCH, REJECTED, NEED_MANIFEST = 0, 1, 2, 3
 MAX_LAYOUTS = 8  # a receiver remembers this many layouts (with and without checksums count twice)
+# Bounds on what a manifest may make a receiver build before any data arrives: every
+# bucket costs ~3.5 KB of views and work items (a 150-byte manifest asked for 524,288
+# buckets: 2.9 GB), every tensor a view.  512 MiB buckets reach 8 TiB at MAX_BUCKETS.
+MAX_BUCKETS = 1 << 14
+MAX_TENSORS = 1 << 20
+MANIFEST_DEPTH = 4  # {manifest: [tensors: [entry: [shape]]]}
 _VERDICTS = {CHECKSUM_MISMATCH: "a checksum mismatch", REJECTED: "a receive error"}
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -92,27 +101,48 @@ class ChecksumMismatch(WeightSyncError):
     """Received bytes differ from the sent ones."""
 
 
+class ManifestError(WeightSyncError, ValueError):
+    """A received manifest is malformed or over a limit: refused (by a vote) before
+    anything is allocated.  A ValueError too, as Manifest.from_json always raised."""
+
+
 # ------------------------------------------------------------------ the group
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, group_name: str,
                backend: str, timeout_s: float):
     """Join (rank 0: create) a process group of its own for weight updates: a
-    TCPStore at host:port (rank 0 serves it) under a PrefixStore(group_name).
-    The same construction as SGLang's ``init_custom_process_group``, which its
-    ``/init_weights_update_group`` uses on the engine ranks, so a trainer joins the
-    group an SGLang server opens.  The default group is neither used nor changed."""
-    from torch.distributed.distributed_c10d import (
-        Backend, PrefixStore, _new_process_group_helper, _world, rendezvous)
+    TCPStore at host:port (rank 0 serves it, listening on host only) under a
+    PrefixStore(group_name).  The same construction as SGLang's
+    ``init_custom_process_group``, which its ``/init_weights_update_group`` uses on
+    the engine ranks, so a trainer joins the group an SGLang server opens.  The
+    default group is neither used nor changed."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    store = _store(host, port, rank, world_size, timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
                                          PrefixStore(group_name, store), group_name=group_name,
                                          backend_options=None, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def _store(host: str, port: int, rank: int, world_size: int, timeout: timedelta):
+    """Rank 0 serves the rendezvous store, the others connect to it.  torch's server
+    listens on every interface whatever ``host`` says, so it is handed a socket bound
+    to ``host`` alone.  (torch's rendezvous() served none at all under torchrun, which
+    sets TORCHELASTIC_USE_AGENT_STORE: every rank became a client.)"""
+    if rank:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listener = socket.create_server((host, port), family=family, backlog=1024)
+    except OSError as exc:
+        raise WeightSyncError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    # The store owns the descriptor from here (closed with it, or if it fails to start).
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=listener.detach(),
+                         use_libuv=True)
 
 
 def close_group(group) -> None:
@@ -309,25 +339,46 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, max_update_bytes: int, known: tuple | None = None) -> "Manifest":
-        """Parse and validate a received manifest; ValueError says what is wrong.
-        ``known``: (tensors JSON, entries) of an earlier manifest; the same tensors
-        (every step but the first) are not parsed again."""
+        """Parse and validate a received manifest; ManifestError (a ValueError) says
+        what is wrong.  ``known``: (tensors JSON, entries) of an earlier manifest; the
+        same tensors (every step but the first) are not parsed again."""
         head, tensors_json = _split_tensors(data)
-        doc = json.loads(head + b"}" if tensors_json else data)
+        doc = _load(head + b"}" if tensors_json else data, "the manifest")
         if not tensors_json or not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ValueError(f"not a format-{FORMAT} manifest")
+            raise ManifestError(f"not a format-{FORMAT} manifest")
         version, bucket, total = (_int(doc.get(k), k) for k in ("version", "bucket_bytes", "total_bytes"))
         if bucket <= 0 or bucket % ALIGN or total % ALIGN:
-            raise ValueError(f"bucket_bytes {bucket} / total_bytes {total} not positive multiples of {ALIGN}")
+            raise ManifestError(f"bucket_bytes {bucket} / total_bytes {total} not positive multiples of {ALIGN}")
         if total > max_update_bytes:
-            raise ValueError(f"update of {total} bytes exceeds max_update_bytes={max_update_bytes}")
+            raise ManifestError(f"update of {total} bytes exceeds max_update_bytes={max_update_bytes}")
+        too_many = too_many_buckets(bucket, total)
+        if too_many:
+            raise ManifestError(too_many)
         if known is not None and known[0] == tensors_json:
             entries = known[1]
         else:
-            entries = _parse_entries(json.loads(tensors_json))
+            entries = _parse_entries(_load(tensors_json, "the manifest's tensors", 2 * MAX_TENSORS + 1))
         if entries and entries[-1].offset + entries[-1].nbytes > total:
-            raise ValueError(f"{entries[-1].name!r}: outside the stream of {total} bytes")
+            raise ManifestError(f"{entries[-1].name[:200]!r}: outside the stream of {total} bytes")
         return cls(version, bucket, total, bool(doc.get("checksum")), entries)
+
+
+def _load(data: bytes, what: str, max_items: int | None = None):
+    """JSON bounded in depth and container count before it is parsed (the parser
+    recurses: 50k levels were a RecursionError that skipped the manifest vote)."""
+    return bounded.load_json(data, what=what, error=ManifestError, max_bytes=len(data),
+                             max_depth=MANIFEST_DEPTH, max_items=max_items)
+
+
+def too_many_buckets(bucket_bytes: int, total_bytes: int) -> str | None:
+    """Why an update cut into this many buckets is refused (by sender and receivers
+    alike), or None."""
+    count = -(-total_bytes // bucket_bytes)
+    if count <= MAX_BUCKETS:
+        return None
+    least = _aligned(-(-total_bytes // MAX_BUCKETS))
+    return (f"{count:,} buckets of {bucket_bytes:,} bytes, more than the {MAX_BUCKETS:,} a receiver "
+            f"accepts: bucket_bytes must be at least {least:,} for {total_bytes:,} bytes")
 
 
 def tensors_digest(tensors_json: bytes) -> bytes:
@@ -355,20 +406,20 @@ def _split_tensors(data: bytes) -> tuple[bytes, bytes]:
 
 def _parse_entries(items) -> tuple:
     if not isinstance(items, list):
-        raise ValueError("tensors: expected a list")
+        raise ManifestError("tensors: expected a list")
     entries, names, end = [], set(), 0
     for item in items:
         if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str)):
-            raise ValueError(f"bad tensor entry {str(item)[:80]}")
+            raise ManifestError(f"bad tensor entry {str(item)[:80]}")
         name, dtype_name, shape, offset = item
         dtype = DTYPES.get(dtype_name)
         if dtype is None or name in names or not isinstance(shape, list):
-            raise ValueError(f"{name!r}: bad dtype {dtype_name!r}, shape or duplicate name")
+            raise ManifestError(f"{name[:200]!r}: bad dtype {str(dtype_name)[:40]!r}, shape or duplicate name")
         shape = tuple(_int(s, "shape") for s in shape)
         offset = _int(offset, "offset")
         nbytes = math.prod(shape) * dtype.itemsize
         if offset < end or offset % ALIGN:
-            raise ValueError(f"{name!r}: offset {offset} out of order or not aligned")
+            raise ManifestError(f"{name[:200]!r}: offset {offset} out of order or not aligned")
         names.add(name)
         end = offset + nbytes
         entries.append(Entry(name, dtype, shape, offset, nbytes))
@@ -377,7 +428,7 @@ def _parse_entries(items) -> tuple:
 
 def _int(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what}: expected a non-negative integer, got {value!r}")
+        raise ManifestError(f"{what}: expected a non-negative integer, got {str(value)[:40]!r}")
     return value
 
 
@@ -786,7 +837,12 @@ class _Spans:
 class _Sender:
     def __init__(self, link: Link, manifest: Manifest, buffers: Optional[Buffers] = None):
         self.link, self.manifest = link, manifest
-        if buffers is not None:
+        # An update no receiver would accept is refused in the votes, so both ends
+        # stay usable, and without building its packing (as costly here as there).
+        self.refusal = too_many_buckets(manifest.bucket_bytes, manifest.total_bytes)
+        if self.refusal:
+            packing = None
+        elif buffers is not None:
             packing = link.spans
             if packing is None or not packing.matches(manifest, buffers):
                 link.spans = None
@@ -802,19 +858,23 @@ class _Sender:
 
     def run(self, tensors: Iterator[torch.Tensor]) -> None:
         link, manifest, packing = self.link, self.manifest, self.packing
-        digest = layout_digest(manifest, packing.tensors_digest)
+        tensors_json = packing.tensors_json if packing else manifest.tensors_to_json()
+        digest = layout_digest(manifest, packing.tensors_digest if packing else tensors_digest(tensors_json))
         header = torch.tensor([MAGIC, FORMAT, manifest.version, digest], dtype=torch.int64)
         link.wait(link.broadcast(header.to(link.device)), "header")
-        status = link.layout_vote(OK)
+        mine = REJECTED if self.refusal else OK
+        status = link.layout_vote(mine)
         if status == NEED_MANIFEST:  # a receiver does not hold this layout yet
-            text = manifest.to_json(packing.tensors_json)
+            text = manifest.to_json(tensors_json)
             link.wait(link.broadcast(torch.tensor([len(text)], dtype=torch.int64).to(link.device)), "manifest")
             body = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(link.device)
             link.wait(link.broadcast(body), "manifest")
-            status = link.vote(OK, "manifest vote")
+            status = link.vote(mine, "manifest vote")
+        if self.refusal:
+            raise WeightSyncError(f"update v{manifest.version} refused: {self.refusal}")
         if status:
-            raise WeightSyncError(f"update v{manifest.version} was refused by an engine rank "
-                                  "(bad manifest or not enough memory; see the engine's log)")
+            raise WeightSyncError(f"update v{manifest.version} was refused by an engine rank (a bad manifest, "
+                                  "one that does not match its model, or not enough memory; see its log)")
         with torch.no_grad():
             for k, sources in self.packing.batches(tensors):
                 if k < manifest.buckets:  # an update of 0 bytes has tensors but no bucket
@@ -860,8 +920,10 @@ class Update:
 
 
 def receive(link: Link, *, stage: str = "update", max_metadata_bytes: int = 64 << 20,
-            max_update_bytes: int = 1 << 40) -> Update:
-    """Receive one update from group rank 0 (see the module doc for the protocol)."""
+            max_update_bytes: int = 1 << 40, check: Optional[Callable[[Manifest], None]] = None) -> Update:
+    """Receive one update from group rank 0 (see the module doc for the protocol).
+    ``check(manifest)`` vets a new layout before the manifest vote (an exception
+    refuses it; an accepted layout is not checked again)."""
     header = torch.zeros(4, dtype=torch.int64, device=link.device)
     link.wait(link.broadcast(header), "waiting for an update")
     magic, fmt, version, digest = header.tolist()
@@ -876,7 +938,7 @@ def receive(link: Link, *, stage: str = "update", max_metadata_bytes: int = 64 <
                                               max_update_bytes)
     verdict = link.layout_vote(status)
     if verdict == NEED_MANIFEST:  # a receiver needs the manifest: every rank takes part
-        manifest, why = _manifest(link, digest, version, max_metadata_bytes, max_update_bytes)
+        manifest, why = _manifest(link, digest, version, max_metadata_bytes, max_update_bytes, check)
         if status == NEED_MANIFEST:
             status, receiver, refusal = (REJECTED, None, why) if manifest is None else \
                 _prepared(link, manifest, stage, max_update_bytes)
@@ -888,12 +950,15 @@ def receive(link: Link, *, stage: str = "update", max_metadata_bytes: int = 64 <
     if status != OK:
         raise WeightSyncError(f"update v{version} refused here: {refusal}")
     if verdict:
-        raise WeightSyncError(f"update v{version} refused by another engine rank")
+        raise WeightSyncError(f"update v{version} refused by another rank (an engine rank or the sender)")
     return Update(version, receiver.manifest, receiver.tensors(), receiver.close)
 
 
-def _manifest(link: Link, digest: int, version: int, max_metadata_bytes: int, max_update_bytes: int):
-    """Receive the manifest: (it, None) or (None, why it is refused)."""
+def _manifest(link: Link, digest: int, version: int, max_metadata_bytes: int, max_update_bytes: int,
+              check: Optional[Callable[[Manifest], None]] = None):
+    """Receive the manifest: (it, None) or (None, why it is refused).  Whatever goes
+    wrong after it arrived is a refusal, so the manifest vote is always cast and the
+    sender fails at once instead of after timeout_s."""
     length = torch.zeros(1, dtype=torch.int64, device=link.device)
     link.wait(link.broadcast(length), "manifest")
     length = int(length.item())
@@ -911,9 +976,11 @@ def _manifest(link: Link, digest: int, version: int, max_metadata_bytes: int, ma
             raise ValueError(f"header says v{version}, manifest v{manifest.version}")
         if layout_digest(manifest, tensors_digest(tensors_json)) != digest:
             raise ValueError("the manifest does not match the header's layout digest")
+        if check is not None:
+            check(manifest)
         return manifest, None
-    except ValueError as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - refused here; the peers learn it from the vote
+        return None, f"{type(exc).__name__}: {_first_line(exc)[:2000]}"
 
 
 def _prepared(link: Link, manifest: Manifest, stage: str, max_update_bytes: int) -> tuple:

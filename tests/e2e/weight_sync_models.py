@@ -62,7 +62,7 @@ def megatron_model(style: str, ep: int = 1):
 
 def define_torchvision_ops() -> None:
     """The only torchvision on the index is a CUDA build; its import needs these
-    operator schemas on a CPU torch (/work/shared/sglang.md)."""
+    operator schemas on a CPU torch (the shared notes, sglang.md)."""
     for name in ("nms", "qnms"):
         try:
             torch.library.define(f"torchvision::{name}",

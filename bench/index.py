@@ -1,0 +1,78 @@
+"""The benches' one entry point: what each measures, where it runs, how long it takes.
+
+    python bench/index.py                 # the list
+    python bench/index.py NAME [ARGS...]  # run bench NAME with ARGS (its own --help tells more)
+
+Every bench prints its own table; results with machine and date go in
+docs/benchmarks.md (the goals) and docs/bench-notes/ (the dated runs).  Shared
+helpers: ``stats.py`` (bootstrap intervals, ratios), ``training.py`` (runs the Megatron
+example as a timed subprocess), ``gc_probe.py`` (the collector's and a due call's time).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NamedTuple
+
+
+class Bench(NamedTuple):
+    name: str
+    script: str
+    where: str
+    takes: str
+    measures: str
+
+
+BENCHES = [
+    Bench("import", "import_bench.py", "CPU", "~4 min",
+          "start-up cost of the hook; real Megatron imports unpatched vs patched (cold, warm cache)"),
+    Bench("cold-start", "cold_start_bench.py", "CPU", "~3 min",
+          "many ranks importing at once with an empty and a filled code cache"),
+    Bench("dump", "dump_bench.py", "GPU (CPU: --device cpu)", "~4 min",
+          "a synthetic model's step: no dump / disabled call sites / async runtime / sync torch.save"),
+    Bench("dump-step", "dump_step_bench.py", "GPU", "~5 min",
+          "the Megatron example's step: no dump spec / spec disabled / dumping every site"),
+    Bench("routing", "routing_bench.py", "GPU", "~8 min",
+          "the Megatron example's step: no moe spec / spec off / capture / replay"),
+    Bench("trace", "trace_bench.py", "GPU (CPU: --quick)", "~6 min",
+          "the Megatron example's step traced vs not, one process, paired ratios with intervals"),
+    Bench("compressor", "compressor_bench.py", "GPU", "~1 min",
+          "device time per compressor; host time of due trace() calls; publisher and hub CPU per frame"),
+    Bench("step-noise", "step_noise.py", "GPU", "~4 min",
+          "how noisy the example's steps are under process settings (what a comparison can resolve)"),
+    Bench("weight-sync", "weight_sync_bench.py", "2 GPUs (CPU: --cpu)", "~2 min",
+          "bucketed trainer-to-engine transfer vs per-tensor vs one raw broadcast, % of raw per round"),
+    Bench("push", "push_bench.py", "GPU, 2 GPUs with --engine (CPU: --cpu)", "~1 min",
+          "push() on a real Megatron MoE: host time, and with --engine the whole push to a receiver"),
+    Bench("servers", "server_load.py", "CPU", "~1 min",
+          "dump endpoint and trace hub latency under 200 concurrent clients and idle sockets"),
+    Bench("feature-store", "feature_store_bench.py", "CPU", "~2 min",
+          "Mooncake zero-copy vs serialised vs shared folder, put+get per sample"),
+    Bench("compare", "compare_bench.py", "CPU", "~1 min",
+          "the comparator's throughput on a 1 GiB pair of dump directories"),
+]
+
+
+def table() -> str:
+    rows = [("name", "script", "where", "takes", "measures")] + [b[:5] for b in BENCHES]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "list"):
+        print(table())
+        print("\nall GPU parts in one device call: bash bench/gpu_session.sh [PART...] (see its header)")
+        return 0
+    by_name = {b.name: b for b in BENCHES} | {b.script.removesuffix(".py"): b for b in BENCHES}
+    bench = by_name.get(argv[0])
+    if bench is None:
+        print(f"no bench named {argv[0]!r}; `python bench/index.py` lists them", file=sys.stderr)
+        return 2
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), bench.script)
+    os.execv(sys.executable, [sys.executable, script, *argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

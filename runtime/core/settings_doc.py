@@ -1,0 +1,41 @@
+"""docs/settings.md, generated from the settings schemas (``source-patch settings --write``),
+so no capability page hand-copies its table and a test keeps the page current."""
+
+from __future__ import annotations
+
+import json
+
+from .settings import SCHEMAS
+
+HEADER = """# Settings of the runtime's capabilities
+
+Generated from the schemas in `runtime/core/settings.py` by
+`source-patch settings --write docs/settings.md`; do not edit by hand (a test fails
+when a schema changes without this page).
+
+A value is taken, in order of precedence, from the environment
+(`SOURCE_PATCH_<COMPONENT>_<KEY>`), then from the `runtime:` section of the active
+specs (later specs win; a `component[distribution]:` section counts once a patch
+requiring that distribution has applied), then from the default below. Each
+capability's page says what the settings do together.
+"""
+
+
+def _default(value) -> str:
+    if value is None or value == "":
+        return "-"
+    return f"`{json.dumps(value)}`" if not isinstance(value, str) else f"`{value}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown() -> str:
+    parts = [HEADER]
+    for component in sorted(SCHEMAS):
+        parts.append(f"\n## `{component}`\n\n| key | environment | default | what it does |\n| --- | --- | --- | --- |")
+        for key, setting in SCHEMAS[component].items():
+            env = f"SOURCE_PATCH_{component.upper()}_{key.upper()}"
+            parts.append(f"| `{key}` | `{env}` | {_cell(_default(setting.default))} | {_cell(setting.help)} |")
+    return "\n".join(parts) + "\n"
