@@ -3,8 +3,12 @@
 #   here:   pip download the cp312 wheels of megatron-core, libcst, packaging and websockets into
 #           .whl/ (see ../shared/gpu.md) and `pip wheel --no-deps --no-build-isolation . -w .whl`
 #           and for `newest`: the cp312 wheel of megatron-core 0.19.2 into .whl/next/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [launch] [bias] [weights] [pushx2] [phases] [push] [newest]
-#           (default: all; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last)
+#           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
+#           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
+#           folders copied into .upstream/ (git-ignored): mkdir -p .upstream && cp -r ../shared/upstream/megatron-lm .upstream/
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [launch] [bias] [weights] [pushx2] [phases] [push] [newest] [upstream]
+#           (default: all; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
+#            `upstream` installs each release of $UPSTREAM_RELEASES, default "0.16.1 0.19.2", in turn)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
 #  `weights` and `pushx2` need two GPUs: the nvidia-h100-x2 kind; `phases` runs on one)
 # The project's wheel goes into the interpreter's own environment, so its .pth start
@@ -17,7 +21,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | ta
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import sys, torch, megatron.core, libcst, source_patch.patcher; print(sys.version.split()[0], torch.__version__)" | tee -a "$OUT/gpu.txt"
 
-parts=${*:-tests dump step routing trace launch bias weights pushx2 phases push newest}
+parts=${*:-tests dump step routing trace launch bias weights pushx2 phases push newest upstream}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 if want tests; then
@@ -103,4 +107,21 @@ echo "-- CPU (GPUs hidden), SOURCE_PATCH=megatron_cpu,moe,dump" | tee -a "$OUT/n
 CUDA_VISIBLE_DEVICES= SOURCE_PATCH=megatron_cpu,moe,dump SOURCE_PATCH_DUMP_DIR=/tmp/sp-dumps-cpu SOURCE_PATCH_REPORT=1 \
   timeout 240 python3 examples/train_moe.py --steps 5 > "$OUT/newest-cpu.log" 2>&1; echo "exit $?"
 grep -v "Warning\|warnings.warn\|^ *\"\"\"" "$OUT/newest-cpu.log" | tail -45 | tee -a "$OUT/newest.txt"
+fi
+if want upstream; then
+echo "== upstream's own tests (bench/upstream_tests.py): plain and under every configuration, per release"
+for v in ${UPSTREAM_RELEASES:-0.16.1 0.19.2}; do
+  if [ "$(python3 -c "import importlib.metadata as m; print(m.version('megatron-core'))")" != "$v" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --force-reinstall \
+      $(ls .whl/megatron_core-$v-*.whl .whl/next/megatron_core-$v-*.whl 2>/dev/null | head -1) 2>&1 | tail -2
+  fi
+  work=/tmp/sp-upstream-$v
+  # the configurations run 6 at once (replay after capture): both releases fit one 10-minute call
+  deadline=${UPSTREAM_DEADLINE:-270}
+  timeout $((deadline + 40)) python3 bench/upstream_tests.py --tests "${SOURCE_PATCH_UPSTREAM_TESTS:-.upstream}" \
+    --work $work --jobs 6 --timeout 240 --deadline $deadline --out "$OUT/upstream-$v.md" --json "$OUT/upstream-$v.json" \
+    > $work.log 2>&1; echo "exit $?"
+  tail -60 $work.log
+  (cd /tmp && tar -czf "$OUT/upstream-$v.tgz" sp-upstream-$v.log sp-upstream-$v/*.xml)
+done
 fi

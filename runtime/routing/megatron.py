@@ -13,8 +13,8 @@ Call sites (``__sp__.<name>``, all cost one flag test when the mode is ``off``):
   keeps its gradient.
 - ``routing_probs(routing_probs)``: the final return of ``topk_routing_with_score_function``;
   with ``probs: true`` keeps the combine weights of the captured experts.
-- ``routing_fused(fused)``: raises when capture/replay is on and the fused router
-  (``moe_router_fusion``) would bypass ``compute_topk``.
+- ``routing_fused(fused)``: the fused router (``moe_router_fusion``) bypasses
+  ``compute_topk``: replay raises for a router a record addresses; capture warns once.
 - ``routing_schedule(forward_only)`` / ``routing_schedule_end()``: the
   forward_backward_* schedules (microbatch back to 0).
 - ``routing_microbatch_begin()`` / ``routing_microbatch_end()``: schedule's forward_step
@@ -33,6 +33,13 @@ Python API (``source_patch.runtime.routing.megatron``)::
 On disk: ``<dir>/rank-<r>/step-<S>-mb-<M>.safetensors`` (one RoutingRecord, token_order
 ``megatron-sbh``, ``extra={"step", "microbatch"}``) and ``<dir>/rank-<r>/index.json``.
 
+Capture and replay observe upstream: a call no record can address (a router without a
+``layer_number``, a routing function called outside ``TopKRouter.routing``, capture
+during CUDA graph capture, the fused router under capture) is routed by upstream
+unchanged, with one ``RuntimeWarning`` per process and cause.  Outside any schedule
+each forward is its own microbatch (``_free_key``), so a bare model's forwards are
+recorded one record each and replayed in the same order.
+
 Over 400 lines on purpose: capture and replay share the per-step state machine
 (schedule, microbatch, recompute bookkeeping) that both must agree on.
 """
@@ -43,6 +50,7 @@ import atexit
 import json
 import os
 import threading
+import warnings
 from collections import deque
 from pathlib import Path
 
@@ -65,7 +73,8 @@ _lock = threading.Lock()
 _step = 0
 _microbatch = 0
 _in_forward = False  # inside a schedule's forward_step
-_layer = None        # ambient MoE layer (TopKRouter.routing)
+_layer = None        # ambient MoE layer (TopKRouter.routing); None: no record can address the call
+_in_router = False   # inside TopKRouter.routing (its router may still have no layer_number)
 _shape = None        # (seq, batch) of the router's logits
 _seq_parallel = False
 _num_experts = None
@@ -87,6 +96,10 @@ _used: dict = {}     # (step, microbatch) -> set of layers replayed
 # recompute in backward takes the oldest (backward visits microbatches in forward order,
 # in 1F1B as without pipelining; Megatron's own RouterReplay makes the same assumption).
 _forwards: dict = {}
+# outside any schedule: the layers routed in the current microbatch and its token count
+_free_layers: set = set()
+_free_tokens = None
+_warned: set = set()  # causes already warned about (one RuntimeWarning per process and cause)
 
 
 def configure(**changes) -> dict:
@@ -109,11 +122,12 @@ def _init():
 
 def reset() -> None:
     """Forget all captured / replay state and positions (tests)."""
-    global _step, _microbatch, _in_forward, _layer, _shape, _last_idx
+    global _step, _microbatch, _in_forward, _layer, _shape, _last_idx, _in_router
     flush()
     _step = _microbatch = 0
-    _in_forward = False
+    _in_forward = _in_router = False
     _layer = _shape = _last_idx = None
+    _free_reset()
     _pending.clear(); _meta.clear(); _saved_index.clear(); _forwards.clear()
     _replay.clear(); _sliced.clear(); _staged.clear(); _used.clear()
 
@@ -130,16 +144,46 @@ def set_position(step: int | None = None, microbatch: int | None = None) -> None
         _step = int(step)
     if microbatch is not None:
         _microbatch = int(microbatch)
+    _free_reset()
+
+
+def _free_reset() -> None:
+    global _free_tokens
+    _free_layers.clear()
+    _free_tokens = None
+
+
+def _warn_once(cause: str, message: str) -> None:
+    """One RuntimeWarning per process and cause: an observer reports, it never raises."""
+    if cause in _warned:
+        return
+    _warned.add(cause)
+    warnings.warn(f"source-patch routing: {message}", RuntimeWarning, stacklevel=3)
+
+
+def _unaddressable(what: str) -> bool:
+    """True (after one warning) when no record can address this call: upstream routes it."""
+    if _layer is not None:
+        return False
+    if _in_router:
+        _warn_once(f"{what}-no-layer", f"{what}: a TopKRouter without a layer_number (built outside a "
+                   "TransformerLayer) is routed by upstream unchanged, not recorded or replayed")
+    else:
+        _warn_once(f"{what}-outside", f"{what}: a routing function called outside TopKRouter.routing "
+                   "(e.g. topk_routing_with_score_function directly) is routed by upstream unchanged")
+    return True
 
 
 # ------------------------------------------------------------------ call sites
 
 
 def routing_enter(router, logits) -> None:
-    global _layer, _shape, _seq_parallel, _num_experts
+    global _layer, _shape, _seq_parallel, _num_experts, _in_router
     if _OFF:
         return
-    _layer = int(router.layer_number)
+    _in_router = True
+    number = getattr(router, "layer_number", None)  # None: a router built outside a TransformerLayer
+    _layer = None if number is None else int(number)
     _shape = (int(logits.shape[0]), int(logits.shape[1])) if logits.dim() == 3 else None
     config = getattr(router, "config", None)
     _seq_parallel = bool(getattr(config, "sequence_parallel", False))
@@ -147,15 +191,22 @@ def routing_enter(router, logits) -> None:
 
 
 def routing_exit() -> None:
-    global _layer, _last_idx
+    global _layer, _last_idx, _in_router
     if _OFF:
         return
     _layer = None
+    _in_router = False
     _last_idx = None
 
 
 def routing_fused(fused) -> None:
     if _OFF or not fused:
+        return
+    if _config["mode"] == "capture":  # an observer: the fused router is simply not captured
+        _warn_once("capture-fused", "capture: the fused router (moe_router_fusion=True) bypasses compute_topk: "
+                   "not captured")
+        return
+    if _unaddressable("replay"):
         return
     raise RoutingReplayError(
         f"routing {_config['mode']} is on but the router is fused (moe_router_fusion=True), which bypasses "
@@ -169,6 +220,7 @@ def routing_schedule(forward_only=False) -> None:
     _microbatch = 0
     _in_forward = False
     _forwards.clear()
+    _free_reset()
 
 
 def routing_schedule_end() -> None:
@@ -211,6 +263,7 @@ def routing_step(success=True) -> None:
     finished = _step
     _step += 1
     _microbatch = 0
+    _free_reset()
     if _config["mode"] == "capture" and _config.get("dir"):
         _save_in_background({finished})
     elif _config["mode"] == "replay":
@@ -259,7 +312,7 @@ def routing_probs(routing_probs):
     """The final combine weights: kept (capture with probs), replaced by the record's
     (replay with replay_probs), else returned as they are."""
     if not _OFF and _config["mode"] == "replay" and _config.get("replay_probs"):
-        return _replay_probs(routing_probs)
+        return routing_probs if _layer is None else _replay_probs(routing_probs)
     if _OFF or not _config.get("probs") or _config["mode"] != "capture" or _last_idx is None:
         return routing_probs
     key = (_step, _microbatch)
@@ -273,10 +326,11 @@ def routing_probs(routing_probs):
 # ------------------------------------------------------------------ capture
 
 
-def _call_key() -> tuple[tuple, bool]:
+def _call_key(tokens: int) -> tuple[tuple, bool]:
     """((step, microbatch), recompute) of this router call.  In a forward_step: the
     current microbatch.  Outside one, while this layer has forwards not yet recomputed:
-    an activation recompute in backward, of the oldest of them."""
+    an activation recompute in backward, of the oldest of them.  Else a plain forward
+    outside any schedule (``_free_key``)."""
     if _in_forward:
         key = (_step, _microbatch)
         _forwards.setdefault(_layer, deque()).append(key)
@@ -284,7 +338,21 @@ def _call_key() -> tuple[tuple, bool]:
     pending = _forwards.get(_layer)
     if pending:
         return pending.popleft(), True
-    return (_step, _microbatch), False  # a plain forward outside any schedule
+    return _free_key(tokens), False
+
+
+def _free_key(tokens: int) -> tuple:
+    """Outside any schedule nothing counts microbatches, so each forward is its own: a
+    layer routed again, or a different token count, starts the next microbatch.  A bare
+    model's (or upstream's unit tests') forwards then get one record each, (step, 0),
+    (step, 1), ..., which a replay of the same forwards in the same order finds again."""
+    global _microbatch, _free_tokens
+    if _layer in _free_layers or (_free_tokens is not None and tokens != _free_tokens):
+        _microbatch += 1
+        _free_layers.clear()
+    _free_layers.add(_layer)
+    _free_tokens = tokens
+    return _step, _microbatch
 
 
 def _where() -> str:
@@ -295,8 +363,6 @@ def _to_host(t: torch.Tensor):
     t = t.detach()
     if t.device.type != "cuda":
         return t.clone(), None
-    if torch.cuda.is_current_stream_capturing():
-        raise RoutingReplayError(f"routing capture during CUDA graph capture is not supported ({_where()})")
     device = t.device
     side = _side_streams.get(device.index)
     if side is None:
@@ -313,10 +379,13 @@ def _to_host(t: torch.Tensor):
 
 def _capture(indices: torch.Tensor) -> None:
     global _last_idx
-    if _layer is None:
-        raise RoutingReplayError(f"routing capture outside TopKRouter.routing ({_where()}): is patches/moe.yaml "
-                                 "fully applied?")
-    key, recompute = _call_key()
+    if _unaddressable("capture"):
+        return
+    if indices.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # a graph replays without this Python: its routing could never be recorded
+        _warn_once("capture-graph", "capture: a router call during CUDA graph capture is not captured")
+        return
+    key, recompute = _call_key(int(indices.shape[0]))
     if recompute:
         return  # activation recompute in backward: captured in its forward
     layers = _pending.setdefault(key, {})
@@ -518,10 +587,9 @@ def _on_device(key, rec: RoutingRecord, device: torch.device) -> dict:
 
 
 def _replay_topk(scores, result):
-    if _layer is None:
-        raise RoutingReplayError(f"routing replay outside TopKRouter.routing ({_where()}): is patches/moe.yaml "
-                                 "fully applied?")
-    key, _ = _call_key()
+    if _unaddressable("replay"):
+        return result
+    key, _ = _call_key(int(scores.shape[0]))
     rec = _for_rank(key)
     where = f"step {key[0]}, microbatch {key[1]}, layer {_layer}"
     if _layer not in rec.indices:

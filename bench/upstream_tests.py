@@ -1,0 +1,503 @@
+"""Upstream's own tests, plain and under every source-patch configuration (issue 30).
+
+    python bench/upstream_tests.py [--tests DIR] [--cpu] [--files F ...] [--jobs N] [--json OUT.json]
+
+DIR is a folder of Megatron-LM's test files for the installed megatron-core release
+(``tests/unit_tests/...``, as ``../shared/upstream/megatron-lm/core_v0.16.1``), or a
+folder holding ``megatron-lm/core_v*`` folders: then the one matching the installed
+release is taken (same version, else the newest of the same minor). Default: the
+environment variable SOURCE_PATCH_UPSTREAM_TESTS, else ``../shared/upstream`` next to
+the checkout. Nothing is fetched and nothing is copied: pytest reads the folder in place
+and runs in a work folder (--work, else a temporary one), writing nothing into it.
+
+Each configuration is a fresh pytest process with a JUnit XML report:
+
+    plain        no spec
+    inert        SOURCE_PATCH=moe,dump,trace,weight_sync, every capability off
+    dump         ... dump on
+    capture      ... routing capture on (records written at exit)
+    replay       ... routing replay of capture's records (same tests, same order)
+    trace        ... trace on, a client subscribed to every name
+    weight_sync  ... weight sync on, no engine joined
+
+``--cpu`` adds ``megatron_cpu`` to every configuration (plain included), hides the GPUs
+and runs a smaller file list. The output: outcomes per configuration, every test whose
+outcome differs from plain with its cause, per file how many tests reached real test
+code (not skipped, and not failing in every configuration alike), and what this
+harness adapted for the machine (alike in every configuration). Exit status 1 when an
+outcome differs, a configuration did not run, or the adaptations were not alike.
+docs/upstream_tests.md has the results.
+
+Loaded by pytest (``-p upstream_tests``, this folder on PYTHONPATH) the same module is
+the plugin that makes those adaptations (``pytest_load_initial_conftests`` below).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+ENV_TESTS = "SOURCE_PATCH_UPSTREAM_TESTS"
+SPECS = "moe,dump,trace,weight_sync"
+OUTCOMES = ("passed", "failed", "error", "skipped")
+
+# Megatron-Core's MoE, transformer layer, GPT model and inference engine tests (one GPU).
+GPU_FILES = ["tests/unit_tests/transformer/moe", "tests/unit_tests/transformer/test_transformer_layer.py",
+             "tests/unit_tests/models/test_gpt_model.py",
+             "tests/unit_tests/inference/engines/test_static_engine.py"]
+# What of them reaches real code on CPU (gloo, one process), kept small for CI.
+CPU_FILES = ["tests/unit_tests/transformer/moe/test_router_replay.py",
+             "tests/unit_tests/transformer/moe/test_moe_layer.py",
+             "tests/unit_tests/transformer/moe/test_routers.py",
+             "tests/unit_tests/transformer/moe/test_sequential_mlp.py"]
+
+
+# ------------------------------------------------------------------ the pytest plugin
+# Each adaptation applies in every configuration alike; the plugin writes the keys of those
+# it applied to $SP_UPSTREAM_APPLIED, and the report lists them (and checks they are alike).
+
+ADAPTATIONS = {
+    "dataset": "tests.test_utils.python_scripts.download_unit_tests_dataset is a stub: the conftest's session "
+               "fixture would download test data to /opt/data (no selected test reads it; no network here)",
+    "te": "megatron.core.utils.is_te_min_version returns False (transformer_engine is not installed: upstream's "
+          "raises TypeError, and the conftest's autouse fixture calls it)",
+    "fa": "megatron.core.utils.is_fa_min_version returns False (flash_attn is not installed: upstream's raises)",
+    "gemm": "megatron.core.transformer.moe.moe_utils.te_general_gemm = None (unbound without Transformer Engine "
+            "before megatron-core 0.17)",
+    "six": "six is a stub with PY2/PY3 (not installed; megatron.training's BERT tokenizer imports it, and the "
+           "conftest imports megatron.training through tests.unit_tests.dist_checkpointing)",
+    "gc": "Python's cyclic garbage collector runs only at the end of each test file (gc.disable(), then "
+          "gc.collect()): upstream's MoEModelTestContainer.__del__ destroys the model-parallel state, and left "
+          "to the collector it ran wherever a collection happened to fall (how many objects the process had "
+          "allocated), failing or passing later tests at random (0.19's static inference engine)",
+    "port": "MASTER_PORT is a free port per pytest process (upstream's Utils rendezvous at localhost:6000; "
+            "configurations may run at once, --jobs)",
+    "cpu-spec": "SOURCE_PATCH holds megatron_cpu in every configuration, plain included; CUDA_VISIBLE_DEVICES=''",
+    "cpu-gloo": "tests.unit_tests.test_utilities.Utils.initialize_distributed starts a gloo world of one "
+                "(HashStore) instead of NCCL over TCP after torch.cuda.set_device",
+    "cpu-cuda": "torch.Tensor.cuda and torch.nn.Module.cuda return the object itself and "
+                "torch.cuda.current_device() is 'cpu' (tests move models and inputs with .cuda(), layers "
+                "allocate on the current device; tests marked for CUDA are still skipped)",
+    "cpu-seed": "tensor_parallel.model_parallel_cuda_manual_seed(seed) seeds the CPU generator and leaves the "
+                "CUDA RNG tracker empty (megatron_cpu's fork() then runs on the CPU generator)",
+}
+
+
+def pytest_load_initial_conftests(early_config, parser, args):
+    """Adapt upstream's test environment to this machine before its conftest imports (the
+    harness passes -p upstream_tests)."""
+    applied = ["dataset", "gc", "port"]
+    _stub_dataset_download()
+    applied += _stub_six() + _no_te_no_fa() + _bind_te_general_gemm()
+    if os.environ.get("SP_UPSTREAM_CPU") == "1":
+        applied += ["cpu-spec"] + _cpu(early_config)
+    gc.disable()  # collected at each file's end (pytest_runtest_teardown): the same points in every run
+    if os.environ.get("SP_UPSTREAM_APPLIED"):
+        Path(os.environ["SP_UPSTREAM_APPLIED"]).write_text("\n".join(applied))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if nextitem is None or nextitem.module is not item.module:
+        gc.collect()
+
+
+def _stub_dataset_download():
+    import types
+
+    name = "tests.test_utils.python_scripts.download_unit_tests_dataset"
+    stub = types.ModuleType(name)
+
+    def download_and_extract_asset(*args, **kwargs):
+        raise RuntimeError("test data download disabled by bench/upstream_tests.py (no network)")
+
+    stub.download_and_extract_asset = download_and_extract_asset
+    sys.modules[name] = stub
+
+
+def _stub_six() -> list:
+    import types
+
+    if importlib.util.find_spec("six") is not None:
+        return []
+    six = sys.modules["six"] = types.ModuleType("six")
+    six.PY2, six.PY3 = False, True
+    return ["six"]
+
+
+def _no_te_no_fa() -> list:
+    from megatron.core import utils
+
+    applied = []
+    if importlib.util.find_spec("transformer_engine") is None:
+        utils.is_te_min_version = lambda *args, **kwargs: False
+        applied.append("te")
+    if importlib.util.find_spec("flash_attn") is None:
+        utils.is_fa_min_version = lambda *args, **kwargs: False
+        applied.append("fa")
+    return applied
+
+
+def _bind_te_general_gemm() -> list:
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return []
+    moe_utils.te_general_gemm = None
+    return ["gemm"]
+
+
+def _cpu(config) -> list:
+    import torch
+
+    sys.path.insert(0, str(config.rootpath))  # where pytest's rootdir import finds `tests` too
+    from tests.unit_tests.test_utilities import Utils
+
+    def initialize_distributed():
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                                 world_size=1)
+        Utils.inited = True
+
+    Utils.initialize_distributed = staticmethod(initialize_distributed)
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    torch.cuda.current_device = lambda: "cpu"
+    _cpu_seed()
+    return ["cpu-gloo", "cpu-cuda", "cpu-seed"]
+
+
+def _cpu_seed():
+    import torch
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random
+
+    def model_parallel_cuda_manual_seed(seed, *args, **kwargs):
+        torch.manual_seed(seed)
+        random.get_cuda_rng_tracker().reset()
+
+    random.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
+    tensor_parallel.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
+
+
+# ------------------------------------------------------------------ the harness
+
+
+def find_tests(given: str | None) -> Path | None:
+    """The release folder to run: --tests, else $SOURCE_PATCH_UPSTREAM_TESTS, else ../shared/upstream."""
+    root = Path(given or os.environ.get(ENV_TESTS) or ROOT.parent / "shared" / "upstream").resolve()
+    if (root / "tests" / "unit_tests").is_dir():
+        return root
+    return release_folder(root, megatron_version())
+
+
+def megatron_version() -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def release_folder(root: Path, version: str | None) -> Path | None:
+    """root/megatron-lm/core_v<version>, else the newest core_v<major.minor>.* there."""
+    folders = {p.name[len("core_v"):]: p for p in (root / "megatron-lm").glob("core_v*")
+               if (p / "tests" / "unit_tests").is_dir()}
+    if not version or not folders:
+        return None
+    if version in folders:
+        return folders[version]
+    minor = version.rsplit(".", 1)[0]
+    same = sorted((v for v in folders if v.rsplit(".", 1)[0] == minor), key=_version_key)
+    return folders[same[-1]] if same else None
+
+
+def _version_key(v: str):
+    return tuple(int(x) if x.isdigit() else 0 for x in v.split("."))
+
+
+def configurations(work: Path, cpu: bool) -> dict:
+    """name -> environment changes; specs inert unless a configuration turns one capability on."""
+    base = "megatron_cpu," if cpu else ""
+    # dump.yaml and trace.yaml turn themselves on: off here; their folders in `work` regardless
+    inert = {"SOURCE_PATCH": base + SPECS, "SOURCE_PATCH_DUMP_ENABLE": "0", "SOURCE_PATCH_TRACE_ENABLE": "0",
+             "SOURCE_PATCH_DUMP_DIR": str(work / "dumps"), "SOURCE_PATCH_TRACE_DIR": str(work / "trace")}
+    routes = str(work / "routes")
+    return {
+        "plain": {"SOURCE_PATCH": base.rstrip(",")},
+        "inert": inert,
+        "dump": {**inert, "SOURCE_PATCH_DUMP_ENABLE": "1"},
+        "capture": {**inert, "SOURCE_PATCH_ROUTING_MODE": "capture", "SOURCE_PATCH_ROUTING_DIR": routes},
+        "replay": {**inert, "SOURCE_PATCH_ROUTING_MODE": "replay", "SOURCE_PATCH_ROUTING_DIR": routes},
+        "trace": {**inert, "SOURCE_PATCH_TRACE_ENABLE": "1", "SOURCE_PATCH_TRACE_PORT": str(free_port()),
+                  "SOURCE_PATCH_TRACE_TOKEN": secrets.token_hex(16), "SOURCE_PATCH_TRACE_WAIT": "60"},
+        # no engine ever joins: a push gives up after timeout_s and training goes on (on_error: log)
+        "weight_sync": {**inert, "SOURCE_PATCH_WEIGHT_SYNC_ENABLE": "1", "SOURCE_PATCH_WEIGHT_SYNC_PORT":
+                        str(free_port()), "SOURCE_PATCH_WEIGHT_SYNC_WORLD_SIZE": "2",
+                        "SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "20"},
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(changes: dict, folder: Path, cpu: bool, cache: Path) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SOURCE_PATCH") and k not in ("PYTHONWARNINGS", "PYTEST_ADDOPTS")}
+    env.update({k: v for k, v in changes.items() if v})
+    # this plugin; upstream's `tests` and `megatron.training` (megatron is a namespace package)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(folder), os.environ.get("PYTHONPATH")]))
+    env.update(PYTHONDONTWRITEBYTECODE="1", SOURCE_PATCH_CACHE=str(cache), SP_UPSTREAM_CPU="1" if cpu else "0",
+               MASTER_PORT=str(free_port()))
+    if cpu:
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    return env
+
+
+def run_pytest(folder: Path, files: list, env: dict, xml: Path, timeout: float) -> dict:
+    """One pytest process; returns {"outcomes": {test: (outcome, cause)}, "seconds", "status", "tail"}.
+    It runs in the work folder, without an ini file, cache or bytecode: nothing is written into
+    the upstream folder."""
+    cmd = [sys.executable, "-m", "pytest", "-p", "upstream_tests", "-p", "no:cacheprovider", "-q", "-c", os.devnull,
+           "--rootdir", str(folder), "--continue-on-collection-errors", "--junitxml", str(xml),
+           "-o", "junit_family=xunit1", *(str(folder / f) for f in files)]
+    start = time.perf_counter()
+    # its own session: a timeout ends pytest and whatever it started (a trace forwarder, say)
+    proc = subprocess.Popen(cmd, cwd=xml.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        status = f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        status = f"timed out after {timeout:.0f} s"
+    outcomes = parse_junit(xml) if xml.exists() else {}
+    return {"outcomes": outcomes, "seconds": time.perf_counter() - start, "status": status, "tail": output[-3000:]}
+
+
+def parse_junit(path: Path) -> dict:
+    out = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test = f"{case.get('classname')}::{case.get('name')}" if case.get("classname") else case.get("name")
+        outcome, cause = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed"}.get(child.tag, child.tag)
+                cause = first_line(child.get("message") or child.text or "")
+                break
+        out[test] = (outcome, cause)
+    return out
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")[:300]
+
+
+class TraceClient:
+    """A client subscribed to every traced name, for the `trace` configuration."""
+
+    def __init__(self, env: dict, work: Path):
+        self.out = work / "trace.sptrace"
+        url = f"http://127.0.0.1:{env['SOURCE_PATCH_TRACE_PORT']}/"
+        cmd = [sys.executable, "-m", "source_patch.runtime.trace.client", "record", "--url", url, "--token",
+               env["SOURCE_PATCH_TRACE_TOKEN"], "--name", "*", "--out", str(self.out), "--retry", "3600"]
+        clean = {k: v for k, v in env.items() if k != "SOURCE_PATCH"}
+        self.proc = subprocess.Popen(cmd, env=clean, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def stop(self) -> str:
+        """What the client saw (it ends with the traced process, or is stopped here)."""
+        try:
+            text, _ = self.proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            text, _ = self.proc.communicate(timeout=15)
+        return " ".join(first_line(line) for line in text.splitlines()[-2:]) or "no output"
+
+
+def run_all(folder: Path, files: list, cpu: bool, names: list, timeout: float, work: Path,
+            deadline: float, jobs: int) -> dict:
+    """Every configuration in `names`, up to `jobs` at once; replay after all others (it needs capture's)."""
+    configs, cache, end = configurations(work, cpu), work / "spcache", time.monotonic() + deadline
+
+    def one(name):
+        left = end - time.monotonic()
+        if left < 30:
+            print(f"-- {name}: not run (the --deadline is spent)", flush=True)
+            return name, None
+        env = child_env(configs[name], folder, cpu, cache)
+        if name == "replay" and not (work / "routes").exists():
+            env.pop("SOURCE_PATCH_ROUTING_DIR")  # capture recorded nothing: replay has no records
+        env["SP_UPSTREAM_APPLIED"] = str(work / f"{name}.applied")
+        client = TraceClient(env, work) if name == "trace" else None
+        res = run_pytest(folder, files, env, work / f"{name}.xml", min(timeout, left))
+        applied = work / f"{name}.applied"
+        res["applied"] = applied.read_text().split() if applied.exists() else []
+        if client is not None:
+            res["client"] = client.stop()
+        if name == "capture":
+            res["records"] = count_records(work / "routes")
+        counts = Counter(o for o, _ in res["outcomes"].values())
+        print(f"-- {name} (SOURCE_PATCH={env.get('SOURCE_PATCH', '')!r}): {res['status']}, {res['seconds']:.0f} s: "
+              + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES), flush=True)
+        if not res["outcomes"]:
+            print(res["tail"], flush=True)
+        return name, res
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        done = dict(pool.map(one, [n for n in names if n != "replay"]))
+    if "replay" in names:
+        done.update([one("replay")])
+    return {n: done[n] for n in names if done.get(n) is not None}
+
+
+def count_records(routes: Path) -> int:
+    return sum(len(json.loads(p.read_text())["records"]) for p in routes.glob("*/index.json"))
+
+
+def differences(results: dict) -> list:
+    """(configuration, test, plain outcome, outcome, cause) for every outcome unlike plain's."""
+    plain = results["plain"]["outcomes"]
+    out = []
+    for name, res in results.items():
+        if name == "plain":
+            continue
+        for test in sorted(set(plain) | set(res["outcomes"])):
+            a = plain.get(test, ("absent", ""))
+            b = res["outcomes"].get(test, ("absent", res["status"]))
+            if a[0] != b[0]:
+                out.append((name, test, a[0], b[0], b[1] or a[1]))
+    return out
+
+
+def reached(results: dict) -> dict:
+    """file -> (tests, reached): reached = not skipped in plain and passed in some configuration."""
+    per_file: dict = {}
+    tests = set().union(*(r["outcomes"] for r in results.values()))
+    for test in tests:
+        file = test_file(test)
+        seen = [r["outcomes"].get(test, ("absent", ""))[0] for r in results.values()]
+        n, ok = per_file.get(file, (0, 0))
+        hit = results["plain"]["outcomes"].get(test, ("absent",))[0] != "skipped" and "passed" in seen
+        per_file[file] = (n + 1, ok + hit)
+    return dict(sorted(per_file.items()))
+
+
+def test_file(test: str) -> str:
+    """tests.unit_tests.transformer.moe.test_routers.TestTop2Router::name -> .../test_routers.py"""
+    head = test.split("::")[0]
+    if head.endswith(".py"):
+        return head
+    parts = head.split(".")
+    while parts and not parts[-1].startswith("test_"):
+        parts.pop()
+    return "/".join(parts) + ".py" if parts else head
+
+
+def report(folder: Path, results: dict, names: list, cpu: bool) -> tuple[str, dict]:
+    lines = [f"upstream tests: {folder.name} ({time.strftime('%Y-%m-%d')}, megatron-core {megatron_version()}, "
+             f"{'CPU, megatron_cpu in every configuration' if cpu else _device()})", "",
+             "| configuration | passed | failed | error | skipped | differ from plain | seconds |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    diffs = differences(results)
+    for name, res in results.items():
+        counts = Counter(o for o, _ in res["outcomes"].values())
+        n = sum(1 for d in diffs if d[0] == name)
+        lines.append(f"| {name} | " + " | ".join(str(counts[o]) for o in OUTCOMES)
+                     + f" | {'-' if name == 'plain' else n} | {res['seconds']:.0f} |")
+    notes = [f"{name}: {res['status']}" for name, res in results.items() if not res["status"].startswith("exit")]
+    notes += [f"{name}: not run (--deadline)" for name in names if name not in results]
+    if "capture" in results:
+        notes.append(f"capture wrote {results['capture'].get('records', 0)} records; replay replays them")
+    if "trace" in results:
+        notes.append(f"trace client: {results['trace'].get('client', '')}")
+    lines += [""] + [f"- {n}" for n in notes]
+    lines += ["", f"outcomes that differ from plain: {len(diffs)}"]
+    lines += [f"- {name}: {test}: {a} -> {b}: {cause}" for name, test, a, b, cause in diffs]
+    per_file = reached(results)
+    lines += ["", "| file | tests | reached real test code |", "| --- | ---: | ---: |"]
+    lines += [f"| {file} | {n} | {ok} |" for file, (n, ok) in per_file.items()]
+    total = sum(ok for _, ok in per_file.values())
+    lines += [f"| all | {sum(n for n, _ in per_file.values())} | {total} |", "",
+              "adapted for this machine, alike in every configuration:"]
+    applied = {name: r["applied"] for name, r in results.items()}
+    alike = len({tuple(a) for a in applied.values()}) == 1
+    lines += [f"- {ADAPTATIONS[key]}" for key in ADAPTATIONS if key in applied.get("plain", [])]
+    if not alike:
+        lines += [f"- NOT ALIKE: {name}: {' '.join(a)}" for name, a in applied.items()]
+    summary = {"folder": str(folder), "megatron_core": megatron_version(), "cpu": cpu,
+               "differences": [list(d) for d in diffs], "reached": total,
+               "reached_per_file": {f: ok for f, (_, ok) in per_file.items()},
+               "counts": {name: dict(Counter(o for o, _ in r["outcomes"].values())) for name, r in results.items()},
+               "status": {name: r["status"] for name, r in results.items()}, "adaptations_alike": alike}
+    return "\n".join(lines), summary
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tests", help=f"upstream test folder (default: ${ENV_TESTS}, else ../shared/upstream)")
+    p.add_argument("--cpu", action="store_true", help="CPU: megatron_cpu everywhere, GPUs hidden, CPU files")
+    p.add_argument("--files", nargs="+", help="test files or folders, relative to the release folder")
+    p.add_argument("--configs", nargs="+", help="configurations to run (plain always runs first)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per pytest process")
+    p.add_argument("--deadline", type=float, default=3600, help="seconds for all of them: later ones are not run")
+    p.add_argument("--jobs", type=int, default=1, help="configurations run at once (replay always after capture)")
+    p.add_argument("--work", help="folder for reports and records (default: a temporary one)")
+    p.add_argument("--json", help="write the summary here")
+    p.add_argument("--out", help="write the report (markdown) here too")
+    args = p.parse_args(argv)
+
+    folder = find_tests(args.tests)
+    if folder is None:
+        print(f"no upstream test folder for megatron-core {megatron_version()}: give --tests DIR or set "
+              f"{ENV_TESTS}", file=sys.stderr)
+        return 2
+    files = [f for f in (args.files or (CPU_FILES if args.cpu else GPU_FILES)) if (folder / f).exists()]
+    names = list(configurations(Path("."), args.cpu))
+    if args.configs:
+        names = ["plain"] + [n for n in names if n in args.configs and n != "plain"]
+        if "replay" in names and "capture" not in names:
+            names.insert(names.index("replay"), "capture")
+    work = Path(args.work or tempfile.mkdtemp(prefix="sp-upstream-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results = run_all(folder, files, args.cpu, names, args.timeout, work, args.deadline, args.jobs)
+    text, summary = report(folder, results, names, args.cpu)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    complete = len(results) == len(names) and all(r["outcomes"] for r in results.values())
+    return 0 if complete and not summary["differences"] and summary["adaptations_alike"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Megatron-Core's own unit tests behave the same under every source-patch configuration
+(issue 30): bench/upstream_tests.py --cpu runs them plain and under each configuration,
+on CPU with megatron_cpu everywhere, and finds no outcome that differs from plain.
+
+The upstream test files live outside this repository: $SOURCE_PATCH_UPSTREAM_TESTS, else
+../shared/upstream next to the checkout (Megatron-LM's tests at the installed release's
+tag). Where neither holds them the test is skipped, and says so.
+"""
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import upstream_tests  # noqa: E402  (bench/upstream_tests.py)
+
+# On CPU: RouterReplay's 6 tests, MoE-layer init / interleaved block / fp16 forward-backward
+# (7), the router's constructor and the sequential MLP's (15 on megatron-core 0.16.1).
+MIN_REACHED = 12
+
+
+def test_upstream_megatron_tests_have_the_same_outcomes_under_every_configuration(tmp_path):
+    try:
+        version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("megatron-core is not installed")
+    folder = upstream_tests.find_tests(None)
+    if folder is None:
+        where = os.environ.get(upstream_tests.ENV_TESTS) or str(ROOT.parent / "shared" / "upstream")
+        pytest.skip(f"no upstream Megatron-LM tests for megatron-core {version} under {where} "
+                    f"(set {upstream_tests.ENV_TESTS} to a folder of them)")
+    summary = tmp_path / "summary.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "upstream_tests.py"), "--cpu", "--tests",
+                           str(folder), "--work", str(tmp_path / "work"), "--json", str(summary),
+                           "--timeout", "300"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert summary.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(summary.read_text())
+    assert result["differences"] == [], proc.stdout[-6000:]
+    assert all(s.startswith("exit") for s in result["status"].values()), result["status"]
+    assert result["reached"] >= MIN_REACHED, proc.stdout[-6000:]
+    assert proc.returncode == 0, proc.stdout[-4000:]
