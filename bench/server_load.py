@@ -38,20 +38,22 @@ def percentile(values, q):
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def dump_round(port: int, clients: int) -> tuple:
-    def one(_):
-        start = time.perf_counter()
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-            conn.request("GET", "/state", headers={"Authorization": f"Bearer {TOKEN}"})
-            ok = conn.getresponse().status == 200
-            conn.close()
-        except OSError:
-            ok = False
-        return time.perf_counter() - start, ok
+def timed_state(port: int, timeout: float = 30) -> tuple:
+    """(seconds, ok) of one authenticated GET /state."""
+    start = time.perf_counter()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        conn.request("GET", "/state", headers={"Authorization": f"Bearer {TOKEN}"})
+        ok = conn.getresponse().status == 200
+        conn.close()
+    except OSError:
+        ok = False
+    return time.perf_counter() - start, ok
 
+
+def dump_round(port: int, clients: int) -> tuple:
     with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(one, range(clients)))
+        results = list(pool.map(lambda _: timed_state(port), range(clients)))
     return [r[0] for r in results], sum(not r[1] for r in results)
 
 
@@ -65,15 +67,7 @@ def slowloris_round(port: int, idle: int) -> tuple:
             sock = socket.create_connection(("127.0.0.1", port), timeout=30)
             sock.sendall(b"GET /state HTTP/1.1\r\nHost: x\r\n")  # never finished
             sockets.append(sock)
-        start = time.perf_counter()
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-            conn.request("GET", "/state", headers={"Authorization": f"Bearer {TOKEN}"})
-            ok = conn.getresponse().status == 200
-            conn.close()
-        except OSError:
-            ok = False
-        return time.perf_counter() - start, ok
+        return timed_state(port, timeout=120)
     finally:
         for sock in sockets:
             sock.close()

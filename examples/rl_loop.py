@@ -31,11 +31,11 @@ import threading
 import time
 from pathlib import Path
 
-from source_patch.patcher import activate
-from source_patch.patcher.sglang_harness import SGLangServer, free_port, tiny_checkpoint
+from rl_common import (GROUP, SGLangServer, agreement, agreement_line, build_trainer, join_update,
+                       reinforce_backward, replayed_logps, rollout, tiny_checkpoint, twin_logps)
 
-GROUP = "source_patch_weights"
-PROMPTS = [[5, 9, 2, 7, 7, 1], [300, 4, 8], [11, 12, 13, 14]]
+from source_patch.patcher import activate
+from source_patch.runtime.core.endpoint import free_port
 
 
 def parse_args(argv=None):
@@ -47,14 +47,6 @@ def parse_args(argv=None):
                    help="also measure with the twin's router weights perturbed by this much (relative): a "
                         "simulated train-inference mismatch that routing replay must remove")
     return p.parse_args(argv)
-
-
-def rollout(server, new_tokens: int) -> list:
-    reply = server.generate(input_ids=PROMPTS, max_new_tokens=new_tokens, return_logprob=True,
-                            sampling={"ignore_eos": True, "temperature": 1.0})
-    return [{"prompt": p, "output": r["output_ids"], "version": r["meta_info"].get("weight_version"),
-             "logps": r["meta_info"]["output_token_logprobs"], "rid": r["meta_info"]["id"]}
-            for p, r in zip(PROMPTS, reply)]
 
 
 def engine_routes(folder: Path, rid: str, timeout: float = 30.0):
@@ -70,72 +62,13 @@ def engine_routes(folder: Path, rid: str, timeout: float = 30.0):
     return record.load(path)
 
 
-def same_experts(engine, routes: dict) -> dict:
-    """Per layer: [tokens routed to the same set of experts, tokens compared]."""
-    out = {}
-    for layer in engine.layers:
-        ids = engine.indices[layer]
-        mine = routes[layer][: len(ids)]
-        same = sum(set(a.tolist()) == set(b.nonzero().reshape(-1).tolist()) for a, b in zip(ids, mine))
-        out[layer] = [same, len(ids)]
-    return out
-
-
-def reward(tokens: list) -> float:
-    """A toy reward: the share of even token ids (what the policy should learn to emit)."""
-    return sum(t % 2 == 0 for t in tokens) / max(len(tokens), 1)
-
-
-def twin_logps(model, sample):
-    """Log-probs of the generated tokens under the twin, with the graph for backward."""
-    import torch
-
-    from source_patch.runtime.dump.logprobs import token_logprobs
-
-    tokens = sample["prompt"] + sample["output"]
-    ids = torch.tensor([tokens])
-    logits = model(ids, torch.arange(len(tokens)).unsqueeze(0), attention_mask=None)[0]
-    start = len(sample["prompt"])
-    return token_logprobs(logits[start - 1:-1], torch.tensor(sample["output"]))
-
-
 def push(server, port: int, first: bool) -> threading.Thread:
-    """The engine's side of one update, as an RL framework drives it over HTTP."""
-    def run():
-        if first:
-            server.post("/init_weights_update_group", {
-                "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-                "group_name": GROUP, "backend": "gloo"}, timeout=300)
-        server.post("/begin_weight_update")
-        server.post("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
-                                                         "group_name": GROUP, "load_format": "source_patch"},
-                    timeout=300)
-        server.post("/end_weight_update")
-    thread = threading.Thread(target=run)
+    """The engine joins the update in a thread while this process pushes."""
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": GROUP, "backend": "gloo"} if first else None
+    thread = threading.Thread(target=join_update, args=(server, body))
     thread.start()
     return thread
-
-
-def replayed_logps(model, sample, engine_record, weights: bool = False, grad: bool = False):
-    """The twin's log-probs with the engine's routes replayed: ids (weights recomputed
-    from the twin's scores, so the router still learns), or ids and the engine's weights."""
-    import torch
-
-    from source_patch.runtime.routing import megatron as routing
-    from source_patch.runtime.routing.align import BatchLayout, align_to_megatron
-
-    n = len(sample["prompt"]) + len(sample["output"])
-    layout = BatchLayout(seq_len=n, rows=(((engine_record.sample_ids[0], 0, n),),))
-    # The last generated token is never fed back: the engine has no route for it.
-    aligned = align_to_megatron([engine_record], layout, layer_offset=1, missing_tail=1)
-    routing.set_replay({(0, 0): aligned})
-    routing.set_position(step=0, microbatch=0)
-    routing.configure(mode="replay", replay_probs=weights)
-    try:
-        with torch.enable_grad() if grad else torch.no_grad():
-            return twin_logps(model, sample)
-    finally:
-        routing.configure(mode="off")
 
 
 def measure(model, samples, records, routes: dict):
@@ -146,11 +79,11 @@ def measure(model, samples, records, routes: dict):
     plain, ids, both, agree = [], [], [], {}
     for s, record in zip(samples, records):
         with torch.no_grad():
-            plain.append(twin_logps(model, s))
-        for layer, (same, n) in same_experts(record, routes).items():  # the routes of that forward
+            plain += twin_logps(model, [s])
+        for layer, (same, n) in agreement([record], routes).items():  # the routes of that forward
             agree[layer] = [a + b for a, b in zip(agree.get(layer, [0, 0]), (same, n))]
-        ids.append(replayed_logps(model, s, record))
-        both.append(replayed_logps(model, s, record, weights=True))
+        ids += replayed_logps(model, [s], [record])
+        both += replayed_logps(model, [s], [record], weights=True)
     return torch.cat(plain), torch.cat(ids), torch.cat(both), agree
 
 
@@ -161,8 +94,7 @@ def report(engine, measured, prefix: str = "") -> None:
     print(f"  {prefix}mismatch:            {mismatch(engine, plain).line()}", flush=True)
     print(f"  {prefix}replay ids:          {mismatch(engine, ids).line()}", flush=True)
     print(f"  {prefix}replay ids+weights:  {mismatch(engine, both).line()}", flush=True)
-    print(f"  {prefix}routing agreement per layer: " + ", ".join(
-        f"{layer}: {same / n:.1%} of {n}" for layer, (same, n) in sorted(agree.items())), flush=True)
+    print(f"  {prefix}routing agreement per layer: {agreement_line(agree)}", flush=True)
 
 
 @contextlib.contextmanager
@@ -186,18 +118,6 @@ def perturbed_routers(model, scale: float, seed: int):
                 weight.copy_(value)
 
 
-def record_routes(model) -> dict:
-    """{layer (0-based, as SGLang): routing map of the last forward} from the twin's routers."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    routes = {}
-    for module in model.modules():
-        if isinstance(module, TopKRouter):
-            module.register_forward_hook(
-                lambda m, inputs, out: routes.__setitem__(m.layer_number - 1, out[1].detach()))
-    return routes
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     run = Path(args.out).resolve() / time.strftime("rl-%Y%m%d-%H%M%S")
@@ -209,27 +129,22 @@ def main(argv=None) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from source_patch.runtime.dump.logprobs import rollout_logprobs
-    from source_patch.runtime.weights import twin
 
     checkpoint = tiny_checkpoint()
     print("starting SGLang (sglang_cpu, moe, dump, weight_sync) ...", flush=True)
     env = {"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(run / "routes"),
-           "SOURCE_PATCH_DUMP_DIR": str(run / "dumps"), "SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "120"}
+           "SOURCE_PATCH_DUMP_DIR": str(run / "dumps"), "SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "120",
+           "SOURCE_PATCH_DUMP_EXP_NAME": "startup",  # the harness's readiness probes
+           "DUMPER_SERVER_PORT": "reuse"}  # /dumper/configure: each rollout dumps into a run of its own
     with SGLangServer(checkpoint, specs=["moe", "dump", "weight_sync"], env=env, workdir=run,
                       args=["--disable-radix-cache", "--skip-server-warmup"]) as server:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         parallel_state.initialize_model_parallel()
-        torch.manual_seed(0)
-        model = twin.build(checkpoint).train()
-        routes = record_routes(model)
-        ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig())
-        optimizer = get_megatron_optimizer(  # patched: weight sync remembers optimizer -> model
-            OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False, params_dtype=torch.float32), [ddp])
+        model, ddp, optimizer, routes = build_trainer(checkpoint)
         for iteration in range(1, args.iterations + 1):
+            server.post("/dumper/configure", {"exp_name": f"iteration-{iteration}"})
             samples = rollout(server, args.new_tokens)
             versions = sorted({str(s["version"]) for s in samples})
             engine = torch.cat([rollout_logprobs(s["logps"]) for s in samples])
@@ -242,12 +157,8 @@ def main(argv=None) -> None:
                     noisy = measure(ddp, samples, records, routes)
             # The training step routes every token as the rollout did (rollout routing
             # replay: expert ids replayed, weights recomputed so the router gets gradients).
-            train = [replayed_logps(ddp, s, record, grad=True) for s, record in zip(samples, records)]
-            rewards = [reward(s["output"]) for s in samples]
-            baseline = sum(rewards) / len(rewards)
-            loss = -sum((r - baseline) * lp.sum() for r, lp in zip(rewards, train)) / len(samples)
-            loss.backward()
-            ddp.finish_grad_sync()
+            train = [replayed_logps(ddp, [s], [record], grad=True)[0] for s, record in zip(samples, records)]
+            baseline = reinforce_backward(ddp, samples, train)
             print(f"iteration {iteration}: engine served weight version {', '.join(versions)}; "
                   f"mean reward {baseline:.3f}", flush=True)
             report(engine, measured)
@@ -257,9 +168,15 @@ def main(argv=None) -> None:
             success, grad_norm, _ = optimizer.step()  # patched: pushes the new weights
             receiver.join(300)
             print(f"  step: success {success}, grad norm {float(grad_norm):.3f}; weights pushed", flush=True)
+        server.post("/dumper/configure", {"exp_name": "final"})
         final = rollout(server, args.new_tokens)
         print(f"after {args.iterations} updates the engine serves weight version "
               f"{', '.join(sorted({str(s['version']) for s in final}))}", flush=True)
+    print(f"dumps: {run / 'dumps'} (a run per rollout: iteration-1 ... iteration-{args.iterations}, final), "
+          f"routes: {run / 'routes'}")
+    print("the first rollout was served from the checkpoint; replay it through the twin and compare:")
+    print(f"  source-patch replay {run / 'dumps' / 'iteration-1'} --checkpoint {checkpoint} --routes {run / 'routes'} "
+          f"--out {run / 'replay'} --html {run / 'report.html'}", flush=True)
     os._exit(0)  # the update group's peer is gone; do not wait in its teardown
 
 

@@ -10,8 +10,10 @@ process:
     moe          captures each request's routed experts (patches/moe.yaml)
     dump         dumps every forward pass's activations (patches/dump.yaml)
 
-then generates a few prompts and prints the dump summary and one request's routing
-record.  Everything lands under --out (default ./sp-rollout).
+then generates a few prompts and prints the dump summary, one request's routing
+record and the two commands that replay the rollout through the Megatron twin of the
+checkpoint and compare both sides (docs/compare.md).  Everything lands under --out
+(default ./sp-rollout).
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["The quick brown fox", "Hello world", "Megatron trains, SGLang serves", "this is a test"]
+SPECS = ["moe", "dump"]  # + sglang_cpu, which the harness adds
+ENGINE_ARGS = {"skip_tokenizer_init": False, "disable_radix_cache": True}  # every prompt prefilled whole
+
+
+def engine_env(run: Path) -> dict:
+    """The engine's settings: dumps into run/dumps/rollout, routing records into run/routes."""
+    return {"SOURCE_PATCH_DUMP_DIR": str(run / "dumps"), "SOURCE_PATCH_DUMP_EXP_NAME": "rollout",
+            "SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(run / "routes")}
 
 
 def main() -> int:
@@ -33,33 +43,45 @@ def main() -> int:
     cli = p.parse_args()
 
     from source_patch.patcher.sglang_harness import SGLangEngine, tiny_checkpoint
+
+    run = Path(cli.out).resolve() / time.strftime("rollout-%Y%m%d-%H%M%S")
+    print(f"checkpoint: {(model := tiny_checkpoint())}")
+    started = time.monotonic()
+    print("starting sglang.Engine (sglang_cpu, moe, dump) ...", flush=True)
+    with SGLangEngine(model, specs=SPECS, env=engine_env(run), workdir=run, engine_args=ENGINE_ARGS) as engine:
+        print(f"engine ready in {time.monotonic() - started:.1f} s (log: {run / 'engine.log'})")
+        roll_out(engine, cli.prompts, cli.new_tokens)
+    return show(run, model)
+
+
+def roll_out(engine, prompts: int, new_tokens: int) -> list:
+    """Generate ``prompts`` prompts greedily and print their tokens; the outputs."""
+    texts = (PROMPTS * prompts)[:prompts]
+    started = time.monotonic()
+    outputs = engine.call("generate", prompt=texts, sampling_params={
+        "temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True})
+    print(f"generated {prompts} x {new_tokens} tokens in {time.monotonic() - started:.2f} s")
+    for prompt, result in zip(texts, outputs):  # random weights: the tokens, not noise text
+        ids = result.get("output_ids") or result["meta_info"].get("output_ids")
+        print(f"  {prompt!r} -> {ids if ids else repr(result['text'])}  (rid {result['meta_info']['id'][:8]})")
+    return outputs
+
+
+def show(run: Path, checkpoint) -> int:
+    """The dumps' summary, one routing record, and the commands that take them to a verdict."""
     from source_patch.runtime.dump import reader
     from source_patch.runtime.routing import record
 
-    out = Path(cli.out).resolve()
-    run = out / time.strftime("rollout-%Y%m%d-%H%M%S")
-    print(f"checkpoint: {(model := tiny_checkpoint())}")
-    env = {"SOURCE_PATCH_DUMP_DIR": str(run / "dumps"), "SOURCE_PATCH_DUMP_EXP_NAME": "rollout",
-           "SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(run / "routes")}
-    started = time.monotonic()
-    print("starting sglang.Engine (sglang_cpu, moe, dump) ...", flush=True)
-    with SGLangEngine(model, specs=["moe", "dump"], env=env, workdir=run,
-                      engine_args={"skip_tokenizer_init": False, "disable_radix_cache": True}) as engine:
-        print(f"engine ready in {time.monotonic() - started:.1f} s (log: {run / 'engine.log'})")
-        prompts = (PROMPTS * cli.prompts)[:cli.prompts]
-        started = time.monotonic()
-        outputs = engine.call("generate", prompt=prompts, sampling_params={
-            "temperature": 0.0, "max_new_tokens": cli.new_tokens, "ignore_eos": True})
-        print(f"generated {cli.prompts} x {cli.new_tokens} tokens in {time.monotonic() - started:.2f} s")
-        for prompt, result in zip(prompts, outputs):  # random weights: the tokens, not noise text
-            ids = result.get("output_ids") or result["meta_info"].get("output_ids")
-            print(f"  {prompt!r} -> {ids if ids else repr(result['text'])}  (rid {result['meta_info']['id'][:8]})")
-    print(f"\ndumps: {run / 'dumps' / 'rollout'}")
-    print(reader.summary(reader.load(run / "dumps" / "rollout")))
+    dumps = run / "dumps" / "rollout"
+    print(f"\ndumps: {dumps}")
+    print(reader.summary(reader.load(dumps)))
     routes = sorted((run / "routes").rglob("*.safetensors"))
     print(f"\nrouting records: {len(routes)} (one per request) in {run / 'routes'}")
     if routes:
         print(record.describe(routes[0]))
+    print("\nreplay the rollout through the Megatron twin of its checkpoint, then compare:")
+    print(f"  source-patch replay {dumps} --checkpoint {checkpoint} --routes {run / 'routes'} --out {run / 'replay'}")
+    print(f"  source-patch compare {dumps} {run / 'replay'} --html {run / 'report.html'}")
     return 0 if routes else 1
 
 

@@ -25,6 +25,7 @@ import sys
 import time
 import warnings
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -329,11 +330,10 @@ def report_dumps(rank0: bool) -> None:
         print(summary(load(state["exp_dir"])))
     except FileNotFoundError:
         print("no records were written")
+    run = Path(state["exp_dir"])
+    print(f"read them: python -m source_patch.runtime.dump.reader {run.parent} --exp-name {run.name}")
     if state["errors"] or state["dropped"]:
         print(f"warning: {state['errors']} write error(s), {state['dropped']} record(s) dropped; "
-              f"last error: {state['last_error']}")
-    if state["errors"] or state["dropped"]:
-        print(f"warning: {state['errors']} write errors, {state['dropped']} dropped; "
               f"last error: {state['last_error']}")
 
 

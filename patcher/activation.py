@@ -5,8 +5,9 @@ path separator); each is a file path or a bundled spec name.  Activation from
 the environment rewrites the variable with absolute paths, so children started
 in another working directory find the same specs.
 
-At start-up this module is imported only when the fast path (boot.py) cannot
-activate from its boot record; a successful activation here writes that record.
+At start-up this module is imported only when the start hook's fast path
+(startup.py) cannot activate from its boot record; a successful activation here
+writes that record (boot.write).
 """
 
 from __future__ import annotations
@@ -23,14 +24,12 @@ from typing import Iterable, Iterator
 
 from . import boot
 from . import spec as spec_mod
+from .boot import ENV, ON_ERROR, REPORT, STRICT, flag, split_refs
 from .cache import CodeCache
 from .errors import ActivationError, NotActivatedError, SourcePatchError, SourcePatchWarning, shorten, show
-from .finder import PatchFinder, PatchingLoader, installed_version
+from .finder import PatchFinder, PatchingLoader
 from .locate import NotFound, find_source, nearest_modules
-
-ENV = "SOURCE_PATCH"
-STRICT = "SOURCE_PATCH_STRICT"  # 1: a target module that cannot be found is an error
-REPORT = "SOURCE_PATCH_REPORT"  # 1: at exit, print what applied, what was skipped and why
+from .requires import installed_version
 
 
 class Activation:
@@ -57,21 +56,22 @@ class Activation:
 
 def installed_finder() -> PatchFinder | None:
     """The PatchFinder on sys.meta_path; a BootFinder there (a start-up from the boot
-    record) hands over to its PatchFinder first."""
+    record: startup.py, known by its ``hand_over``) hands over to its PatchFinder first."""
     for f in sys.meta_path:
         if isinstance(f, PatchFinder):
             return f
-        if isinstance(f, boot.BootFinder):
+        if getattr(f, "_source_patch_finder", False) and hasattr(f, "hand_over"):
             return f.hand_over().finder
     return None
 
 
-def adopt_boot(pending: boot.BootFinder) -> Activation:
-    """The full activation of what the start-up fast path activated: the same spec
-    texts, rebuilt from the code cache as activate_from_env would, in a PatchFinder
-    that takes the BootFinder's place on sys.meta_path."""
-    cache = CodeCache(Path(pending.cache_dir))
-    specs = list(dict.fromkeys(spec_mod._compiled(t, p, cache) for p, t in zip(pending.paths, pending.texts)))
+def adopt_boot(pending) -> Activation:
+    """The full activation of what the start hook's BootFinder (``pending``) activated:
+    the same spec texts, rebuilt from the code cache as activate_from_env would, in a
+    PatchFinder that takes the BootFinder's place on sys.meta_path."""
+    recorded = pending.recorded
+    cache = CodeCache(Path(recorded.cache_dir))
+    specs = list(dict.fromkeys(spec_mod.compiled(t, p, cache) for p, t in zip(recorded.paths, recorded.texts)))
     finder = PatchFinder(cache)
     for s in specs:
         finder.add(s)
@@ -112,7 +112,7 @@ def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
         raise ActivationError(
             f"already imported, so they cannot be patched: {names}. Activate earlier "
             f"(SOURCE_PATCH=... in the environment, or activate() before the first import)")
-    found = _check_targets(new, strict=_flag(os.environ, STRICT))
+    found = _check_targets(new, strict=flag(os.environ, STRICT))
     finder = _finder(cache_dir)
     for s in new:
         finder.add(s)
@@ -149,9 +149,6 @@ def _check_targets(specs: list[spec_mod.Spec], strict: bool) -> dict[str, str | 
             warnings.warn(f"source-patch: {message} ({STRICT}=1 makes this an error)",
                           SourcePatchWarning, stacklevel=3)
     return found
-
-
-_flag = boot.flag
 
 
 def _gated(requires) -> bool:
@@ -237,12 +234,6 @@ def import_patched_copy(module: str, *specs: str | os.PathLike | spec_mod.Spec,
 # --------------------------------------------------------------------------- environment
 
 
-split_refs = boot.split_refs
-
-
-ON_ERROR = "SOURCE_PATCH_ON_ERROR"  # "error" (default) | "warn"
-
-
 def activate_from_env(environ=os.environ, *, remember: bool = False) -> Activation | None:
     """Activate the specs named by SOURCE_PATCH.  Called from the ``.pth`` start hook,
     where ``site`` would swallow an exception, so a failure is *armed* instead: the
@@ -252,7 +243,7 @@ def activate_from_env(environ=os.environ, *, remember: bool = False) -> Activati
     unusable path, a bug): an exception escaping here would be swallowed by ``site``.
     ``SOURCE_PATCH_ON_ERROR=warn`` turns that into a warning and an unpatched run.
     ``remember`` (the start hook): write the boot record that lets the next start-up
-    with the same specs skip all this (boot.py)."""
+    with the same specs skip all this (startup.py)."""
     value = environ.get(ENV, "")
     refs = split_refs(value)
     if not refs:
@@ -267,12 +258,12 @@ def activate_from_env(environ=os.environ, *, remember: bool = False) -> Activati
         # text the specs (and so the target names) came from.
         texts, specs = [], []
         for path in paths:
-            texts.append(spec_mod._read(Path(path)))
-            specs.append(spec_mod._compiled(texts[-1], path))
+            texts.append(spec_mod.read_text(Path(path)))
+            specs.append(spec_mod.compiled(texts[-1], path))
         activation = activate(specs)
         if remember and activation.found is not None and activation.specs == list(dict.fromkeys(specs)):
             boot.write(paths, texts, activation.found)
-        if _flag(environ, REPORT):
+        if flag(environ, REPORT):
             import atexit
 
             atexit.register(print_report, activation)

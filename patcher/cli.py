@@ -15,10 +15,10 @@ import sysconfig
 from pathlib import Path
 
 from . import spec as spec_mod
-from .activation import ENV
+from .boot import ENV
 from .errors import AnchorError, SourcePatchError, shorten
-from .finder import unmet, unmet_requirement
 from .locate import dist_version, find_source
+from .requires import unmet, unmet_requirement
 
 _COLORS = {"+": "\033[32m", "-": "\033[31m", "@": "\033[36m"}
 _RESET = "\033[0m"
@@ -77,10 +77,18 @@ def _parser() -> argparse.ArgumentParser:
                    "(wheel installs have it; editable installs need 'hook install')",
                    specs=False, against=False)
     hook.add_argument("action", choices=("install", "uninstall", "status"))
-    compare = command("compare", _compare, "compare rollout (SGLang) and training (Megatron) dumps layer by "
-                      "layer; exit 1 past the threshold, 2 if they cannot be compared (see docs/compare.md)",
-                      specs=False, against=False)
-    compare.add_argument("args", nargs=argparse.REMAINDER, help="ROLLOUT_DIR TRAIN_DIR [--rtol R] [--json F] ...")
+
+    def delegated(name, func, help_text):
+        """A command whose own parser, imported only when it runs, reads every argument
+        (`--help` too): prefix_chars no argument starts with passes options through."""
+        p = sub.add_parser(name, help=help_text, add_help=False, prefix_chars="\0")
+        p.add_argument("args", nargs="*")
+        p.set_defaults(func=func)
+
+    delegated("compare", _compare, "compare rollout (SGLang) and training (Megatron) dumps layer by layer; "
+              "exit 1 past the threshold, 2 if they cannot be compared (see docs/compare.md)")
+    delegated("replay", _replay, "replay a rollout's tokens through the Megatron twin of its checkpoint under "
+              "the dump spec: training-side dumps, then compare if asked (see docs/compare.md)")
     settings = command("settings", _settings, "print every runtime setting (key, environment variable, "
                        "default, meaning) as Markdown", specs=False, against=False)
     settings.add_argument("--write", metavar="FILE", help="write it to FILE instead (docs/settings.md)")
@@ -100,7 +108,13 @@ def _settings(args) -> int:
 def _compare(args) -> int:
     from source_patch.runtime.dump import compare  # torch: only this command pays for it
 
-    return compare.main(args.args)
+    return compare.main(args.args, prog="source-patch compare")
+
+
+def _replay(args) -> int:
+    from source_patch.runtime import replay  # light; its worker process imports Megatron
+
+    return replay.main(args.args, prog="source-patch replay")
 
 
 def _load_all(refs: list[str]) -> list[spec_mod.Spec]:
@@ -246,6 +260,8 @@ release, a column per spec; a cell counts the spec's patches that target that re
 out by their own `requires`, usually because an alternative patch covers that release),
 `BROKEN` an anchor no longer matches, `refused` the spec's own `requires` excludes the
 release, `-` the spec has no patch for that framework. The reasons follow the table.
+Upstream's own test suites run plain and under every spec configuration:
+[upstream_tests.md](upstream_tests.md).
 
 """
 

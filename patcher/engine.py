@@ -26,7 +26,7 @@ import textwrap
 import tokenize
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
@@ -146,6 +146,17 @@ class _Region:
     start: int  # its first line: the first decorator's
     end: int
     indent: str
+
+
+class _Parsed(NamedTuple):
+    """A region parsed alone (``_rewrite_regions``)."""
+
+    prefix: str  # the scaffold before the region's lines
+    tree: cst.Module
+    fn: cst.FunctionDef  # the region's def
+    positions: Mapping  # node -> CodeRange in ``tree``
+    offset: int  # what to add to a line of ``tree`` to get the original file's
+    locator: _Locator
 
 
 def _ast_defs(module: ast.Module) -> dict[str, list[tuple[ast.AST, tuple]]]:
@@ -298,7 +309,7 @@ def _rewrite_regions(source: str, patches: Sequence[Patch], file: str) -> Rewrit
     # Parse each region alone.  A scaffold puts the def at its own indentation (no text
     # is re-indented, so strings spanning lines are untouched) and gives the region
     # module the file's default indent, which inserted blocks are written with.
-    parsed = {}
+    parsed: dict[int, _Parsed] = {}
     for r in ordered:
         prefix = f"if 1:\n{default_indent}pass\n" + ("if 1:\n" if r.indent else "")
         try:
@@ -313,23 +324,23 @@ def _rewrite_regions(source: str, patches: Sequence[Patch], file: str) -> Rewrit
             return None
         positions = MetadataWrapper(tree, unsafe_skip_copy=True).resolve(PositionProvider)
         offset = r.start - 1 - prefix.count("\n")
-        parsed[id(r)] = (prefix, tree, fn, positions, offset, _Locator(tree, positions, offset, defs={}))
+        parsed[id(r)] = _Parsed(prefix, tree, fn, positions, offset, _Locator(tree, positions, offset, defs={}))
 
     plan = _Plan()
     nested: dict[int, dict] = {}
     for patch, (r, inner) in zip(patches, region_of):
         own = _Plan()
-        locator, fn = parsed[id(r)][5], parsed[id(r)][2]
+        locator, fn = parsed[id(r)].locator, parsed[id(r)].fn
         if inner is not None:
             if id(r) not in nested:
-                nested[id(r)] = _qualnames(parsed[id(r)][1])
+                nested[id(r)] = _qualnames(parsed[id(r)].tree)
             found = nested[id(r)].get(inner, ())
             if len(found) != 1 or not isinstance(found[0], cst.FunctionDef):
                 return None
             fn = found[0]
         if locator.plan_edits(fn, patch, own) or plan.merge(own):
             return None  # drift, or a statement replaced twice: the whole path reports it
-    if parsed[id(ordered[0])][5].replace_conflicts(plan):
+    if parsed[id(ordered[0])].locator.replace_conflicts(plan):
         return None
 
     # Lines the whole-module line map leaves unclaimed outside the regions (it carries
@@ -352,7 +363,7 @@ def _rewrite_regions(source: str, patches: Sequence[Patch], file: str) -> Rewrit
     mapping = [0]
     at = 1  # the next original line to copy
     for r in ordered:
-        prefix, tree, fn, positions, offset, _ = parsed[id(r)]
+        prefix, tree, _, positions, offset, _ = parsed[id(r)]
         transformer = _Transformer(plan, positions, offset)
         new_tree = tree.visit(transformer)
         code = new_tree.code

@@ -37,8 +37,8 @@ from pathlib import Path
 
 from ..runtime.core.bounded import open_regular, read_regular
 from .errors import AnchorError, SourcePatchError, shorten
-from .finder import metadata_fields, unmet
 from .locate import NotFound, find_source
+from .requires import metadata_fields, unmet
 from .spec import Patch, Spec
 
 APPLIES, GATED, BROKEN = "applies", "gated", "broken"

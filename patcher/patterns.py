@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import ast
 
-from .spec import parse_pattern
-
 WILDCARD = "_"
 _COMPOUND = tuple(getattr(ast, name) for name in (
     "If", "For", "AsyncFor", "While", "With", "AsyncWith", "Try", "TryStar", "Match",
@@ -50,6 +48,23 @@ class Pattern:
                 return False
             node = node.value
         return _match(self.tree, node, skip=_BODY_FIELDS if self.header_only else ())
+
+
+def parse_pattern(text: str, *, call: bool) -> ast.AST:
+    """Parse a match pattern: a statement (or compound header ending in ':') or a call."""
+    if call:
+        tree = ast.parse(text, mode="eval").body
+        if not isinstance(tree, ast.Call):
+            raise ValueError("a call pattern must be a call expression such as 'torch.topk(...)'")
+        return tree
+    module = ast.parse(_complete_header(text))
+    if len(module.body) != 1:
+        raise ValueError("a statement pattern must be exactly one statement")
+    return module.body[0]
+
+
+def _complete_header(text: str) -> str:
+    return text + "\n    pass" if text.rstrip().endswith(":") else text
 
 
 def _match(pattern, node, skip=()) -> bool:

@@ -8,16 +8,18 @@ the dotted field.  The format is documented field by field in docs/spec.md.
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import keyword
 import os
 import re
-import stat
 from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
 
+from . import boot
+from .boot import ALIAS_OF, ALIASES, MAX_SPEC_BYTES, NotASpecFile
+from .cache import CodeCache, spec_key
 from .errors import Location, SpecError, shorten, show
+from .patterns import parse_pattern
 
 # PyYAML is imported by loads() on first use: a spec read before comes from the code
 # cache (load), so a warm start-up never imports it.  The builder below runs only
@@ -28,8 +30,8 @@ yaml = SafeConstructor = _Loader = None
 # line instead of costing minutes at every cache miss: PyYAML composes ~5 us a byte of
 # dense YAML, and the rewrite costs libcst ~0.1-0.3 ms per inserted syntax node (parse,
 # transform, positions) and ~2 ms per edit.  The bundled specs use at most 38 edits,
-# 600 syntax nodes of code and 511 YAML nodes.
-MAX_SPEC_BYTES = 8 << 20
+# 600 syntax nodes of code and 511 YAML nodes.  MAX_SPEC_BYTES, the file's size, comes
+# from boot.py: the start hook reads spec files too.
 MAX_YAML_NODES = 50_000  # composed nodes, aliases included
 MAX_EDITS = 1_000  # edits of all patches, an aliased list counted at each use
 MAX_CODE_NODES = 20_000  # Python syntax nodes of all code and wrap fields, likewise
@@ -86,7 +88,7 @@ _SCOPED_RE = re.compile(r"([a-z_]+)\[([A-Za-z0-9][A-Za-z0-9._\-]*)\]\Z")  # runt
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*\Z")
 _DOTTED_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
 _TARGET_RE = re.compile(rf"{_DOTTED_RE.pattern}|<module>\Z")
-BUNDLED_DIR = Path(__file__).resolve().parent.parent / "patches"
+BUNDLED_DIR = Path(boot.BUNDLED_DIR)
 
 
 @dataclass(frozen=True)
@@ -155,22 +157,7 @@ class Spec:
         return out
 
 
-def slice_digest(patches: list[Patch]) -> str:
-    """A stable digest of what a set of patches does to one module (cache key part)."""
-    doc = [[p.spec_name, p.id, p.module, p.target, p.handle, p.on_drift, p.location.file,
-             p.location.line,
-            [[e.at, e.code, e.match, e.wrap, e.bind, e.count] for e in p.edits]]
-           for p in patches]
-    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
-
-
 # --------------------------------------------------------------------------- loading
-
-
-# Bundled names of format 1, when each capability had a file per framework; kept for
-# one release (0.3) as aliases of the two-framework files.
-ALIASES = {"moe_sglang": "moe", "dump_sglang": "dump", "trace_sglang": "trace",
-           "weight_sync_sglang": "weight_sync"}
 
 
 def resolve(ref: str) -> Path:
@@ -194,10 +181,10 @@ def _alias(name: str) -> str:
     if name in ALIASES:
         import warnings
 
-        warnings.warn(f"source-patch: the bundled spec {name!r} is now part of {ALIASES[name]!r}, which "
+        warnings.warn(f"source-patch: the bundled spec {name!r} is now part of {ALIAS_OF[name]!r}, which "
                       f"covers both frameworks; the old name goes away in the next release",
                       DeprecationWarning, stacklevel=3)
-        return ALIASES[name]
+        return ALIAS_OF[name]
     return name
 
 
@@ -207,16 +194,14 @@ def bundled_names() -> list[str]:
 
 def load(ref: str | os.PathLike) -> Spec:
     path = resolve(os.fspath(ref))
-    return _compiled(_read(path), str(path))
+    return compiled(read_text(path), str(path))
 
 
-def _compiled(text: str, file: str, cache=None) -> Spec:
+def compiled(text: str, file: str, cache: CodeCache | None = None) -> Spec:
     """loads() through the code cache (``cache``, else the default one): a spec read
     before (the same text, file, tool and runtime schemas) is rebuilt from its stored
     form, without YAML, validation or their imports; an invalid spec is never stored,
     so its error is always fresh."""
-    from .cache import CodeCache, spec_key
-
     cache, k = cache or CodeCache(), spec_key(text, file)
     stored = cache.get_data(k)
     spec = None
@@ -246,20 +231,11 @@ def _rebuild(cls, values: tuple):
     return cls(**kw)
 
 
-def _read(path: Path) -> str:
-    """A spec file's text: a regular file of at most MAX_SPEC_BYTES, UTF-8.  Opened
-    without blocking, so a FIFO or a device is refused instead of hanging or filling memory."""
+def read_text(path: Path) -> str:
+    """A spec file's text (``boot.read_spec``: a regular file, size-limited, UTF-8)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-        with open(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise SpecError("cannot read spec: not a regular file", Location(str(path)))
-            data = f.read(MAX_SPEC_BYTES + 1)
-        if len(data) > MAX_SPEC_BYTES:
-            raise SpecError(f"cannot read spec: larger than {MAX_SPEC_BYTES >> 20} MiB", Location(str(path)))
-        return data.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        return boot.read_spec(path)
+    except (NotASpecFile, OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"cannot read spec: {_why(exc)}", Location(str(path))) from None
 
 
@@ -593,20 +569,3 @@ def _kind(node) -> str:
         return "a list"
     return {"null": "null", "bool": "a boolean", "int": "an integer", "float": "a number",
             "str": "a string"}.get(node.tag.rsplit(":", 1)[-1], f"a {node.tag}")
-
-
-def _complete_header(text: str) -> str:
-    return text + "\n    pass" if text.rstrip().endswith(":") else text
-
-
-def parse_pattern(text: str, *, call: bool) -> ast.AST:
-    """Parse a match pattern: a statement (or compound header ending in ':') or a call."""
-    if call:
-        tree = ast.parse(text, mode="eval").body
-        if not isinstance(tree, ast.Call):
-            raise ValueError("a call pattern must be a call expression such as 'torch.topk(...)'")
-        return tree
-    module = ast.parse(_complete_header(text))
-    if len(module.body) != 1:
-        raise ValueError("a statement pattern must be exactly one statement")
-    return module.body[0]

@@ -12,8 +12,7 @@ from source_patch.patcher import spec as spec_module
 from source_patch.patcher.authoring import anchors, skeleton
 from source_patch.patcher.engine import rewrite
 from source_patch.patcher.errors import SourcePatchError
-from source_patch.patcher.patterns import Pattern
-from source_patch.patcher.spec import parse_pattern
+from source_patch.patcher.patterns import Pattern, parse_pattern
 
 MOD = '''\
 """A fixture module: never imported, only read."""

@@ -537,7 +537,8 @@ def test_the_stat_keys_patch_part_covers_the_slice_digest(write_spec):
     finder.slice_parts (the stat key's), for Patch, Edit and Location alike."""
     import dataclasses
 
-    from source_patch.patcher.spec import load, slice_digest
+    from source_patch.patcher.cache import slice_digest
+    from source_patch.patcher.spec import load
 
     patch = load(write_spec(SPEC)).patches[0]
 

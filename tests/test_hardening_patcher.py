@@ -26,22 +26,13 @@ import pytest
 from source_patch.patcher import SpecError, boot, cli, patched
 from source_patch.patcher import spec as spec_mod
 from source_patch.patcher.cache import MAGIC, CodeCache
+from test_cache import SPEC  # the one-patch spec both cache test files use
 
 NOBODY = 65534
 ROOT = hasattr(os, "getuid") and os.getuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="planting files as another uid needs root")
 WARNING = "not using the code cache"
 
-SPEC = """
-source_patch: 1
-name: c
-patches:
-  - id: p
-    module: spfix.basic
-    target: add
-    edits:
-      - {at: return, code: "result = result * 100"}
-"""
 
 
 @pytest.fixture(autouse=True)

@@ -1,18 +1,23 @@
-"""The runtime's layout stays true: capabilities depend on core only, never on each
-other; core depends on no capability; imports inside the package are relative.
-Checked on the sources' syntax trees (nothing is imported)."""
+"""The layout stays true.  The runtime: capabilities depend on core only, never on each
+other; core depends on no capability; imports inside the package are relative.  Both
+packages: no import cycle, lazy imports inside functions included.  The patcher imports
+from the runtime only along the arrows docs/architecture.md lists.  Checked on the
+sources' syntax trees (nothing is imported)."""
 
 import ast
 from pathlib import Path
 
 RUNTIME = Path(__file__).parent.parent / "runtime"
 PACKAGE = "source_patch.runtime"
+PATCHER = Path(__file__).parent.parent / "patcher"
+PATCHER_PACKAGE = "source_patch.patcher"
 CAPABILITIES = sorted(p.name for p in RUNTIME.iterdir() if (p / "__init__.py").is_file() and p.name != "core")
 
 
-def _imports(path: Path, root: Path = RUNTIME):
-    """(line, absolute dotted name, relative?) of every import in ``path``."""
-    module = ".".join((PACKAGE, *path.relative_to(root).with_suffix("").parts))
+def _imports(path: Path, root: Path = RUNTIME, package: str = PACKAGE, members: bool = False):
+    """(line, absolute dotted name, relative?) of every import in ``path``; ``from m import
+    x`` gives ``m``, or with ``members`` ``m.x`` (a module, or something of ``m``'s)."""
+    module = ".".join((package, *path.relative_to(root).with_suffix("").parts))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     package = package.removesuffix(".__init__")
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -26,7 +31,8 @@ def _imports(path: Path, root: Path = RUNTIME):
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module
-            names = [name] if node.module else [f"{name}.{a.name}" for a in node.names]
+            names = [name] if node.module and not members else [
+                f"{name}.{a.name}" if a.name != "*" else name for a in node.names]
             for each in names:
                 yield node.lineno, each, bool(node.level)
 
@@ -64,6 +70,25 @@ def test_the_layout_has_the_documented_subpackages():
     architecture = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
     for sub in ["core", *CAPABILITIES]:
         assert f"`{sub}/`" in architecture, f"docs/architecture.md does not describe runtime/{sub}/"
+    assert "`integrations/`" in architecture, "docs/architecture.md does not describe integrations/"
+
+
+def integration_imports(*roots: Path) -> list:
+    """Imports of source_patch.integrations anywhere under ``roots`` (the runtime and the
+    patcher: integrations depend on them, never the other way)."""
+    return [f"{path.relative_to(root.parent)}:{node.lineno}" for root in roots for path in _sources(root)
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            and any(n.startswith("source_patch.integrations") or n.startswith("integrations")
+                    for n in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]))]
+
+
+def test_the_runtime_and_the_patcher_import_no_integration(tmp_path):
+    bad = integration_imports(RUNTIME, RUNTIME.parent / "patcher")
+    assert not bad, "the runtime's core stays free of orchestrators:\n" + "\n".join(bad)
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "x.py").write_text("def f():\n    from source_patch.integrations import ray\n")
+    assert integration_imports(tmp_path) == [f"{tmp_path.name}/core/x.py:2"]  # the check can fail
 
 
 def test_capabilities_depend_on_core_only():
@@ -89,22 +114,34 @@ def test_the_check_catches_a_cross_capability_import(tmp_path):
                                        "trace/api.py:1 imports source_patch.runtime.dump"]
 
 
+def _modules(root: Path) -> dict:
+    """Every module under ``root`` by its name relative to the package: path."""
+    return {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in _sources(root)}
+
+
+def _module_of(name: str, modules: dict, package: str) -> str | None:
+    """The module of ``modules`` that an imported name lies in, relative to ``package``
+    (the longest prefix that is one: ``m.x`` may name something of ``m``'s)."""
+    if not name.startswith(package + "."):
+        return None
+    name = name[len(package) + 1:]
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
 def import_cycles(root: Path = RUNTIME, package: str = PACKAGE) -> list:
     """Cycles among the modules under ``root`` (lazy imports inside functions included):
     each as 'a -> b -> a', module names relative to ``package``."""
-    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
-               for p in _sources(root)}
+    modules = _modules(root)
     graph = {}
     for name, path in modules.items():
         edges = set()
-        for _, target, _ in _imports(path, root):
-            if target.startswith(package + "."):
-                target = target[len(package) + 1:]
-                # `from . import x` names a module or a symbol: take the longest module prefix
-                while target and target not in modules:
-                    target = target.rpartition(".")[0]
-                if target and target != name and not name.startswith(target + ".") and modules[target].name != "__init__.py":
-                    edges.add(target)
+        for _, target, _ in _imports(path, root, package, members=True):
+            target = _module_of(target, modules, package)
+            if target and target != name and not name.startswith(target + ".") and modules[target].name != "__init__.py":
+                edges.add(target)
         graph[name] = edges
     cycles, state = [], {}
 
@@ -134,3 +171,65 @@ def test_the_cycle_check_can_fail(tmp_path):
     (tmp_path / "core" / "a.py").write_text("def f():\n    from . import b\n")
     (tmp_path / "core" / "b.py").write_text("from .a import f\n")
     assert import_cycles(tmp_path) == ["core.a -> core.b -> core.a"]
+
+
+def test_the_patcher_has_no_import_cycle():
+    cycles = import_cycles(PATCHER, PATCHER_PACKAGE)
+    assert not cycles, "import cycles in the patcher:\n" + "\n".join(cycles)
+
+
+def test_the_patcher_cycle_check_can_fail(tmp_path):
+    """A lazy import inside a function closes a cycle as surely as one at the top."""
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "boot.py").write_text("import os\n")
+    (tmp_path / "startup.py").write_text("from . import boot\n\ndef run():\n    from .activation import go\n")
+    (tmp_path / "activation.py").write_text("from .boot import ENV\n\ndef go():\n    from . import startup\n")
+    assert import_cycles(tmp_path, PATCHER_PACKAGE) == ["activation -> startup -> activation"]
+
+
+# The only arrows from the patcher into the runtime: (patcher module, runtime module),
+# each explained in docs/architecture.md ("Arrows out of the patcher").
+PATCHER_TO_RUNTIME = {
+    ("spec", "core/settings"),  # validates a spec's `runtime:` sections against the schemas
+    ("finder", "facade"),  # the __sp__ handle resolves each name there, on first use
+    ("matrix", "core/bounded"),  # size-limited reads of wheels and their members
+    ("cli", "core/settings_doc"),  # the `settings` command
+    ("cli", "dump/compare"),  # the `compare` command's entry
+    ("cli", "replay"),  # the `replay` command's entry
+    ("sglang_harness", "core/endpoint"),  # free_port, for tests' engines (test support)
+}
+
+
+def runtime_arrows(root: Path = PATCHER, runtime: Path = RUNTIME) -> set:
+    """(patcher module, runtime module) of every import of the runtime in ``root``,
+    lazy imports included; module names as paths without '.py'."""
+    modules, arrows = _modules(runtime), set()
+    for path in _sources(root):
+        here = path.relative_to(root).with_suffix("").as_posix()
+        for _, name, _ in _imports(path, root, PATCHER_PACKAGE, members=True):
+            if name == PACKAGE or name.startswith(PACKAGE + "."):
+                target = modules.get(_module_of(name, modules, PACKAGE), runtime / "__init__.py")
+                arrows.add((here, target.relative_to(runtime).with_suffix("").as_posix()))
+    return arrows
+
+
+def test_the_patcher_reaches_the_runtime_only_along_documented_arrows():
+    arrows = runtime_arrows()
+    assert arrows <= PATCHER_TO_RUNTIME, f"undocumented patcher -> runtime imports: {arrows - PATCHER_TO_RUNTIME}"
+    assert arrows == PATCHER_TO_RUNTIME, f"allowed arrows no longer used (drop them): {PATCHER_TO_RUNTIME - arrows}"
+    architecture = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
+    for source, target in sorted(PATCHER_TO_RUNTIME):
+        assert f"| `{source}.py` | `runtime/{target}.py` |" in architecture, (source, target)
+
+
+def test_the_arrow_check_can_fail(tmp_path):
+    (tmp_path / "patcher").mkdir()
+    (tmp_path / "patcher" / "cli.py").write_text(
+        "from ..runtime.dump import compare\n\ndef f():\n    from source_patch.runtime.core.settings import check\n"
+        "    from source_patch.runtime import facade\n")
+    (tmp_path / "runtime" / "core").mkdir(parents=True)
+    (tmp_path / "runtime" / "dump").mkdir()
+    for module in ("__init__", "facade", "core/__init__", "core/settings", "dump/__init__", "dump/compare"):
+        (tmp_path / "runtime" / f"{module}.py").write_text("")
+    assert runtime_arrows(tmp_path / "patcher", tmp_path / "runtime") == {
+        ("cli", "dump/compare"), ("cli", "core/settings"), ("cli", "facade")}

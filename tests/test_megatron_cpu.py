@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from source_patch.patcher import cli
-from source_patch.patcher.finder import unmet
+from source_patch.patcher.requires import unmet
 from source_patch.patcher import spec as spec_mod
 
 try:

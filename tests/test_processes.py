@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 
 from source_patch.patcher import spec as spec_mod
-from source_patch.patcher.cache import CodeCache, key
-from source_patch.patcher.spec import slice_digest
+from source_patch.patcher.cache import CodeCache, key, slice_digest
 from source_patch.runtime.core.endpoint import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -1,7 +1,7 @@
 """Compare a rollout's dumps (SGLang, patches/dump.yaml) with a training
 framework's dumps of the same tokens (Megatron, patches/dump.yaml), layer by layer.
 
-    python -m source_patch.runtime.dump.compare ROLLOUT_DIR TRAIN_DIR [--json report.json] [--html report.html] [--rtol 1e-4]
+    source-patch compare ROLLOUT_DIR TRAIN_DIR [--exp-name NAME]... [--json r.json] [--html r.html] [--rtol 1e-4]
 
     import source_patch.runtime.dump.compare as dump_compare
     report = dump_compare.compare("sp-dumps/rollout", "sp-dumps/train")
@@ -26,7 +26,10 @@ Megatron's ``layer_number`` 1-based (``layer_offset``, default 1).
 
 Exit codes of the CLI: 0 no divergence, 1 divergence, 2 anything that stops the
 comparison (a failed layout self-test, unreadable or malformed dumps, a report that
-cannot be written), always as one line on stderr.
+cannot be written, a dump root whose runs are of different kinds), always as one line
+on stderr.  A dump root is read at its latest run (reader.choose); the reports record
+their inputs (:func:`describe_inputs`).  Torch is imported when a comparison runs, not
+with this module (``source-patch replay --help`` reads its options).
 """
 
 from __future__ import annotations
@@ -35,11 +38,10 @@ import argparse
 import json
 import math
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
-
-import torch
 
 from . import reader
 
@@ -160,6 +162,8 @@ def _keys(row_map, positions) -> list:
     """(rid, position) of every element of a row map; None for padding (-1).  A row map
     without its ``rids``, empty, not integers, pointing past its rids or of another
     size than its positions is a DumpError (it would pair the wrong rows)."""
+    import torch
+
     rids = row_map.tags.get("rids")
     if not (isinstance(rids, list) and rids and all(isinstance(r, (str, int)) and not isinstance(r, bool)
                                                     for r in rids)):
@@ -184,6 +188,8 @@ def gather_vocab_parallel(records) -> list:
     TP rank k holds a contiguous slice of the vocabulary) joined along the vocabulary,
     in TP order, into one record per step and group; other records unchanged.  A group
     is the records of one step that differ only in their ``tp`` and ``rank`` tags."""
+    import torch
+
     groups: dict = {}
     out = []
     for r in records:
@@ -286,6 +292,8 @@ def _next_token_logprobs(report: Report, a: dict, b: dict, ids: dict) -> None:
     each side's log-prob of that token, and the RL mismatch figures between them
     (rollout = behaviour policy).  SGLang keeps one logits row per request and pass, so
     these are the generated tokens (and the first after the prompt)."""
+    import torch
+
     from .logprobs import mismatch, token_logprobs
 
     la, lb = a.get(("logits", None), {}), b.get(("logits", None), {})
@@ -326,6 +334,8 @@ _ORDER = {name: i for i, name in enumerate(NAMES)}
 
 
 def _row(name, layer, xs, ys, rtol) -> Row:
+    import torch
+
     _width(list(xs) + list(ys), name, layer)
     x = torch.stack([t.float().reshape(-1) for t in xs])
     y = torch.stack([t.float().reshape(-1) for t in ys])
@@ -337,39 +347,102 @@ def _row(name, layer, xs, ys, rtol) -> Row:
     return Row(name, layer, len(xs), float(diff.abs().max()), rel, cos, rel <= rtol)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m source_patch.runtime.dump.compare",
-                                description="Compare rollout (SGLang) and training (Megatron) dumps layer by layer. "
-                                            "Exit 0: no divergence, 1: divergence, 2: cannot compare.")
-    p.add_argument("rollout")
-    p.add_argument("train")
-    p.add_argument("--rtol", type=float, default=1e-4, help="relative L2 above which a layer diverges")
-    p.add_argument("--layer-offset", type=int, default=1, help="training layer = rollout layer + this")
-    p.add_argument("--json", help="write the report here as JSON (NaN and infinities as strings)")
-    p.add_argument("--html", help="write the report here as a self-contained HTML page with plots")
+DESCRIPTION = ("Compare rollout (SGLang) and training (Megatron) dumps of the same tokens layer by layer. "
+               "Exit 0: no divergence, 1: divergence, 2: cannot compare.")
+INPUTS = "replay.json"  # what `source-patch replay` writes into its run: checkpoint, builder, routes, versions
+
+
+def add_report_arguments(p) -> None:
+    """The options of a comparison (shared with `source-patch replay --compare`)."""
+    p.add_argument("--rtol", type=float, default=1e-4, metavar="R",
+                   help="relative L2 above which a layer diverges (default 1e-4)")
+    p.add_argument("--layer-offset", type=int, default=1, metavar="N",
+                   help="training layer = rollout layer + this (default 1)")
+    p.add_argument("--json", metavar="FILE", help="write the report here as JSON (NaN and infinities as strings)")
+    p.add_argument("--html", metavar="FILE", help="write the report here as a self-contained HTML page with plots")
+
+
+def main(argv=None, prog: str = "python -m source_patch.runtime.dump.compare") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    p.add_argument("rollout", help="the rollout's dumps: a dump root (its latest run), a run or a rank folder")
+    p.add_argument("train", help="the training side's dumps, the same way")
+    p.add_argument("--exp-name", action="append", metavar="NAME",
+                   help="the run to read under a dump root: once for both sides, twice for the rollout's "
+                        "then the training side's")
+    add_report_arguments(p)
     args = p.parse_args(argv)
     try:
+        names = args.exp_name or [None]
+        if len(names) > 2:
+            raise ValueError("--exp-name: at most twice (the rollout's run, then the training side's)")
+        rollout = reader.choose_for_cli(args.rollout, names[0], "compare")
+        train = reader.choose_for_cli(args.train, names[-1], "compare")
+    except (OSError, ValueError) as exc:
+        return _fail(exc)
+    return report(rollout, train, args)
+
+
+def report(rollout, train, args) -> int:
+    """Compare two dump folders with ``args``' options (:func:`add_report_arguments`),
+    print the table, write the reports; the exit code (0, 1, 2; errors one line)."""
+    try:
         for flag, path in (("--json", args.json), ("--html", args.html)):
-            _check_output(flag, path)
-        report = compare(args.rollout, args.train, rtol=args.rtol, layer_offset=args.layer_offset)
+            check_output(flag, path)
+        result = compare(rollout, train, rtol=args.rtol, layer_offset=args.layer_offset)
+        inputs = describe_inputs(rollout, train) if args.json or args.html else {}
     except (LayoutError, OSError, ValueError) as exc:  # DumpError is a ValueError
         return _fail(exc)
     except Exception as exc:  # noqa: BLE001 - a malformed dump nothing above foresaw: still exit 2, no traceback
         return _fail(f"unreadable dumps ({type(exc).__name__}: {exc})")
-    print(report.table())
+    print(result.table())
+    data = {**result.to_json(), "inputs": inputs}
     try:
         if args.json:
-            Path(args.json).write_text(json.dumps(json_safe(report.to_json()), indent=1, allow_nan=False))
+            Path(args.json).write_text(json.dumps(json_safe(data), indent=1, allow_nan=False))
         if args.html:
             from . import compare_html
 
-            compare_html.write(report.to_json(), args.html)
+            compare_html.write(data, args.html)
     except OSError as exc:
         return _fail(f"cannot write the report: {exc}")
-    return 0 if report.first_divergent is None else 1
+    return 0 if result.first_divergent is None else 1
 
 
-def _check_output(flag: str, path) -> None:
+def describe_inputs(rollout, train) -> dict:
+    """What a report was made from: both folders, what `source-patch replay` recorded
+    in the training run (checkpoint, model builder, routes, its versions and time), the
+    versions here and the time now."""
+    from ..core import bounded
+
+    train = Path(train)
+    run = train.parent if (train / reader.MANIFEST).exists() else train
+    out = {"rollout dumps": str(Path(rollout).resolve()), "training dumps": str(train.resolve())}
+    if (run / INPUTS).exists():  # someone else's dumps too: bounded, a regular file only
+        data = bounded.read_regular(run / INPUTS, max_bytes=1 << 16, what=INPUTS, error=reader.DumpError)
+        recorded = bounded.load_json(data, what=str(run / INPUTS), error=reader.DumpError, max_items=100, kind=dict)
+        if recorded.get("replayed rollout") == out["rollout dumps"]:
+            del recorded["replayed rollout"]  # said once; shown only where it differs
+        for key, value in recorded.items():  # never over what this comparison knows itself
+            out.setdefault(str(key), value if isinstance(value, (str, int, float)) else json.dumps(value))
+    out["compare versions"] = versions()
+    out["compared at"] = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    return out
+
+
+def versions() -> str:
+    """The installed versions that a comparison or a replay depends on."""
+    from importlib import metadata
+
+    found = []
+    for dist in ("source-patch", "torch", "megatron-core", "sglang"):
+        try:
+            found.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join(found)
+
+
+def check_output(flag: str, path) -> None:
     """Before comparing: the report's folder must exist (it is not created: a mistyped
     path is an error, not a new folder) and the path must not be a folder."""
     if path is None:

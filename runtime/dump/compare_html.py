@@ -13,7 +13,8 @@ import html
 import math
 from pathlib import Path
 
-_W, _H, _PAD, _LEGEND = 720, 260, 48, 150  # the legend sits right of the plot
+_W, _H, _PAD, _LEGEND = 760, 260, 48, 150  # the legend sits right of the plot
+_LEFT = 96  # room for the y axis' title and labels such as 0.999999985
 _COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 _FLOOR = 1e-12  # log axis: exact zeros are drawn here, and said so
 
@@ -27,11 +28,13 @@ def render(report: dict, title: str = "Rollout vs training") -> str:
              f"<p class='{'bad' if first else 'ok'}'><b>{_e(verdict)}</b> &middot; "
              f"{_e(report.get('requests'))} requests, {_e(report.get('tokens'))} tokens paired, "
              f"rtol {_e(report.get('rtol'))}</p>"]
+    if report.get("inputs"):
+        parts.append(_section("Inputs", _inputs(report["inputs"])))
     layered = [r for r in rows if r.get("layer") is not None]
     if layered:
         parts.append(_section("Relative L2 per layer (log scale; dashed: rtol)",
-                              _chart(layered, "rel_l2", log=True, threshold=report.get("rtol"))))
-        parts.append(_section("Cosine similarity per layer", _chart(layered, "cosine", log=False)))
+                              _chart(layered, "rel_l2", "relative L2", log=True, threshold=report.get("rtol"))))
+        parts.append(_section("Cosine similarity per layer", _chart(layered, "cosine", "cosine", log=False)))
     routing = report.get("routing")
     if routing and routing.get("per_layer"):
         parts.append(_section("Routing agreement per layer (same set of experts)", _bars(routing)))
@@ -43,6 +46,7 @@ def render(report: dict, title: str = "Rollout vs training") -> str:
             "body{font:14px sans-serif;margin:24px;max-width:800px}table{border-collapse:collapse}"
             "td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:right}td:first-child{text-align:left}"
             ".bad{color:#b00}.ok{color:#070}tr.bad{background:#fee}svg text{font:11px sans-serif}"
+            "td.input{text-align:left;word-break:break-all}"
             "</style></head><body>" + "".join(parts) + "</body></html>")
 
 
@@ -68,7 +72,7 @@ def _scale(lo: float, hi: float, log: bool):
         ticks = [10.0 ** k for k in range(int(lo), int(hi) + 1)]
         to = lambda v: math.log10(max(v, _FLOOR))  # noqa: E731
     else:
-        lo, hi = (lo, hi) if hi > lo else (lo - 1e-6, hi + 1e-6)
+        lo, hi = (lo, hi) if hi > lo else (lo - 1e-6 * max(1.0, abs(lo)), hi)  # all equal: drawn at the top
         ticks = [lo + (hi - lo) * k / 4 for k in range(5)]
         to = float
     span = hi - lo
@@ -79,7 +83,17 @@ def _finite(v) -> float | None:
     return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
-def _chart(rows: list, key: str, log: bool, threshold=None) -> str:
+def _labels(ticks: list, log: bool) -> list:
+    """Tick labels that tell neighbours apart: powers of ten on a log axis; on a linear
+    one as many decimals as the tick spacing needs (cosines differ in the 8th digit)."""
+    if log:
+        return [f"{t:.0e}" for t in ticks]
+    step = abs(ticks[1] - ticks[0]) if len(ticks) > 1 else 0.0
+    decimals = min(max(1 - math.floor(math.log10(step)), 0), 12) if step > 0 else 6
+    return [f"{t:.{decimals}f}" for t in ticks]
+
+
+def _chart(rows: list, key: str, axis: str, log: bool, threshold=None) -> str:
     layers = sorted({int(r["layer"]) for r in rows})
     values = [v for r in rows if (v := _finite(r.get(key))) is not None]
     if threshold is not None and log:
@@ -88,17 +102,18 @@ def _chart(rows: list, key: str, log: bool, threshold=None) -> str:
         return "<p>no finite values</p>"
     y, ticks = _scale(min(values), max(values), log)
     right = _W - _LEGEND
-    x = {layer: _PAD + i * (right - _PAD) / max(len(layers) - 1, 1) for i, layer in enumerate(layers)}
-    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{_W}' height='{_H}'>"]
-    for t in ticks:
-        label = f"{t:.3g}" if log else f"{t:.7g}"  # cosines differ in the 7th digit
-        out.append(f"<line x1='{_PAD}' x2='{right}' y1='{y(t):.1f}' y2='{y(t):.1f}' stroke='#eee'/>"
-                   f"<text x='4' y='{y(t) + 4:.1f}'>{label}</text>")
+    x = {layer: _LEFT + i * (right - _LEFT) / max(len(layers) - 1, 1) for i, layer in enumerate(layers)}
+    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{_W}' height='{_H}'>",
+           f"<text x='12' y='{_H / 2:.1f}' text-anchor='middle' transform='rotate(-90 12 {_H / 2:.1f})'>"
+           f"{_e(axis)}</text>"]
+    for t, label in zip(ticks, _labels(ticks, log)):
+        out.append(f"<line x1='{_LEFT}' x2='{right}' y1='{y(t):.1f}' y2='{y(t):.1f}' stroke='#eee'/>"
+                   f"<text x='{_LEFT - 4}' y='{y(t) + 4:.1f}' text-anchor='end'>{label}</text>")
     for layer, px in x.items():
         out.append(f"<text x='{px:.1f}' y='{_H - 20}' text-anchor='middle'>{layer}</text>")
-    out.append(f"<text x='{(_PAD + right) / 2}' y='{_H - 4}' text-anchor='middle'>layer</text>")
+    out.append(f"<text x='{(_LEFT + right) / 2}' y='{_H - 4}' text-anchor='middle'>layer (rollout's, 0-based)</text>")
     if threshold is not None and log:
-        out.append(f"<line x1='{_PAD}' x2='{right}' y1='{y(float(threshold)):.1f}' "
+        out.append(f"<line x1='{_LEFT}' x2='{right}' y1='{y(float(threshold)):.1f}' "
                    f"y2='{y(float(threshold)):.1f}' stroke='#b00' stroke-dasharray='6 4'/>")
     names = list(dict.fromkeys(r["name"] for r in rows))
     for i, name in enumerate(names):
@@ -138,19 +153,37 @@ def _table(rows: list, rtol) -> str:
     head = "<tr><th>name</th><th>layer</th><th>rows</th><th>max |a-b|</th><th>rel L2</th><th>cosine</th></tr>"
     body = []
     for r in rows:
-        cells = [r.get("name"), "-" if r.get("layer") is None else r.get("layer"), r.get("rows")]
-        cells += [f"{v:.3g}" if isinstance(v, float) else v for v in (r.get("max_abs"), r.get("rel_l2"), r.get("cosine"))]
+        cells = [r.get("name"), "-" if r.get("layer") is None else r.get("layer"), r.get("rows"),
+                 _number(r.get("max_abs")), _number(r.get("rel_l2")), _number(r.get("cosine"), ".8f")]
         body.append(f"<tr class='{'' if r.get('ok', True) else 'bad'}'>"
                     + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
     return f"<table>{head}{''.join(body)}</table><p>highlighted: relative L2 above rtol {_e(rtol)}</p>"
 
 
-_LOGPROB_ROWS = (("tokens", "tokens"), ("mean_abs_diff", "mean |dlogp|"), ("max_abs_diff", "max |dlogp|"),
-                 ("k3_kl", "k3 KL(rollout || train)"), ("frac_over_ln2", "share with |dlogp| > ln 2"),
-                 ("tis_mean", "truncated IS weight, mean"), ("tis_ess", "truncated IS, ESS / n"))
+def _number(value, spec: str = ".3g") -> str:
+    """A figure as text: a finite number formatted by ``spec``; NaN and infinities (or the
+    JSON report's strings for them) by name; None as n/a."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return format(value, spec)
+    if value is None:
+        return "n/a"
+    return {"nan": "NaN", "inf": "inf", "infinity": "inf", "-inf": "-inf", "-infinity": "-inf"}.get(
+        str(value).lower(), str(value))
+
+
+_LOGPROB_ROWS = (("tokens", "tokens", "d"), ("mean_abs_diff", "mean |dlogp|", ".3g"),
+                 ("max_abs_diff", "max |dlogp|", ".3g"), ("k3_kl", "k3 KL(rollout || train)", ".3g"),
+                 ("frac_over_ln2", "share with |dlogp| > ln 2", ".2%"),
+                 ("tis_mean", "truncated IS weight, mean", ".4f"), ("tis_ess", "truncated IS, ESS / n", ".4f"))
 
 
 def _logprobs(figures: dict) -> str:
-    cells = "".join(f"<tr><td>{_e(label)}</td><td>{_e('n/a' if figures.get(key) is None else figures.get(key))}</td></tr>"
-                    for key, label in _LOGPROB_ROWS)
+    cells = "".join(f"<tr><td>{_e(label)}</td><td>{_e(_number(figures.get(key), spec))}</td></tr>"
+                    for key, label, spec in _LOGPROB_ROWS)
     return f"<table>{cells}</table>"
+
+
+def _inputs(inputs: dict) -> str:
+    """What the report was made from (compare.describe_inputs): one row per item."""
+    cells = "".join(f"<tr><td>{_e(key)}</td><td class='input'>{_e(value)}</td></tr>" for key, value in inputs.items())
+    return f"<table class='inputs'>{cells}</table>"

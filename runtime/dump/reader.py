@@ -10,9 +10,9 @@ access.  Both go through the bounded reader (core/bounded.py): a manifest line o
 tensor header that is too large, too deep, malformed or points outside its rank
 directory, and a FIFO, device or symlink where a file should be, are a
 :class:`DumpError` naming the file, never a hang, a ``RecursionError`` or a crash.
-CLI summary::
+CLI summary (of a dump root's latest run, or ``--exp-name NAME``)::
 
-    python -m source_patch.runtime.dump.reader sp-dumps/default [--name 'attn_*'] [--step 0]
+    python -m source_patch.runtime.dump.reader sp-dumps [--exp-name NAME] [--name 'attn_*'] [--step 0]
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
+import re
 import struct
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -84,25 +86,111 @@ class Record:
 
 def rank_dirs(path: str | Path, exp_name: str | None = None) -> list[Path]:
     """The rank directories under ``path``: a rank directory itself, an experiment
-    directory, or a dump root (then ``exp_name``, or its only experiment)."""
-    root = Path(path)
-    if (root / MANIFEST).exists():  # not is_file(): a FIFO or folder there is an error, not skipped
-        return [root]
-    if exp_name is not None:
-        root = root / exp_name
-    found = _with_manifest(root)
-    if not found and exp_name is None:
-        experiments = sorted(d for d in root.iterdir() if d.is_dir() and _with_manifest(d)) \
-            if root.is_dir() else []
-        if len(experiments) == 1:
-            found = _with_manifest(experiments[0])
-        elif len(experiments) > 1:
-            names = ", ".join(d.name for d in experiments)
-            raise ValueError(f"{root} holds several experiments ({names}): pass exp_name= or a deeper path")
+    directory, or a dump root (then ``exp_name``, or its latest run: :func:`choose`)."""
+    folder, _ = choose(path, exp_name)
+    found = [folder] if (folder / MANIFEST).exists() else _with_manifest(folder)
     if not found:
-        raise FileNotFoundError(f"no dump manifests under {Path(path)} (looked for */{MANIFEST}: "
+        raise FileNotFoundError(f"no dump manifests under {folder} (looked for */{MANIFEST}: "
                                 "rank-<r>/ or engine_<r>/ folders)")
     return sorted(found, key=_rank_number)
+
+
+# A run's name is its kind plus, when it is one of several, a start time (train_moe-20261124-094143).
+_STAMP = re.compile(r"-(\d{8}-\d{6})(?:-(\d+))?$")  # -2, -3: a second run started in the same second
+
+
+@dataclass
+class Run:
+    """One experiment directory of a dump root."""
+
+    name: str
+    path: Path
+    time: float     # its newest manifest's modification time
+    ranks: int      # process folders
+
+    @property
+    def kind(self) -> str:
+        return _STAMP.sub("", self.name)
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.time))
+        return f"{self.name} ({when}, {self.ranks} rank{'s' if self.ranks != 1 else ''})"
+
+
+class RunsError(ValueError):
+    """A dump root holds runs of different kinds: which one to read is the caller's choice."""
+
+    def __init__(self, root: Path, runs: list, flag: str = "exp_name="):
+        self.root, self.runs, self.flag = root, runs, flag
+        super().__init__(f"{root} holds {len(runs)} runs of different kinds: {_listing(runs)}; "
+                         f"pick one with {flag}NAME or pass its folder")
+
+
+def runs(root: str | Path) -> list[Run]:
+    """The experiment directories of a dump root (those with process folders), oldest first:
+    by the start time in their names, then by their last write."""
+    root = Path(root)
+    found = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        ranks = _with_manifest(folder)
+        if ranks:
+            found.append(Run(folder.name, folder, max(_mtime(d / MANIFEST) for d in ranks), len(ranks)))
+    return sorted(found, key=lambda r: (*_started(r.name), r.time))
+
+
+def _started(name: str) -> tuple:
+    """(start time, number within that second) from a run's name; ("", 0) without them."""
+    m = _STAMP.search(name)
+    return (m[1], int(m[2] or 1)) if m else ("", 0)
+
+
+def choose(path: str | Path, exp_name: str | None = None) -> tuple[Path, list]:
+    """The folder to read under ``path`` and the runs it was chosen from (empty unless a
+    dump root held several).  A rank or experiment directory is itself; ``exp_name``
+    picks ``path/exp_name``; of a dump root's runs the latest is taken when all are runs
+    of one kind (their names differ in the start time only), else :class:`RunsError`
+    lists them."""
+    root = Path(path)
+    if (root / MANIFEST).exists() or _with_manifest(root):  # not is_file(): a FIFO there is an error later
+        return root, []
+    if exp_name is not None:
+        if not (root / exp_name).is_dir() and (found := runs(root)):
+            raise FileNotFoundError(f"no run {exp_name!r} under {root} (its runs: {_listing(found)})")
+        return root / exp_name, []
+    found = runs(root)
+    if len(found) <= 1:
+        return (found[0].path if found else root), []
+    if len({r.kind for r in found}) > 1:
+        raise RunsError(root, found)
+    return found[-1].path, found
+
+
+def choose_for_cli(path, exp_name, prog: str, flag: str = "--exp-name ") -> Path:
+    """:func:`choose` for a command line: errors name ``flag``, and when it took the latest
+    of several runs a note on stderr says which and lists the others."""
+    try:
+        folder, found = choose(path, exp_name)
+    except RunsError as exc:
+        raise RunsError(exc.root, exc.runs, flag) from None
+    if found:
+        others = [r for r in found if r.path != folder]
+        print(f"{prog}: {Path(path)} holds {len(found)} runs; reading the latest, {folder.name} "
+              f"(others: {_listing(others)}; pick one with {flag}NAME)", file=sys.stderr)
+    return folder
+
+
+def _listing(found: list, most: int = 8) -> str:
+    """Runs for a one-line message, the newest first."""
+    shown_runs = [r.describe() for r in reversed(found)]
+    more = len(shown_runs) - most
+    return ", ".join(shown_runs[:most]) + (f" and {more} older" if more > 0 else "")
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _with_manifest(folder: Path) -> list:
@@ -322,8 +410,9 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m source_patch.runtime.dump.reader",
                                      description="Summarise a dump directory.")
-    parser.add_argument("dir", help="a dump root, an experiment directory or a rank directory")
-    parser.add_argument("--exp-name")
+    parser.add_argument("dir", help="a dump root (its latest run, when its runs are of one kind), "
+                        "an experiment (run) directory or a rank directory")
+    parser.add_argument("--exp-name", metavar="NAME", help="the run (experiment directory) to read under a dump root")
     parser.add_argument("--name", action="append", help="fnmatch glob (repeatable)")
     parser.add_argument("--step", type=int, action="append")
     parser.add_argument("--rank", type=int, action="append")
@@ -331,10 +420,10 @@ def main(argv=None) -> int:
     parser.add_argument("--phase", action="append")
     args = parser.parse_args(argv)
     try:
-        records = load(args.dir, name=args.name, step=args.step, rank=args.rank, layer=args.layer,
-                       phase=args.phase, exp_name=args.exp_name)
+        folder = choose_for_cli(args.dir, args.exp_name, "reader")
+        records = load(folder, name=args.name, step=args.step, rank=args.rank, layer=args.layer, phase=args.phase)
     except (OSError, ValueError) as exc:  # DumpError is a ValueError
-        print(exc, file=sys.stderr)
+        print(f"reader: {exc}", file=sys.stderr)
         return 1
     print(summary(records))
     return 0

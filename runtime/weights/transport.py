@@ -120,7 +120,7 @@ def open_group(host: str, port: int, rank: int, world_size: int, group_name: str
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    store = _store(host, port, rank, world_size, timeout)
+    store = rendezvous_store(host, port, rank, world_size, timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
                                          PrefixStore(group_name, store), group_name=group_name,
                                          backend_options=None, timeout=timeout)
@@ -128,8 +128,9 @@ def open_group(host: str, port: int, rank: int, world_size: int, group_name: str
     return group
 
 
-def _store(host: str, port: int, rank: int, world_size: int, timeout: timedelta):
-    """Rank 0 serves the rendezvous store, the others connect to it.  torch's server
+def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta):
+    """Rank 0 serves the rendezvous store, the others connect to it (also usable for a
+    default group: ``init_process_group(store=...)``).  torch's server
     listens on every interface whatever ``host`` says, so it is handed a socket bound
     to ``host`` alone.  (torch's rendezvous() served none at all under torchrun, which
     sets TORCHELASTIC_USE_AGENT_STORE: every rank became a client.)"""

@@ -11,12 +11,16 @@ SwiGLU experts, softmax top-k routing with the chosen probabilities renormalised
 weights go through :func:`names.from_hf`, the inverse of the mapping weight sync uses
 in the other direction, so a round trip is tested by construction.
 
+Under expert parallelism each rank builds its share of the experts and loads its own
+(local expert i of EP rank r is the checkpoint's expert ``r * local + i``).
+
 On CPU it needs the ``megatron_cpu`` spec, as any Megatron model there.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -67,11 +71,14 @@ def _rope_theta(hf: dict) -> float:
 
 def build(checkpoint, *, load: bool = True, **overrides):
     """A GPTModel with the checkpoint's architecture (and weights, unless ``load=False``).
-    Megatron's parallel state must be initialised (tensor/expert parallel size 1)."""
+    Megatron's parallel state must be initialised (tensor parallel size 1; expert
+    parallel size as initialised)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     hf = hf_config(checkpoint)
+    overrides.setdefault("expert_model_parallel_size", parallel_state.get_expert_model_parallel_world_size())
     config = transformer_config(hf, **overrides)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=True, normalization="RMSNorm")
@@ -96,16 +103,34 @@ def load_checkpoint(model, checkpoint) -> None:
 def load_state(model, hf: dict) -> None:
     """Every parameter from Hugging Face-named tensors; every checkpoint tensor must be used."""
     layout = Layout.from_config(model.config)
+    first, count = _local_experts(model.config)
     used = set()
     with torch.no_grad():
         for name, param in model.named_parameters():
+            name = _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{first + int(m[2])}.", name)  # its global expert
             tensor = from_hf(name, tuple(param.shape), hf, layout)
             param.copy_(tensor)
             used.update(n for n in hf if n.startswith(_prefix_of(name)))
-    unused = sorted(n for n in hf if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    elsewhere = {n for n in hf if (m := _HF_EXPERT.search(n)) and not first <= int(m[1]) < first + count}
+    unused = sorted(n for n in hf if n not in used and n not in elsewhere and not n.endswith("rotary_emb.inv_freq"))
     if unused:
         raise ValueError(f"checkpoint tensors with no Megatron parameter: {', '.join(unused[:8])}"
                          f"{' ...' if len(unused) > 8 else ''}")
+
+
+_LOCAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)\.")
+_HF_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+
+
+def _local_experts(config) -> tuple:
+    """(first global expert of this rank, how many it holds): all of them without EP."""
+    experts = config.num_moe_experts or 0
+    if (config.expert_model_parallel_size or 1) == 1:
+        return 0, experts
+    from megatron.core import parallel_state
+
+    count = experts // config.expert_model_parallel_size
+    return parallel_state.get_expert_model_parallel_rank() * count, count
 
 
 def _prefix_of(name: str) -> str:
@@ -115,8 +140,9 @@ def _prefix_of(name: str) -> str:
 
 
 def logits(model, tokens) -> torch.Tensor:
-    """Forward only, no cache: ``[batch, tokens, vocab]`` logits of equal-length ``tokens``."""
-    ids = torch.as_tensor(tokens, dtype=torch.long)
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    """Forward only, no cache: ``[batch, tokens, vocab]`` logits of equal-length ``tokens``
+    (on the model's device)."""
+    ids = torch.as_tensor(tokens, dtype=torch.long, device=next(model.parameters()).device)
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     with torch.no_grad():
         return model(ids, positions, attention_mask=None)
