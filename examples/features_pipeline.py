@@ -97,7 +97,7 @@ def feature_store(kind: str, run: Path):
 
 
 def drive(args) -> None:
-    from source_patch.patcher.sglang_harness import SGLangServer, tiny_checkpoint
+    from source_patch.testing.sglang import SGLangServer, tiny_checkpoint
 
     run = Path(args.out).resolve() / time.strftime("features-%Y%m%d-%H%M%S")
     run.mkdir(parents=True)

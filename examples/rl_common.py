@@ -12,7 +12,7 @@ in Ray's workers too).
 
 from __future__ import annotations
 
-from source_patch.patcher.sglang_harness import SGLangServer, tiny_checkpoint  # noqa: F401 - the harness, here only
+from source_patch.testing.sglang import SGLangServer, tiny_checkpoint  # noqa: F401 - the harness, here only
 
 GROUP = "source_patch_weights"
 PROMPTS = [[5, 9, 2, 7, 7, 1], [300, 4, 8], [11, 12, 13, 14]]

@@ -42,7 +42,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=8)
     cli = p.parse_args()
 
-    from source_patch.patcher.sglang_harness import SGLangEngine, tiny_checkpoint
+    from source_patch.testing.sglang import SGLangEngine, tiny_checkpoint
 
     run = Path(cli.out).resolve() / time.strftime("rollout-%Y%m%d-%H%M%S")
     print(f"checkpoint: {(model := tiny_checkpoint())}")

@@ -108,7 +108,7 @@ def instrumented_sglang(sglang_cpu, sglang_server, tmp_path_factory):
     and features cover every token."""
     from types import SimpleNamespace
 
-    from source_patch.patcher.sglang_harness import free_port
+    from source_patch.testing.sglang import free_port
 
     root = tmp_path_factory.mktemp("instrumented")
     trace_port, token = free_port(), "instrumented-test-token"

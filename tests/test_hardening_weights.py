@@ -246,7 +246,7 @@ def engine(sglang_server):
     from safetensors.torch import load_file
     from test_weight_sync_engine import checkpoint_config
 
-    from source_patch.patcher.sglang_harness import tiny_checkpoint
+    from source_patch.testing.sglang import tiny_checkpoint
 
     checkpoint = tiny_checkpoint(**checkpoint_config())
     server = sglang_server(specs=["weight_sync"], args=["--skip-server-warmup", "--disable-radix-cache"],

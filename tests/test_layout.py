@@ -73,22 +73,29 @@ def test_the_layout_has_the_documented_subpackages():
     assert "`integrations/`" in architecture, "docs/architecture.md does not describe integrations/"
 
 
-def integration_imports(*roots: Path) -> list:
-    """Imports of source_patch.integrations anywhere under ``roots`` (the runtime and the
-    patcher: integrations depend on them, never the other way)."""
+def imports_of(package: str, *roots: Path) -> list:
+    """Imports of source_patch.<package> anywhere under ``roots``, lazy ones included."""
+    names = (f"source_patch.{package}", package)
     return [f"{path.relative_to(root.parent)}:{node.lineno}" for root in roots for path in _sources(root)
             for node in ast.walk(ast.parse(path.read_text(), str(path)))
             if isinstance(node, (ast.Import, ast.ImportFrom))
-            and any(n.startswith("source_patch.integrations") or n.startswith("integrations")
+            and any(n == m or n.startswith(m + ".") for m in names
                     for n in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]))]
 
 
 def test_the_runtime_and_the_patcher_import_no_integration(tmp_path):
-    bad = integration_imports(RUNTIME, RUNTIME.parent / "patcher")
+    bad = imports_of("integrations", RUNTIME, RUNTIME.parent / "patcher")
     assert not bad, "the runtime's core stays free of orchestrators:\n" + "\n".join(bad)
     (tmp_path / "core").mkdir()
     (tmp_path / "core" / "x.py").write_text("def f():\n    from source_patch.integrations import ray\n")
-    assert integration_imports(tmp_path) == [f"{tmp_path.name}/core/x.py:2"]  # the check can fail
+    assert imports_of("integrations", tmp_path) == [f"{tmp_path.name}/core/x.py:2"]  # the check can fail
+
+
+def test_test_support_stays_out_of_the_import_time_package():
+    """testing/ (engine harness, pytest plugin) uses the patcher and the runtime; neither imports it."""
+    bad = imports_of("testing", RUNTIME, RUNTIME.parent / "patcher")
+    assert not bad, "the patcher and the runtime never import source_patch.testing:\n" + "\n".join(bad)
+    assert "`testing/`" in (Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
 
 
 def test_capabilities_depend_on_core_only():
@@ -196,7 +203,6 @@ PATCHER_TO_RUNTIME = {
     ("cli", "core/settings_doc"),  # the `settings` command
     ("cli", "dump/compare"),  # the `compare` command's entry
     ("cli", "replay"),  # the `replay` command's entry
-    ("sglang_harness", "core/endpoint"),  # free_port, for tests' engines (test support)
 }
 
 

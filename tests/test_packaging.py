@@ -29,7 +29,8 @@ def test_wheel_contents(tmp_path):
     assert "source_patch/runtime/core/events.py" in runtime and runtime <= names, sorted(runtime - names)
     assert not any(n.startswith(("patcher/", "runtime/", "tests/")) for n in names)  # no generic top-level names
     assert "source-patch = source_patch.patcher.cli:main" in entry_points
-    assert "source_patch = source_patch.patcher.pytest_plugin" in entry_points
+    assert "source_patch = source_patch.testing.pytest_plugin" in entry_points
+    assert "source_patch/testing/sglang.py" in names
 
 
 def test_the_hook_costs_one_lookup_when_unset():

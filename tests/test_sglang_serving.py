@@ -37,7 +37,7 @@ def test_the_offline_engine_generates_the_same(sglang_engine, hf_qwen3):
 
 def test_a_server_that_cannot_start_is_reported_with_its_log(sglang_checkpoint, tmp_path):
     """The harness never hangs on a dead server, and says why it died."""
-    from source_patch.patcher.sglang_harness import EngineError, SGLangServer
+    from source_patch.testing.sglang import EngineError, SGLangServer
 
     with pytest.raises(EngineError, match=r"did not start(.|\n)*no-such-flag"):
         SGLangServer(sglang_checkpoint, args=["--no-such-flag"], workdir=tmp_path, timeout=120)

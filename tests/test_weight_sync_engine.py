@@ -61,7 +61,7 @@ def trainer_ranks(tmp: Path, port: int) -> list:
 def synced(sglang_server, tmp_path_factory):
     """The orchestration an RL framework does over HTTP, step after step; what the
     server generated and served after each update."""
-    from source_patch.patcher.sglang_harness import tiny_checkpoint
+    from source_patch.testing.sglang import tiny_checkpoint
 
     tmp = tmp_path_factory.mktemp("weight-sync-engine")
     model = tiny_checkpoint(**checkpoint_config())

@@ -1,6 +1,6 @@
 """A real SGLang engine for tests and examples, isolated in processes of its own.
 
-    from source_patch.patcher.sglang_harness import SGLangServer, SGLangEngine, tiny_checkpoint
+    from source_patch.testing.sglang import SGLangServer, SGLangEngine, tiny_checkpoint
 
     model = tiny_checkpoint()                                   # a tiny random Qwen3-MoE, cached
     with SGLangServer(model, specs=["moe"]) as server:   # python -m sglang.launch_server
@@ -14,7 +14,7 @@ take the caller (pytest) with it; close() ends the whole group.  Specs reach SGL
 spawned scheduler processes through SOURCE_PATCH and the start hook; ``sglang_cpu``
 is always added, so the engine runs on a CPU-only machine.  The driver speaks JSON
 lines on its stdin/stdout (no pickle).  pytest users get the ``sglang_checkpoint``,
-``sglang_server`` and ``sglang_engine`` fixtures (patcher/pytest_plugin.py).
+``sglang_server`` and ``sglang_engine`` fixtures (testing/pytest_plugin.py).
 
 Importing this module imports nothing heavy; the checkpoint is built in a subprocess.
 """
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
     elif argv[:1] == ["engine"]:
         _drive_engine(json.loads(argv[1]), argv[2])
     else:
-        print("usage: python -m source_patch.patcher.sglang_harness checkpoint JSON | engine KWARGS REPLIES",
+        print("usage: python -m source_patch.testing.sglang checkpoint JSON | engine KWARGS REPLIES",
               file=sys.stderr)
         return 2
     return 0

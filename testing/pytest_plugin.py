@@ -7,7 +7,7 @@ and the ``source_patch_import`` fixture for patched-module tests:
     def test_capture(source_patch_import):
         moe_utils = source_patch_import("megatron.core.transformer.moe.moe_utils", "moe")
 
-A real SGLang engine with specs active in its processes (patcher/sglang_harness.py;
+A real SGLang engine with specs active in its processes (testing/sglang.py;
 skipped when SGLang is not installed; ``sglang_cpu`` is always added):
 
     def test_routes(sglang_server):
@@ -39,8 +39,8 @@ def pytest_load_initial_conftests(early_config, parser, args):
     refs = early_config.known_args_namespace.source_patch
     if not refs:
         return
-    from .activation import activate
-    from .errors import SourcePatchError
+    from source_patch.patcher.activation import activate
+    from source_patch.patcher.errors import SourcePatchError
 
     try:
         early_config._source_patch_activation = activate(refs)
@@ -61,7 +61,7 @@ def source_patch_import(tmp_path_factory):
 
     The already-imported module (if any) and ``sys.modules`` are left untouched.
     """
-    from .activation import import_patched_copy
+    from source_patch.patcher.activation import import_patched_copy
 
     cache_dir = tmp_path_factory.mktemp("source-patch-cache")
 
@@ -99,14 +99,14 @@ def _need_sglang():
 def sglang_checkpoint():
     """The tiny random Qwen3-MoE checkpoint (and tokenizer) the engine fixtures serve."""
     _need_sglang()
-    from .sglang_harness import tiny_checkpoint
+    from .sglang import tiny_checkpoint
 
     return tiny_checkpoint()
 
 
 def _shared(kind: str, checkpoint, tmp_path_factory):
     """A factory of engines of ``kind`` shared by equal arguments; all closed at the end."""
-    from . import sglang_harness
+    from . import sglang as harness
 
     started: dict = {}
 
@@ -116,7 +116,7 @@ def _shared(kind: str, checkpoint, tmp_path_factory):
                repr(sorted(options.items())))
         if key not in started:
             workdir = tmp_path_factory.mktemp(f"sglang-{kind}")
-            cls = sglang_harness.SGLangServer if kind == "server" else sglang_harness.SGLangEngine
+            cls = harness.SGLangServer if kind == "server" else harness.SGLangEngine
             extra = {"args": args} if kind == "server" else {"engine_args": dict(args or {})}
             started[key] = cls(model or checkpoint, specs=specs, env=env, workdir=workdir, **extra, **options)
         return started[key]
