@@ -35,8 +35,8 @@ right padding (left padding and gaps between packed samples are only in the mask
 be up to ``missing_tail`` tokens shorter than the sample's length in the layout;
 those tail positions get the filler and count as not valid.
 
-Over 400 lines on purpose: the batch layout, the alignment that uses it and the
-diff report over its result are one algorithm; splitting would scatter its invariants.
+The batch layout, the alignment that uses it and the diff report over its result
+are one algorithm, kept in one module so its invariants stay in one place.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ unchanged, with one ``RuntimeWarning`` per process and cause.  Outside any sched
 each forward is its own microbatch (``_free_key``), so a bare model's forwards are
 recorded one record each and replayed in the same order.
 
-Over 400 lines on purpose: capture and replay share the per-step state machine
+Capture and replay live together: they share the per-step state machine
 (schedule, microbatch, recompute bookkeeping) that both must agree on.
 """
 

@@ -26,9 +26,9 @@ CLI::
 
     python -m source_patch.runtime.routing.record FILE
 
-Over 400 lines on purpose: the record is one contract (model, file format, CP/SP
-slicing checked against Megatron's helpers, RouterReplay interop, inspect CLI) and
-changes to it must be read together.
+The record is one contract (model, file format, CP/SP slicing checked against
+Megatron's helpers, RouterReplay interop, inspect CLI) whose changes must be read
+together, so it is one module.
 """
 
 from __future__ import annotations

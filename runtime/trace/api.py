@@ -31,8 +31,8 @@ Design (see docs/trace.md):
 * Failures are counted, logged once per kind, and never raised into training, except
   a call site's own programming error (a value that is not a tensor).
 
-Over 400 lines on purpose: the hot path, the publisher thread and their shared
-queue and locks are one concurrency unit.
+The hot path, the publisher thread and their shared queue and locks are one
+concurrency unit, so they live in one module.
 """
 
 from __future__ import annotations

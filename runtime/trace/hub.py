@@ -17,8 +17,8 @@ LOCAL_RANK``.  The protocol (v2) is in docs/trace.md; in short:
 
 This module imports ``websockets`` only when a hub starts.
 
-Over 400 lines on purpose: the hub's protocol (auth, subscriptions, per-client
-queues, static page) runs on one event loop with state shared by all handlers.
+The hub's protocol (auth, subscriptions, per-client queues, static page) runs on
+one event loop with state shared by all handlers, so it lives in one module.
 """
 
 from __future__ import annotations

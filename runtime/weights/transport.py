@@ -36,8 +36,8 @@ update with WeightSyncTimeout / WeightSyncError and marks the link broken (the
 group is then unusable: create a new one).  A checksum mismatch or a rejected
 manifest leaves the link usable: all ranks still run every step of the protocol.
 
-Over 400 lines on purpose: sender and receivers implement the two ends of one wire
-protocol (manifest, buckets, checksums, versions) and must be read side by side.
+Sender and receivers implement the two ends of one wire protocol (manifest,
+buckets, checksums, versions) and are read side by side, in one module.
 """
 
 from __future__ import annotations
