@@ -38,7 +38,10 @@ def __getattr__(name: str):
 
     if name in _EXPORTS:
         module, attr = _EXPORTS[name]
-        value = getattr(import_module(f"{__name__}.{module}"), attr)
+        imported = import_module(f"{__name__}.{module}")
+        value = getattr(imported, attr)
+        if module == "activation":  # the API's first use: SOURCE_PATCH set too late is said here
+            imported.warn_env_after_start()
     elif name in _SUBMODULES:
         value = import_module(f"{__name__}.{name}")
     else:

@@ -99,6 +99,11 @@ def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
     already active is a no-op.  ``cache_dir`` applies when this call installs the
     finder; later calls share the installed finder's cache.
     """
+    warn_env_after_start()
+    return _activate(specs, cache_dir)
+
+
+def _activate(specs, cache_dir) -> Activation:
     if isinstance(specs, (str, os.PathLike)):
         specs = [specs]
     loaded = [s if isinstance(s, spec_mod.Spec) else spec_mod.load(s) for s in specs]
@@ -117,6 +122,38 @@ def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
     for s in new:
         finder.add(s)
     return Activation(finder, new, found)
+
+
+_env_said = False
+
+
+def env_after_start(environ=os.environ) -> str | None:
+    """Why SOURCE_PATCH as it is now does nothing in this process (None: it does what it
+    says): it is read once, by the start hook, so setting or changing it later (say,
+    ``os.environ`` in the script) patches only the children started afterwards."""
+    startup = sys.modules.get(f"{__package__}.startup")
+    ran = startup is not None and startup._done
+    if ran and startup.seen is None:
+        return None  # the start hook is activating now
+    value, seen = environ.get(ENV, ""), startup.seen if ran else ""
+    if value == seen or not (split_refs(value) or split_refs(seen)):
+        return None
+    if not ran:
+        return (f"{ENV}={show(value)} is set, but the start hook did not run in this process: it was set "
+                f"after the interpreter started (or the hook is not installed: source-patch hook status), "
+                f"so nothing is patched by it here, only in children started from now on. Set it before "
+                f"Python starts, or call source_patch.patcher.activate(...) before the first import of a target")
+    return (f"{ENV} changed after start-up (from {show(seen) or 'unset'} to {show(value) or 'unset'}): this "
+            f"process keeps what it activated at start-up; only children started from now on see the change")
+
+
+def warn_env_after_start() -> None:
+    """Say env_after_start's reason once per process."""
+    global _env_said
+    reason = None if _env_said else env_after_start()
+    if reason:
+        _env_said = True
+        warnings.warn(f"source-patch: {reason}", SourcePatchWarning, stacklevel=3)
 
 
 def _check_targets(specs: list[spec_mod.Spec], strict: bool) -> dict[str, str | None] | None:
@@ -260,7 +297,7 @@ def activate_from_env(environ=os.environ, *, remember: bool = False) -> Activati
         for path in paths:
             texts.append(spec_mod.read_text(Path(path)))
             specs.append(spec_mod.compiled(texts[-1], path))
-        activation = activate(specs)
+        activation = _activate(specs, None)
         if remember and activation.found is not None and activation.specs == list(dict.fromkeys(specs)):
             boot.write(paths, texts, activation.found)
         if flag(environ, REPORT):
@@ -356,3 +393,6 @@ def print_report(activation: Activation) -> None:
 def _say(line: str) -> None:
     with contextlib.suppress(Exception):  # no stderr (pythonw), a closed pipe: the finder still stops the run
         print(line, file=sys.stderr, flush=True)
+
+
+warn_env_after_start()  # the first import of the activation API (activate, patched, the pytest plugin)

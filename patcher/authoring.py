@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import difflib
 import json
+import sys
 
 import libcst as cst
 import yaml
@@ -19,8 +20,9 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from .engine import _qualnames, _ScopeCollector
 from .errors import SourcePatchError
-from .locate import find_source
+from .locate import find_source_hinted
 from .patterns import Pattern
+from .requires import installed_version
 from .spec import _DOTTED_RE, _ID_RE, _TARGET_RE, MODULE_TARGET
 
 ARGS_LIMIT = 60  # a call's arguments longer than this print as `...`
@@ -36,7 +38,7 @@ def anchors(target: str, against: str | None = None) -> str:
     if not sep or not module or not qualname:
         raise SourcePatchError(f"expected MODULE:QUALNAME (or MODULE:{MODULE_TARGET}), "
                                f"got {target!r}")
-    path = find_source(module, against)
+    path = find_source_hinted(module, against)
     tree = cst.parse_module(path.read_bytes())  # bytes: libcst honours a coding declaration
     positions = MetadataWrapper(tree, unsafe_skip_copy=True).resolve(PositionProvider)
     defs = _qualnames(tree)
@@ -228,7 +230,44 @@ def skeleton(name: str, module: str | None = None, target: str | None = None) ->
                                f"or {MODULE_TARGET}")
     pid = (target if target != MODULE_TARGET else "module").lstrip("_") or "patch"
     return _SKELETON.format(name=_scalar(name), module=module, target=target, pid=_scalar(pid),
-                            event=name)
+                            event=name, requires=_requires_block(module))
+
+
+_DISTRIBUTIONS = {"megatron": "megatron-core", "sglang": "sglang"}  # when no metadata says so
+
+
+def derived_requirement(module: str) -> tuple[str, str] | None:
+    """(distribution, ">=major.minor" of its installed version) for a module's top-level
+    package; None for the standard library, or when the distribution or its version is unknown."""
+    from importlib import metadata
+
+    from packaging.version import InvalidVersion, Version
+
+    top = module.partition(".")[0]
+    if top in sys.stdlib_module_names:
+        return None
+    dists = metadata.packages_distributions().get(top) or [_DISTRIBUTIONS.get(top)]
+    for dist in filter(None, dists):
+        try:
+            release = Version(installed_version(dist) or "").release
+        except InvalidVersion:
+            continue
+        return dist, ">=" + ".".join(map(str, release[:2]))
+    return None
+
+
+def _requires_block(module: str) -> str:
+    """The patch's ``requires`` lines: the installed distribution of ``module`` as a lower bound
+    (a patch gated on the wrong distribution would never apply), else a commented example."""
+    if module.partition(".")[0] in sys.stdlib_module_names:
+        return "    # requires: none (the standard library)\n"
+    found = derived_requirement(module)
+    if found is None:
+        return ("    # requires:                     # none derived: the module's distribution or its\n"
+                "    #   your-distribution: \">=1.0\"  # version is unknown here; name it if it has one\n")
+    dist, wanted = found
+    return (f"    requires:                       # this patch only: when unmet, the patch is skipped\n"
+            f"      {dist}: \"{wanted}\"          # the installed release, as a lower bound\n")
 
 
 def _scalar(text: str) -> str:
@@ -255,9 +294,7 @@ patches:
     # target: a function, Class.method, outer.inner, or <module> (top-level code)
     target: {target}
     description: What this patch does.
-    requires:                       # this patch only: when unmet, the patch is skipped
-      megatron-core: ">=0.16"
-    on_drift: error                 # anchors no longer match upstream: error (the import
+{requires}    on_drift: error                 # anchors no longer match upstream: error (the import
                                     # fails) | warn (skip this patch, warn) | skip (silently)
     edits:
       # Anchor kinds (at:), each described in docs/spec.md#edits:

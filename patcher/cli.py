@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import os
 import site
 import sys
@@ -15,9 +16,11 @@ import sysconfig
 from pathlib import Path
 
 from . import spec as spec_mod
-from .boot import ENV
+from typing import NamedTuple
+
+from .boot import ENV, STRICT, flag
 from .errors import AnchorError, SourcePatchError, shorten
-from .locate import dist_version, find_source
+from .locate import dist_version, find_source_hinted
 from .requires import unmet, unmet_requirement
 
 _COLORS = {"+": "\033[32m", "-": "\033[31m", "@": "\033[36m"}
@@ -37,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="source-patch", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"source-patch {_version()}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     def command(name, func, help_text, specs=True, against=True):
@@ -52,8 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     command("diff", _diff, "print the unified diff each spec makes to its target modules") \
         .add_argument("--color", choices=("auto", "always", "never"), default="auto")
     command("check", _check, "check that every anchor still matches: exit 1 if one does not, "
-            "3 if a spec's requirement is unmet")
-    command("list", _list, "list specs, their patches, targets and anchors", against=False)
+            "3 if a spec's requirement is unmet (the import would fail or skip it)") \
+        .add_argument("--json", action="store_true", help="one JSON object instead of lines")
+    command("list", _list, "list specs, their patches, targets and anchors", against=False) \
+        .add_argument("--json", action="store_true", help="a JSON list instead of lines")
     anchors = command("anchors", _anchors, "list a function's statements, calls and returns with "
                       "their lines, as patterns ready to paste into a spec", specs=False)
     anchors.add_argument("target", metavar="MODULE:QUALNAME", help="e.g. megatron.core.transformer."
@@ -89,6 +95,14 @@ def _parser() -> argparse.ArgumentParser:
               "exit 1 past the threshold, 2 if they cannot be compared (see docs/compare.md)")
     delegated("replay", _replay, "replay a rollout's tokens through the Megatron twin of its checkpoint under "
               "the dump spec: training-side dumps, then compare if asked (see docs/compare.md)")
+    delegated("dumps", _dumps, "summarise a dump directory (python -m source_patch.runtime.dump.reader)")
+    delegated("trace", _trace, "record a live trace stream, or read a recording back "
+              "(python -m source_patch.runtime.trace.client)")
+    delegated("stream-status", _stream_status, "the feature stream's counts "
+              "(python -m source_patch.runtime.features.stream status)")
+    completion = command("completion", _completion, "print a shell completion script: "
+                         "eval \"$(source-patch completion bash)\"", specs=False, against=False)
+    completion.add_argument("shell", choices=("bash",))
     settings = command("settings", _settings, "print every runtime setting (key, environment variable, "
                        "default, meaning) as Markdown", specs=False, against=False)
     settings.add_argument("--write", metavar="FILE", help="write it to FILE instead (docs/settings.md)")
@@ -111,6 +125,54 @@ def _compare(args) -> int:
     return compare.main(args.args, prog="source-patch compare")
 
 
+def _dumps(args) -> int:
+    from source_patch.runtime.dump import reader
+
+    return reader.main(args.args, prog="source-patch dumps")
+
+
+def _trace(args) -> int:
+    from source_patch.runtime.trace import client
+
+    return client.main(args.args, prog="source-patch trace")
+
+
+def _stream_status(args) -> int:
+    from source_patch.runtime.features import stream
+
+    return stream.main(["status", *args.args], prog="source-patch stream-status")
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("source-patch")
+    except metadata.PackageNotFoundError:  # a source tree on the path, not installed
+        return "(not installed)"
+
+
+_BASH = """_source_patch() {{
+    local cur=${{COMP_WORDS[COMP_CWORD]}}
+    if [ "$COMP_CWORD" -eq 1 ]; then
+        COMPREPLY=($(compgen -W "{commands} --version --help" -- "$cur"))
+    elif [[ "$cur" == -* ]]; then
+        COMPREPLY=($(compgen -W "--help --against --json --color" -- "$cur"))
+    else
+        COMPREPLY=($(compgen -f -- "$cur"))
+    fi
+}}
+complete -o filenames -F _source_patch source-patch
+"""
+
+
+def _completion(args) -> int:
+    """Commands from the parser itself, so the script never lists a stale one."""
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    sys.stdout.write(_BASH.format(commands=" ".join(commands)))
+    return 0
+
+
 def _replay(args) -> int:
     from source_patch.runtime import replay  # light; its worker process imports Megatron
 
@@ -121,26 +183,48 @@ def _load_all(refs: list[str]) -> list[spec_mod.Spec]:
     return [spec_mod.load(r) for r in refs]
 
 
-def _by_module(specs: list[spec_mod.Spec], against: str | None,
-               gated: list | None = None) -> dict[str, list[spec_mod.Patch]]:
-    """Patches by target module, leaving out (into ``gated``) those whose own
-    ``requires`` the installed (or ``against``) upstream does not meet."""
-    out: dict[str, list[spec_mod.Patch]] = {}
+class _Plan(NamedTuple):
+    """What an import of the installed (or ``against``) upstream would do with the specs."""
+
+    by_module: dict  # module -> the patches that apply to it (on_drift: error, to see every problem)
+    notes: list  # one line per spec or patch left out, with its reason
+    unmet: bool  # a spec's own requires is unmet, or (strict) a module gets none of a spec's patches
+
+
+def _plan(specs: list[spec_mod.Spec], against: str | None) -> _Plan:
+    """Patches by target module, as the import decides them: a spec whose own ``requires``
+    is unmet is left out (on_unmet: error makes the import fail), and a patch whose own
+    ``requires`` is unmet is gated; when that leaves a module none of a spec's patches,
+    the import warns (an error under SOURCE_PATCH_STRICT=1)."""
+    by_module: dict[str, list[spec_mod.Patch]] = {}
+    notes, unmet_any = [], False
     for s in specs:
+        problem = unmet_requirement(s, against)
+        if problem:
+            effect = "importing a target fails" if s.on_unmet == "error" else "skipped"
+            notes.append(f"skipped spec {shorten(s.name)} ({shorten(s.file)}): {problem} "
+                         f"(on_unmet: {s.on_unmet}: {effect})")
+            unmet_any = True
+        mine: dict[str, list] = {}
         for p in s.patches:
-            reason = unmet(p.requires, against)
-            if reason:
-                if gated is not None:
-                    gated.append((p, reason))
+            mine.setdefault(p.module, []).append((p, unmet(p.requires, against)))
+        for module, patches in mine.items():
+            applies = [dataclasses.replace(p, on_drift="error") for p, reason in patches if not reason]
+            word = "gated" if applies or problem else "skipped"  # skipped: the import says so
+            notes += [f"{word} {shorten(p.id)} ({shorten(module)}): {reason}" for p, reason in patches if reason]
+            if problem:
                 continue
-            out.setdefault(p.module, []).append(dataclasses.replace(p, on_drift="error"))
-    return out
+            if applies:
+                by_module.setdefault(module, []).extend(applies)
+            elif flag(os.environ, STRICT):
+                unmet_any = True
+    return _Plan(by_module, notes, unmet_any)
 
 
 def _rewrite(module: str, patches, against: str | None):
     from .engine import rewrite  # imports libcst: only commands that rewrite pay for it
 
-    path = find_source(module, against)
+    path = find_source_hinted(module, against)
     source = path.read_text(encoding="utf-8")
     top = module.partition(".")[0]
     result = rewrite(source, patches, module=module, file=str(path),
@@ -150,8 +234,11 @@ def _rewrite(module: str, patches, against: str | None):
 
 def _diff(args) -> int:
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    status = 0
-    for module, patches in _by_module(_load_all(args.specs), args.against).items():
+    plan = _plan(_load_all(args.specs), args.against)
+    for note in plan.notes:
+        print(f"source-patch: {note}", file=sys.stderr)
+    status = UNMET if plan.unmet else 0
+    for module, patches in plan.by_module.items():
         try:
             path, source, result = _rewrite(module, patches, args.against)
         except SourcePatchError as exc:
@@ -176,38 +263,57 @@ def _relative(path: Path, module: str) -> str:
     return "/".join(path.parts[-depth:])
 
 
-BROKEN, UNMET = 1, 3  # exit codes of check (2: a bad spec or usage, as every command)
+BROKEN, UNMET = 1, 3  # exit codes of check and diff (2: a bad spec or usage, as every command)
 
 
 def _check(args) -> int:
-    status = 0
     specs = _load_all(args.specs)
-    for s in specs:
-        problem = unmet_requirement(s, args.against)
-        ok = "requirements met" if s.requires else "no requirements"
-        print(f"spec {shorten(s.name)} ({shorten(s.file)}): {problem or ok}")
-        if problem and s.on_unmet == "error":
-            status = UNMET
-    gated: list = []
-    by_module = _by_module(specs, args.against, gated)
-    for patch, reason in gated:
-        print(f"gated {shorten(patch.id)} ({shorten(patch.module)}): {reason}")
-    for module, patches in by_module.items():
-        try:
-            path, _, result = _rewrite(module, patches, args.against)
-        except AnchorError as exc:
-            print(f"FAIL {exc}")
-            status = BROKEN
-            continue
-        except SourcePatchError as exc:
-            print(f"FAIL {shorten(module)}: {exc}")
-            status = BROKEN
-            continue
-        print(f"ok   {shorten(module)} ({path}, {dist_version(module.partition('.')[0], args.against)})")
-        for patch, edit, lines in result.hits:
-            print(f"       {shorten(patch.id)}: {edit.describe()} -> line{'s' if len(lines) > 1 else ''} "
-                  f"{', '.join(map(str, lines))}")
+    plan = _plan(specs, args.against)
+    status = UNMET if plan.unmet else 0
+    modules = []
+    for module, patches in plan.by_module.items():
+        modules.append(_check_module(module, patches, args.against))
+        status = BROKEN if modules[-1]["error"] else status
+    report = {"specs": [{"name": s.name, "file": s.file, "unmet": unmet_requirement(s, args.against)}
+                        for s in specs], "notes": plan.notes, "modules": modules, "exit": status}
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        _print_check(specs, report)
     return status
+
+
+def _check_module(module: str, patches, against: str | None) -> dict:
+    """One module's verdict: where each edit lands, or the error."""
+    out = {"module": module, "error": None, "path": None, "version": None, "hits": []}
+    try:
+        path, _, result = _rewrite(module, patches, against)
+    except AnchorError as exc:
+        out["error"] = str(exc)
+        return out
+    except SourcePatchError as exc:
+        out["error"] = f"{shorten(module)}: {exc}"
+        return out
+    out.update(path=str(path), version=dist_version(module.partition(".")[0], against),
+               hits=[{"patch": p.id, "edit": e.describe(), "lines": lines} for p, e, lines in result.hits])
+    return out
+
+
+def _print_check(specs, report: dict) -> None:
+    for s, row in zip(specs, report["specs"]):
+        ok = "requirements met" if s.requires else "no requirements"
+        print(f"spec {shorten(s.name)} ({shorten(s.file)}): {row['unmet'] or ok}")
+    for note in report["notes"]:
+        print(note)
+    for m in report["modules"]:
+        if m["error"]:
+            print(f"FAIL {m['error']}")
+            continue
+        print(f"ok   {shorten(m['module'])} ({m['path']}, {m['version']})")
+        for hit in m["hits"]:
+            lines = hit["lines"]
+            print(f"       {shorten(hit['patch'])}: {hit['edit']} -> line{'s' if len(lines) > 1 else ''} "
+                  f"{', '.join(map(str, lines))}")
 
 
 def _anchors(args) -> int:
@@ -267,7 +373,11 @@ Upstream's own test suites run plain and under every spec configuration:
 
 
 def _list(args) -> int:
-    for s in _load_all(args.specs):
+    specs = _load_all(args.specs)
+    if args.json:
+        print(json.dumps([_spec_json(s) for s in specs], indent=1))
+        return 0
+    for s in specs:
         print(f"{shorten(s.name)}  ({shorten(s.file)})")
         if s.description:
             print(f"  {s.description.strip()}")
@@ -276,9 +386,20 @@ def _list(args) -> int:
         for p in s.patches:
             print(f"  {shorten(p.id)}: {shorten(p.module)}:{shorten(p.target)}")
             for e in p.edits:
-                count = "" if e.at == "entry" else f" (count: {'all' if e.count is None else e.count})"
-                print(f"    {e.describe()}{count}")
+                print(f"    {e.describe()}{'' if e.at == 'entry' else f' (count: {_count(e)})'}")
     return 0
+
+
+def _count(edit) -> str:
+    return "all" if edit.count is None else str(edit.count)
+
+
+def _spec_json(s: spec_mod.Spec) -> dict:
+    return {"name": s.name, "file": s.file, "description": s.description, "requires": dict(s.requires),
+            "on_unmet": s.on_unmet,
+            "patches": [{"id": p.id, "module": p.module, "target": p.target, "requires": dict(p.requires),
+                         "edits": [{"at": e.at, "anchor": e.describe(), "count": _count(e)} for e in p.edits]}
+                        for p in s.patches]}
 
 
 def _run(args) -> int:

@@ -12,6 +12,7 @@ executes it with the runtime handle in the module's namespace.
 from __future__ import annotations
 
 import importlib.machinery
+import os
 import importlib.util
 import sys
 import warnings
@@ -20,7 +21,8 @@ from types import CodeType, ModuleType
 from typing import NamedTuple
 
 from .cache import CodeCache, TargetLookup, slice_parts, spec_names
-from .errors import ActivationError, RequirementError
+from .boot import STRICT, flag
+from .errors import ActivationError, RequirementError, SourcePatchWarning
 from .requires import judge, site_dir_of
 from .spec import Patch, Spec
 
@@ -87,6 +89,7 @@ class PatchFinder:
         self.imported: set[str] = set()  # targets seen by an import
         self.skipped: list[Skipped] = []
         self.applied_dists: set[str] = set()  # distributions required by applied patches
+        self._warned: set[int] = set()  # patches whose skip was said (once per process)
 
     # -- registry
 
@@ -172,18 +175,36 @@ class PatchFinder:
                                        f"skip in the spec to allow that)")
             if problem:
                 warnings.warn(f"source-patch: skipping spec {spec.name!r} for {fullname}: {problem}",
-                              stacklevel=2)
+                              SourcePatchWarning, stacklevel=2)
                 self.skipped += [Skipped(p, problem) for p in mine]
                 continue
+            skipped = []
             for patch in mine:
                 reason = self._unmet(patch.requires, site_dir)
                 if reason:
-                    self.skipped.append(Skipped(patch, reason))
+                    skipped.append(Skipped(patch, reason))
                 else:
                     out.append(patch)
                     if spec.requires or patch.requires:
                         self.applied_dists.update(d for d, _ in spec.requires + patch.requires)
+            self.skipped += skipped
+            if skipped and len(skipped) == len(mine):
+                self._say_skipped(fullname, skipped)
         return out
+
+    def _say_skipped(self, fullname: str, skipped: list[Skipped]) -> None:
+        """None of a spec's patches of an imported module applies: a gate that leaves
+        the module untouched is most likely a wrong ``requires``, so say it (once)."""
+        for s in skipped:
+            if id(s.patch) in self._warned:
+                continue
+            self._warned.add(id(s.patch))
+            message = (f"source-patch: patch {s.patch.id!r} of spec {s.patch.spec_name!r} "
+                       f"({s.patch.location.file}:{s.patch.location.line}) does not apply to {fullname}: {s.reason}; "
+                       f"no patch of that spec applies to the module")
+            if flag(os.environ, STRICT):
+                raise RequirementError(message)
+            warnings.warn(f"{message} ({STRICT}=1 makes this an error)", SourcePatchWarning, stacklevel=2)
 
     def _unmet(self, requires, site_dir: str | None) -> str | None:
         """Why ``requires`` do not hold near the target's site directory (None: they do),

@@ -44,6 +44,17 @@ def find_source(module: str, against: str | None = None) -> Path:
     return Path(spec.origin)
 
 
+def find_source_hinted(module: str, against: str | None = None) -> Path:
+    """find_source, naming the nearest modules when it fails (the CLI's dry runs)."""
+    try:
+        return find_source(module, against)
+    except NotFound as exc:
+        near = nearest_modules(exc)
+        if not near:
+            raise
+        raise NotFound(f"{exc}; nearest: {', '.join(near)}", exc.missing, exc.locations) from None
+
+
 def _find_spec(name: str, locations, only_path: bool):
     if locations is not None:
         spec = _path_entry_spec(name, locations)

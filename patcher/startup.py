@@ -20,18 +20,22 @@ import sys
 from . import boot
 
 _done = False
+seen = None  # SOURCE_PATCH as the start-up left it (activation.py tells a later change by it)
 
 
 def run() -> None:
-    global _done
+    global _done, seen
     if _done:
         return
     _done = True
-    if from_record(os.environ):
-        return
-    from .activation import activate_from_env
+    try:
+        if from_record(os.environ):
+            return
+        from .activation import activate_from_env
 
-    activate_from_env(remember=True)
+        activate_from_env(remember=True)
+    finally:
+        seen = os.environ.get(boot.ENV, "")
 
 
 def from_record(environ) -> bool:

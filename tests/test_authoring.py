@@ -211,7 +211,7 @@ def test_the_skeleton_is_yaml_with_the_1_1_fields():
     assert data["source_patch"] == 1.1 and data["name"] == "my-spec"
     (patch,) = data["patches"]
     assert patch["module"] == "your_package.your_module" and patch["target"] == "your_function"
-    assert patch["requires"] == {"megatron-core": ">=0.16"} and patch["on_drift"] == "error"
+    assert "requires" not in patch and patch["on_drift"] == "error"  # unknown module: none derived
     (edit,) = patch["edits"]
     assert edit["at"] == "entry"
     ast.parse(edit["code"])
@@ -240,7 +240,7 @@ def test_the_skeleton_loads_with_the_spec_loader():
     spec = spec_module.loads(skeleton("my-spec", module="a.b", target="f"))
     (patch,) = spec.patches
     assert (spec.name, patch.module, patch.target, patch.on_drift) == ("my-spec", "a.b", "f", "error")
-    assert patch.requires == (("megatron-core", ">=0.16"),)
+    assert patch.requires == ()  # a.b: no distribution known, none derived
     assert [e.at for e in patch.edits] == ["entry"]
 
 

@@ -203,6 +203,9 @@ PATCHER_TO_RUNTIME = {
     ("cli", "core/settings_doc"),  # the `settings` command
     ("cli", "dump/compare"),  # the `compare` command's entry
     ("cli", "replay"),  # the `replay` command's entry
+    ("cli", "dump/reader"),  # the `dumps` command's entry
+    ("cli", "trace/client"),  # the `trace` command's entry
+    ("cli", "features/stream"),  # the `stream-status` command's entry
 }
 
 

@@ -405,10 +405,10 @@ def summary(records: list[Record]) -> str:
     return "\n".join(lines + [foot])
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = "python -m source_patch.runtime.dump.reader") -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m source_patch.runtime.dump.reader",
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Summarise a dump directory.")
     parser.add_argument("dir", help="a dump root (its latest run, when its runs are of one kind), "
                         "an experiment (run) directory or a rank directory")

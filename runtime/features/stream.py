@@ -845,8 +845,8 @@ def status(db_path, stream_path=None) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m source_patch.runtime.features.stream",
+def main(argv=None, prog: str = "python -m source_patch.runtime.features.stream") -> int:
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="the feature ref stream and its control plane")
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="counts: committed, in flight, acked, lost; stream size and offset")

@@ -341,8 +341,8 @@ def _token(args) -> tuple[str, str | None]:
     return target, token
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m source_patch.runtime.trace.client",
+def main(argv=None, prog: str = "python -m source_patch.runtime.trace.client") -> int:
+    p = argparse.ArgumentParser(prog=prog,
                                 description="Record a live trace stream, and read recordings back.")
     sub = p.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="subscribe and write frames to a file")
