@@ -13,6 +13,7 @@ import ast
 import difflib
 import json
 import sys
+from typing import NamedTuple
 
 import libcst as cst
 import yaml
@@ -32,8 +33,10 @@ _BODY_MARK = "__source_patch_body__"  # stands in for a compound statement's bod
 # --------------------------------------------------------------------------- anchors
 
 
-def anchors(target: str, against: str | None = None) -> str:
-    """The anchors of ``MODULE:QUALNAME`` (``MODULE:<module>`` for top-level code)."""
+def anchors(target: str, against: str | None = None, as_json: bool = False):
+    """The anchors of ``MODULE:QUALNAME`` (``MODULE:<module>`` for top-level code): a
+    listing to read, or with ``as_json`` the same as a dict (file, target, lines, and per
+    kind the anchors with their line, pattern, how many candidates it matches, or a note)."""
     module, sep, qualname = target.partition(":")
     if not sep or not module or not qualname:
         raise SourcePatchError(f"expected MODULE:QUALNAME (or MODULE:{MODULE_TARGET}), "
@@ -42,14 +45,20 @@ def anchors(target: str, against: str | None = None) -> str:
     tree = cst.parse_module(path.read_bytes())  # bytes: libcst honours a coding declaration
     positions = MetadataWrapper(tree, unsafe_skip_copy=True).resolve(PositionProvider)
     defs = _qualnames(tree)
-    if qualname == MODULE_TARGET:
-        span = f"lines 1-{max(len(tree.code.splitlines()), 1)}"
-        return _Listing(tree, tree, positions).render(f"{path}: {qualname} ({span})")
-    node = _find(defs, qualname, path, positions)
-    span = f"lines {positions[node].start.line}-{positions[node].end.line}"
+    node = tree if qualname == MODULE_TARGET else _find(defs, qualname, path, positions)
+    lines = (1, max(len(tree.code.splitlines()), 1)) if node is tree else \
+        (positions[node].start.line, positions[node].end.line)
+    head = {"file": str(path), "target": qualname, "lines": list(lines)}
     if isinstance(node, cst.ClassDef):
-        return _methods(defs, qualname, positions, f"{path}: {qualname} (class, {span})")
-    return _Listing(tree, node, positions).render(f"{path}: {qualname} ({span})")
+        methods = _methods(defs, qualname, positions)
+        if as_json:
+            return {**head, "kind": "class", "methods": [{"line": l, "name": n} for l, n in methods]}
+        return "\n".join([f"{path}: {qualname} (class, lines {lines[0]}-{lines[1]})",
+                          f"methods (target one as {qualname}.NAME):", *_rows(methods)]) + "\n"
+    listing = _Listing(tree, node, positions)
+    if as_json:
+        return {**head, "kind": "module" if node is tree else "function", **listing.data()}
+    return listing.render(f"{path}: {qualname} (lines {lines[0]}-{lines[1]})")
 
 
 def _find(defs: dict, qualname: str, path, positions) -> cst.CSTNode:
@@ -65,14 +74,12 @@ def _find(defs: dict, qualname: str, path, positions) -> cst.CSTNode:
     return nodes[0]
 
 
-def _methods(defs: dict, qualname: str, positions, header: str) -> str:
-    """A class is no target: list what inside it is."""
+def _methods(defs: dict, qualname: str, positions) -> list[tuple[int, str]]:
+    """A class is no target: (line, name) of what inside it is."""
     prefix = qualname + "."
     children = sorted((positions[n].start.line, name, n) for name, nodes in defs.items()
                       if name.startswith(prefix) and "." not in name[len(prefix):] for n in nodes)
-    rows = [(line, name + ("  (class)" if isinstance(n, cst.ClassDef) else ""))
-            for line, name, n in children]
-    return "\n".join([header, f"methods (target one as {qualname}.NAME):", *_rows(rows)]) + "\n"
+    return [(line, name + ("  (class)" if isinstance(n, cst.ClassDef) else "")) for line, name, n in children]
 
 
 def _section(title: str, rows: list[tuple[int, str]], empty: str = "") -> list[str]:
@@ -82,6 +89,16 @@ def _section(title: str, rows: list[tuple[int, str]], empty: str = "") -> list[s
 def _rows(rows: list[tuple[int, str]]) -> list[str]:
     width = max((len(str(line)) for line, _ in rows), default=1)
     return [f"  {line:>{width}}  {text}" for line, text in rows]
+
+
+class Anchor(NamedTuple):
+    """One anchor of a listing: its line, the pattern that matches it (None: none can,
+    ``note`` says why) and how many candidates of the scope that pattern matches."""
+
+    line: int
+    pattern: str | None
+    matches: int
+    note: str | None
 
 
 class _Listing:
@@ -106,21 +123,33 @@ class _Listing:
                         "returns: none (use at: after on the last statement)")
         return "\n".join(out) + "\n"
 
+    def data(self) -> dict:
+        """The listing as data: {"statements", "calls", "returns"}: [Anchor as a dict]."""
+        kinds = {"statements": (self.scope.statements, False), "calls": (self.scope.calls, True),
+                 "returns": (self.scope.returns, False)}
+        return {kind: [self.anchor(n, call)._asdict() for n in nodes] for kind, (nodes, call) in kinds.items()}
+
     def row(self, node, call: bool) -> tuple[int, str]:
+        a = self.anchor(node, call)
+        if a.pattern is None:
+            return a.line, f"# {a.note}"
+        shown = json.dumps(a.pattern)
+        if a.matches > 1:
+            kind = "calls" if call else "statements"
+            shown += f"   # matches {a.matches} {kind}: use count: {a.matches} or a more specific pattern"
+        return a.line, shown
+
+    def anchor(self, node, call: bool) -> "Anchor":
+        line = self.positions[node].start.line
         if node is self.docstring:  # its pattern would be the whole text: say what it is
-            return self.positions[node].start.line, "# docstring (at: entry goes after it)"
-        code = self.tree.code_for_node(node)
-        text = pattern_for(node, code, call)
+            return Anchor(line, None, 0, "docstring (at: entry goes after it)")
+        text = pattern_for(node, self.tree.code_for_node(node), call)
         if text is None:  # the matcher cannot express `try:` / `match x:` headers, nor a
             # call whose source does not parse alone (a method chain broken across lines)
-            note = ("# no pattern can match this call; anchor on its statement" if call else
-                    "# no pattern can match this statement; anchor on one inside it")
-            return self.positions[node].start.line, note
-        shown, k = json.dumps(text), self.count(text, call)
-        if k > 1:
-            kind = "calls" if call else "statements"
-            shown += f"   # matches {k} {kind}: use count: {k} or a more specific pattern"
-        return self.positions[node].start.line, shown
+            note = ("no pattern can match this call; anchor on its statement" if call else
+                    "no pattern can match this statement; anchor on one inside it")
+            return Anchor(line, None, 0, note)
+        return Anchor(line, text, self.count(text, call), None)
 
     def count(self, text: str, call: bool) -> int:
         """How many candidates of this scope the pattern matches, as the engine counts them."""

@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
                       "their lines, as patterns ready to paste into a spec", specs=False)
     anchors.add_argument("target", metavar="MODULE:QUALNAME", help="e.g. megatron.core.transformer."
                          "moe.router:TopKRouter.routing (or MODULE:<module>)")
+    anchors.add_argument("--json", action="store_true", help="one JSON object (line, pattern, matches per anchor)")
     new = command("new", _new, "write a commented skeleton spec", specs=False, against=False)
     new.add_argument("name", help="the spec's name; written to NAME.yaml unless -o is given")
     new.add_argument("--module", help="the module to patch")
@@ -319,7 +320,8 @@ def _print_check(specs, report: dict) -> None:
 def _anchors(args) -> int:
     from .authoring import anchors
 
-    print(anchors(args.target, args.against))
+    result = anchors(args.target, args.against, as_json=args.json)
+    print(json.dumps(result, indent=1) if args.json else result)
     return 0
 
 

@@ -3,6 +3,7 @@
 dry runs suggest the nearest names, and the command line's own flags."""
 
 import importlib
+import json
 import importlib.metadata
 import os
 import subprocess
@@ -249,3 +250,19 @@ def test_bash_completion_lists_every_command(capsys):
     for command in ("check", "diff", "anchors", "dumps", "trace", "stream-status", "completion", "--version"):
         assert f" {command} " in script or f'"{command} ' in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_anchors_json_holds_what_the_listing_shows(capsys):
+    from source_patch.patcher import cli
+
+    assert cli.main(["anchors", "--json", "json.decoder:JSONDecoder.decode"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "function" and data["target"] == "JSONDecoder.decode"
+    assert data["statements"][0]["pattern"] is None and "docstring" in data["statements"][0]["note"]
+    assert [r["pattern"] for r in data["returns"]] == ["return obj"] and data["returns"][0]["matches"] == 1
+    assert cli.main(["anchors", "json.decoder:JSONDecoder.decode"]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"  {a['line']}  " in listing for a in data["statements"] + data["calls"])
+    assert cli.main(["anchors", "--json", "json.decoder:JSONDecoder"]) == 0
+    assert [m["name"] for m in json.loads(capsys.readouterr().out)["methods"]] == [
+        "JSONDecoder.__init__", "JSONDecoder.decode", "JSONDecoder.raw_decode"]
