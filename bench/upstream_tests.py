@@ -1,14 +1,25 @@
 """Upstream's own tests, plain and under every source-patch configuration (issue 30).
 
     python bench/upstream_tests.py [--tests DIR] [--cpu] [--files F ...] [--jobs N] [--json OUT.json]
+    python bench/upstream_tests.py --framework sglang --cpu [--engine] [--tests DIR]
 
-DIR is a folder of Megatron-LM's test files for the installed megatron-core release
-(``tests/unit_tests/...``, as ``../shared/upstream/megatron-lm/core_v0.16.1``), or a
+Megatron-Core: DIR is a folder of Megatron-LM's test files for the installed megatron-core
+release (``tests/unit_tests/...``, as ``../shared/upstream/megatron-lm/core_v0.16.1``), or a
 folder holding ``megatron-lm/core_v*`` folders: then the one matching the installed
 release is taken (same version, else the newest of the same minor). Default: the
 environment variable SOURCE_PATCH_UPSTREAM_TESTS, else ``../shared/upstream`` next to
-the checkout. Nothing is fetched and nothing is copied: pytest reads the folder in place
-and runs in a work folder (--work, else a temporary one), writing nothing into it.
+the checkout.
+
+SGLang (``--framework sglang``, or a DIR holding ``test/``): DIR is a folder of SGLang's
+test files (``test/registered/...``) for the installed release, or a folder holding
+``v<release>`` folders (same matching). Default: SOURCE_PATCH_UPSTREAM_SGLANG_TESTS, else
+``../upstream-sglang`` next to the checkout. ``upstream_sglang/focus.py`` beside this file
+(ours, reported apart) runs beside them: focused calls of the SGLang functions our specs
+patch, and with ``--engine`` a real SGLang server started by SGLang's own
+``popen_launch_server``.
+
+Nothing is fetched and nothing is copied: pytest reads the folder in place and runs in a
+work folder (--work, else a temporary one), writing nothing into it.
 
 Each configuration is a fresh pytest process with a JUnit XML report:
 
@@ -20,11 +31,12 @@ Each configuration is a fresh pytest process with a JUnit XML report:
     trace        ... trace on, a client subscribed to every name
     weight_sync  ... weight sync on, no engine joined
 
-``--cpu`` adds ``megatron_cpu`` to every configuration (plain included), hides the GPUs
-and runs a smaller file list. The output: outcomes per configuration, every test whose
-outcome differs from plain with its cause, per file how many tests reached real test
-code (not skipped, and not failing in every configuration alike), and what this
-harness adapted for the machine (alike in every configuration). Exit status 1 when an
+``--cpu`` adds ``megatron_cpu`` (SGLang: ``sglang_cpu``) to every configuration (plain
+included), hides the GPUs (Megatron) and runs a smaller file list. The output: outcomes
+per configuration, every test whose outcome differs from plain with its cause, per file
+how many tests reached real test code (not skipped, and not failing in every
+configuration alike), and what this harness adapted for the machine (alike in every
+configuration). Exit status 1 when an
 outcome differs, a configuration did not run, or the adaptations were not alike.
 docs/upstream_tests.md has the results.
 
@@ -55,6 +67,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ENV_TESTS = "SOURCE_PATCH_UPSTREAM_TESTS"
+ENV_SGLANG_TESTS = "SOURCE_PATCH_UPSTREAM_SGLANG_TESTS"
 SPECS = "moe,dump,trace,weight_sync"
 OUTCOMES = ("passed", "failed", "error", "skipped")
 
@@ -67,6 +80,10 @@ CPU_FILES = ["tests/unit_tests/transformer/moe/test_router_replay.py",
              "tests/unit_tests/transformer/moe/test_moe_layer.py",
              "tests/unit_tests/transformer/moe/test_routers.py",
              "tests/unit_tests/transformer/moe/test_sequential_mlp.py"]
+# SGLang's CPU folder (its top-k and MoE-router kernel tests) and unit tests of the modules our
+# specs touch (MoE layers, model runner, weight updaters), as exported; then our focused runs.
+SGLANG_FILES = ["test/registered/cpu", "test/registered/unit"]
+FOCUS = HERE / "upstream_sglang" / "focus.py"
 
 
 # ------------------------------------------------------------------ the pytest plugin
@@ -97,18 +114,28 @@ ADAPTATIONS = {
                 "allocate on the current device; tests marked for CUDA are still skipped)",
     "cpu-seed": "tensor_parallel.model_parallel_cuda_manual_seed(seed) seeds the CPU generator and leaves the "
                 "CUDA RNG tracker empty (megatron_cpu's fork() then runs on the CPU generator)",
+    "datasets": "datasets is a stub whose load_dataset raises (not installed; sglang.test.test_utils imports "
+                "sglang.benchmark, which imports it; no selected test loads a dataset)",
+    "sglang-cpu": "SOURCE_PATCH holds sglang_cpu in every configuration, plain included (import sglang needs it "
+                  "on a CPU-only torch); CUDA_VISIBLE_DEVICES is left unset (sglang.test.test_utils indexes its "
+                  "first character; this machine has no GPU)",
+    "sglang-path": "the interpreter's folder leads PATH (SGLang's popen_launch_server starts `sglang serve`)",
 }
 
 
 def pytest_load_initial_conftests(early_config, parser, args):
     """Adapt upstream's test environment to this machine before its conftest imports (the
     harness passes -p upstream_tests)."""
-    applied = ["dataset", "gc", "port"]
-    _stub_dataset_download()
-    applied += _stub_six() + _no_te_no_fa() + _bind_te_general_gemm()
-    if os.environ.get("SP_UPSTREAM_CPU") == "1":
-        applied += ["cpu-spec"] + _cpu(early_config)
-    gc.disable()  # collected at each file's end (pytest_runtest_teardown): the same points in every run
+    if os.environ.get("SP_UPSTREAM_FRAMEWORK") == "sglang":
+        applied = ["sglang-path"] + _stub_datasets()
+        applied += ["sglang-cpu"] if os.environ.get("SP_UPSTREAM_CPU") == "1" else []
+    else:
+        applied = ["dataset", "gc", "port"]
+        _stub_dataset_download()
+        applied += _stub_six() + _no_te_no_fa() + _bind_te_general_gemm()
+        if os.environ.get("SP_UPSTREAM_CPU") == "1":
+            applied += ["cpu-spec"] + _cpu(early_config)
+        gc.disable()  # collected at each file's end (pytest_runtest_teardown): the same points in every run
     if os.environ.get("SP_UPSTREAM_APPLIED"):
         Path(os.environ["SP_UPSTREAM_APPLIED"]).write_text("\n".join(applied))
 
@@ -116,7 +143,7 @@ def pytest_load_initial_conftests(early_config, parser, args):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield
-    if nextitem is None or nextitem.module is not item.module:
+    if not gc.isenabled() and (nextitem is None or nextitem.module is not item.module):
         gc.collect()
 
 
@@ -141,6 +168,20 @@ def _stub_six() -> list:
     six = sys.modules["six"] = types.ModuleType("six")
     six.PY2, six.PY3 = False, True
     return ["six"]
+
+
+def _stub_datasets() -> list:
+    import types
+
+    if importlib.util.find_spec("datasets") is not None:
+        return []
+
+    def load_dataset(*args, **kwargs):
+        raise RuntimeError("datasets is a stub of bench/upstream_tests.py (not installed)")
+
+    sys.modules["datasets"] = types.ModuleType("datasets")
+    sys.modules["datasets"].load_dataset = load_dataset
+    return ["datasets"]
 
 
 def _no_te_no_fa() -> list:
@@ -201,27 +242,49 @@ def _cpu_seed():
 # ------------------------------------------------------------------ the harness
 
 
-def find_tests(given: str | None) -> Path | None:
-    """The release folder to run: --tests, else $SOURCE_PATCH_UPSTREAM_TESTS, else ../shared/upstream."""
+def find_tests(given: str | None, framework: str = "megatron") -> Path | None:
+    """The release folder to run: --tests, else $SOURCE_PATCH_UPSTREAM_TESTS (SGLang:
+    $SOURCE_PATCH_UPSTREAM_SGLANG_TESTS), else ../shared/upstream (SGLang: ../upstream-sglang)."""
+    if framework == "sglang":
+        root = Path(given or os.environ.get(ENV_SGLANG_TESTS) or ROOT.parent / "upstream-sglang").resolve()
+        if (root / "test").is_dir():
+            return root
+        return release_folder(root, installed_version("sglang"), framework)
     root = Path(given or os.environ.get(ENV_TESTS) or ROOT.parent / "shared" / "upstream").resolve()
     if (root / "tests" / "unit_tests").is_dir():
         return root
-    return release_folder(root, megatron_version())
+    return release_folder(root, installed_version("megatron"))
 
 
-def megatron_version() -> str | None:
+def detect_framework(given: str | None) -> str:
+    """sglang for a folder of SGLang's tests (test/, or v<release>/test/), else megatron."""
+    root = Path(given) if given else None
+    if root and ((root / "test").is_dir() or any(root.glob("v*/test"))):
+        return "sglang"
+    return "megatron"
+
+
+def installed_version(framework: str) -> str | None:
     import importlib.metadata
 
     try:
-        return importlib.metadata.version("megatron-core")
+        return importlib.metadata.version({"megatron": "megatron-core"}.get(framework, framework))
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def release_folder(root: Path, version: str | None) -> Path | None:
-    """root/megatron-lm/core_v<version>, else the newest core_v<major.minor>.* there."""
-    folders = {p.name[len("core_v"):]: p for p in (root / "megatron-lm").glob("core_v*")
-               if (p / "tests" / "unit_tests").is_dir()}
+def megatron_version() -> str | None:
+    return installed_version("megatron")
+
+
+def release_folder(root: Path, version: str | None, framework: str = "megatron") -> Path | None:
+    """root/megatron-lm/core_v<version> (SGLang: root/v<version>), else the newest of the
+    same major.minor there."""
+    if framework == "sglang":
+        folders = {p.name[1:]: p for p in root.glob("v*") if (p / "test").is_dir()}
+    else:
+        folders = {p.name[len("core_v"):]: p for p in (root / "megatron-lm").glob("core_v*")
+                   if (p / "tests" / "unit_tests").is_dir()}
     if not version or not folders:
         return None
     if version in folders:
@@ -235,19 +298,23 @@ def _version_key(v: str):
     return tuple(int(x) if x.isdigit() else 0 for x in v.split("."))
 
 
-def configurations(work: Path, cpu: bool) -> dict:
+def configurations(work: Path, cpu: bool, framework: str = "megatron") -> dict:
     """name -> environment changes; specs inert unless a configuration turns one capability on."""
-    base = "megatron_cpu," if cpu else ""
+    base = f"{framework}_cpu," if cpu else ""
     # dump.yaml and trace.yaml turn themselves on: off here; their folders in `work` regardless
     inert = {"SOURCE_PATCH": base + SPECS, "SOURCE_PATCH_DUMP_ENABLE": "0", "SOURCE_PATCH_TRACE_ENABLE": "0",
              "SOURCE_PATCH_DUMP_DIR": str(work / "dumps"), "SOURCE_PATCH_TRACE_DIR": str(work / "trace")}
-    routes = str(work / "routes")
+    # Megatron's routing settings and SGLang's (per request, written when it finishes): each
+    # framework reads only its own
+    routes, sglang_routes = str(work / "routes"), str(work / "sglang-routes")
     return {
         "plain": {"SOURCE_PATCH": base.rstrip(",")},
         "inert": inert,
         "dump": {**inert, "SOURCE_PATCH_DUMP_ENABLE": "1"},
-        "capture": {**inert, "SOURCE_PATCH_ROUTING_MODE": "capture", "SOURCE_PATCH_ROUTING_DIR": routes},
-        "replay": {**inert, "SOURCE_PATCH_ROUTING_MODE": "replay", "SOURCE_PATCH_ROUTING_DIR": routes},
+        "capture": {**inert, "SOURCE_PATCH_ROUTING_MODE": "capture", "SOURCE_PATCH_ROUTING_DIR": routes,
+                    "SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "SOURCE_PATCH_SGLANG_ROUTING_DIR": sglang_routes},
+        "replay": {**inert, "SOURCE_PATCH_ROUTING_MODE": "replay", "SOURCE_PATCH_ROUTING_DIR": routes,
+                   "SOURCE_PATCH_SGLANG_ROUTING_MODE": "replay", "SOURCE_PATCH_SGLANG_ROUTING_REPLAY": sglang_routes},
         "trace": {**inert, "SOURCE_PATCH_TRACE_ENABLE": "1", "SOURCE_PATCH_TRACE_PORT": str(free_port()),
                   "SOURCE_PATCH_TRACE_TOKEN": secrets.token_hex(16), "SOURCE_PATCH_TRACE_WAIT": "60"},
         # no engine ever joins: a push gives up after timeout_s and training goes on (on_error: log)
@@ -263,15 +330,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(changes: dict, folder: Path, cpu: bool, cache: Path) -> dict:
+def child_env(changes: dict, folder: Path, cpu: bool, cache: Path, framework: str = "megatron",
+              engine: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("SOURCE_PATCH") and k not in ("PYTHONWARNINGS", "PYTEST_ADDOPTS")}
     env.update({k: v for k, v in changes.items() if v})
     # this plugin; upstream's `tests` and `megatron.training` (megatron is a namespace package)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), str(folder), os.environ.get("PYTHONPATH")]))
     env.update(PYTHONDONTWRITEBYTECODE="1", SOURCE_PATCH_CACHE=str(cache), SP_UPSTREAM_CPU="1" if cpu else "0",
-               MASTER_PORT=str(free_port()))
-    if cpu:
+               MASTER_PORT=str(free_port()), SP_UPSTREAM_FRAMEWORK=framework, SP_UPSTREAM_ENGINE="1" if engine else "0")
+    if framework == "sglang":
+        env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
+        if cpu:
+            env.update(OMP_NUM_THREADS="1")
+    elif cpu:
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     return env
 
@@ -301,12 +373,19 @@ def run_pytest(folder: Path, files: list, env: dict, xml: Path, timeout: float) 
 def parse_junit(path: Path) -> dict:
     out = {}
     for case in ET.parse(path).getroot().iter("testcase"):
-        test = f"{case.get('classname')}::{case.get('name')}" if case.get("classname") else case.get("name")
+        classname, file = case.get("classname") or "", case.get("file") or ""
+        if not classname and "bench/" in file:  # our focused runs, outside the rootdir: no class name
+            classname = "bench." + file.rsplit("bench/", 1)[1].removesuffix(".py").replace("/", ".")
+        test = f"{classname}::{case.get('name')}" if classname else case.get("name")
         outcome, cause = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed"}.get(child.tag, child.tag)
                 cause = first_line(child.get("message") or child.text or "")
+                if "retry() exceed" in cause:  # SGLang's CustomTestCase wraps the cause: its first E line
+                    inner = [ln[1:].strip() for ln in (child.text or "").splitlines()
+                             if ln.startswith("E ") and "retry() exceed" not in ln]
+                    cause = inner[0][:300] if inner else cause
                 break
         out[test] = (outcome, cause)
     return out
@@ -338,18 +417,20 @@ class TraceClient:
 
 
 def run_all(folder: Path, files: list, cpu: bool, names: list, timeout: float, work: Path,
-            deadline: float, jobs: int) -> dict:
+            deadline: float, jobs: int, framework: str = "megatron", engine: bool = False) -> dict:
     """Every configuration in `names`, up to `jobs` at once; replay after all others (it needs capture's)."""
-    configs, cache, end = configurations(work, cpu), work / "spcache", time.monotonic() + deadline
+    configs, cache, end = configurations(work, cpu, framework), work / "spcache", time.monotonic() + deadline
 
     def one(name):
         left = end - time.monotonic()
         if left < 30:
             print(f"-- {name}: not run (the --deadline is spent)", flush=True)
             return name, None
-        env = child_env(configs[name], folder, cpu, cache)
+        env = child_env(configs[name], folder, cpu, cache, framework, engine)
         if name == "replay" and not (work / "routes").exists():
             env.pop("SOURCE_PATCH_ROUTING_DIR")  # capture recorded nothing: replay has no records
+        if name == "replay":  # SGLang's replay reads capture's folder, records or none
+            (work / "sglang-routes").mkdir(exist_ok=True)
         env["SP_UPSTREAM_APPLIED"] = str(work / f"{name}.applied")
         client = TraceClient(env, work) if name == "trace" else None
         res = run_pytest(folder, files, env, work / f"{name}.xml", min(timeout, left))
@@ -358,7 +439,7 @@ def run_all(folder: Path, files: list, cpu: bool, names: list, timeout: float, w
         if client is not None:
             res["client"] = client.stop()
         if name == "capture":
-            res["records"] = count_records(work / "routes")
+            res["records"] = count_records(work / "routes") + len(list((work / "sglang-routes").rglob("*.safetensors")))
         counts = Counter(o for o, _ in res["outcomes"].values())
         print(f"-- {name} (SOURCE_PATCH={env.get('SOURCE_PATCH', '')!r}): {res['status']}, {res['seconds']:.0f} s: "
               + ", ".join(f"{counts[o]} {o}" for o in OUTCOMES), flush=True)
@@ -410,15 +491,18 @@ def test_file(test: str) -> str:
     head = test.split("::")[0]
     if head.endswith(".py"):
         return head
+    if head.startswith("bench."):  # our focused runs (SGLang)
+        return head.replace(".", "/") + ".py"
     parts = head.split(".")
     while parts and not parts[-1].startswith("test_"):
         parts.pop()
     return "/".join(parts) + ".py" if parts else head
 
 
-def report(folder: Path, results: dict, names: list, cpu: bool) -> tuple[str, dict]:
-    lines = [f"upstream tests: {folder.name} ({time.strftime('%Y-%m-%d')}, megatron-core {megatron_version()}, "
-             f"{'CPU, megatron_cpu in every configuration' if cpu else _device()})", "",
+def report(folder: Path, results: dict, names: list, cpu: bool, framework: str = "megatron") -> tuple[str, dict]:
+    package = {"megatron": "megatron-core"}.get(framework, framework)
+    lines = [f"upstream tests: {folder.name} ({time.strftime('%Y-%m-%d')}, {package} {installed_version(framework)}, "
+             f"{f'CPU, {framework}_cpu in every configuration' if cpu else _device()})", "",
              "| configuration | passed | failed | error | skipped | differ from plain | seconds |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     diffs = differences(results)
@@ -440,15 +524,19 @@ def report(folder: Path, results: dict, names: list, cpu: bool) -> tuple[str, di
     lines += ["", "| file | tests | reached real test code |", "| --- | ---: | ---: |"]
     lines += [f"| {file} | {n} | {ok} |" for file, (n, ok) in per_file.items()]
     total = sum(ok for _, ok in per_file.values())
-    lines += [f"| all | {sum(n for n, _ in per_file.values())} | {total} |", "",
-              "adapted for this machine, alike in every configuration:"]
+    upstream = sum(ok for f, (_, ok) in per_file.items() if not f.startswith("bench/"))
+    lines += [f"| all | {sum(n for n, _ in per_file.values())} | {total} |"]
+    if upstream != total:
+        lines += ["", f"of which upstream's own tests: {upstream}; ours (bench/, focused runs): {total - upstream}"]
+    lines += ["", "adapted for this machine, alike in every configuration:"]
     applied = {name: r["applied"] for name, r in results.items()}
     alike = len({tuple(a) for a in applied.values()}) == 1
     lines += [f"- {ADAPTATIONS[key]}" for key in ADAPTATIONS if key in applied.get("plain", [])]
     if not alike:
         lines += [f"- NOT ALIKE: {name}: {' '.join(a)}" for name, a in applied.items()]
-    summary = {"folder": str(folder), "megatron_core": megatron_version(), "cpu": cpu,
-               "differences": [list(d) for d in diffs], "reached": total,
+    summary = {"folder": str(folder), "framework": framework, "version": installed_version(framework), "cpu": cpu,
+               "megatron_core": megatron_version(), "differences": [list(d) for d in diffs], "reached": total,
+               "reached_upstream": upstream,
                "reached_per_file": {f: ok for f, (_, ok) in per_file.items()},
                "counts": {name: dict(Counter(o for o, _ in r["outcomes"].values())) for name, r in results.items()},
                "status": {name: r["status"] for name, r in results.items()}, "adaptations_alike": alike}
@@ -463,8 +551,12 @@ def _device() -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tests", help=f"upstream test folder (default: ${ENV_TESTS}, else ../shared/upstream)")
-    p.add_argument("--cpu", action="store_true", help="CPU: megatron_cpu everywhere, GPUs hidden, CPU files")
+    p.add_argument("--tests", help=f"upstream test folder (default: ${ENV_TESTS}, else ../shared/upstream; "
+                                   f"SGLang: ${ENV_SGLANG_TESTS}, else ../upstream-sglang)")
+    p.add_argument("--framework", choices=["megatron", "sglang"],
+                   help="whose tests (default: sglang for a folder of SGLang's tests, else megatron)")
+    p.add_argument("--cpu", action="store_true", help="CPU: megatron_cpu (sglang_cpu) everywhere, CPU files")
+    p.add_argument("--engine", action="store_true", help="SGLang: also start a real server in the focused runs")
     p.add_argument("--files", nargs="+", help="test files or folders, relative to the release folder")
     p.add_argument("--configs", nargs="+", help="configurations to run (plain always runs first)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per pytest process")
@@ -475,21 +567,25 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the report (markdown) here too")
     args = p.parse_args(argv)
 
-    folder = find_tests(args.tests)
+    framework = args.framework or detect_framework(args.tests)
+    folder = find_tests(args.tests, framework)
     if folder is None:
-        print(f"no upstream test folder for megatron-core {megatron_version()}: give --tests DIR or set "
-              f"{ENV_TESTS}", file=sys.stderr)
+        env = ENV_SGLANG_TESTS if framework == "sglang" else ENV_TESTS
+        print(f"no upstream test folder for {framework} {installed_version(framework)}: give --tests DIR or set "
+              f"{env}", file=sys.stderr)
         return 2
-    files = [f for f in (args.files or (CPU_FILES if args.cpu else GPU_FILES)) if (folder / f).exists()]
-    names = list(configurations(Path("."), args.cpu))
+    default = SGLANG_FILES + [str(FOCUS)] if framework == "sglang" else CPU_FILES if args.cpu else GPU_FILES
+    files = [f for f in (args.files or default) if (folder / f).exists()]
+    names = list(configurations(Path("."), args.cpu, framework))
     if args.configs:
         names = ["plain"] + [n for n in names if n in args.configs and n != "plain"]
         if "replay" in names and "capture" not in names:
             names.insert(names.index("replay"), "capture")
     work = Path(args.work or tempfile.mkdtemp(prefix="sp-upstream-"))
     work.mkdir(parents=True, exist_ok=True)
-    results = run_all(folder, files, args.cpu, names, args.timeout, work, args.deadline, args.jobs)
-    text, summary = report(folder, results, names, args.cpu)
+    results = run_all(folder, files, args.cpu, names, args.timeout, work, args.deadline, args.jobs, framework,
+                      args.engine)
+    text, summary = report(folder, results, names, args.cpu, framework)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -186,6 +186,29 @@ def test_replay_errors_are_clear(topk_mod):
         RoutingRecord(indices={0: torch.tensor([[3, 3]])}, **good)
 
 
+def test_replay_of_an_empty_capture_folder_routes_unchanged(topk_mod, tmp_path, monkeypatch):
+    """Issue 30: SGLang's own tests under capture write no record (no request finishes), so
+    replay reads an empty folder: upstream's routes, one warning, never an exception."""
+    monkeypatch.setenv("SOURCE_PATCH_SGLANG_ROUTING_MODE", "replay")
+    monkeypatch.setenv("SOURCE_PATCH_SGLANG_ROUTING_REPLAY", str(tmp_path))
+    logits = torch.randn(4, E)
+    with pytest.warns(RuntimeWarning, match="no routing files under"):
+        _, ids = _select(topk_mod, logits, layer=0)
+    rs.set_batch(["r"], [4], [0])
+    _, again = _select(topk_mod, logits, layer=1)
+    assert torch.equal(ids.long(), torch.topk(logits.softmax(-1), K).indices) and torch.equal(again, ids)
+
+
+def test_a_bad_replay_source_fails_every_call_alike(topk_mod, monkeypatch):
+    """A missing source stays a clear error, at every call (it once left the mode set and
+    the records unset: a TypeError from the second call on)."""
+    monkeypatch.setenv("SOURCE_PATCH_SGLANG_ROUTING_MODE", "replay")
+    monkeypatch.delenv("SOURCE_PATCH_SGLANG_ROUTING_REPLAY", raising=False)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="replay mode needs a record"):
+            _select(topk_mod, torch.randn(4, E), layer=0)
+
+
 def _rec(rid, ids, rank):
     return RoutingRecord(indices={0: ids}, num_experts=E, token_order="requests", sample_ids=[rid],
                          seq_lens=[ids.shape[0]], source="sglang", extra={"rank": rank, "start_pos": 0})

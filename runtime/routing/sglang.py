@@ -26,7 +26,8 @@ Settings (read from the environment directly until ``runtime/core/settings.py`` 
 * ``SOURCE_PATCH_SGLANG_ROUTING_MODE``: ``off`` (default), ``capture``, ``replay``;
 * ``SOURCE_PATCH_SGLANG_ROUTING_DIR``: where :func:`flush` writes (capture);
 * ``SOURCE_PATCH_SGLANG_ROUTING_REPLAY``: directory (as written by capture) or
-  single record file to replay from.
+  single record file to replay from; a directory without records replays nothing (every
+  request keeps the router's routes, one warning, as a request without a record does).
 
 Replay weights: ``scores = f(router_logits.float())`` with ``f`` the config's
 ``scoring_func`` (softmax / sigmoid / sqrtsoftplus), ``w = scores.gather(1, ids)``;
@@ -93,10 +94,8 @@ def configure(mode: str | None = None, *, dir=None, replay=None, rank: int | Non
     mode = (mode or os.environ.get("SOURCE_PATCH_SGLANG_ROUTING_MODE") or "off").lower()
     if mode not in ("off", "capture", "replay"):
         raise ValueError(f"SGLang routing mode must be off, capture or replay, got {mode!r}")
-    _S.mode = mode
-    _S.dir = dir if dir is not None else os.environ.get("SOURCE_PATCH_SGLANG_ROUTING_DIR")
-    _S.rank = rank
-    if mode == "replay":
+    src = None
+    if mode == "replay":  # read before any state is set: a bad source fails every call alike
         src = replay if replay is not None else os.environ.get("SOURCE_PATCH_SGLANG_ROUTING_REPLAY")
         if src is None:
             raise ValueError("replay mode needs a record (SOURCE_PATCH_SGLANG_ROUTING_REPLAY)")
@@ -104,8 +103,15 @@ def configure(mode: str | None = None, *, dir=None, replay=None, rank: int | Non
             src = {src.sample_ids[0] if src.sample_ids and len(src.sample_ids) == 1 else None: src}
         elif not isinstance(src, dict):
             p = Path(src)
-            src = merge_rank_files(p) if p.is_dir() else _by_request([load(p)])
-        _S.replay = src
+            if p.is_dir() and not any(p.rglob("*.safetensors")):
+                # as for a request without a record: the router's own routes, said once
+                _warn_once("emptydir", f"replay: no routing files under {p}: every request keeps the router's "
+                           "own routes")
+                src = {}
+            else:
+                src = merge_rank_files(p) if p.is_dir() else _by_request([load(p)])
+    _S.mode, _S.replay, _S.rank = mode, src, rank
+    _S.dir = dir if dir is not None else os.environ.get("SOURCE_PATCH_SGLANG_ROUTING_DIR")
 
 
 def reset() -> None:
