@@ -276,9 +276,9 @@ def test_direct_launches_compute_what_tritons_own_launches_do_in_every_layout(mo
             return jit[grid]
 
     monkeypatch.setattr(fused, "_column_stats", Counting())
+    base = torch.randn(4097 * 130 + 1, device="cuda")  # first: pinning needs the CUDA context it makes
     ring = ring_module.shared()  # the process's one ring: kept registered until exit, never unmapped
     assert ring.pin() and ring.device_address is not None  # asked of the driver once: launches ask nothing
-    base = torch.randn(4097 * 130 + 1, device="cuda")
     cases = [base[: 64 * 1024].view(64, 1024), base[1: 1 + 64 * 1024].view(64, 1024),  # aligned, then not
              base[: 1 * 96].view(1, 96), base[: 37 * 130].view(37, 130),
              base[: 4096 * 130].view(4096, 130).to(torch.bfloat16)]
