@@ -80,13 +80,20 @@ def test_check_against_another_version_reports_the_drift(tmp_path, capsys):
     for d in (tmp_path / "megatron", *moe_dir.parents[:3][::-1], moe_dir):
         (d / "__init__.py").touch()
     (moe_dir / "moe_utils.py").write_text(source.replace("compute_topk(", "select_topk("))
+    # Without a dist-info the patches' requires do not hold there: skipped, as the import would
+    assert cli.main(["check", "megatron_topk", "--against", str(tmp_path)]) == 3
+    assert "requires megatron-core>=0.14, which is not installed" in capsys.readouterr().out
+    info = tmp_path / "megatron_core-0.99.0.dist-info"  # an unpacked wheel has one
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.99.0\n")
+    (info / "top_level.txt").write_text("megatron\n")
     assert cli.main(["check", "megatron_topk", "--against", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "FAIL cannot patch module megatron.core.transformer.moe.moe_utils" in out
     assert str(moe_dir / "moe_utils.py") in out
     assert "patch 'topk-indices'" in out and "expected 4 matches, found 0" in out
     assert "nearest candidates:" in out and "top_indices = select_topk(" in out
-    assert "requires megatron-core>=0.14, which is not installed" in out  # no dist-info there
+    assert "megatron-core 0.99.0 (under" in out  # the version of the release checked, from its dist-info
 
 
 @pytest.mark.gpu
