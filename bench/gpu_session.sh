@@ -98,13 +98,13 @@ if want newest; then
 echo "== megatron-core 0.19.2 (the newest release): the demo under the shipped specs"
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade .whl/next/megatron_core-0.19.2-*.whl 2>&1 | tail -2
 python3 -c "import importlib.metadata as m; print('megatron-core', m.version('megatron-core'))" | tee "$OUT/newest.txt"
-SOURCE_PATCH_STRICT=1 python3 -m source_patch.patcher check moe dump megatron_cpu 2>&1 | grep -v "^       " | tee -a "$OUT/newest.txt"
-echo "-- GPU, SOURCE_PATCH=moe,dump (no megatron_cpu: 0.19 binds the router gemm itself)" | tee -a "$OUT/newest.txt"
-SOURCE_PATCH=moe,dump SOURCE_PATCH_DUMP_DIR=/tmp/sp-dumps-gpu SOURCE_PATCH_REPORT=1 \
+SOURCE_PATCH_STRICT=1 python3 -m source_patch.patcher check routing dump megatron_cpu 2>&1 | grep -v "^       " | tee -a "$OUT/newest.txt"
+echo "-- GPU, SOURCE_PATCH=routing,dump (no megatron_cpu: 0.19 binds the router gemm itself)" | tee -a "$OUT/newest.txt"
+SOURCE_PATCH=routing,dump SOURCE_PATCH_DUMP_DIR=/tmp/sp-dumps-gpu SOURCE_PATCH_REPORT=1 \
   timeout 240 python3 examples/train_moe.py --steps 5 > "$OUT/newest-gpu.log" 2>&1; echo "exit $?"
 grep -v "Warning\|warnings.warn\|^ *\"\"\"" "$OUT/newest-gpu.log" | tail -45 | tee -a "$OUT/newest.txt"
-echo "-- CPU (GPUs hidden), SOURCE_PATCH=megatron_cpu,moe,dump" | tee -a "$OUT/newest.txt"
-CUDA_VISIBLE_DEVICES= SOURCE_PATCH=megatron_cpu,moe,dump SOURCE_PATCH_DUMP_DIR=/tmp/sp-dumps-cpu SOURCE_PATCH_REPORT=1 \
+echo "-- CPU (GPUs hidden), SOURCE_PATCH=megatron_cpu,routing,dump" | tee -a "$OUT/newest.txt"
+CUDA_VISIBLE_DEVICES= SOURCE_PATCH=megatron_cpu,routing,dump SOURCE_PATCH_DUMP_DIR=/tmp/sp-dumps-cpu SOURCE_PATCH_REPORT=1 \
   timeout 240 python3 examples/train_moe.py --steps 5 > "$OUT/newest-cpu.log" 2>&1; echo "exit $?"
 grep -v "Warning\|warnings.warn\|^ *\"\"\"" "$OUT/newest-cpu.log" | tail -45 | tee -a "$OUT/newest.txt"
 fi

@@ -34,7 +34,7 @@ BENCHES = [
     Bench("dump-step", "dump_step_bench.py", "GPU", "~5 min",
           "the Megatron example's step: no dump spec / spec disabled / dumping every site"),
     Bench("routing", "routing_bench.py", "GPU", "~8 min",
-          "the Megatron example's step: no moe spec / spec off / capture / replay"),
+          "the Megatron example's step: no routing spec / spec off / capture / replay"),
     Bench("trace", "trace_bench.py", "GPU (CPU: --quick)", "~6 min",
           "the Megatron example's step traced vs not, one process, paired ratios with intervals"),
     Bench("compressor", "compressor_bench.py", "GPU", "~1 min",

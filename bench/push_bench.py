@@ -11,7 +11,7 @@ a wire that costs nothing, so what is timed is everything push() does on the hos
 around the bytes.  Rows, min and median over ``--rounds`` (each round runs them all,
 in turn), host time:
   walk            model.named_parameters(), wrappers stripped: what every push did
-                  before the walk was kept (runtime/weights/megatron.named_params)
+                  before the walk was kept (runtime/weight_sync/megatron.named_params)
   params          MegatronParams(chunks): the kept walk and the parallel groups
   mapping         every parameter through names.to_hf (name and layout conversion:
                   fused QKV split, gate/up split), as the packed path does
@@ -42,7 +42,7 @@ it got.
 parallelism N) or every layer's weights split over them (tensor parallelism N, expert
 TP too); the packed path.  Per
 round, push() with the parameters gathered a window of DDP's buffer at a time
-(runtime/weights/megatron._Windows) and with one gather per parameter (the old way),
+(runtime/weight_sync/megatron._Windows) and with one gather per parameter (the old way),
 alternated; rank 0's wall time, the collectives each ran, and a check that both
 broadcast the same bytes.  Not here: the transfer (bench/weight_sync_bench.py on two
 GPUs) and the engine's load.
@@ -138,10 +138,10 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     ddp = build(args, device)
     print(f"built in {time.perf_counter() - start:.1f} s", flush=True)
-    from source_patch.runtime.weights import megatron as weight_megatron
-    from source_patch.runtime.weights import names as weight_names
-    from source_patch.runtime.weights import sync as weight_sync
-    from source_patch.runtime.weights import transport as wt
+    from source_patch.runtime.weight_sync import megatron as weight_megatron
+    from source_patch.runtime.weight_sync import names as weight_names
+    from source_patch.runtime.weight_sync import sync as weight_sync
+    from source_patch.runtime.weight_sync import transport as wt
 
     weight_sync.configure(checksum=args.checksum)
     chunks = [ddp]
@@ -213,9 +213,9 @@ def parallel(rank: int, args, port: int) -> None:
     world = args.ep * args.tp
     store = torch.distributed.TCPStore("127.0.0.1", port, world, rank == 0)
     ddp = build(args, device, rank, world, store)
-    from source_patch.runtime.weights import megatron as weight_megatron
-    from source_patch.runtime.weights import sync as weight_sync
-    from source_patch.runtime.weights import transport as wt
+    from source_patch.runtime.weight_sync import megatron as weight_megatron
+    from source_patch.runtime.weight_sync import sync as weight_sync
+    from source_patch.runtime.weight_sync import transport as wt
 
     weight_sync.configure(checksum=args.checksum)
     window = weight_megatron.WINDOW_BYTES
@@ -271,7 +271,7 @@ def compare(args, ddp, wires, gathers, times) -> None:
 
 def mapped(ddp, layout) -> list:
     """[(engine name, tensor)]: every parameter through the name and layout mapping."""
-    from source_patch.runtime.weights import names as weight_names
+    from source_patch.runtime.weight_sync import names as weight_names
 
     return [(n, t) for name, p in ddp.named_parameters()
             for n, t in weight_names.to_hf(weight_names.strip_wrappers(name), p.detach(), layout)]
@@ -309,7 +309,7 @@ def engine(rank: int, args, *ports: int) -> None:
         torch.set_num_threads(1)
     else:
         torch.cuda.set_device(device)
-    from source_patch.runtime.weights import transport as wt
+    from source_patch.runtime.weight_sync import transport as wt
 
     def links() -> dict:  # one group per push method (see the module doc)
         return {method: wt.Link(wt.open_group("127.0.0.1", port, rank, 2, f"push_{method}",
@@ -322,7 +322,7 @@ def engine(rank: int, args, *ports: int) -> None:
         start = time.perf_counter()
         ddp = build(args, device)  # a world of its own, as a trainer's default group is
         print(f"built in {time.perf_counter() - start:.1f} s", flush=True)
-        from source_patch.runtime.weights import sync as weight_sync
+        from source_patch.runtime.weight_sync import sync as weight_sync
 
         weight_sync.configure(checksum=args.checksum)
         _Ends(links(), args).sender(ddp, weight_sync)
@@ -353,7 +353,7 @@ class _Ends:
         self.link.vote(0, "ack")  # as push() ends with its verdict
 
     def receiver(self) -> None:
-        from source_patch.runtime.weights import transport as wt
+        from source_patch.runtime.weight_sync import transport as wt
 
         for method in self.links:  # the warm-up pushes; then the update's size
             self.receive(wt, method)
@@ -422,7 +422,7 @@ class _Ends:
     def check(self, ddp, push, method: str) -> int:
         """Redraw every parameter in place (DDP's buffers stay), push, and compare what
         the receiver got, byte for byte, with the parameters mapped here."""
-        from source_patch.runtime.weights import names as weight_names
+        from source_patch.runtime.weight_sync import names as weight_names
 
         with torch.no_grad():
             for p in ddp.parameters():
@@ -484,7 +484,7 @@ LABELS = {
 
 
 def report(args, device, ddp, layout, times) -> None:
-    from source_patch.runtime.weights import names as weight_names
+    from source_patch.runtime.weight_sync import names as weight_names
 
     n_params = sum(1 for _ in ddp.parameters())
     n_tensors = sum(1 for _ in weight_names.plan(

@@ -1,4 +1,4 @@
-"""Step time of the real Megatron training example under patches/moe.yaml: no moe spec vs.
+"""Step time of the real Megatron training example under patches/routing.yaml: no routing spec vs.
 the spec active with routing off (idle call sites) vs. capture (every microbatch and
 layer, written to disk at each step end) vs. replay (of a capture made first).
 
@@ -18,10 +18,10 @@ import training
 
 BASE = "megatron_cpu"
 VARIANTS = {
-    "no moe spec": (BASE, "off"),
-    "moe spec, off": (BASE + ",moe", "off"),
-    "moe spec, capture": (BASE + ",moe", "capture"),
-    "moe spec, replay": (BASE + ",moe", "replay"),
+    "no routing spec": (BASE, "off"),
+    "routing spec, off": (BASE + ",routing", "off"),
+    "routing spec, capture": (BASE + ",routing", "capture"),
+    "routing spec, replay": (BASE + ",routing", "replay"),
 }
 
 
@@ -41,7 +41,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         # A capture whose records the replay variant replays (same seed, data, steps).
         replay_dir = tempfile.mkdtemp(dir=root)
-        training.train(args, routing_env(BASE + ",moe", "capture", replay_dir), "capture for replay")
+        training.train(args, routing_env(BASE + ",routing", "capture", replay_dir), "capture for replay")
 
         def run(name: str) -> list[float]:
             spec, mode = VARIANTS[name]

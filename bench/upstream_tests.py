@@ -24,7 +24,7 @@ work folder (--work, else a temporary one), writing nothing into it.
 Each configuration is a fresh pytest process with a JUnit XML report:
 
     plain        no spec
-    inert        SOURCE_PATCH=moe,dump,trace,weight_sync, every capability off
+    inert        SOURCE_PATCH=routing,dump,trace,weight_sync, every capability off
     dump         ... dump on
     capture      ... routing capture on (records written at exit)
     replay       ... routing replay of capture's records (same tests, same order)
@@ -68,7 +68,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ENV_TESTS = "SOURCE_PATCH_UPSTREAM_TESTS"
 ENV_SGLANG_TESTS = "SOURCE_PATCH_UPSTREAM_SGLANG_TESTS"
-SPECS = "moe,dump,trace,weight_sync"
+SPECS = "routing,dump,trace,weight_sync"
 OUTCOMES = ("passed", "failed", "error", "skipped")
 
 # Megatron-Core's MoE, transformer layer, GPT model and inference engine tests (one GPU).

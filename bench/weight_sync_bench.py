@@ -5,7 +5,7 @@ measured in the same run, on two processes (one per GPU, NCCL) or on CPU (gloo).
     python bench/weight_sync_bench.py --cpu           # smoke test on CPU over gloo, tiny sizes
     python bench/weight_sync_bench.py --phases        # one GPU (or --cpu), one process: per-phase breakdown
 
-Needs only torch and runtime/weights/transport.py (imported from the installed
+Needs only torch and runtime/weight_sync/transport.py (imported from the installed
 source_patch, else straight from this checkout).  The synthetic model has
 ``--small-frac`` of its bytes in small tensors (norms, biases, fine-grained
 experts: ``--small-kb`` and smaller), the rest in ``--large-mb`` matrices, and one
@@ -77,9 +77,9 @@ import stats  # noqa: E402 - bench/
 
 def load_transport():
     try:
-        from source_patch.runtime.weights import transport as weight_transport
+        from source_patch.runtime.weight_sync import transport as weight_transport
     except ImportError:  # a bare checkout: the module needs only torch
-        path = Path(__file__).resolve().parents[1] / "runtime" / "weights" / "transport.py"
+        path = Path(__file__).resolve().parents[1] / "runtime" / "weight_sync" / "transport.py"
         spec = importlib.util.spec_from_file_location("weight_transport", path)
         weight_transport = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = weight_transport  # dataclasses look their module up there

@@ -47,7 +47,7 @@ def build_trainer(checkpoint, lr: float = 1e-2):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from source_patch.runtime.weights import twin
+    from source_patch.runtime.weight_sync import twin
 
     torch.manual_seed(0)
     model = twin.build(checkpoint).train()

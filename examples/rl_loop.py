@@ -3,13 +3,13 @@
     python examples/rl_loop.py [--iterations 3] [--out sp-rl]
 
 Each iteration:
-1. a real SGLang server (tiny Qwen3-MoE on CPU, ``SOURCE_PATCH=moe,dump,weight_sync``)
+1. a real SGLang server (tiny Qwen3-MoE on CPU, ``SOURCE_PATCH=routing,dump,weight_sync``)
    rolls out a few prompts, returning each token's log-prob and the weight version it
    served;
 2. the Megatron-Core twin of the same checkpoint (this process, under
    ``megatron_cpu,weight_sync``) computes its log-probs of the same tokens: the
    train-inference mismatch is printed (|dlogp|, k3 KL, TIS), and its routers' expert
-   choices against the routes the engine captured (``moe``) per layer; then again
+   choices against the routes the engine captured (``routing``) per layer; then again
    with routing replay: the twin routes every token as the engine did (the engine's
    records aligned to the twin's batch): expert ids replayed and weights recomputed,
    then ids and the engine's own combine weights replayed;
@@ -125,7 +125,7 @@ def main(argv=None) -> None:
     port = free_port()
     os.environ.update({"SOURCE_PATCH_WEIGHT_SYNC_ENABLE": "1", "SOURCE_PATCH_WEIGHT_SYNC_PORT": str(port),
                        "SOURCE_PATCH_WEIGHT_SYNC_WORLD_SIZE": "2", "SOURCE_PATCH_WEIGHT_SYNC_BACKEND": "gloo"})
-    activate(["megatron_cpu", "weight_sync", "moe"])  # before Megatron is imported
+    activate(["megatron_cpu", "weight_sync", "routing"])  # before Megatron is imported
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -133,12 +133,12 @@ def main(argv=None) -> None:
     from source_patch.runtime.dump.logprobs import rollout_logprobs
 
     checkpoint = tiny_checkpoint()
-    print("starting SGLang (sglang_cpu, moe, dump, weight_sync) ...", flush=True)
+    print("starting SGLang (sglang_cpu, routing, dump, weight_sync) ...", flush=True)
     env = {"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(run / "routes"),
            "SOURCE_PATCH_DUMP_DIR": str(run / "dumps"), "SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "120",
            "SOURCE_PATCH_DUMP_EXP_NAME": "startup",  # the harness's readiness probes
            "DUMPER_SERVER_PORT": "reuse"}  # /dumper/configure: each rollout dumps into a run of its own
-    with SGLangServer(checkpoint, specs=["moe", "dump", "weight_sync"], env=env, workdir=run,
+    with SGLangServer(checkpoint, specs=["routing", "dump", "weight_sync"], env=env, workdir=run,
                       args=["--disable-radix-cache", "--skip-server-warmup"]) as server:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         parallel_state.initialize_model_parallel()

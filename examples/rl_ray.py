@@ -5,9 +5,9 @@
 A local Ray cluster on this machine (no dashboard, no usage report) runs
 
 - a trainer actor group: two Megatron-Core ranks, expert parallel 2 over gloo, holding
-  the twin of a tiny Qwen3-MoE, under ``SOURCE_PATCH=megatron_cpu,moe,dump,weight_sync``;
+  the twin of a tiny Qwen3-MoE, under ``SOURCE_PATCH=megatron_cpu,routing,dump,weight_sync``;
 - an engine actor that starts a real SGLang server on CPU (its child processes), under
-  ``SOURCE_PATCH=moe,dump,weight_sync`` (the harness adds ``sglang_cpu``).
+  ``SOURCE_PATCH=routing,dump,weight_sync`` (the harness adds ``sglang_cpu``).
 
 Each actor gets ``SOURCE_PATCH`` and its settings only through its Ray ``runtime_env``
 (``source_patch.integrations.ray.runtime_env``): Ray's workers do not inherit the
@@ -43,8 +43,8 @@ from rl_common import (PROMPTS, SGLangServer, agreement, agreement_line, batch_i
 from source_patch.integrations import ray as sp_ray
 from source_patch.runtime.core.endpoint import free_port
 
-TRAINER_SPECS = ["megatron_cpu", "moe", "dump", "weight_sync"]
-ENGINE_SPECS = ["moe", "dump", "weight_sync"]  # + sglang_cpu, which the harness adds
+TRAINER_SPECS = ["megatron_cpu", "routing", "dump", "weight_sync"]
+ENGINE_SPECS = ["routing", "dump", "weight_sync"]  # + sglang_cpu, which the harness adds
 RAY_PROMPTS = PROMPTS + [[42, 17, 99, 3, 250]]  # two samples per trainer rank
 WORLD = 2  # trainer ranks, all of them expert parallel
 TIMEOUT = 600.0  # seconds for any one wait: a loaded 2-core machine is slow to start three actors
@@ -76,7 +76,7 @@ class Trainer(sp_ray.SourcePatchActor):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from source_patch.runtime.weights.transport import rendezvous_store
+        from source_patch.runtime.weight_sync.transport import rendezvous_store
 
         torch.set_num_threads(1)
         timeout = timedelta(seconds=TIMEOUT)
@@ -92,7 +92,7 @@ class Trainer(sp_ray.SourcePatchActor):
 
         from source_patch.runtime.dump import api as dump
         from source_patch.runtime.dump.logprobs import mismatch, rollout_logprobs
-        from source_patch.runtime.weights import sync as weight_sync
+        from source_patch.runtime.weight_sync import sync as weight_sync
 
         seq_len = seq_len_of(samples)  # one shape on every rank: expert parallelism gathers their tokens
         mine = samples[self.rank::WORLD]
@@ -199,7 +199,7 @@ def start(ray, args, run: Path, checkpoint: Path) -> tuple:
 
 
 def per_spec(patched: dict) -> str:
-    """'moe 8 patches in 4 modules, ...' from a status's {module: ["spec:patch", ...]}."""
+    """'routing 8 patches in 4 modules, ...' from a status's {module: ["spec:patch", ...]}."""
     patches, modules = {}, {}
     for module, applied in patched.items():
         for spec in (entry.partition(":")[0] for entry in applied):

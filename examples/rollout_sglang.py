@@ -7,7 +7,7 @@ on a tiny random Qwen3-MoE checkpoint, on CPU, with three specs active in every 
 process:
 
     sglang_cpu   lifts SGLang's CUDA assumptions (patches/sglang_cpu.yaml)
-    moe          captures each request's routed experts (patches/moe.yaml)
+    routing      captures each request's routed experts (patches/routing.yaml)
     dump         dumps every forward pass's activations (patches/dump.yaml)
 
 then generates a few prompts and prints the dump summary, one request's routing
@@ -25,7 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["The quick brown fox", "Hello world", "Megatron trains, SGLang serves", "this is a test"]
-SPECS = ["moe", "dump"]  # + sglang_cpu, which the harness adds
+SPECS = ["routing", "dump"]  # + sglang_cpu, which the harness adds
 ENGINE_ARGS = {"skip_tokenizer_init": False, "disable_radix_cache": True}  # every prompt prefilled whole
 
 
@@ -47,7 +47,7 @@ def main() -> int:
     run = Path(cli.out).resolve() / time.strftime("rollout-%Y%m%d-%H%M%S")
     print(f"checkpoint: {(model := tiny_checkpoint())}")
     started = time.monotonic()
-    print("starting sglang.Engine (sglang_cpu, moe, dump) ...", flush=True)
+    print("starting sglang.Engine (sglang_cpu, routing, dump) ...", flush=True)
     with SGLangEngine(model, specs=SPECS, env=engine_env(run), workdir=run, engine_args=ENGINE_ARGS) as engine:
         print(f"engine ready in {time.monotonic() - started:.1f} s (log: {run / 'engine.log'})")
         roll_out(engine, cli.prompts, cli.new_tokens)

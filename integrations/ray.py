@@ -11,7 +11,7 @@ Driver::
 
     from source_patch.integrations import ray as sp_ray
 
-    env = sp_ray.runtime_env(["megatron_cpu", "moe", "dump"],
+    env = sp_ray.runtime_env(["megatron_cpu", "routing", "dump"],
                              settings={"dump": {"enable": True, "dir": "/shared/dumps"}})
     trainer = Trainer.options(runtime_env=env).remote()    # class Trainer(sp_ray.SourcePatchActor)
     sp_ray.status([trainer])            # SOURCE_PATCH and the patched modules, per actor
@@ -259,7 +259,7 @@ def local_weight_sync_rendezvous(engine_tp_sizes=(1,), host: str | None = None, 
     import torch
 
     from source_patch.runtime.core.endpoint import free_port
-    from source_patch.runtime.weights import sync
+    from source_patch.runtime.weight_sync import sync
 
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         raise ValueError("the weight-sync rendezvous is served by trainer rank 0 (the sender): call it there")

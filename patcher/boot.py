@@ -38,7 +38,7 @@ SETTINGS_FILE = os.path.join(os.path.dirname(_HERE), "runtime", "core", "setting
 SETTINGS_MODULE = "source_patch.runtime.core.settings"
 # Old bundled names, from when each capability had a file per framework: old name -> the
 # two-framework spec that covers it, kept for one release (0.3).  Resolving one warns.
-ALIAS_OF = {"moe_sglang": "moe", "dump_sglang": "dump", "trace_sglang": "trace",
+ALIAS_OF = {"moe_sglang": "routing", "dump_sglang": "dump", "trace_sglang": "trace",
             "weight_sync_sglang": "weight_sync"}
 ALIASES = frozenset(ALIAS_OF)
 

@@ -181,8 +181,8 @@ def _alias(name: str) -> str:
     if name in ALIASES:
         import warnings
 
-        warnings.warn(f"source-patch: the bundled spec {name!r} is now part of {ALIAS_OF[name]!r}, which "
-                      f"covers both frameworks; the old name goes away in the next release",
+        warnings.warn(f"source-patch: the bundled spec {name!r} is now {ALIAS_OF[name]!r}; "
+                      f"the old name goes away in a later release",
                       DeprecationWarning, stacklevel=3)
         return ALIAS_OF[name]
     return name

@@ -5,7 +5,7 @@
     dump/      the dump runtime: call-site API, async writer, file format, control server, reader
     routing/   MoE routing: record format, Megatron capture/replay, SGLang capture/replay, alignment
     trace/     live tracing: call-site API, compressors, frames, WebSocket hub, client, browser view
-    weights/   weight sync trainer -> engines: sync API, transport, Megatron gathering, name mapping
+    weight_sync/ weight sync trainer -> engines: sync API, transport, Megatron gathering, name mapping
 
 Capabilities depend on ``core`` only, never on each other (tests/test_layout.py).
 Submodules load on first use.  ``source_patch.runtime.emit``, ``.subscribe`` and

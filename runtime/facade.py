@@ -33,24 +33,31 @@ _EXPORTS = {
     "routing_microbatch_begin": "routing.megatron",
     "routing_microbatch_end": "routing.megatron",
     "routing_step": "routing.megatron",
-    "sglang_routing_topk": "routing.sglang",
-    "sglang_routing_batch": "routing.sglang",
-    "sglang_routing_release": "routing.sglang",
-    "weight_sync_attach": "weights.sync",
-    "weight_sync_step": "weights.sync",
-    "weight_sync_receive": "weights.sync",
-    "weight_sync_loaded": "weights.sync",
-    "weight_sync_version": "weights.sync",
+    "routing_sglang_topk": "routing.sglang",
+    "routing_sglang_batch": "routing.sglang",
+    "routing_sglang_release": "routing.sglang",
+    "weight_sync_attach": "weight_sync.sync",
+    "weight_sync_step": "weight_sync.sync",
+    "weight_sync_receive": "weight_sync.sync",
+    "weight_sync_loaded": "weight_sync.sync",
+    "weight_sync_version": "weight_sync.sync",
     "trace": "trace.api",
     "trace_step": "trace.api",
     "trace_state": "trace.api",
 }
+
+# Names earlier specs called, which user specs and cached code may still call.
+_RENAMED = {"sglang_routing_topk": "routing_sglang_topk", "sglang_routing_batch": "routing_sglang_batch",
+            "sglang_routing_release": "routing_sglang_release"}
 
 __all__ = sorted(_EXPORTS)
 _PACKAGE = __name__.rpartition(".")[0]
 
 
 def __getattr__(name: str):
+    if name in _RENAMED:
+        value = globals()[name] = __getattr__(_RENAMED[name])
+        return value
     if name not in _EXPORTS:
         raise AttributeError(f"the source-patch runtime has no {name!r} (available: {', '.join(__all__)})")
     value = getattr(importlib.import_module(f"{_PACKAGE}.{_EXPORTS[name]}"), name)

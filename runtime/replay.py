@@ -11,18 +11,18 @@ Each request of the rollout (its tokens read back from the rollout's ``input_ids
 ``positions`` / ``row_request`` dumps: the prompt and every generated token the engine
 fed back) is one forward pass of the model and one dump step, with ``row_request`` /
 ``positions`` / ``input_ids`` records in Megatron's ``[s, b]`` layout, so the comparator
-pairs every row.  With ``routes`` (the rollout's routing records, ``moe`` capture) each
+pairs every row.  With ``routes`` (the rollout's routing records, ``routing`` capture) each
 request is routed as the engine routed it: its expert ids replayed, the combine weights
 recomputed from the model's scores, or the engine's own with ``replay_probs``.
 
-The model is the Megatron twin of the checkpoint (``weights/twin.py``) unless a builder
+The model is the Megatron twin of the checkpoint (``weight_sync/twin.py``) unless a builder
 is given, ``package.module:function`` or ``path/to/file.py:function``: called as
 ``function(checkpoint)`` once Megatron's parallel state is initialised (world size 1), it
 returns a model called as ``model(input_ids, position_ids, attention_mask=None)`` (both
 ``[1, s]``) that returns logits ``[1, s, vocab]``, as Megatron's ``GPTModel`` does.
 
 The forward runs in a child process under ``SOURCE_PATCH=megatron_cpu,dump`` (plus
-``moe`` with routes; the start hook applies them before Megatron imports), into a new run
+``routing`` with routes; the start hook applies them before Megatron imports), into a new run
 ``replay-<time>`` under ``out`` that also holds ``replay.json``: what was replayed, the
 versions and the time, which the comparator's reports show.  This module imports
 nothing heavy until the replay runs.
@@ -43,7 +43,7 @@ from pathlib import Path
 from .dump import compare, reader
 
 SPECS = ("megatron_cpu", "dump")
-TWIN = "source_patch.runtime.weights.twin:build"
+TWIN = "source_patch.runtime.weight_sync.twin:build"
 # The worker's entry: a fresh interpreter, so the start hook applies SOURCE_PATCH first.
 _WORKER = "import sys; from source_patch.runtime.replay import work; sys.exit(work(sys.argv[1]))"
 
@@ -88,7 +88,7 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--exp-name", metavar="NAME", help="the rollout's run to read under a dump root")
     p.add_argument("--out", default="sp-replay", metavar="DIR",
                    help="dump root of the replay's run (default sp-replay)")
-    p.add_argument("--routes", metavar="DIR", help="replay the rollout's routing records (moe capture) from DIR")
+    p.add_argument("--routes", metavar="DIR", help="replay the rollout's routing records (routing capture) from DIR")
     p.add_argument("--replay-probs", action="store_true",
                    help="with --routes: replay the engine's combine weights too, not only its expert ids")
     p.add_argument("--builder", metavar="MODULE:FUNCTION",
@@ -113,7 +113,7 @@ def replay(rollout, checkpoint, out="sp-replay", *, builder: str | None = None, 
     job = {"rollout": str(Path(rollout).resolve()), "checkpoint": str(Path(checkpoint).resolve()),
            "builder": builder, "routes": routes and str(Path(routes).resolve()), "replay_probs": replay_probs,
            "logprobs": logprobs and str(Path(logprobs).resolve()), "dir": str(run.parent), "exp_name": run.name}
-    env = {**os.environ, "SOURCE_PATCH": ",".join(SPECS + (("moe",) if routes else ()))}
+    env = {**os.environ, "SOURCE_PATCH": ",".join(SPECS + (("routing",) if routes else ()))}
     code = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(job)], env=env).returncode
     if code:  # no half run left behind to be read as the latest
         shutil.rmtree(run, ignore_errors=True)
@@ -158,7 +158,7 @@ def work(job: str) -> int:
 def replay_here(rollout, checkpoint, *, builder: str | None = None, routes=None, replay_probs: bool = False,
                 dir=None, exp_name: str | None = None) -> dict:
     """The replay in this process, which Megatron must import into patched by ``megatron_cpu``
-    and ``dump`` (and ``moe`` with routes).  Dumps into ``dir``/``exp_name`` (else where the
+    and ``dump`` (and ``routing`` with routes).  Dumps into ``dir``/``exp_name`` (else where the
     dump settings say); returns ``{rid: [log p(token i | tokens before it) for i >= 1]}``."""
     from .dump import api as dump
 
@@ -270,7 +270,7 @@ def _dump_rows(dump, rid: str, tokens: list) -> None:
 
 def _forward(model, tokens: list):
     """Logits ``[s, vocab]`` (float32, on the CPU) of one sequence."""
-    from .weights import twin
+    from .weight_sync import twin
 
     return twin.logits(model, [tokens])[0].float().cpu()
 

@@ -1,17 +1,17 @@
 """pytest plugin (entry point ``source_patch``).
 
-    pytest --source-patch patches/moe.yaml     # the whole session runs patched
+    pytest --source-patch patches/routing.yaml     # the whole session runs patched
 
 and the ``source_patch_import`` fixture for patched-module tests:
 
     def test_capture(source_patch_import):
-        moe_utils = source_patch_import("megatron.core.transformer.moe.moe_utils", "moe")
+        moe_utils = source_patch_import("megatron.core.transformer.moe.moe_utils", "routing")
 
 A real SGLang engine with specs active in its processes (testing/sglang.py;
 skipped when SGLang is not installed; ``sglang_cpu`` is always added):
 
     def test_routes(sglang_server):
-        server = sglang_server(specs=["moe"], env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture"})
+        server = sglang_server(specs=["routing"], env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture"})
         server.generate(input_ids=[1, 2, 3], max_new_tokens=4)
 
 ``sglang_server(specs, args, env, model)`` starts ``python -m sglang.launch_server``,

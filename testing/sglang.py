@@ -3,7 +3,7 @@
     from source_patch.testing.sglang import SGLangServer, SGLangEngine, tiny_checkpoint
 
     model = tiny_checkpoint()                                   # a tiny random Qwen3-MoE, cached
-    with SGLangServer(model, specs=["moe"]) as server:   # python -m sglang.launch_server
+    with SGLangServer(model, specs=["routing"]) as server:   # python -m sglang.launch_server
         out = server.generate(input_ids=[1, 2, 3], max_new_tokens=4)
     with SGLangEngine(model, specs=["dump"]) as engine:  # sglang.Engine in a driver process
         out = engine.generate([[1, 2, 3]], {"temperature": 0, "max_new_tokens": 4})

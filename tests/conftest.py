@@ -54,7 +54,7 @@ def sglang_topk(sglang_cpu, tmp_path_factory):
     """A patched copy of sglang.srt.layers.moe.topk under the moe spec."""
     from source_patch.patcher import import_patched_copy
 
-    return import_patched_copy("sglang.srt.layers.moe.topk", "moe",
+    return import_patched_copy("sglang.srt.layers.moe.topk", "routing",
                                cache_dir=tmp_path_factory.mktemp("cache"))
 
 
@@ -100,7 +100,7 @@ def dumper(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def instrumented_sglang(sglang_cpu, sglang_server, tmp_path_factory):
-    """One real SGLang HTTP server for the session with routing capture (moe),
+    """One real SGLang HTTP server for the session with routing capture (routing),
     inference dumps (dump, /dumper/* mounted on SGLang's server), live tracing
     (trace) and feature capture (features, into a shared-directory store) active in
     its scheduler, plus SGLang's own routed-experts capture for an independent check.
@@ -120,7 +120,7 @@ def instrumented_sglang(sglang_cpu, sglang_server, tmp_path_factory):
            "SOURCE_PATCH_FEATURES_STREAM": str(root / "features.jsonl"),
            # Every request of the session is a sample; only one test consumes them.
            "SOURCE_PATCH_FEATURES_HIGH_WATERMARK": "1000000"}
-    server = sglang_server(specs=["moe", "dump", "trace", "features"],
+    server = sglang_server(specs=["routing", "dump", "trace", "features"],
                            args=["--enable-return-routed-experts", "--disable-radix-cache", "--skip-server-warmup"],
                            env=env)
     return SimpleNamespace(server=server, routes=root / "routes", dumps=root / "dumps" / "serve",

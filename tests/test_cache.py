@@ -170,7 +170,7 @@ def test_a_spec_read_before_is_rebuilt_without_yaml(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from source_patch.patcher import spec; s = spec.load('moe'); "
+    code = ("import sys; from source_patch.patcher import spec; s = spec.load('routing'); "
             "print(len(s.patches), s.patches[0].location, 'yaml' in sys.modules, 'packaging' in sys.modules, "
             "sep='|')")
     env = {**os.environ, "SOURCE_PATCH_CACHE": str(tmp_path / "cache")}

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from source_patch.runtime.core import settings
-from source_patch.runtime.weights import transport as wt
+from source_patch.runtime.weight_sync import transport as wt
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "e2e"))
@@ -172,7 +172,7 @@ def test_the_rendezvous_store_listens_on_its_host_only(monkeypatch):
 def sglang_models(upstreams):
     """SGLang's Qwen3MoeForCausalLM and Starcoder2ForCausalLM and the Megatron-mapped
     (name, shape, dtype) of every tensor the trainer sends each, as in test_weight_names.py."""
-    from source_patch.runtime.weights import names as wn
+    from source_patch.runtime.weight_sync import names as wn
 
     out = {}
     for style in ("qwen3_moe", "gpt"):
@@ -211,7 +211,7 @@ DEFECTS = ["unknown", "missing", "shape", "dtype", "empty"]
 
 @pytest.mark.parametrize("style", ["qwen3_moe", "gpt"])
 def test_the_model_check_takes_exactly_what_the_trainer_sends(sglang_models, style):
-    from source_patch.runtime.weights import names as wn
+    from source_patch.runtime.weight_sync import names as wn
 
     model, specs = sglang_models[style]
     wn.check_model(model, specs)  # the mapping of every Megatron parameter: accepted as is
@@ -224,7 +224,7 @@ def test_the_model_check_takes_exactly_what_the_trainer_sends(sglang_models, sty
 
 
 def test_names_another_pipeline_stage_loads_are_left_to_it(sglang_models, monkeypatch):
-    from source_patch.runtime.weights import names as wn
+    from source_patch.runtime.weight_sync import names as wn
 
     model, specs = sglang_models["qwen3_moe"]
     extra = specs + [("model.layers.7.mlp.gate.weight", (4, models.HIDDEN), torch.float32)]

@@ -66,7 +66,7 @@ def cross_imports(root: Path = RUNTIME) -> list:
 
 
 def test_the_layout_has_the_documented_subpackages():
-    assert CAPABILITIES == ["dump", "features", "routing", "trace", "weights"]
+    assert CAPABILITIES == ["dump", "features", "routing", "trace", "weight_sync"]
     architecture = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
     for sub in ["core", *CAPABILITIES]:
         assert f"`{sub}/`" in architecture, f"docs/architecture.md does not describe runtime/{sub}/"

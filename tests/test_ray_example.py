@@ -72,10 +72,10 @@ def test_the_ray_rl_loop_patches_every_actor_replays_routes_and_serves_the_pushe
     trainers = [line for line in lines if re.match(r"  trainer rank \d \(pid \d+\): specs", line)]
     assert len(trainers) == 2
     for line in trainers:
-        assert "specs megatron_cpu,moe,dump,weight_sync active" in line, line
-        for spec in ("megatron_cpu", "moe", "dump", "weight_sync"):
+        assert "specs megatron_cpu,routing,dump,weight_sync active" in line, line
+        for spec in ("megatron_cpu", "routing", "dump", "weight_sync"):
             assert re.search(rf"\b{spec} \d+ patches in \d+ modules", line), (spec, line)
-    assert any(re.match(r"  engine \(pid \d+\): specs moe,dump,weight_sync active", line) for line in lines)
+    assert any(re.match(r"  engine \(pid \d+\): specs routing,dump,weight_sync active", line) for line in lines)
     actors = json.loads(Path(out.split("every actor's patched modules: ")[1].split()[0]).read_text())
     for rank in (0, 1):
         patched = actors[f"trainer rank {rank}"]["patched"]

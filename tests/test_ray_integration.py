@@ -23,14 +23,14 @@ def test_runtime_env_carries_specs_and_settings_as_strings_the_runtime_reads_bac
     monkeypatch.chdir(tmp_path)
     spec = tmp_path / "mine.yaml"
     spec.write_text((Path(__file__).parent.parent / "patches" / "megatron_topk.yaml").read_text())
-    env = sp_ray.runtime_env(["moe", "mine.yaml"], settings={
+    env = sp_ray.runtime_env(["routing", "mine.yaml"], settings={
         "dump": {"enable": True, "dir": "dumps", "layers": "0-3,7", "names": ["attn_*", "logits"], "port": 0},
         "weight_sync": {"timeout_s": 30, "bucket_bytes": "64M", "backend": "gloo"}},
         env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture"}, base={"env_vars": {"A": "1"}, "pip": ["x"]})
     variables = env["env_vars"]
     assert env["pip"] == ["x"] and variables["A"] == "1"
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in variables.items())
-    assert variables["SOURCE_PATCH"] == f"moe,{spec}"  # a bundled name stays a name, a file becomes absolute
+    assert variables["SOURCE_PATCH"] == f"routing,{spec}"  # a bundled name stays a name, a file becomes absolute
     assert variables["SOURCE_PATCH_DUMP_DIR"] == str(tmp_path / "dumps")  # workers start in another folder
     assert variables["SOURCE_PATCH_SGLANG_ROUTING_MODE"] == "capture"
     dump = settings.resolve("dump", variables)
@@ -133,7 +133,7 @@ def test_an_actor_lists_its_own_endpoints_without_their_tokens(tmp_path, monkeyp
 
 
 def test_the_weight_sync_rendezvous_gives_each_engine_its_rank_offset():
-    from source_patch.runtime.weights import sync
+    from source_patch.runtime.weight_sync import sync
 
     before = sync.configure()
     try:

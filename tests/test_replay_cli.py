@@ -117,7 +117,7 @@ def test_the_printed_commands_take_the_rollout_to_no_divergence(rollout, sglang_
     train = next((run / "replay").iterdir())
     assert inputs["rollout dumps"] == str(run / "dumps" / "rollout") and inputs["training dumps"] == str(train)
     assert inputs["checkpoint"] == str(sglang_checkpoint)
-    assert inputs["model builder"] == "source_patch.runtime.weights.twin:build"
+    assert inputs["model builder"] == "source_patch.runtime.weight_sync.twin:build"
     assert inputs["routes"] == f"expert ids of 4 of 4 requests replayed from {run / 'routes'}"
     assert inputs["requests"] == "4" and "replayed rollout" not in inputs  # the one compared
     for key in ("replay versions", "compare versions"):

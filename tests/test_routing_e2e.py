@@ -1,9 +1,9 @@
 """Rollout routing replay end to end, with the real upstreams on CPU.
 
 SGLang 0.5.23's select_experts (a patched copy, torch-native top-k, under
-patches/moe.yaml) captures the routing of rollout requests; the records are
+patches/routing.yaml) captures the routing of rollout requests; the records are
 aligned to Megatron's training batch layout and replayed in Megatron-Core 0.16.1's
-routers (tiny GPT-MoE under megatron_cpu + moe, real training steps in a
+routers (tiny GPT-MoE under megatron_cpu + routing, real training steps in a
 subprocess). The routes Megatron takes must be exactly SGLang's, and the report says
 how many tokens and layers would have routed differently without replay.
 """
@@ -71,7 +71,7 @@ def test_sglang_routes_replayed_in_megatron(sglang_topk, tmp_path):
     (folder / "index.json").write_text(json.dumps(
         {"format": "source-patch-routing-index", "version": 1, "rank": 0, "records": index}))
 
-    env = {**os.environ, "SOURCE_PATCH": "megatron_cpu,moe", "SOURCE_PATCH_CACHE": str(tmp_path / "c")}
+    env = {**os.environ, "SOURCE_PATCH": "megatron_cpu,routing", "SOURCE_PATCH_CACHE": str(tmp_path / "c")}
     result = subprocess.run([sys.executable, str(RUN), str(tmp_path / "out"), "off",
                              f"replay:{tmp_path / 'replay'}"], env=env, capture_output=True,
                             text=True, timeout=300)

@@ -1,7 +1,7 @@
-"""Routing capture / replay on real Megatron-Core modules (CPU), patches/moe.yaml.
+"""Routing capture / replay on real Megatron-Core modules (CPU), patches/routing.yaml.
 
 End-to-end: tests/e2e/routing_run.py trains the tiny GPT-MoE of examples/train_moe.py
-in subprocesses under SOURCE_PATCH=megatron_cpu,moe.  In-process: the runtime's
+in subprocesses under SOURCE_PATCH=megatron_cpu,routing.  In-process: the runtime's
 replay checks with a stand-in router (no Megatron import).
 """
 
@@ -28,7 +28,7 @@ pytest.importorskip("megatron.core")
 
 
 def drive(out: Path, *scenarios) -> tuple[dict, list]:
-    env = {**os.environ, "SOURCE_PATCH": "megatron_cpu,moe", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "SOURCE_PATCH": "megatron_cpu,routing", "PYTHONWARNINGS": "ignore"}
     env.pop("SOURCE_PATCH_ROUTING_MODE", None)
     proc = subprocess.run([sys.executable, str(DRIVER), str(out), *scenarios, "--steps", str(STEPS),
                            "--micro-batches", str(MICROBATCHES)], env=env, capture_output=True, text=True,

@@ -1,7 +1,7 @@
 """Routing capture and replay only observe upstream (issue 30): a call no record can address
 is routed by upstream unchanged, with one RuntimeWarning per process and cause.
 
-Real megatron-core on CPU, in a child under SOURCE_PATCH=megatron_cpu,moe (the start hook
+Real megatron-core on CPU, in a child under SOURCE_PATCH=megatron_cpu,routing (the start hook
 patches megatron as it imports, as in tests/test_routing_megatron.py): a TopKRouter built
 outside a TransformerLayer (layer_number=None), and a direct call of
 topk_routing_with_score_function (upstream's own RouterReplay tests do both), under
@@ -98,7 +98,7 @@ CHILD = textwrap.dedent(r'''
 
 @pytest.fixture(scope="module")
 def report():
-    env = {**os.environ, "SOURCE_PATCH": "megatron_cpu,moe", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "SOURCE_PATCH": "megatron_cpu,routing", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     for key in ("SOURCE_PATCH_ROUTING_MODE", "SOURCE_PATCH_ROUTING_DIR", "PYTHONWARNINGS"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=ROOT, capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""SGLang routing capture / replay (patches/moe.yaml, runtime/routing/sglang.py)
+"""SGLang routing capture / replay (patches/routing.yaml, runtime/routing/sglang.py)
 against real sglang 0.5.23 modules on CPU: a patched copy of
 sglang.srt.layers.moe.topk (select_experts with the torch-native top-k) and of
 sglang.srt.model_executor.model_runner (ModelRunner._forward_raw's entry, with a
@@ -42,7 +42,7 @@ def _select(topk_mod, logits, layer=0, renormalize=True, scoring_func="softmax")
 
 
 def test_spec_checks_without_importing_sglang(check_sglang_spec):
-    out = check_sglang_spec("moe")
+    out = check_sglang_spec("routing")
     assert "ok   sglang.srt.layers.moe.topk" in out and "ok   sglang.srt.model_executor.model_runner" in out
     assert "sglang 0.5.23" in out
 
@@ -272,7 +272,7 @@ def _record_of(folder, rid, timeout=20.0, rank=0):
 
 @pytest.mark.slow
 def test_captured_routes_equal_sglangs_own_capture(instrumented_sglang):
-    """Independent check: for the same requests, the moe record equals what
+    """Independent check: for the same requests, the routing record equals what
     SGLang's own enable_return_routed_experts returns, row for row (logical ids)."""
     prompts = {"cap-a": [1, 2, 3, 4, 5, 6], "cap-b": [40, 41, 42]}
     out = instrumented_sglang.server.generate(input_ids=list(prompts.values()), max_new_tokens=5,
@@ -300,7 +300,7 @@ def replay_server(instrumented_sglang, sglang_server, tmp_path_factory):
     rec.replace(sample_ids=["same"]).save(folder / "same.safetensors")
     rec.replace(sample_ids=["moved"], indices=moved).save(folder / "moved.safetensors")
     dumps = tmp_path_factory.mktemp("replay-dumps")
-    server = sglang_server(specs=["moe", "dump"], args=["--disable-radix-cache", "--skip-server-warmup"],
+    server = sglang_server(specs=["routing", "dump"], args=["--disable-radix-cache", "--skip-server-warmup"],
                            env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "replay",
                                 "SOURCE_PATCH_SGLANG_ROUTING_REPLAY": str(folder),
                                 "SOURCE_PATCH_DUMP_DIR": str(dumps), "SOURCE_PATCH_DUMP_NAMES": "topk_ids,row_request"})
@@ -341,7 +341,7 @@ def test_tensor_parallel_ranks_capture_and_dump_the_same_routes(instrumented_sgl
     single = instrumented_sglang.server.generate(input_ids=prompt, max_new_tokens=4, rid="tp1-ref",
                                                  sampling={"ignore_eos": True})
     root = tmp_path_factory.mktemp("tp2")
-    server = sglang_server(specs=["moe", "dump"],
+    server = sglang_server(specs=["routing", "dump"],
                            args=["--tp-size", "2", "--disable-radix-cache", "--skip-server-warmup"],
                            env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture",
                                 "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(root / "routes"),

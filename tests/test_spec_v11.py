@@ -116,7 +116,7 @@ def test_the_bundled_moe_spec_patches_megatron_and_sglang_each_with_its_own_side
         "print(sorted(a.patch for a in m.__source_patches__))\n"
         "print(sorted(a.patch for a in s.__source_patches__))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "SOURCE_PATCH": "sglang_cpu,moe"})
+                         env={**os.environ, "SOURCE_PATCH": "sglang_cpu,routing"})
     assert out.returncode == 0, out.stderr
     megatron, sglang = out.stdout.splitlines()[-2:]
     assert megatron == "['topk-capture-replay', 'topk-fused-guard-and-probs']"  # not the 0.14 variant
@@ -215,8 +215,10 @@ def test_the_report_lists_targets_never_imported(write_spec, tmp_path):
 def test_old_bundled_names_are_aliases_with_a_deprecation_warning():
     from source_patch.patcher.spec import BUNDLED_DIR, resolve
 
-    with pytest.warns(DeprecationWarning, match="'moe_sglang' is now part of 'moe'"):
-        assert resolve("moe_sglang") == BUNDLED_DIR / "moe.yaml"
+    with pytest.warns(DeprecationWarning, match="'moe_sglang' is now 'routing'"):
+        assert resolve("moe_sglang") == BUNDLED_DIR / "routing.yaml"
+    with pytest.warns(DeprecationWarning, match="'moe' is now 'routing'"):  # renamed in 0.2
+        assert resolve("moe") == BUNDLED_DIR / "routing.yaml"
     with pytest.warns(DeprecationWarning):
         assert resolve(str(BUNDLED_DIR / "trace_sglang.yaml")) == BUNDLED_DIR / "trace.yaml"
 

@@ -1,4 +1,4 @@
-"""The Megatron-Core twin of the checkpoint SGLang serves (runtime/weights/twin.py):
+"""The Megatron-Core twin of the checkpoint SGLang serves (runtime/weight_sync/twin.py):
 built from its config.json, loaded through the inverse of weight sync's name mapping,
 it computes what transformers' Qwen3MoeForCausalLM computes."""
 
@@ -34,7 +34,7 @@ def test_the_twin_computes_transformers_logits(sglang_checkpoint, hf_qwen3, tmp_
 
 def test_config_the_twin_cannot_match_is_refused():
     pytest.importorskip("transformers")
-    from source_patch.runtime.weights import twin
+    from source_patch.runtime.weight_sync import twin
 
     base = {"model_type": "qwen3_moe", "num_attention_heads": 4, "hidden_size": 64}
     with pytest.raises(ValueError, match="model_type qwen3_moe, not 'llama'"):
@@ -46,7 +46,7 @@ def test_config_the_twin_cannot_match_is_refused():
 
 
 def test_from_hf_inverts_to_hf_for_every_layout():
-    from source_patch.runtime.weights import names
+    from source_patch.runtime.weight_sync import names
 
     layout = names.Layout(num_attention_heads=4, num_query_groups=2, head_dim=3, gated=True, vocab_size=10)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Megatron -> SGLang names and layouts (runtime/weights/names.py), checked against
+"""Megatron -> SGLang names and layouts (runtime/weight_sync/names.py), checked against
 the real upstreams: Megatron-Core's GPTModel parameters and its own QKV / SwiGLU
 semantics, SGLang's Qwen3MoeForCausalLM / Starcoder2ForCausalLM load_weights."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from source_patch.runtime.weights import names as wn
+from source_patch.runtime.weight_sync import names as wn
 
 sys.path.insert(0, str(Path(__file__).parent / "e2e"))
 import weight_sync_models as models  # noqa: E402

@@ -1,4 +1,4 @@
-"""Weight sync (runtime/weights/sync.py, weight_transport.py, weight_megatron.py;
+"""Weight sync (runtime/weight_sync/sync.py, weight_transport.py, weight_megatron.py;
 patches/weight_sync.yaml, both sides).
 
 Unit: manifest validation, bucket layout, settings, the call sites' pass-through.
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from source_patch.runtime.core import settings
-from source_patch.runtime.weights import sync as weight_sync
-from source_patch.runtime.weights import transport as wt
+from source_patch.runtime.weight_sync import sync as weight_sync
+from source_patch.runtime.weight_sync import transport as wt
 
 E2E = Path(__file__).parent / "e2e"
 ROOT = Path(__file__).parents[1]
@@ -618,7 +618,7 @@ def test_push_pauses_the_garbage_collector_and_leaves_it_as_it_was(monkeypatch):
     """A packed push's tens of thousands of short-lived objects drove full collections
     of the trainer's heap every few pushes (0.3-0.5 s each); push() runs with the
     collector off, and leaves it on or off as it found it, also when it fails."""
-    from source_patch.runtime.weights import megatron as weight_megatron
+    from source_patch.runtime.weight_sync import megatron as weight_megatron
 
     seen, collections, inside = [], [], []
 
@@ -654,7 +654,7 @@ def test_push_pauses_the_garbage_collector_and_leaves_it_as_it_was(monkeypatch):
 def test_the_parameter_walk_is_kept_until_a_parameter_or_module_is_registered():
     """push() walks named_parameters() once, not at every step (~2 us per parameter);
     a replaced parameter or a new module is seen at the next push."""
-    from source_patch.runtime.weights import megatron as weight_megatron
+    from source_patch.runtime.weight_sync import megatron as weight_megatron
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     wrapped = torch.nn.Module()
@@ -676,7 +676,7 @@ def test_the_parameter_walk_is_kept_until_a_parameter_or_module_is_registered():
 def test_buffer_windows_are_kept_across_pushes_until_a_buffer_moves():
     """The windows of parameters to gather (views of one DDP-like buffer) are built
     once per walk and kept while the buffer stays put; their state is reset per push."""
-    from source_patch.runtime.weights import megatron as weight_megatron
+    from source_patch.runtime.weight_sync import megatron as weight_megatron
 
     buffer = torch.zeros(4 * 1024)
     params = []
@@ -699,7 +699,7 @@ def test_buffer_windows_are_kept_across_pushes_until_a_buffer_moves():
 
 
 def test_a_push_plan_is_kept_while_the_walk_and_layout_hold():
-    from source_patch.runtime.weights import names as weight_names
+    from source_patch.runtime.weight_sync import names as weight_names
 
     layout = weight_names.Layout(num_attention_heads=2, num_query_groups=1, head_dim=2, gated=True)
     walk = [("decoder.final_layernorm.weight", torch.nn.Parameter(torch.ones(4)))]
@@ -912,7 +912,7 @@ def differ(got, expected):
 def three_exact_updates(runs, name: str, ep: int) -> list:
     """After each of three steps the receiver got the trainer's mapped parameters, bit
     for bit, and the steps changed them; returns the trainer's states per step."""
-    from source_patch.runtime.weights import names as weight_names
+    from source_patch.runtime.weight_sync import names as weight_names
 
     tmp, codes, logs = runs
     assert codes[name] == [0, 0, 0], logs
@@ -958,7 +958,7 @@ def test_without_the_forced_param_gather_the_engine_would_get_stale_weights(runs
     """The control: overlap_param_gather leaves parameters outside rank 0's optimizer
     shard stale after step(); with the runtime's forced gather switched off they are
     sent stale, which the main run's bitwise check would catch."""
-    from source_patch.runtime.weights import names as weight_names
+    from source_patch.runtime.weight_sync import names as weight_names
 
     tmp, _, _ = runs
     got = received(tmp, "control")

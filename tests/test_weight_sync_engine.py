@@ -99,7 +99,7 @@ def reference(model_dir: Path, tmp: Path, step: int) -> list:
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3MoeForCausalLM
 
-    from source_patch.runtime.weights import names
+    from source_patch.runtime.weight_sync import names
 
     full = {}
     for rank in range(2):  # expert parallel: rank r holds experts r*2, r*2+1 as local 0, 1

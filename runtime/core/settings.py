@@ -295,7 +295,7 @@ SCHEMAS["dump"] = {
 }
 
 
-# -- routing capture / replay (source_patch.runtime.routing.megatron, patches/moe.yaml)
+# -- routing capture / replay (source_patch.runtime.routing.megatron, patches/routing.yaml)
 
 SCHEMAS["routing"] = {
     "mode": Setting("off", choice("off", "capture", "replay"),
@@ -342,7 +342,7 @@ SCHEMAS["trace"] = {
 }
 
 
-# -- weight sync, trainer -> engines (source_patch.runtime.weights.sync, patches/weight_sync.yaml)
+# -- weight sync, trainer -> engines (source_patch.runtime.weight_sync.sync, patches/weight_sync.yaml)
 
 
 SCHEMAS["weight_sync"] = {

@@ -1,4 +1,4 @@
-"""Routing capture and replay for Megatron-Core, called from patches/moe.yaml.
+"""Routing capture and replay for Megatron-Core, called from patches/routing.yaml.
 
 Call sites (``__sp__.<name>``, all cost one flag test when the mode is ``off``):
 

@@ -1,14 +1,14 @@
 """SGLang routing capture and replay (issue 4, SGLang side).
 
-Two call sites (``patches/moe.yaml``) reach this module through ``__sp__``:
+Two call sites (``patches/routing.yaml``) reach this module through ``__sp__``:
 
-* ``ModelRunner._forward_raw`` (entry): :func:`sglang_routing_batch` reads the
+* ``ModelRunner._forward_raw`` (entry): :func:`routing_sglang_batch` reads the
   ``ForwardBatch`` and makes it the *ambient batch*: which request each row of the
   flat token batch belongs to, and at which position of that request it is
   (``rids``; extend: ``extend_seq_lens_cpu`` / ``extend_prefix_lens_cpu``; decode: one
   token per request at ``seq_lens_cpu - 1``).
 * ``select_experts`` (just before ``_post_process_topk_ids``, where SGLang's own
-  ``apply_routing_simulation`` rewrites ``topk_ids``): :func:`sglang_routing_topk`
+  ``apply_routing_simulation`` rewrites ``topk_ids``): :func:`routing_sglang_topk`
   sees the *logical* expert ids (before the EPLB logical-to-physical remap) and
   captures them per layer, or overrides them in place from a replay record and
   recomputes the weights.
@@ -16,7 +16,7 @@ Two call sites (``patches/moe.yaml``) reach this module through ``__sp__``:
 Records use :mod:`source_patch.runtime.routing.record`: one ``RoutingRecord`` per
 request (``token_order="requests"``, ``sample_ids=[rid]``, ``source="sglang"``,
 ``extra={"rank", "start_pos"}``), written to ``<dir>/rank<R>/<rid>.safetensors`` when
-the request finishes (:func:`sglang_routing_release`, at ``release_kv_cache``) and by
+the request finishes (:func:`routing_sglang_release`, at ``release_kv_cache``) and by
 :func:`flush` (at exit: what is left); :func:`merge_rank_files` merges a directory of
 rank folders by request.
 
@@ -165,7 +165,7 @@ def _captured_len(rid):
     return max(layer_rows.values(), default=0)
 
 
-def sglang_routing_batch(forward_batch) -> None:
+def routing_sglang_batch(forward_batch) -> None:
     """Call site at ``ModelRunner._forward_raw`` entry: the ambient batch from an
     SGLang ``ForwardBatch``. Does nothing when the mode is off."""
     if _mode() == "off":
@@ -264,7 +264,7 @@ def _recorded(rec, rid, layer: int, start: int, n: int) -> torch.Tensor | None:
     return rec.indices[layer][off:off + n]
 
 
-def sglang_routing_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor, router_logits: torch.Tensor,
+def routing_sglang_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor, router_logits: torch.Tensor,
                         topk_config, layer_id, num_routed_topk: int) -> None:
     """Call site before ``_post_process_topk_ids`` in ``select_experts``: capture the
     logical ids of the routed columns, or overwrite them (and their weights) in
@@ -364,7 +364,7 @@ def flush(dir=None, *, clear: bool = True) -> list:
     return paths
 
 
-def sglang_routing_release(req) -> None:
+def routing_sglang_release(req) -> None:
     """Call site at ``release_kv_cache`` entry: a finished request's record is written
     now (a scheduler is killed at shutdown, so waiting for exit would lose it) and
     its rows leave memory.  A retracted request (not finished) keeps its rows."""

@@ -1,6 +1,6 @@
-"""Train examples/train_moe.py's model under patches/moe.yaml, one scenario after another.
+"""Train examples/train_moe.py's model under patches/routing.yaml, one scenario after another.
 
-    SOURCE_PATCH=megatron_cpu,moe python tests/e2e/routing_run.py OUT_PREFIX SCENARIO...
+    SOURCE_PATCH=megatron_cpu,routing python tests/e2e/routing_run.py OUT_PREFIX SCENARIO...
 
 A scenario is ``off``, ``capture:DIR`` or ``replay:DIR``.  Each scenario builds the
 model afresh (same seed), resets the routing runtime, configures its mode and

@@ -18,7 +18,7 @@ import json
 import os
 
 from source_patch.runtime import replay
-from source_patch.runtime.weights import twin
+from source_patch.runtime.weight_sync import twin
 
 
 def perturbed(checkpoint):

@@ -33,7 +33,7 @@ def hooks(cli, current):
 
 
 def receive(cli):
-    from source_patch.runtime.weights import transport as weight_transport
+    from source_patch.runtime.weight_sync import transport as weight_transport
 
     group = weight_transport.open_group("127.0.0.1", cli.port, 1, cli.world_size, GROUP, "gloo", 120)
     link = weight_transport.Link(group, 60)

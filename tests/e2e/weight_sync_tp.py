@@ -27,8 +27,8 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    from source_patch.runtime.weights import megatron as weight_megatron
-    from source_patch.runtime.weights import names as weight_names
+    from source_patch.runtime.weight_sync import megatron as weight_megatron
+    from source_patch.runtime.weight_sync import names as weight_names
 
     torch.manual_seed(0)
     model = models.megatron_model("llama")

@@ -53,9 +53,9 @@ def main():
     train_moe.init_distributed(device, cli.ep)
     rank = torch.distributed.get_rank()
 
-    from source_patch.runtime.weights import megatron as weight_megatron
-    from source_patch.runtime.weights import sync as weight_sync
-    from source_patch.runtime.weights import transport as weight_transport
+    from source_patch.runtime.weight_sync import megatron as weight_megatron
+    from source_patch.runtime.weight_sync import sync as weight_sync
+    from source_patch.runtime.weight_sync import transport as weight_transport
 
     if cli.skip_param_gather:
         weight_megatron.finish_param_gather = lambda chunks: None

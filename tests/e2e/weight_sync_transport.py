@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from source_patch.runtime.weights import transport as wt
+from source_patch.runtime.weight_sync import transport as wt
 
 BUCKET = 64 << 10
 LINK_TIMEOUT = 2.0

@@ -12,7 +12,7 @@ Call sites (patches/weight_sync.yaml, reached through ``__sp__``)::
 
 Scripts::
 
-    import source_patch.runtime.weights.sync as weight_sync
+    import source_patch.runtime.weight_sync.sync as weight_sync
     weight_sync.push(model_chunks)      # explicit push (raises on failure)
     weight_sync.state()                 # trainer: pushes, failures, last error, timings
     weight_sync.engine_state()          # engine: the version it serves, partial, failures

@@ -1,6 +1,6 @@
 """A Megatron-Core twin of a Hugging Face Qwen3-MoE checkpoint (the model SGLang serves).
 
-    import source_patch.runtime.weights.twin as twin
+    import source_patch.runtime.weight_sync.twin as twin
     model = twin.build("path/to/checkpoint")         # parallel state initialised, tp = ep = 1
     logits = twin.logits(model, [[1, 2, 3, 4]])      # [batch, tokens, vocab]
 
