@@ -242,3 +242,62 @@ def test_the_arrow_check_can_fail(tmp_path):
         (tmp_path / "runtime" / f"{module}.py").write_text("")
     assert runtime_arrows(tmp_path / "patcher", tmp_path / "runtime") == {
         ("cli", "dump/compare"), ("cli", "core/settings"), ("cli", "facade")}
+
+
+# -- the capability contract (runtime/core/capability.py), on the imported modules
+
+CONTRACT_CHECK = r"""
+import importlib, json, sys
+from source_patch.runtime.core import capability
+found = {}
+for component, module in capability.CONTROL.items():
+    mod = importlib.import_module(f"source_patch.runtime.{module}")
+    problems = capability.violations(mod)
+    if not problems:
+        assert mod.SETTINGS == component, (module, mod.SETTINGS)
+        config = mod.configure()
+        problems += [f"configure() returned {type(config).__name__}"] * (not isinstance(config, dict))
+        for call in ("state", "reset"):
+            problems += [f"{call}(): {p}" for p in capability.state_violations(getattr(mod, call)())]
+        problems += ["enabled() is not a bool"] * (not isinstance(mod.enabled(), bool))
+        problems += ["close() did not return a bool"] * (not isinstance(mod.close(timeout=1.0), bool))
+    found[module] = problems
+print(json.dumps(found))
+"""
+
+
+def _contract_problems(env=None) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", CONTRACT_CHECK], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_each_capability_implements_the_contract():
+    from source_patch.runtime.core import capability
+
+    problems = _contract_problems()
+    assert sorted(problems) == sorted(capability.CONTROL.values())
+    assert {module: p for module, p in problems.items() if p} == {}
+    assert {c for c in capability.CONTROL} <= set(__import__("source_patch.runtime.core.settings",
+                                                             fromlist=["SCHEMAS"]).SCHEMAS)
+
+
+def test_the_contract_check_can_fail():
+    import types
+
+    from source_patch.runtime.core import capability
+
+    bad = types.SimpleNamespace(SETTINGS="x", enabled=lambda: True, configure=lambda mode: {},
+                                configure_from_settings=lambda: {}, state=lambda: {}, close=lambda: True)
+    assert capability.violations(bad) == ["reset(): missing", "configure(): must be callable without arguments "
+                                          "(requires mode)", "configure(): must take **changes",
+                                          "close(): must take timeout="]
+    assert capability.state_violations({"enabled": 1, "counters": {"a": "x"}}) == [
+        "state: no 'config'", "state: no 'last_error'", "state: 'counters' must map names to numbers",
+        "state: 'enabled' must be a bool"]

@@ -36,7 +36,7 @@ STEPS, MICROBATCHES, LAYERS, EXPERTS, TOPK, SEQ, BATCH = 2, 2, 2, 8, 2, 16, 4
 def rollout(sglang_topk, rids):
     """One SGLang forward over these requests (prefill of SEQ tokens each), every layer."""
     routing_sglang.reset()
-    routing_sglang.configure("capture")
+    routing_sglang.configure(mode="capture")
     routing_sglang.set_batch(rids, [SEQ] * len(rids), [0] * len(rids))
     config = sglang_topk.TopKConfig(top_k=TOPK, renormalize=True, torch_native=True)
     for layer_id in range(LAYERS):  # SGLang numbers layers from 0
@@ -44,7 +44,7 @@ def rollout(sglang_topk, rids):
         sglang_topk.select_experts(hidden_states=torch.zeros(len(logits), 4), router_logits=logits,
                                    layer_id=layer_id, topk_config=config)
     records = routing_sglang.records()
-    routing_sglang.configure("off")
+    routing_sglang.configure(mode="off")
     return records
 
 

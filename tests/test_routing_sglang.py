@@ -61,7 +61,7 @@ def test_capture_per_request_in_generation_order(topk_mod, renormalize):
     """Prefill of two requests (3 + 2 tokens), then two decode steps; two layers.
     Captured ids equal torch.topk(softmax(logits)).indices *in order* (SGLang's
     torch-native top-k is torch.topk, sorted)."""
-    rs.configure("capture")
+    rs.configure(mode="capture")
     torch.manual_seed(1)
     steps = [(["a", "b"], [3, 2], [0, 0]), (["a", "b"], [1, 1], [3, 2]), (["a", "b"], [1, 1], [4, 3])]
     expected = {"a": {0: [], 1: []}, "b": {0: [], 1: []}}
@@ -86,7 +86,7 @@ def test_capture_per_request_in_generation_order(topk_mod, renormalize):
 
 
 def test_capture_gap_is_an_error(topk_mod):
-    rs.configure("capture")
+    rs.configure(mode="capture")
     for starts in ([0], [5]):
         rs.set_batch(["a"], [2], starts)
         _select(topk_mod, torch.randn(2, E))
@@ -101,7 +101,7 @@ def test_replay_overrides_ids_and_weights(topk_mod, renormalize, scoring_func):
     forced = torch.tensor([[7, 0], [1, 2], [3, 6], [5, 4], [0, 1]])
     rec = RoutingRecord(indices={3: forced}, num_experts=E, token_order="requests", sample_ids=["r"],
                         seq_lens=[5], source="sglang", extra={"start_pos": 0})
-    rs.configure("replay", replay={"r": rec})
+    rs.configure(mode="replay", replay={"r": rec})
     rs.set_batch(["r"], [5], [0])
     w, ids = _select(topk_mod, logits, layer=3, renormalize=renormalize, scoring_func=scoring_func)
     assert torch.equal(ids.long(), forced)
@@ -115,7 +115,7 @@ def test_replay_overrides_ids_and_weights(topk_mod, renormalize, scoring_func):
     rs.reset()
     w0, ids0 = _select(topk_mod, logits, layer=3, renormalize=renormalize, scoring_func=scoring_func)
     rec0 = rec.replace(indices={3: ids0.long()})
-    rs.configure("replay", replay={"r": rec0})
+    rs.configure(mode="replay", replay={"r": rec0})
     rs.set_batch(["r"], [5], [0])
     w1, ids1 = _select(topk_mod, logits, layer=3, renormalize=renormalize, scoring_func=scoring_func)
     assert torch.equal(ids1, ids0) and torch.allclose(w1, w0, atol=1e-6)
@@ -124,7 +124,7 @@ def test_replay_overrides_ids_and_weights(topk_mod, renormalize, scoring_func):
 def test_capture_then_replay_by_request_and_position(topk_mod, tmp_path):
     """Record two requests, then replay them in another batch order (b first, then
     a's decode token at position 3) with other logits: the recorded ids come back."""
-    rs.configure("capture", dir=tmp_path)
+    rs.configure(mode="capture", dir=tmp_path)
     torch.manual_seed(3)
     rs.set_batch(["a", "b"], [3, 2], [0, 0])
     _, ids_p = _select(topk_mod, torch.randn(5, E), layer=0)
@@ -132,7 +132,7 @@ def test_capture_then_replay_by_request_and_position(topk_mod, tmp_path):
     _, ids_d = _select(topk_mod, torch.randn(1, E), layer=0)
     rs.flush()
     rs.reset()
-    rs.configure("replay", replay=tmp_path)
+    rs.configure(mode="replay", replay=tmp_path)
     rs.set_batch(["b", "a"], [2, 1], [0, 3])
     _, ids = _select(topk_mod, torch.randn(3, E), layer=0)
     assert torch.equal(ids.long(), torch.cat([ids_p[3:5], ids_d]).long())
@@ -142,7 +142,7 @@ def _bad(topk_mod, indices, num_experts=E):
     # an object with a record's fields that skipped validation, as a corrupted record would
     rec = types.SimpleNamespace(indices={0: indices}, extra={"start_pos": 0}, layers=[0],
                                 num_tokens=indices.shape[0])
-    rs.configure("replay", replay={"r": rec})
+    rs.configure(mode="replay", replay={"r": rec})
     rs.set_batch(["r"], [4], [0])
     _select(topk_mod, torch.randn(4, E), layer=0)
 
@@ -151,7 +151,7 @@ def test_replay_errors_are_clear(topk_mod):
     good = dict(num_experts=E, token_order="requests", sample_ids=["r"], source="sglang", extra={"start_pos": 0})
     # too few rows for the batch: those rows keep the router's own routes (a serving
     # engine must not die), with a warning
-    rs.configure("replay", replay={"r": RoutingRecord(indices={0: torch.tensor([[0, 1]] * 3)}, **good)})
+    rs.configure(mode="replay", replay={"r": RoutingRecord(indices={0: torch.tensor([[0, 1]] * 3)}, **good)})
     rs.set_batch(["r"], [4], [0])
     logits = torch.randn(4, E)
     with pytest.warns(RuntimeWarning, match=r"request 'r' needs rows \[0, 4\) of layer 0, its record has 3"):
@@ -159,12 +159,12 @@ def test_replay_errors_are_clear(topk_mod):
     assert torch.equal(ids.long(), torch.topk(logits.softmax(-1), K).indices)
     # a single record replayed without attribution: wrong row count
     rs.reset()
-    rs.configure("replay", replay={"r": RoutingRecord(indices={0: torch.tensor([[0, 1]] * 3)}, **good)})
+    rs.configure(mode="replay", replay={"r": RoutingRecord(indices={0: torch.tensor([[0, 1]] * 3)}, **good)})
     with pytest.raises(RoutingRecordError, match="layer 0 replay ids: 3 rows for 4 tokens"):
         _select(topk_mod, torch.randn(4, E), layer=0)
     # missing layer, missing request
     rs.reset()
-    rs.configure("replay", replay={"r": RoutingRecord(indices={0: torch.tensor([[0, 1]] * 4)}, **good)})
+    rs.configure(mode="replay", replay={"r": RoutingRecord(indices={0: torch.tensor([[0, 1]] * 4)}, **good)})
     rs.set_batch(["r"], [4], [0])
     with pytest.raises(RoutingRecordError, match="request 'r' has no layer 5"):
         _select(topk_mod, torch.randn(4, E), layer=5)
@@ -234,7 +234,7 @@ def test_merge_rank_files(tmp_path):
 
 
 def test_flush_writes_per_rank_files(topk_mod, tmp_path):
-    rs.configure("capture", dir=tmp_path, rank=3)
+    rs.configure(mode="capture", dir=tmp_path, rank=3)
     rs.set_batch(["req/1", "b"], [2, 1], [0, 0])
     _select(topk_mod, torch.randn(3, E))
     paths = rs.flush()

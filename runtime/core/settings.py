@@ -310,6 +310,23 @@ SCHEMAS["routing"] = {
 }
 
 
+# -- routing capture / replay in SGLang (source_patch.runtime.routing.sglang, patches/routing.yaml)
+
+
+def _mode(value: Any) -> str:
+    return choice("off", "capture", "replay")(str(value).strip().lower())
+
+
+SCHEMAS["sglang_routing"] = {
+    "mode": Setting("off", _mode, "off: every call site costs one flag test; capture: keep each request's "
+                                  "routed expert ids; replay: route each request with its record's ids"),
+    "dir": Setting("", text, "capture: each finished request's record goes to <dir>/rank<R>/<rid>.safetensors "
+                             "(empty: kept in memory)"),
+    "replay": Setting("", text, "replay: a folder as capture writes it, or one record file; a folder without "
+                                "records replays nothing (one warning)"),
+}
+
+
 # -- live tensor tracing (source_patch.runtime.trace.api, patches/trace.yaml)
 
 

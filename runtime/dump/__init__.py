@@ -12,7 +12,7 @@ manifest, written asynchronously.
 api.py (and torch) on first use; ``dump.reader`` alone does not.
 """
 
-_API = ("dump", "dump_context", "dump_microbatch", "dump_step", "configure", "configure_from_settings",
+_API = ("dump", "dump_context", "dump_microbatch", "dump_step", "enabled", "configure", "configure_from_settings",
         "public_config", "state", "reset", "flush", "close")
 
 

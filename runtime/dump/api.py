@@ -44,6 +44,8 @@ from ..core import ranks, settings, tags as ambient
 from ..core.failures import Counters
 from .writer import Pipeline
 
+SETTINGS = "dump"  # its settings component (the capability contract: core/capability.py)
+
 # The one thing a disabled call site reads.
 _enabled = False
 _step = 0
@@ -129,6 +131,10 @@ def dump_step(success: Any = True, *, step: int | None = None) -> Any:
 # ---------------------------------------------------------------- control API
 
 
+def enabled() -> bool:
+    return _enabled
+
+
 def configure(**changes) -> dict:
     """Change settings at runtime (same keys as the ``dump`` settings schema).
 
@@ -163,6 +169,7 @@ def state() -> dict:
         "rank": ranks.global_rank(),
         **counts,
         "blocked_s": round(counts["blocked_s"], 6),
+        "counters": {**counts, "blocked_s": round(counts["blocked_s"], 6)},
         "last_error": _counters.last_error,
         "last_error_time": _counters.last_error_time,
         **_pipeline.state(),

@@ -27,6 +27,7 @@ from ..core.failures import Counters
 from ..core.ranks import global_rank
 from ..core.sglang_batch import BatchRows, batch_rows, is_probe
 
+SETTINGS = "features"  # its settings component (the capability contract: core/capability.py)
 _log = logging.getLogger("source_patch.features")
 _counters = Counters(("published", "skipped_partial", "skipped_duplicate", "errors", "lost"),
                      "source_patch.features", "features")
@@ -52,16 +53,39 @@ class _Batch:
 
 
 def _on() -> bool:
-    global _config, _enabled
     if _enabled is None:
-        _config = settings.resolve("features")
-        ranks = _config["ranks"]
-        _enabled = bool(_config["enable"]) and (ranks is None or global_rank() in settings.IntSet(ranks))
-        if _enabled and not (_config["store"] and _config["stream"]):
-            _enabled = False
-            _log.error("source-patch features: enabled without a store and a stream "
-                       "(SOURCE_PATCH_FEATURES_STORE, SOURCE_PATCH_FEATURES_STREAM): nothing is captured")
+        configure_from_settings()
     return _enabled
+
+
+def _apply(config: dict) -> dict:
+    global _config, _enabled
+    ranks = config["ranks"]
+    on = bool(config["enable"]) and (ranks is None or global_rank() in settings.IntSet(ranks))
+    if on and not (config["store"] and config["stream"]):
+        on = False
+        _log.error("source-patch features: enabled without a store and a stream "
+                   "(SOURCE_PATCH_FEATURES_STORE, SOURCE_PATCH_FEATURES_STREAM): nothing is captured")
+    if _publisher is not None and config != _config:
+        close()  # the next publication opens the new store and stream
+    _config, _enabled = config, on
+    return dict(config)
+
+
+def enabled() -> bool:
+    return bool(_on())
+
+
+def configure(**changes) -> dict:
+    """Change settings (keys of the ``features`` schema), all validated first; returns
+    the effective settings."""
+    parsed = {key: settings.check(SETTINGS, key, value) for key, value in changes.items()}
+    return _apply({**(_config or settings.resolve(SETTINGS)), **parsed})
+
+
+def configure_from_settings() -> dict:
+    """Re-read the settings (environment > active specs > defaults) and apply them."""
+    return _apply(settings.resolve(SETTINGS))
 
 
 def features_forward(model, input_ids, positions, forward_batch) -> None:
@@ -161,7 +185,10 @@ class _Publisher:
             _counters.add("skipped_duplicate")
 
     def close(self) -> None:
-        self.producer.close()
+        try:
+            self.producer.close()
+        finally:
+            self.store.close()
 
 
 def _get_publisher() -> _Publisher:
@@ -172,4 +199,27 @@ def _get_publisher() -> _Publisher:
 
 
 def state() -> dict:
-    return {"enabled": bool(_enabled), "counts": dict(_counters.counts), "last_error": _counters.last_error}
+    counts = _counters.snapshot()
+    return {"enabled": bool(_enabled), "config": dict(_config or {}), "counters": counts, "counts": counts,
+            "last_error": _counters.last_error}
+
+
+def reset() -> dict:
+    """Zero the counters and drop the batch in flight; returns state()."""
+    global _batch
+    _counters.reset()
+    _batch = None
+    return state()
+
+
+def close(timeout: float | None = None) -> bool:
+    """Close the stream producer and the store (the next publication opens them again)."""
+    global _publisher
+    publisher, _publisher = _publisher, None
+    if publisher is not None:
+        try:
+            publisher.close()
+        except Exception as exc:  # noqa: BLE001
+            _counters.fail("close", exc)
+            return False
+    return True

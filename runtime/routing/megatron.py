@@ -59,6 +59,8 @@ import torch
 from .record import RoutingRecord, RoutingRecordError, load, slice_for_rank
 from ..core.settings import resolve
 
+SETTINGS = "routing"  # its settings component (the capability contract: core/capability.py)
+
 
 class RoutingReplayError(RuntimeError):
     """Replay cannot route as recorded (names step, microbatch and layer)."""
@@ -100,6 +102,7 @@ _forwards: dict = {}
 _free_layers: set = set()
 _free_tokens = None
 _warned: set = set()  # causes already warned about (one RuntimeWarning per process and cause)
+_last_error: str | None = None  # the latest failure to save captured routes
 
 
 def configure(**changes) -> dict:
@@ -115,13 +118,18 @@ def configure(**changes) -> dict:
     return dict(_config)
 
 
-def _init():
+def configure_from_settings() -> dict:
+    """Re-read the settings (environment > active specs > defaults) and apply them."""
     _config.update(resolve("routing"))
-    configure()
+    return configure()
 
 
-def reset() -> None:
-    """Forget all captured / replay state and positions (tests)."""
+def enabled() -> bool:
+    return not _OFF
+
+
+def reset() -> dict:
+    """Forget all captured / replay state and positions (tests); returns state()."""
     global _step, _microbatch, _in_forward, _layer, _shape, _last_idx, _in_router
     flush()
     _step = _microbatch = 0
@@ -130,11 +138,28 @@ def reset() -> None:
     _free_reset()
     _pending.clear(); _meta.clear(); _saved_index.clear(); _forwards.clear()
     _replay.clear(); _sliced.clear(); _staged.clear(); _used.clear()
+    global _last_error
+    _last_error = None
+    return state()
 
 
 def state() -> dict:
-    return {"mode": _config["mode"], "step": _step, "microbatch": _microbatch, "layer": _layer,
-            "pending": sorted(_pending), "replay": sorted(_replay)}
+    counters = {"records_saved": len(_saved_index), "pending": len(_pending),
+                "replay_records": len(_replay), "warnings": len(_warned)}
+    return {"enabled": not _OFF, "mode": _config["mode"], "step": _step, "microbatch": _microbatch,
+            "layer": _layer, "pending": sorted(_pending), "replay": sorted(_replay),
+            "config": dict(_config), "counters": counters, "last_error": _last_error}
+
+
+def close(timeout: float | None = None) -> bool:
+    """Save what was captured (capture with a dir) and stop the background writer; True
+    when nothing failed.  Registered with atexit."""
+    global _saver
+    _flush_at_exit()
+    saver, _saver = _saver, None
+    if saver is not None:
+        saver.shutdown(wait=True)
+    return _last_error is None
 
 
 def set_position(step: int | None = None, microbatch: int | None = None) -> None:
@@ -284,11 +309,13 @@ def _save_in_background(steps: set) -> None:
 
 
 def _save_reporting(steps) -> None:
+    global _last_error
     try:
         save(steps=steps)
     except Exception as exc:  # noqa: BLE001 - never raise into training
         import sys
 
+        _last_error = f"saving step(s) {sorted(steps)}: {type(exc).__name__}: {exc}"
         print(f"source-patch routing: could not save captured routes of step(s) {sorted(steps)}: {exc}",
               file=sys.stderr)
 
@@ -495,10 +522,12 @@ def _flush_at_exit():
         except Exception as exc:  # noqa: BLE001 - at exit: report, do not mask the real exit
             import sys
 
+            global _last_error
+            _last_error = f"saving: {type(exc).__name__}: {exc}"
             print(f"source-patch routing: could not save captured routes: {exc}", file=sys.stderr)
 
 
-atexit.register(_flush_at_exit)
+atexit.register(close)
 
 
 # ------------------------------------------------------------------ replay
@@ -633,4 +662,4 @@ def _replay_probs(routing_probs):
     return torch.zeros_like(routing_probs).scatter(1, idx, weights)
 
 
-_init()  # settings: environment over the specs' runtime: section over defaults
+configure_from_settings()  # environment over the specs' runtime: section over defaults

@@ -20,14 +20,9 @@ the request finishes (:func:`routing_sglang_release`, at ``release_kv_cache``) a
 :func:`flush` (at exit: what is left); :func:`merge_rank_files` merges a directory of
 rank folders by request.
 
-Settings (read from the environment directly until ``runtime/core/settings.py`` has an
-``sglang_routing`` component):
-
-* ``SOURCE_PATCH_SGLANG_ROUTING_MODE``: ``off`` (default), ``capture``, ``replay``;
-* ``SOURCE_PATCH_SGLANG_ROUTING_DIR``: where :func:`flush` writes (capture);
-* ``SOURCE_PATCH_SGLANG_ROUTING_REPLAY``: directory (as written by capture) or
-  single record file to replay from; a directory without records replays nothing (every
-  request keeps the router's routes, one warning, as a request without a record does).
+Settings: the ``sglang_routing`` component (docs/settings.md), read on first use:
+``SOURCE_PATCH_SGLANG_ROUTING_MODE`` / ``_DIR`` / ``_REPLAY`` over a spec's
+``runtime: sglang_routing:`` over the defaults (off; no dir; no replay source).
 
 Replay weights: ``scores = f(router_logits.float())`` with ``f`` the config's
 ``scoring_func`` (softmax / sigmoid / sqrtsoftplus), ``w = scores.gather(1, ids)``;
@@ -53,9 +48,11 @@ from pathlib import Path
 
 import torch
 
+from ..core import settings
 from ..core.sglang_batch import BatchRows, Unattributed, batch_rows, is_probe
 from .record import RoutingRecord, RoutingRecordError, load
 
+SETTINGS = "sglang_routing"  # its settings component (the capability contract: core/capability.py)
 _RENORM_EPS = 1e-20  # sglang.srt.layers.moe.topk._RENORMALIZE_SUM_EPSILON
 
 
@@ -65,8 +62,11 @@ class _State:
         self.reset()
 
     def reset(self):
-        self.mode = None  # None: read the environment on first use
+        self.config = None  # None: read the settings on first use
+        self.mode = None
         self.dir = None
+        self.last_error = None
+        self.written = 0  # records written by capture
         self.rank = None
         self.batch = None  # (rids, lens, starts) of the current forward
         self.forward_id = -1
@@ -85,39 +85,78 @@ def _warn_once(key, message):
         warnings.warn(f"source-patch sglang routing: {message}", RuntimeWarning, stacklevel=3)
 
 
-def configure(mode: str | None = None, *, dir=None, replay=None, rank: int | None = None) -> None:
-    """Set the mode (``off``/``capture``/``replay``) and its inputs; unset arguments
-    come from the ``SOURCE_PATCH_SGLANG_ROUTING_*`` environment variables.
-
-    ``replay``: a directory of rank folders, a record file, or a ``{rid: record}``
-    mapping."""
-    mode = (mode or os.environ.get("SOURCE_PATCH_SGLANG_ROUTING_MODE") or "off").lower()
-    if mode not in ("off", "capture", "replay"):
-        raise ValueError(f"SGLang routing mode must be off, capture or replay, got {mode!r}")
+def configure(**changes) -> dict:
+    """Change settings (keys of the ``sglang_routing`` schema: ``mode``, ``dir``,
+    ``replay``) and apply them; returns the effective settings.  Two more inputs:
+    ``replay`` may also be a RoutingRecord or a ``{rid: record}`` mapping, and ``rank``
+    names the rank folder capture writes to (default: the process's rank)."""
+    rank = changes.pop("rank", _S.rank)
+    objects = changes.pop("replay") if not isinstance(changes.get("replay", ""), (str, os.PathLike)) else None
+    parsed = {key: settings.check(SETTINGS, key, os.fspath(v) if isinstance(v, os.PathLike) else v)
+              for key, v in changes.items()}
+    config = {**(_S.config or settings.resolve(SETTINGS)), **parsed}
     src = None
-    if mode == "replay":  # read before any state is set: a bad source fails every call alike
-        src = replay if replay is not None else os.environ.get("SOURCE_PATCH_SGLANG_ROUTING_REPLAY")
-        if src is None:
-            raise ValueError("replay mode needs a record (SOURCE_PATCH_SGLANG_ROUTING_REPLAY)")
-        if isinstance(src, RoutingRecord):
-            src = {src.sample_ids[0] if src.sample_ids and len(src.sample_ids) == 1 else None: src}
-        elif not isinstance(src, dict):
-            p = Path(src)
-            if p.is_dir() and not any(p.rglob("*.safetensors")):
-                # as for a request without a record: the router's own routes, said once
-                _warn_once("emptydir", f"replay: no routing files under {p}: every request keeps the router's "
-                           "own routes")
-                src = {}
-            else:
-                src = merge_rank_files(p) if p.is_dir() else _by_request([load(p)])
-    _S.mode, _S.replay, _S.rank = mode, src, rank
-    _S.dir = dir if dir is not None else os.environ.get("SOURCE_PATCH_SGLANG_ROUTING_DIR")
+    if config["mode"] == "replay":  # read before any state is set: a bad source fails every call alike
+        src = _replay_source(objects if objects is not None else config["replay"])
+    _S.mode, _S.replay, _S.rank, _S.config = config["mode"], src, rank, config
+    _S.dir = config["dir"] or None
+    return dict(config)
 
 
-def reset() -> None:
-    """Forget everything (mode, ambient batch, captured rows, replay source)."""
+def configure_from_settings() -> dict:
+    """Re-read the settings (environment > active specs > defaults) and apply them."""
+    _S.config = None
+    return configure()
+
+
+def _replay_source(src) -> dict:
+    if isinstance(src, RoutingRecord):
+        return {src.sample_ids[0] if src.sample_ids and len(src.sample_ids) == 1 else None: src}
+    if isinstance(src, dict):
+        return src
+    if not src:
+        raise ValueError("replay mode needs a record (SOURCE_PATCH_SGLANG_ROUTING_REPLAY)")
+    p = Path(src)
+    if p.is_dir() and not any(p.rglob("*.safetensors")):
+        # as for a request without a record: the router's own routes, said once
+        _warn_once("emptydir", f"replay: no routing files under {p}: every request keeps the router's own routes")
+        return {}
+    return merge_rank_files(p) if p.is_dir() else _by_request([load(p)])
+
+
+def enabled() -> bool:
+    return _mode() != "off"
+
+
+def state() -> dict:
+    with _S.lock:
+        rows = sum(n for fw in _S.forwards for n in fw["lens"])
+        requests = len({rid for fw in _S.forwards for rid in fw["rids"]})
+    # Settings not read yet stay unread: the first call site reads them (state() must not).
+    return {"enabled": _S.mode not in (None, "off"), "config": dict(_S.config or {}), "last_error": _S.last_error,
+            "counters": {"requests_held": requests, "rows_held": rows, "records_written": _S.written,
+                         "replay_records": len(_S.replay or {}), "warnings": len(_S.warned)}}
+
+
+def reset() -> dict:
+    """Forget everything (settings, ambient batch, captured rows, replay source); returns
+    state(), whose settings are read again on first use."""
     with _S.lock:
         _S.reset()
+    return state()
+
+
+def close(timeout: float | None = None) -> bool:
+    """Write what is still held (capture with a dir); True when that succeeded.
+    Registered with atexit."""
+    if _S.mode == "capture" and _S.dir and _S.forwards:
+        try:
+            flush()
+        except Exception as exc:  # never fail interpreter exit
+            _S.last_error = f"flush: {type(exc).__name__}: {exc}"
+            warnings.warn(f"source-patch sglang routing: flush at exit failed: {exc}", RuntimeWarning)
+            return False
+    return True
 
 
 def _mode():
@@ -358,6 +397,7 @@ def flush(dir=None, *, clear: bool = True) -> list:
         path = folder / f"{_safe_name(rid)}.safetensors"
         rec.save(path)
         paths.append(path)
+        _S.written += 1
     if clear:
         with _S.lock:
             _S.forwards = []
@@ -379,8 +419,10 @@ def routing_sglang_release(req) -> None:
             folder = Path(_S.dir) / f"rank{_rank()}"
             folder.mkdir(parents=True, exist_ok=True)
             rec.save(folder / f"{_safe_name(rid)}.safetensors")
+            _S.written += 1
         _drop(rid)
     except Exception as exc:  # noqa: BLE001 - capture must never break serving
+        _S.last_error = f"release: {type(exc).__name__}: {exc}"
         _warn_once(("release", type(exc).__name__), f"writing a finished request's routes failed: {exc}")
 
 
@@ -431,12 +473,4 @@ def merge_rank_files(dir) -> dict:
     return _by_request([load(f) for f in files])
 
 
-def _atexit_flush():
-    if _S.mode == "capture" and _S.dir and _S.forwards:
-        try:
-            flush()
-        except Exception as exc:  # never fail interpreter exit
-            warnings.warn(f"source-patch sglang routing: flush at exit failed: {exc}", RuntimeWarning)
-
-
-atexit.register(_atexit_flush)
+atexit.register(close)

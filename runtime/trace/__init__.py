@@ -10,7 +10,7 @@ WebSocket clients while a model trains or serves.
     view/        the browser page the hub serves
 """
 
-_API = ("trace", "trace_step", "configure", "configure_from_settings", "public_config", "url", "state",
+_API = ("trace", "trace_step", "enabled", "configure", "configure_from_settings", "public_config", "url", "state",
         "names", "reset", "flush", "close")
 
 

@@ -51,6 +51,8 @@ from ..core import ranks, settings, tags as ambient
 from ..core.failures import Counters
 from .ring import Slice
 
+SETTINGS = "trace"  # its settings component (the capability contract: core/capability.py)
+
 # The one thing a disabled call site reads.
 _enabled = False
 
@@ -158,6 +160,10 @@ def trace_step(success: Any = True, *, step: int | None = None) -> Any:
 # ---------------------------------------------------------------- control API
 
 
+def enabled() -> bool:
+    return _enabled
+
+
 def configure(**changes) -> dict:
     """Change settings (keys of the ``trace`` schema); all are validated before any
     is applied (KeyError names the valid keys).  Returns the effective configuration."""
@@ -199,6 +205,7 @@ def state(with_hub: bool = True) -> dict:
         "step": _step,
         "rank": ranks.global_rank(),
         **counts,
+        "counters": counts,
         "queued": queued,
         "last_error": _counters.last_error,
         "series": len(_seen),
@@ -255,13 +262,15 @@ def flush(timeout: float = 5.0) -> bool:
     return hub.drain(max(0.0, deadline - time.monotonic())) if hub is not None else True
 
 
-def close(timeout: float = 2.0) -> None:
-    """Send what is queued (up to ``timeout``), close the clients (1001) and the hub,
-    stop the publisher.  Registered with atexit; configuring again restarts them."""
+def close(timeout: float | None = None) -> bool:
+    """Send what is queued (up to ``timeout``, default 2 s), close the clients (1001) and
+    the hub, stop the publisher; True when everything queued went out.  Registered with
+    atexit; configuring again restarts them."""
     global _enabled, _publisher, _stop, _unsealed
     _enabled = False
+    sent = False
     try:
-        flush(timeout)
+        sent = flush(2.0 if timeout is None else timeout)
     except Exception as exc:  # noqa: BLE001
         _fail("flush at close", exc)
     _stop_hub()
@@ -274,6 +283,7 @@ def close(timeout: float = 2.0) -> None:
         _publisher, _stop = None, False
         _pending.clear()
         _unsealed = []
+    return sent
 
 
 # Names under which the handle exports these (runtime/facade.py).

@@ -42,17 +42,29 @@ log = logging.getLogger("source_patch.weight_sync")
 
 LOAD_FORMAT = "source_patch"  # SGLang's load_format that selects this receiver
 
-_config: dict = settings.resolve("weight_sync")
-_enabled = _config["enable"]  # the one thing a disabled trainer call site reads
+SETTINGS = "weight_sync"  # its settings component (the capability contract: core/capability.py)
+_config: dict = {}
+_enabled = False  # the one thing a disabled trainer call site reads
+
+
+def enabled() -> bool:
+    return _enabled
 
 
 def configure(**changes) -> dict:
     """Change settings (validated as a whole; same keys as the ``weight_sync`` schema)."""
     global _config, _enabled
-    parsed = {key: settings.check("weight_sync", key, value) for key, value in changes.items()}
+    parsed = {key: settings.check(SETTINGS, key, value) for key, value in changes.items()}
     _config = {**_config, **parsed}
     _enabled = _config["enable"]
     return dict(_config)
+
+
+def configure_from_settings() -> dict:
+    """Re-read the settings (environment > active specs > defaults) and apply them."""
+    global _config
+    _config = settings.resolve(SETTINGS)
+    return configure()
 
 
 # ------------------------------------------------------------------ trainer
@@ -274,10 +286,33 @@ def disconnect() -> None:
         transport.close_group(link.group)
 
 
+_TRAINER_COUNTERS = ("step", "pushes", "failures", "last_bytes", "gathers")
+_ENGINE_COUNTERS = ("updates", "failures")
+
+
 def state() -> dict:
-    """The trainer's counters and the link."""
+    """The trainer's counters and the link, the engine's served version (each process
+    is one or the other; the other side's counters stay 0)."""
+    counters = {key: _trainer[key] for key in _TRAINER_COUNTERS}
+    counters.update({f"engine_{key}": _engine[key] for key in _ENGINE_COUNTERS})
     return {**_trainer, "enabled": _enabled, "connected": _link is not None and not _link.broken,
-            "broken": _link.broken if _link is not None else None}
+            "broken": _link.broken if _link is not None else None, "engine": engine_state(),
+            "config": dict(_config), "counters": counters,
+            "last_error": _trainer["last_error"] or _engine["last_error"]}
+
+
+def reset() -> dict:
+    """Zero the trainer's and the engine's counters (not the link, nor the version
+    served); returns state()."""
+    _trainer.update(step=0, pushes=0, failures=0, last_error=None, last_push_s=None, last_bytes=0, gathers=0)
+    _engine.update(updates=0, failures=0, last_error=None)
+    return state()
+
+
+def close(timeout: float | None = None) -> bool:
+    """Leave the trainer's update group (the next push opens a new one)."""
+    disconnect()
+    return True
 
 
 # ------------------------------------------------------------------ engine
@@ -351,3 +386,6 @@ def _engine_failed(error: Any) -> None:
 def engine_state() -> dict:
     """The version this engine process serves (None: none yet, or a partial load)."""
     return dict(_engine)
+
+
+configure_from_settings()  # environment over the specs' runtime: section over defaults
