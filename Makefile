@@ -31,8 +31,10 @@ demo: $(STAMP)
 rollout: $(STAMP)
 	$(BIN)/python examples/rollout_sglang.py --out sp-rollout
 
+# -n 2: one worker per core of CI's machine; each file (and the files sharing an SGLang
+# server, tests/conftest.py) stays on one worker.
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # `source-patch matrix` over the releases the shipped specs support (docs/compat.md).
 # Wheels are fetched once into $(RELEASES) (megatron-core >= 0.17 exists for Python 3.12

@@ -36,9 +36,10 @@ _HERE = os.path.dirname(os.path.realpath(__file__))  # the patcher's sources
 BUNDLED_DIR = os.path.join(os.path.dirname(_HERE), "patches")
 SETTINGS_FILE = os.path.join(os.path.dirname(_HERE), "runtime", "core", "settings.py")  # its schemas
 SETTINGS_MODULE = "source_patch.runtime.core.settings"
-# Old bundled names, from when each capability had a file per framework: old name -> the
-# two-framework spec that covers it, kept for one release (0.3).  Resolving one warns.
-ALIAS_OF = {"moe_sglang": "routing", "dump_sglang": "dump", "trace_sglang": "trace",
+# Old bundled names -> the spec that replaced them; resolving one warns.  `*_sglang`: from
+# when each capability had a file per framework.  `moe`: the routing spec, renamed so that
+# package, spec, settings and docs say one name (routing).
+ALIAS_OF = {"moe": "routing", "moe_sglang": "routing", "dump_sglang": "dump", "trace_sglang": "trace",
             "weight_sync_sglang": "weight_sync"}
 ALIASES = frozenset(ALIAS_OF)
 

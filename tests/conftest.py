@@ -11,6 +11,20 @@ sys.path.insert(0, str(FIXTURES))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")]))
 
 
+# Session fixtures that start a real SGLang server: the files that use one run on the same
+# pytest-xdist worker, so it starts once (make test: -n 2 --dist loadgroup).
+_SHARED_SERVERS = {"instrumented_sglang", "hf_qwen3"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Group tests by file for pytest-xdist (module fixtures are built once), and the
+    files that share a session server into one group."""
+    shared = {item.path for item in items if _SHARED_SERVERS & set(getattr(item, "fixturenames", ()))}
+    for item in items:
+        group = "sglang-session-servers" if item.path in shared else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path, monkeypatch):
     """Every test gets its own code cache, so no test sees another's patched code."""
@@ -100,7 +114,7 @@ def dumper(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def instrumented_sglang(sglang_cpu, sglang_server, tmp_path_factory):
-    """One real SGLang HTTP server for the session with routing capture (routing),
+    """One real SGLang HTTP server for the session with routing capture (the routing spec),
     inference dumps (dump, /dumper/* mounted on SGLang's server), live tracing
     (trace) and feature capture (features, into a shared-directory store) active in
     its scheduler, plus SGLang's own routed-experts capture for an independent check.

@@ -75,7 +75,7 @@ def test_check_against_another_version_reports_the_drift(tmp_path, capsys):
     from source_patch.patcher.locate import find_source
 
     source = find_source(MOE_UTILS).read_text()
-    moe_dir = tmp_path / "megatron" / "core" / "transformer" / "routing"
+    moe_dir = tmp_path / "megatron" / "core" / "transformer" / "moe"
     moe_dir.mkdir(parents=True)
     for d in (tmp_path / "megatron", *moe_dir.parents[:3][::-1], moe_dir):
         (d / "__init__.py").touch()

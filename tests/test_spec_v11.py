@@ -217,7 +217,7 @@ def test_old_bundled_names_are_aliases_with_a_deprecation_warning():
 
     with pytest.warns(DeprecationWarning, match="'moe_sglang' is now 'routing'"):
         assert resolve("moe_sglang") == BUNDLED_DIR / "routing.yaml"
-    with pytest.warns(DeprecationWarning, match="'moe' is now 'routing'"):  # renamed in 0.2
+    with pytest.warns(DeprecationWarning, match="'moe' is now 'routing'"):  # renamed when the package took the name
         assert resolve("moe") == BUNDLED_DIR / "routing.yaml"
     with pytest.warns(DeprecationWarning):
         assert resolve(str(BUNDLED_DIR / "trace_sglang.yaml")) == BUNDLED_DIR / "trace.yaml"
