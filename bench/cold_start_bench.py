@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+import stats  # bench/
+
 
 def launch(n: int, cache: str, spec: str, module: str) -> float:
     env = {**os.environ, "SOURCE_PATCH": spec, "SOURCE_PATCH_CACHE": cache, "CUDA_VISIBLE_DEVICES": "",
@@ -50,9 +52,9 @@ def main() -> int:
         rows[f"warm x{args.procs}"].append(launch(args.procs, cache, args.spec, args.module))
         shutil.rmtree(cache)
     print(f"import {args.module} under {args.spec}; {args.rounds} rounds, seconds (wall)")
-    print(f"{'run':12} {'min':>7} {'median':>7} {'max':>7}")
+    print(f"{'run':12} {stats.HEADER}")
     for name, values in rows.items():
-        print(f"{name:12} {min(values):7.2f} {statistics.median(values):7.2f} {max(values):7.2f}")
+        print(f"{name:12} {stats.cells(values)}")
     cold, warm = (statistics.median(rows[k]) for k in (f"cold x{args.procs}", f"warm x{args.procs}"))
     print(f"cold x{args.procs} / warm x{args.procs} (median): {cold / warm:.2f}")
     return 0

@@ -24,6 +24,8 @@ import torch
 from source_patch.runtime.dump import api as dump
 from source_patch.runtime.dump import compare
 
+import stats  # bench/
+
 NAMES = ("layer_input", "attention_output", "pre_mlp_residual", "mlp_output")
 
 
@@ -85,9 +87,9 @@ def main(argv=None) -> None:
         report = compare.compare(root / "rollout", root / "train", rtol=1e-4)
         times.append(time.perf_counter() - start)
         assert report.first_divergent is None and report.tokens == steps * seq * batch
-    best, med = min(times), statistics.median(times)
-    print(f"{'rounds':>6} {'min s':>8} {'median s':>9} {'records/s (median)':>19} {'GiB/s (median)':>15}")
-    print(f"{args.rounds:>6} {best:>8.2f} {med:>9.2f} {n / med:>19.0f} {size / (1 << 30) / med:>15.3f}")
+    med = statistics.median(times)
+    print(f"{'rounds':>6} {'seconds: ' + stats.HEADER:>40} {'records/s (median)':>19} {'GiB/s (median)':>15}")
+    print(f"{args.rounds:>6} {stats.cells(times):>40} {n / med:>19.0f} {size / (1 << 30) / med:>15.3f}")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ import torch
 
 from source_patch.runtime.dump import api as D
 
+import stats  # bench/
+
 SITES = ("layer_input", "attn_output", "mlp_input", "mlp_output", "layer_output")
 
 
@@ -253,8 +255,8 @@ def main(argv=None) -> int:
     print(f"per-step time, {args.rounds} rounds x {args.steps} steps per mode, interleaved "
           f"({per_step} tensors, {info['mib_per_step']} MiB dumped per step)")
     print()
-    print("| mode | median ms | p90 ms | min ms | x none | drain s/run | dropped | waited s | written MiB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"| mode | ms: {stats.HEADER} | p90 ms | x none | drain s/run | dropped | waited s | written MiB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode in modes:
         ts = sorted(times[mode])
         med = statistics.median(ts)
@@ -271,7 +273,7 @@ def main(argv=None) -> int:
         ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
         dropped = str(row["dropped"]) if mode.startswith("async") else "-"
         waited = f"{row['waited_s']:.2f}" if mode.startswith("async") else "-"
-        print(f"| {mode} | {med * 1e3:.2f} | {p90 * 1e3:.2f} | {ts[0] * 1e3:.2f} | {ratio} | "
+        print(f"| {mode} | {stats.cells(ts, 1e3)} | {p90 * 1e3:.2f} | {ratio} | "
               f"{drain:.3f} | {dropped} | {waited} | {rate} |")
 
     cost = disabled_call_cost(args.calls)

@@ -47,6 +47,8 @@ import time
 
 import torch
 
+import stats  # bench/
+
 GiB = 1 << 30
 
 
@@ -243,7 +245,7 @@ def main(argv=None) -> None:
     print(f"\nfeature store bench: {rounds} rounds (+1 warm-up), producer and consumer in separate processes, "
           f"loopback TCP, {os.cpu_count()} cores, direct_kb={args.direct_kb}; shared-dir in {folder}"
           + (f", dir-shm in {shm}" if shm else ""))
-    header = (f"{'variant':<13} {'sample':<14} {'min ms':>8} {'median ms':>10} {'put ms':>8} {'get ms':>8} "
+    header = (f"{'variant':<13} {'sample':<14} {'ms: ' + stats.HEADER:>34} {'put ms':>8} {'get ms':>8} "
               f"{'GiB/s med':>10} {'GiB/s best':>11}")
     print(header)
     print("-" * len(header))
@@ -252,7 +254,7 @@ def main(argv=None) -> None:
         totals = [a + b for a, b in zip(puts, gets)]
         best, med = min(totals), statistics.median(totals)
         median_rate[variant, shape] = nbytes / med / GiB
-        print(f"{variant:<13} {shape:<14} {best * 1e3:>8.1f} {med * 1e3:>10.1f} {statistics.median(puts) * 1e3:>8.1f} "
+        print(f"{variant:<13} {shape:<14} {stats.cells(totals, 1e3, 1):>34} {statistics.median(puts) * 1e3:>8.1f} "
               f"{statistics.median(gets) * 1e3:>8.1f} {nbytes / med / GiB:>10.2f} {nbytes / best / GiB:>11.2f}")
     print()
     for shape in shapes(args.quick):

@@ -5,8 +5,11 @@
 
 Every bench prints its own table; results with machine and date go in
 docs/benchmarks.md (the goals) and docs/bench-notes/ (the dated runs).  Shared
-helpers: ``stats.py`` (bootstrap intervals, ratios), ``training.py`` (runs the Megatron
-example as a timed subprocess), ``gc_probe.py`` (the collector's and a due call's time).
+helpers (``HELPERS``): ``stats.py`` (bootstrap intervals, ratios, and the
+``min / median [90% interval]`` cell every bench prints a timing as), ``training.py`` (runs
+the Megatron example as a timed subprocess), ``gc_probe.py`` (the collector's and a due
+call's time).  ``upstream_tests.py`` (with its pytest plugin ``upstream_adapt.py``) is a
+test harness, not a bench: docs/upstream_tests.md.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 import os
 import sys
 from typing import NamedTuple
+
+
+HELPERS = ("index.py", "stats.py", "training.py", "gc_probe.py", "upstream_tests.py", "upstream_adapt.py")
 
 
 class Bench(NamedTuple):

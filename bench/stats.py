@@ -27,3 +27,19 @@ def bootstrap(stat: Callable[..., float], *samples: list, paired: bool = False,
 
 def ratio_of_medians(b: list, a: list) -> float:
     return statistics.median(b) / statistics.median(a)
+
+
+def summary(values: list, scale: float = 1.0) -> tuple[float, float, float, float]:
+    """(min, median, low, high) of ``values`` times ``scale``: the median's 90% interval
+    is [low, high].  Every bench reports a timing this way."""
+    med, low, high = bootstrap(statistics.median, values)
+    return min(values) * scale, med * scale, low * scale, high * scale
+
+
+HEADER = "min / median [90% interval]"
+
+
+def cells(values: list, scale: float = 1.0, digits: int = 2) -> str:
+    """``summary`` as one table cell: ``min / median [low..high]``."""
+    best, med, low, high = summary(values, scale)
+    return f"{best:.{digits}f} / {med:.{digits}f} [{low:.{digits}f}..{high:.{digits}f}]"
