@@ -45,6 +45,9 @@ BENCHES = [
           "the Megatron example's step traced vs not, one process, paired ratios with intervals"),
     Bench("compressor", "compressor_bench.py", "GPU", "~1 min",
           "device time per compressor; host time of due trace() calls; publisher and hub CPU per frame"),
+    Bench("overhead", "overhead_bench.py", "GPU (CPU: --quick)", "~7 min",
+          "the Megatron example's step with each capability, and all at once, vs plain: ratio, memory, bytes/step; "
+          "the machine's memory, disk and pinned probes; the first-run cliff of dumping"),
     Bench("step-noise", "step_noise.py", "GPU", "~4 min",
           "how noisy the example's steps are under process settings (what a comparison can resolve)"),
     Bench("weight-sync", "weight_sync_bench.py", "2 GPUs (CPU: --cpu)", "~2 min",

@@ -392,7 +392,7 @@ def test_full_queue_drops_and_counts(dumper, sp, monkeypatch):
     assert (st["records"], st["dropped"], st["queue_depth"], st["queue_bytes"]) == (2, 8, 0, 0)
 
 
-def test_full_queue_blocks_until_room(dumper, monkeypatch):
+def test_full_queue_blocks_until_room(dumper, monkeypatch, caplog):
     gate = gate_writer(monkeypatch)
     dumper.configure(queue_bytes=1000, on_full="block")
     done = threading.Event()
@@ -403,14 +403,19 @@ def test_full_queue_blocks_until_room(dumper, monkeypatch):
         done.set()
 
     thread = threading.Thread(target=train)
-    thread.start()
-    assert not done.wait(0.3)  # the third record waits for room
-    assert dumper.state()["queue_depth"] == 2
-    gate.set()
-    thread.join(10)
+    with caplog.at_level(logging.WARNING, logger="source_patch.dump"):
+        thread.start()
+        assert not done.wait(0.3)  # the third record waits for room
+        assert dumper.state()["queue_depth"] == 2
+        gate.set()
+        thread.join(10)
     assert done.is_set() and dumper.flush(10)
     st = dumper.state()
     assert (st["records"], st["dropped"]) == (4, 0) and st["blocked_s"] > 0.2
+    # The writer fell behind: counted per wait, said once, with the rates in and out.
+    assert st["counters"]["waits"] >= 1 and st["counters"]["write_s"] > 0
+    behind = [r.getMessage() for r in caplog.records if "falling behind" in r.getMessage()]
+    assert len(behind) == 1 and "the caller waits for room" in behind[0] and "GiB/s" in behind[0], behind
 
 
 def test_record_larger_than_queue_passes_alone(dumper):

@@ -55,7 +55,7 @@ _filter: "_Filter"
 _config_lock = threading.RLock()
 _rank_dirs: dict = {}             # rank -> its directory under the current dir/exp_name
 
-_COUNTERS = ("records", "bytes", "files", "dropped", "filtered", "errors", "lost", "blocked_s")
+_COUNTERS = ("records", "bytes", "files", "dropped", "filtered", "errors", "lost", "blocked_s", "waits", "write_s")
 _counters = Counters(_COUNTERS, "source_patch.dump", "dump")
 _pipeline: Pipeline
 _server = None                    # server.ControlServer while listening

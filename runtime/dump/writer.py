@@ -50,6 +50,8 @@ class Pipeline:
         self.side_streams: dict = {}
         self.pool: dict = {}   # nbytes -> idle uint8 host buffers (CPU snapshots)
         self.pool_bytes = 0
+        self.first_enqueue: float | None = None  # when records started to come (the incoming rate)
+        self.enqueued_bytes = 0
 
     # -- the caller's side
 
@@ -86,10 +88,15 @@ class Pipeline:
         limit = self.config["queue_bytes"]
         with self.cond:
             self._ensure_thread()
+            if self.first_enqueue is None:
+                self.first_enqueue = time.monotonic()
+            self.enqueued_bytes += nbytes
             if self.queued_bytes and self.queued_bytes + nbytes > limit:
+                self._behind(limit)
                 if self.config["on_full"] == "drop":
                     self.counters.add("dropped")
                     return None
+                self.counters.add("waits")
                 started = time.perf_counter()
                 self.hurry += 1
                 self.cond.notify_all()
@@ -104,6 +111,23 @@ class Pipeline:
             self.pending += 1
             self.seq += 1
             return self.seq - 1
+
+    def _behind(self, limit: int) -> None:
+        """(caller holds cond) The queue is full: the writer is behind the callers.  Say
+        so once (until reset()), with by how much (the rates in and out); state() counts every time
+        (``waits`` and ``blocked_s`` with on_full: block, ``dropped`` with drop)."""
+        counts = self.counters.counts
+        if counts.get("waits") or counts.get("dropped"):
+            return  # said already (since the counters were last reset)
+        elapsed = max(time.monotonic() - (self.first_enqueue or 0.0), 1e-9)
+        written, write_s = counts.get("bytes", 0), counts.get("write_s", 0.0)
+        out = f"{written / 2**30 / write_s:.2f} GiB/s while writing" if write_s else "nothing written yet"
+        what = "records are dropped" if self.config["on_full"] == "drop" else "the caller waits for room"
+        self.counters.log.warning(
+            "source-patch dump: the writer is falling behind: %.2f GiB of %.2f GiB (queue_bytes) wait to be "
+            "written, so %s (on_full: %s); records came at %.2f GiB/s, the writer wrote %s. "
+            "state() counts it: waits, blocked_s, dropped, write_s", self.queued_bytes / 2**30, limit / 2**30,
+            what, self.config["on_full"], self.enqueued_bytes / 2**30 / elapsed, out)
 
     def _snapshot(self, tensor: torch.Tensor, nbytes: int):
         """A contiguous host copy that later in-place changes of ``tensor`` cannot reach,
@@ -284,7 +308,9 @@ class Pipeline:
                 file_seq = self.file_seq
                 self.file_seq += 1
             file_name = f"{self.session}-{file_seq:06d}.safetensors"
+            started = time.perf_counter()
             files.write_records(rank_dir, file_name, items, self.session, bool(self.config.get("fsync")))
+            write_s = time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001
             self.counters.fail(f"writing {len(items)} record(s) to {rank_dir}", exc, lost=len(items))
             return
@@ -293,3 +319,4 @@ class Pipeline:
             counts["records"] += len(items)
             counts["bytes"] += sum(item.nbytes for item in items)
             counts["files"] += 1
+            counts["write_s"] += write_s

@@ -1,0 +1,98 @@
+"""What the machine gives a dumping process: first touch of fresh host memory, the
+disk's sequential write bandwidth, pinned host allocation (overhead_bench.py runs it
+first, on a fresh machine: the first-run condition of issue 34).
+
+Each is measured twice: the second pass tells whether the first paid a one-off (a
+virtual machine backing guest memory on its first touch, a thin disk allocating its
+blocks, the driver pinning pages it never pinned before).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+CHUNK = 64 << 20
+
+
+def touch(gib: float) -> float:
+    """GiB/s of touching ``gib`` of newly mapped anonymous memory, one thread."""
+    import mmap
+
+    size = int(gib * 2**30)
+    start = time.perf_counter()
+    area = mmap.mmap(-1, size)
+    block = b"\1" * CHUNK
+    for offset in range(0, size, CHUNK):  # one write per page would be Python-bound: whole chunks
+        area[offset: offset + CHUNK] = block[: min(CHUNK, size - offset)]
+    elapsed = time.perf_counter() - start
+    area.close()
+    return gib / elapsed
+
+
+def disk(folder: str, gib: float) -> tuple[float, float]:
+    """(GiB/s into the page cache, GiB/s to the disk with fdatasync) of writing ``gib`` in
+    CHUNK pieces to a new file under ``folder`` (the file is removed)."""
+    path = os.path.join(folder, f"probe-{time.monotonic_ns()}.bin")
+    block = os.urandom(CHUNK)  # incompressible
+    chunks = max(1, int(gib * 2**30 / CHUNK))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        start = time.perf_counter()
+        for _ in range(chunks):
+            os.write(fd, block)
+        buffered = time.perf_counter() - start
+        os.fdatasync(fd)
+        synced = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    total = chunks * CHUNK / 2**30
+    return total / buffered, total / synced
+
+
+def pinned(gib: float) -> float:
+    """Seconds to allocate ``gib`` of pinned host memory through torch's caching host
+    allocator, its cache emptied first (what a dumping process's first records pay)."""
+    import torch
+
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+    start = time.perf_counter()
+    block = torch.empty(int(gib * 2**30), dtype=torch.uint8, pin_memory=True)
+    elapsed = time.perf_counter() - start
+    del block
+    if empty is not None:
+        empty()
+    return elapsed
+
+
+def settings() -> str:
+    values = []
+    for name in ("dirty_ratio", "dirty_background_ratio", "dirty_bytes", "dirty_expire_centisecs"):
+        try:
+            with open(f"/proc/sys/vm/{name}") as f:
+                values.append(f"{name}={f.read().strip()}")
+        except OSError:
+            pass
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        values.append(f"MemTotal={info['MemTotal'].strip()} MemFree={info['MemFree'].strip()} "
+                      f"Cached={info['Cached'].strip()}")
+    except (OSError, KeyError):
+        pass
+    return " ".join(values)
+
+
+def report(folder: str, gib: float, cuda: bool) -> None:
+    print(f"machine probes ({gib:g} GiB each): {settings()}", flush=True)
+    for i in (1, 2):
+        line = f"  pass {i}: first touch of fresh memory {touch(gib):.2f} GiB/s"
+        into_cache, to_disk = disk(folder, gib)
+        line += f"; disk write {into_cache:.2f} GiB/s into the page cache, {to_disk:.2f} GiB/s with fdatasync"
+        if cuda:
+            line += f"; pinned allocation of {gib:g} GiB {pinned(gib):.2f} s"
+        print(line, flush=True)
+    print(flush=True)

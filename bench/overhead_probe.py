@@ -1,0 +1,99 @@
+"""Run the training example and report what the process cost besides its step times.
+
+    python bench/overhead_probe.py examples/train_moe.py --steps 30 ...
+
+The example runs as it does alone (its own main(), its own step lines).  The last
+line of stdout is ``overhead-probe: {json}``: peak device memory (allocated and
+reserved by torch's caching allocator), peak host RSS, the process's user and system
+CPU seconds, the wall time from the first step to the end of the dump writer's final
+flush, the flush alone, what the capabilities' state() counters say (dump, routing,
+trace, where loaded), and changes of a few /proc/vmstat counters over the run (page
+faults, pages dirtied and written back, reclaim): what tells a disk-bound run from a
+memory-bound one.  overhead_bench.py reads it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import resource
+import sys
+import time
+
+VMSTAT = ("pgfault", "pgmajfault", "nr_dirtied", "nr_written", "pgalloc_normal", "pgfree",
+          "allocstall_normal", "pgsteal_kswapd", "pgsteal_direct", "thp_fault_alloc")
+
+
+def vmstat() -> dict:
+    try:
+        with open("/proc/vmstat") as f:
+            pairs = (line.split() for line in f)
+            return {k: int(v) for k, v in pairs if k in VMSTAT or k in ("nr_dirty", "nr_writeback")}
+    except OSError:
+        return {}
+
+
+def capability_states() -> dict:
+    """The state() counters of each capability the run loaded (nothing is imported here)."""
+    out: dict = {}
+    for name, module in (("dump", "source_patch.runtime.dump.api"), ("routing", "source_patch.runtime.routing.megatron"),
+                         ("trace", "source_patch.runtime.trace.api")):
+        api = sys.modules.get(module)
+        if api is not None:
+            try:
+                state = api.state()
+                out[name] = {"enabled": state.get("enabled"), **state.get("counters", {})}
+            except Exception as exc:  # noqa: BLE001 - a probe reports, it does not fail the run
+                out[name] = {"error": repr(exc)}
+    return out
+
+
+def main() -> None:
+    path = sys.argv[1]
+    sys.argv = sys.argv[1:]  # the example parses its own flags
+    spec = importlib.util.spec_from_file_location("train_moe", path)
+    example = importlib.util.module_from_spec(spec)
+    sys.modules["train_moe"] = example
+    spec.loader.exec_module(example)
+    marks = {"first_step": None, "flush_s": 0.0}
+    train_step = example.train_step
+
+    def timed_step(*args, **kwargs):
+        if marks["first_step"] is None:
+            marks["first_step"] = time.perf_counter()
+        return train_step(*args, **kwargs)
+
+    example.train_step = timed_step  # main() looks it up at each step
+    dump_api = sys.modules.get("source_patch.runtime.dump.api")
+    if dump_api is not None:  # the example's report_dumps looks flush up at its call
+        flush = dump_api.flush
+
+        def timed_flush(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return flush(*args, **kwargs)
+            finally:
+                marks["flush_s"] += time.perf_counter() - start
+        dump_api.flush = timed_flush
+    before = vmstat()
+    example.main()
+    end = time.perf_counter()
+    after = vmstat()
+    import torch
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    report = {
+        "device_peak_allocated": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
+        "device_peak_reserved": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0,
+        "host_peak_rss": usage.ru_maxrss * 1024,  # Linux: KiB
+        "cpu_user_s": usage.ru_utime, "cpu_sys_s": usage.ru_stime,
+        "run_s": end - (marks["first_step"] or end), "flush_s": marks["flush_s"],
+        "states": capability_states(),
+        "vmstat": {k: after[k] - before.get(k, 0) for k in after if k in VMSTAT},
+        "vmstat_end": {k: after[k] for k in ("nr_dirty", "nr_writeback") if k in after},
+    }
+    print("overhead-probe: " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
