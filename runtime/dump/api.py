@@ -14,7 +14,7 @@ Scripts and tools::
     ...
     dump.flush()                  # everything dumped so far is on disk
 
-Design (see docs/runtime.md): disabled, ``dump()`` is one module-global flag test.
+Design (see docs/dumps.md): disabled, ``dump()`` is one module-global flag test.
 Enabled, the caller's thread tags the record, applies the declarative filter and
 hands a host snapshot to the pipeline (:mod:`.writer`), which writes safetensors
 files and a manifest (:mod:`.files`) from a background thread.  Nothing raises into
