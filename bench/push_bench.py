@@ -61,6 +61,13 @@ import torch
 
 import stats  # bench/
 
+
+def _broadcast(link):
+    """push()'s backend over one of the bench's links (push() itself is unchanged)."""
+    from source_patch.runtime.weight_sync.broadcast import Broadcast
+
+    return Broadcast(link)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -147,7 +154,7 @@ def main(argv=None) -> None:
     chunks = [ddp]
     layout = weight_names.Layout.from_config(ddp.config)
     wire = wt.LoopbackLink(device, record=False)
-    weight_sync._connected = lambda: wire  # the bench's wire: push() itself is unchanged
+    weight_sync._connected = lambda: _broadcast(wire)  # the bench's wire: push() itself is unchanged
 
     def sync():
         if device.type == "cuda":
@@ -224,7 +231,7 @@ def parallel(rank: int, args, port: int) -> None:
     def push(windows: bool) -> float:
         weight_megatron.WINDOW_BYTES = window if windows else 0  # 0: each parameter its own window: per parameter
         wires[windows].rewind()
-        weight_sync._connected = lambda: wires[windows]
+        weight_sync._connected = lambda: _broadcast(wires[windows])
         torch.distributed.barrier()
         t0 = time.perf_counter()
         weight_sync.push([ddp], version=1)
@@ -281,7 +288,7 @@ def check(ddp, chunks, layout, device, weight_sync, wt) -> None:
     """One push over a recording link, replayed: every engine tensor equals the mapped parameter."""
     weight_sync.configure(from_buffers=True)
     tx = wt.LoopbackLink(device)
-    weight_sync._connected = lambda: tx
+    weight_sync._connected = lambda: _broadcast(tx)
     weight_sync.push(chunks, version=2)
     expected = dict(mapped(ddp, layout))
     got = 0
@@ -386,7 +393,7 @@ class _Ends:
     def sender(self, ddp, weight_sync) -> None:
         def push(method: str):
             weight_sync.configure(from_buffers=method == "buffers", replay_packing=True)
-            weight_sync._connected = lambda: self.links[method]  # the bench's groups (push() is unchanged)
+            weight_sync._connected = lambda: _broadcast(self.links[method])  # the bench's groups (push() is unchanged)
             self.version += 1
             weight_sync.push([ddp], version=self.version)
             if weight_sync.state()["sent_from"] != method:

@@ -5,8 +5,8 @@ measured in the same run, on two processes (one per GPU, NCCL) or on CPU (gloo).
     python bench/weight_sync_bench.py --cpu           # smoke test on CPU over gloo, tiny sizes
     python bench/weight_sync_bench.py --phases        # one GPU (or --cpu), one process: per-phase breakdown
 
-Needs only torch and runtime/weight_sync/transport.py (imported from the installed
-source_patch, else straight from this checkout).  The synthetic model has
+Needs torch and the installed source_patch (runtime/weight_sync: wire, link,
+sender, receiver).  The synthetic model has
 ``--small-frac`` of its bytes in small tensors (norms, biases, fine-grained
 experts: ``--small-kb`` and smaller), the rest in ``--large-mb`` matrices, and one
 embedding-like tensor larger than a bucket (split across buckets).
@@ -18,7 +18,7 @@ runs them all in a rotating order, per-tensor in rounds of its own after the oth
                preallocated tensors)
   bucketed     weight_transport.send/receive: manifest, double-buffered buckets, per-bucket
                checksums, verdict; the receiver stages the whole update (stage "update");
-               on a GPU each bucket's copies replayed once its sources repeat (PACK_GRAPHS)
+               on a GPU each bucket's copies replayed once its sources repeat (replay_packing)
   bucketed -c  the same without checksums
   bucketed, copied  bucketed with every tensor copied each update (replay_packing off)
   streamed     stage "bucket": the receiver verifies and hands out bucket by bucket
@@ -59,14 +59,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Optional
-from unittest import mock
 
 import torch
 import torch.multiprocessing as mp
@@ -78,12 +76,8 @@ import stats  # noqa: E402 - bench/
 def load_transport():
     try:
         from source_patch.runtime.weight_sync import transport as weight_transport
-    except ImportError:  # a bare checkout: the module needs only torch
-        path = Path(__file__).resolve().parents[1] / "runtime" / "weight_sync" / "transport.py"
-        spec = importlib.util.spec_from_file_location("weight_transport", path)
-        weight_transport = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = weight_transport  # dataclasses look their module up there
-        spec.loader.exec_module(weight_transport)
+    except ImportError as exc:  # the transport is a package of modules now: install the project
+        raise SystemExit(f"weight_sync_bench: install source_patch (pip install . or its wheel): {exc}") from None
     return weight_transport
 
 
@@ -192,9 +186,8 @@ class Run:
                 manifest, source = self.from_buffers[checksum]
                 wt.send(self.link, dataclasses.replace(manifest, version=self.version), source)
                 return None
-            with mock.patch.object(wt, "PACK_GRAPHS", replay):
-                wt.send(self.link, dataclasses.replace(self.manifests[checksum], version=self.version),
-                        iter(self.tensors))
+            wt.send(self.link, dataclasses.replace(self.manifests[checksum], version=self.version),
+                    iter(self.tensors), replay_packing=replay)
             return None
         update = wt.receive(self.link, stage=stage)
         if stage == "bucket":

@@ -41,6 +41,7 @@ _EXPORTS = {
     "weight_sync_receive": "weight_sync.sync",
     "weight_sync_loaded": "weight_sync.sync",
     "weight_sync_version": "weight_sync.sync",
+    "weight_sync_load_request": "weight_sync.sync",
     "trace": "trace.api",
     "trace_step": "trace.api",
     "trace_state": "trace.api",

@@ -24,6 +24,7 @@ import torch
 
 from source_patch.runtime.core import settings
 from source_patch.runtime.weight_sync import transport as wt
+from source_patch.runtime.weight_sync import wire
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "e2e"))
@@ -112,7 +113,7 @@ def test_the_manifest_parser_bounds_depth_and_count_before_parsing(monkeypatch):
     for case in NESTED.values():
         with pytest.raises(wt.ManifestError, match="nested deeper than 4 levels"):
             wt.Manifest.from_json(manifest_body(**case)[0], 1 << 40)
-    monkeypatch.setattr(wt, "MAX_TENSORS", 2)
+    monkeypatch.setattr(wire, "MAX_TENSORS", 2)
     three = b'[["a","uint8",[16],0],["b","uint8",[16],16],["c","uint8",[16],32]]'
     with pytest.raises(wt.ManifestError, match="more than 5 arrays and objects"):
         wt.Manifest.from_json(manifest_body(three, total_bytes=48)[0], 1 << 40)

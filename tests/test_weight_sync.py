@@ -25,6 +25,7 @@ import torch
 
 from source_patch.runtime.core import settings
 from source_patch.runtime.weight_sync import sync as weight_sync
+from source_patch.runtime.weight_sync import receiver as wt_receiver
 from source_patch.runtime.weight_sync import transport as wt
 
 E2E = Path(__file__).parent / "e2e"
@@ -235,7 +236,7 @@ def test_a_checksum_mismatch_after_the_plan_was_cached_still_fails_and_hands_out
     check_streamed(loopback_update(tx, rx, data, 256, 1), data)
     update = loopback_update(tx, rx, data, 256, 2)
     bad = 3
-    monkeypatch.setattr(wt, "before_verify", lambda k, buf: buf[:8].bitwise_not_() if k == bad else None)
+    monkeypatch.setattr(wt_receiver, "before_verify", lambda k, buf: buf[:8].bitwise_not_() if k == bad else None)
     names = []
     with pytest.raises(wt.ChecksumMismatch, match=f"checksum mismatch in bucket\\(s\\) {bad} of "):
         for name, _ in update.tensors:
@@ -243,7 +244,7 @@ def test_a_checksum_mismatch_after_the_plan_was_cached_still_fails_and_hands_out
     end = update.manifest.window(bad - 1)[1]  # exactly the tensors that end in buckets 0 .. bad-1
     assert names == [e.name for e in update.manifest.entries if e.offset < end and e.offset + e.nbytes <= end]
     assert 0 < len(names) < len(data) and rx.position == len(tx.messages)
-    monkeypatch.setattr(wt, "before_verify", None)
+    monkeypatch.setattr(wt_receiver, "before_verify", None)
     data = bumped(data, 2)
     assert check_streamed(loopback_update(tx, rx, data, 256, 3), data) == [n for n, _ in data]
 
@@ -457,7 +458,7 @@ def test_a_corrupted_bucket_sent_from_buffers_fails_the_update(monkeypatch):
     tx = wt.LoopbackLink("cpu")
     rx = wt.LoopbackLink("cpu", replay=tx)
     wt.send(tx, m, source)
-    monkeypatch.setattr(wt, "before_verify", lambda k, buf: buf[:8].bitwise_not_() if k == 2 else None)
+    monkeypatch.setattr(wt_receiver, "before_verify", lambda k, buf: buf[:8].bitwise_not_() if k == 2 else None)
     with pytest.raises(wt.ChecksumMismatch, match=r"bucket\(s\) 2 of"):
         wt.receive(rx)
 
@@ -700,19 +701,20 @@ def test_buffer_windows_are_kept_across_pushes_until_a_buffer_moves():
 
 def test_a_push_plan_is_kept_while_the_walk_and_layout_hold():
     from source_patch.runtime.weight_sync import names as weight_names
+    from source_patch.runtime.weight_sync import planning
 
     layout = weight_names.Layout(num_attention_heads=2, num_query_groups=1, head_dim=2, gated=True)
     walk = [("decoder.final_layernorm.weight", torch.nn.Parameter(torch.ones(4)))]
     chunk = torch.nn.Module()
     params = type("Params", (), {"params": walk, "shapes": lambda self: [(walk[0][0], (4,), torch.float32)]})()
-    plan = weight_sync._plan(chunk, params, layout)
-    assert weight_sync._plan(chunk, params, layout) is plan
-    assert weight_sync._plan(chunk, params, dataclasses.replace(layout, vocab_size=8)) is not plan
-    plan = weight_sync._plan(chunk, params, layout)
+    plan = planning.plan_for(chunk, params, layout)
+    assert planning.plan_for(chunk, params, layout) is plan
+    assert planning.plan_for(chunk, params, dataclasses.replace(layout, vocab_size=8)) is not plan
+    plan = planning.plan_for(chunk, params, layout)
     params.params = list(walk)  # walked again (something registered), the same parameters
-    assert weight_sync._plan(chunk, params, layout) is plan
+    assert planning.plan_for(chunk, params, layout) is plan
     params.params = [(walk[0][0], torch.nn.Parameter(torch.ones(4)))]  # the parameter was replaced
-    replanned = weight_sync._plan(chunk, params, layout)
+    replanned = planning.plan_for(chunk, params, layout)
     assert replanned is not plan and replanned.params is params.params
 
 # ------------------------------------------------------------------ processes

@@ -370,8 +370,15 @@ SCHEMAS["weight_sync"] = {
     "port": Setting(0, _port, "rendezvous port (SGLang's master_port); required when enabled"),
     "world_size": Setting(2, integer(low=2), "ranks in the update group: 1 trainer + every engine rank"),
     "group_name": Setting("source_patch_weights", _nonempty_text, "the update group's name (SGLang's group_name)"),
-    "backend": Setting("auto", choice("auto", "nccl", "gloo"), "auto: nccl when CUDA is available, else gloo"),
-    # At least 4 KiB (receivers also refuse more than 16,384 buckets: transport.MAX_BUCKETS).
+    "backend": Setting("auto", choice("auto", "nccl", "gloo", "ipc", "mooncake"),
+                       "how updates reach the engines: nccl / gloo broadcast over the update group (auto: nccl "
+                       "when CUDA is available, else gloo); ipc: colocated, engines copy from the trainer's "
+                       "exported memory (CUDA IPC; shared memory on CPU); mooncake: engines read the trainer's "
+                       "registered memory through a Mooncake TransferEngine (docs/weight_sync.md, Backends)"),
+    "engines": Setting(None, string_list, "trainer, ipc / mooncake: the engines' HTTP URLs "
+                       "(http://127.0.0.1:30000,...); each update is posted to each as SGLang's "
+                       "update_weights_from_tensor with load_format source_patch"),
+    # At least 4 KiB (receivers also refuse more than 16,384 buckets: wire.MAX_BUCKETS).
     "bucket_bytes": Setting(512 << 20, size(low=4 << 10), "bytes per bucket; the sender double-buffers two of them "
                             "(512 MiB: the fastest of 128 MiB-1 GiB on two H100, docs/benchmarks.md)"),
     "checksum": Setting(True, boolean, "per-bucket checksum (int64 word sum on the device), checked by receivers"),

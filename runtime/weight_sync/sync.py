@@ -5,9 +5,11 @@ Call sites (patches/weight_sync.yaml, reached through ``__sp__``)::
     # trainer (Megatron-Core)
     __sp__.weight_sync_attach(result, model_chunks)   # get_megatron_optimizer: optimizer -> its model
     __sp__.weight_sync_step(self, result)             # optimizer.step() returns: push when due
-    # engine (SGLang), in an update_weights_from_distributed request with load_format "source_patch"
+    # engine (SGLang), load_format "source_patch": update_weights_from_distributed (nccl / gloo)
     __sp__.weight_sync_receive(self, group_name)      # WeightUpdater.receive_weights_from_distributed
     __sp__.weight_sync_loaded(result)                 # WeightUpdater.load_weights_from_distributed
+    # ... or update_weights_from_tensor (ipc, mooncake): the request's bytes, never unpickled
+    __sp__.weight_sync_load_request(self, payloads, tp_rank)  # WeightUpdater.update_weights_from_tensor
     __sp__.weight_sync_version(recv_req)              # the scheduler records the version it serves
 
 Scripts::
@@ -17,8 +19,9 @@ Scripts::
     weight_sync.state()                 # trainer: pushes, failures, last error, timings
     weight_sync.engine_state()          # engine: the version it serves, partial, failures
 
-The work is done by megatron.py (gather), names.py (mapping) and
-transport.py (buckets over the group).  See docs/weight_sync.md.
+The work is done by megatron.py (gather), names.py (mapping), planning.py (what
+is sent, planned once) and the backend (backend.py: broadcast.py, ipc.py,
+mooncake.py) over the wire contract (wire.py).  See docs/weight_sync.md.
 """
 
 from __future__ import annotations
@@ -32,15 +35,14 @@ import time
 import weakref
 from typing import Any
 
-import torch
-
 from ..core import settings
-from . import transport
-from .transport import WeightSyncError
+from . import backend as weight_backend
+from . import link as weight_link
+from . import receiver as weight_receiver
 
 log = logging.getLogger("source_patch.weight_sync")
 
-LOAD_FORMAT = "source_patch"  # SGLang's load_format that selects this receiver
+LOAD_FORMAT = weight_backend.LOAD_FORMAT  # SGLang's load_format that selects our receivers
 
 SETTINGS = "weight_sync"  # its settings component (the capability contract: core/capability.py)
 _config: dict = {}
@@ -72,8 +74,7 @@ def configure_from_settings() -> dict:
 _attached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> model chunks
 _trainer: dict = {"step": 0, "pushes": 0, "failures": 0, "last_error": None, "last_push_s": None,
                   "last_bytes": 0, "version": None, "sent_from": None, "gathers": 0}
-_link: transport.Link | None = None
-_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model chunk -> _Plan, dropped with it
+_backend = None  # the trainer's end of the configured backend (backend.Backend), opened on first push
 
 
 def weight_sync_attach(optimizer: Any, model_chunks) -> Any:
@@ -137,6 +138,7 @@ def push(model_chunks, version: int | None = None) -> None:
     The cyclic garbage collector is paused meanwhile (see _collector_paused)."""
     from . import megatron as weight_megatron
     from . import names as weight_names
+    from . import planning
 
     version = _trainer["step"] if version is None else int(version)
     start = time.perf_counter()
@@ -147,29 +149,30 @@ def push(model_chunks, version: int | None = None) -> None:
             return
         layout = weight_names.Layout.from_config(params.config, vocab_size=_config["vocab_size"])
         # Planned on every participant, so a mapping error stops all before any gather.
-        plan = _plan(model_chunks[0], params, layout)
+        plan = planning.plan_for(model_chunks[0], params, layout)
         if not params.sender:
             for _ in params.tensors():  # take part in the gathers
                 pass
             return
-        buffers = plan.from_buffers(params, layout) if _config["from_buffers"] and not params.gathers else None
+        bucket_bytes, checksum = _config["bucket_bytes"], _config["checksum"]
+        buffers = plan.from_buffers(params, layout, bucket_bytes, checksum) \
+            if _config["from_buffers"] and not params.gathers else None
         if buffers is not None:
             manifest, tensors = buffers[0], buffers[1]
-            # Computed while the buckets before them are on the wire (transport._Spans).
-            extra = (out for name, param, picks in buffers[2]
-                     for i, (_, out) in enumerate(weight_names.to_hf(name, param.detach(), layout)) if i in picks)
+            # Computed while the buckets before them are on the wire (sender._Spans).
+            extra = planning.extra_tensors(buffers[2], layout)
         else:
-            manifest = plan.manifest()
+            manifest = plan.manifest(bucket_bytes, checksum)
             tensors = (out for name, full in params.tensors() for _, out in weight_names.to_hf(name, full, layout))
             extra = ()
         try:
-            link = _connected()
+            backend = _connected()
         except Exception:
             for _ in tensors if buffers is None else ():  # the other participants' gathers still need rank 0
                 pass
             raise
-        transport.PACK_GRAPHS = _config["replay_packing"]
-        transport.send(link, dataclasses.replace(manifest, version=version), tensors, extra=extra)
+        backend.send(dataclasses.replace(manifest, version=version), tensors, extra=extra,
+                     replay_packing=_config["replay_packing"])
     except Exception as exc:
         _trainer["failures"] += 1
         _trainer["last_error"] = f"v{version}: {type(exc).__name__}: {exc}"
@@ -180,110 +183,25 @@ def push(model_chunks, version: int | None = None) -> None:
                     gathers=params.collectives)
 
 
-def _plan(chunk, params, layout) -> "_Plan":
-    plan = _plans.get(chunk)
-    # The walk's list is the same object while no module changed (named_params); a new
-    # walk (something registered, maybe elsewhere) keeps the plan if it holds the same
-    # parameters under the same names.
-    if plan is None or plan.layout != layout or not _same(plan.params, params.params):
-        plan = _plans[chunk] = _Plan(params, layout)
-    plan.params = params.params
-    return plan
-
-
-def _same(planned: list, walked: list) -> bool:
-    return planned is walked or (len(planned) == len(walked) and all(
-        a is b and name_a == name_b for (name_a, a), (name_b, b) in zip(planned, walked)))
-
-
-class _Plan:
-    """A model chunk's engine specs and bucket layouts, planned once (each push only
-    changes the version, and the sender's cached packing sees the same entries)."""
-
-    def __init__(self, params, layout):
-        from . import names as weight_names
-
-        self.params, self.layout = params.params, layout
-        self.specs = list(weight_names.plan(params.shapes(), layout))
-        self.manifests: dict = {}
-        self.buffers: dict = {}
-
-    def manifest(self) -> transport.Manifest:
-        key = (_config["bucket_bytes"], _config["checksum"])
-        if key not in self.manifests:
-            self.manifests = {key: transport.plan(self.specs, key[0], 0, key[1])}
-        return self.manifests[key]
-
-    def from_buffers(self, params, layout):
-        """(manifest, Buffers, extras) to send the parameters from Megatron's own
-        parameter buffers, or None when too few of them lie in one (no distributed
-        optimizer).  extras: (Megatron name, parameter, indices of its mapped outputs
-        that are not views of a buffer: a fused QKV split by copies), mapped anew at
-        each push.  Planned once; planned again if a buffer moved."""
-        from . import megatron as weight_megatron
-
-        key = (_config["bucket_bytes"], _config["checksum"])
-        cached = self.buffers.get(key)
-        if cached is None or not weight_megatron.unmoved(cached[1]):
-            anchors = weight_megatron.storage_anchors(param for _, param in params.params)
-            self.buffers = {key: (_from_buffers(params, layout, *key), anchors)}
-            cached = self.buffers[key]
-        return cached[0]
-
-
-def _from_buffers(params, layout, bucket_bytes: int, checksum: bool):
-    from . import names as weight_names
-
-    shared: dict = {}
-    for _, param in params.params:
-        ptr = param.untyped_storage().data_ptr()
-        shared[ptr] = shared.get(ptr, 0) + 1
-    views, extras, extra_specs = [], [], []
-    for name, param in params.params:
-        picks = []
-        for i, (hf, out) in enumerate(weight_names.to_hf(name, param.detach(), layout)):
-            ptr = out.untyped_storage().data_ptr()
-            if shared.get(ptr, 0) > 1 and out.is_contiguous() and (out.data_ptr() - ptr) % transport.ALIGN == 0:
-                views.append((hf, out))
-            else:
-                picks.append(i)
-                extra_specs.append((hf, tuple(out.shape), out.dtype))
-        if picks:
-            extras.append((name, param, frozenset(picks)))
-    if len(views) < len(extra_specs):  # mostly not in shared buffers: packing is the better path
-        return None
-    try:
-        manifest, buffers = transport.plan_buffers(views, bucket_bytes, 0, checksum, extra=extra_specs)
-    except ValueError as exc:  # e.g. two mapped outputs over the same bytes
-        log.info("weight sync: sending packed tensors, not from the parameter buffers: %s", exc)
-        return None
-    return manifest, buffers, extras
-
-
-def _connected() -> transport.Link:
-    """The link to the engines, opened on first use (rank 0 serves the rendezvous)."""
-    global _link
-    if _link is not None and not _link.broken:
-        return _link
+def _connected() -> weight_backend.Backend:
+    """The trainer's end of the configured backend, opened on first use (broadcast:
+    rank 0 serves the rendezvous)."""
+    global _backend
+    if _backend is not None and not _backend.broken:
+        return _backend
     disconnect()
-    if not _config["port"]:
-        raise WeightSyncError("weight_sync.port is not set (SOURCE_PATCH_WEIGHT_SYNC_PORT)")
-    backend = _config["backend"]
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    group = transport.open_group(_config["host"], _config["port"], 0, _config["world_size"],
-                                 _config["group_name"], backend, _config["timeout_s"])
-    _link = transport.Link(group, _config["timeout_s"])
-    return _link
+    options = {key: _config[key] for key in ("host", "port", "world_size", "group_name", "timeout_s")}
+    _backend = weight_backend.open_backend(_config["backend"], engines=_config["engines"], **options)
+    return _backend
 
 
 def disconnect() -> None:
-    """Drop the trainer's group; the next push opens a new one (the engines must
-    join again, e.g. SGLang's destroy/init_weights_update_group)."""
-    global _link
-    link, _link = _link, None
-    if link is not None:
-        transport.close_group(link.group)
+    """Drop the trainer's backend (broadcast: its group; the engines must join the
+    next one, e.g. SGLang's destroy/init_weights_update_group)."""
+    global _backend
+    backend, _backend = _backend, None
+    if backend is not None:
+        backend.close()
 
 
 _TRAINER_COUNTERS = ("step", "pushes", "failures", "last_bytes", "gathers")
@@ -295,8 +213,8 @@ def state() -> dict:
     is one or the other; the other side's counters stay 0)."""
     counters = {key: _trainer[key] for key in _TRAINER_COUNTERS}
     counters.update({f"engine_{key}": _engine[key] for key in _ENGINE_COUNTERS})
-    return {**_trainer, "enabled": _enabled, "connected": _link is not None and not _link.broken,
-            "broken": _link.broken if _link is not None else None, "engine": engine_state(),
+    return {**_trainer, "enabled": _enabled, "connected": _backend is not None and not _backend.broken,
+            "broken": _backend.broken if _backend is not None else None, "engine": engine_state(),
             "config": dict(_config), "counters": counters,
             "last_error": _trainer["last_error"] or _engine["last_error"]}
 
@@ -310,7 +228,7 @@ def reset() -> dict:
 
 
 def close(timeout: float | None = None) -> bool:
-    """Leave the trainer's update group (the next push opens a new one)."""
+    """Close the trainer's backend (the next push opens a new one)."""
     disconnect()
     return True
 
@@ -318,7 +236,7 @@ def close(timeout: float | None = None) -> bool:
 # ------------------------------------------------------------------ engine
 
 _engine: dict = {"version": None, "partial": False, "updates": 0, "failures": 0, "last_error": None}
-_pending: transport.Update | None = None
+_pending: weight_receiver.Update | None = None
 _engine_links: dict = {}  # id(group) -> Link
 
 
@@ -330,9 +248,9 @@ def weight_sync_receive(updater: Any, group_name: str):
     group = updater._model_update_group[group_name]
     link = _engine_links.get(id(group))
     if link is None or link.group is not group:
-        link = _engine_links[id(group)] = transport.Link(group, _config["timeout_s"])
+        link = _engine_links[id(group)] = weight_link.Link(group, _config["timeout_s"])
     try:
-        _pending = transport.receive(link, stage=_config["stage"],
+        _pending = weight_receiver.receive(link, stage=_config["stage"],
                                      max_metadata_bytes=_config["max_metadata_bytes"],
                                      max_update_bytes=_config["max_update_bytes"],
                                      check=functools.partial(_fits_model, updater))
@@ -342,14 +260,51 @@ def weight_sync_receive(updater: Any, group_name: str):
     return _pending.tensors
 
 
-def _fits_model(updater: Any, manifest: transport.Manifest) -> None:
+def weight_sync_load_request(updater: Any, payloads: Any, tp_rank: int) -> tuple:
+    """An update_weights_from_tensor request with load_format "source_patch" (the ipc
+    and mooncake backends): ``payloads`` are the request's bytes, one per engine rank
+    (or one for all), which SGLang has not deserialized.  Receive, verify and load
+    them into the model; (success, message) as SGLang's own loaders answer.  A
+    refused update loads nothing: the engine serves its old weights and version."""
+    global _pending
+    _pending = None
+    try:
+        if not isinstance(payloads, (list, tuple)) or not payloads:
+            raise weight_backend.WeightSyncError("the request carries no payload")
+        payload = payloads[tp_rank] if tp_rank < len(payloads) else payloads[0]
+        update = weight_backend.receive_request(
+            payload, device=_model_device(updater), max_metadata_bytes=_config["max_metadata_bytes"],
+            max_update_bytes=_config["max_update_bytes"], check=functools.partial(_fits_model, updater),
+            rank=tp_rank)
+    except Exception as exc:  # noqa: BLE001 - refused: SGLang reports it, the old weights stay
+        _engine_failed(exc)
+        log.error("weight sync: update refused: %s", exc)
+        return False, f"weight sync: update refused: {type(exc).__name__}: {exc}"
+    try:
+        _model(updater).load_weights(update.tensors)
+    except Exception as exc:  # noqa: BLE001 - as SGLang's own loaders: the weights are partly new
+        _engine.update(version=None, partial=True)
+        _engine_failed(exc)
+        return False, f"weight sync: loading v{update.version} failed, the weights are partly updated: {exc}"
+    _pending = update
+    return True, f"weight sync: loaded v{update.version}"
+
+
+def _model(updater: Any):
+    return updater.get_model() if hasattr(updater, "get_model") else updater.get_model_runner().model
+
+
+def _model_device(updater: Any):
+    return next(_model(updater).parameters()).device
+
+
+def _fits_model(updater: Any, manifest) -> None:
     """A new layout must be exactly what the model loads (names.check_model): SGLang's
     load_weights skips unknown names and would report a partial update as complete.
     Raised before the manifest vote, so nothing is loaded and the trainer fails at once."""
     from . import names as weight_names
 
-    model = updater.get_model() if hasattr(updater, "get_model") else updater.get_model_runner().model
-    weight_names.check_model(model, [(e.name, e.shape, e.dtype) for e in manifest.entries])
+    weight_names.check_model(_model(updater), [(e.name, e.shape, e.dtype) for e in manifest.entries])
 
 
 def weight_sync_loaded(result: Any) -> Any:

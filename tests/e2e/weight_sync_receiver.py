@@ -33,12 +33,13 @@ def hooks(cli, current):
 
 
 def receive(cli):
+    from source_patch.runtime.weight_sync import receiver as weight_receiver
     from source_patch.runtime.weight_sync import transport as weight_transport
 
     group = weight_transport.open_group("127.0.0.1", cli.port, 1, cli.world_size, GROUP, "gloo", 120)
     link = weight_transport.Link(group, 60)
     current = {"update": 0}
-    weight_transport.before_verify = hooks(cli, current)
+    weight_receiver.before_verify = hooks(cli, current)
     out = {}
     for update in range(1, cli.updates + 1):
         current["update"] = update

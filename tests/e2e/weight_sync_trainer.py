@@ -55,7 +55,7 @@ def main():
 
     from source_patch.runtime.weight_sync import megatron as weight_megatron
     from source_patch.runtime.weight_sync import sync as weight_sync
-    from source_patch.runtime.weight_sync import transport as weight_transport
+    from source_patch.runtime.weight_sync import sender as weight_sender
 
     if cli.skip_param_gather:
         weight_megatron.finish_param_gather = lambda chunks: None
@@ -65,14 +65,14 @@ def main():
         def after_send(k, data):
             if weight_sync.state()["step"] == version and k == bucket:
                 os._exit(17)
-        weight_transport.after_send = after_send
+        weight_sender.after_send = after_send
     if cli.tamper:  # as if bucket K of update V were corrupted in transit: its checksum no longer matches
         tampered = tuple(int(x) for x in cli.tamper.split(":"))
 
         def before_sum_send(k, checksum):
             if (weight_sync.state()["step"], k) == tampered:
                 checksum.add_(1)
-        weight_transport.before_sum_send = before_sum_send
+        weight_sender.before_sum_send = before_sum_send
 
     torch.manual_seed(1234)
     model = models.megatron_model("qwen3_moe", ep=cli.ep)

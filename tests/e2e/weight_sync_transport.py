@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from source_patch.runtime.weight_sync import receiver as wt_receiver
 from source_patch.runtime.weight_sync import transport as wt
 
 BUCKET = 64 << 10
@@ -77,7 +78,7 @@ def receive(link, version, stage, tamper, option):
     global handed
     handed = 0
     expected = tensors_for(option)
-    wt.before_verify = (lambda k, buf: buf[:8].bitwise_not_() if k == tamper else None)
+    wt_receiver.before_verify = (lambda k, buf: buf[:8].bitwise_not_() if k == tamper else None)
     limit = 1000 if option and "max-update-bytes-1000" in option else 1 << 40
     update = wt.receive(link, stage=stage, max_update_bytes=limit)
     assert update.version == version
@@ -91,7 +92,7 @@ def receive(link, version, stage, tamper, option):
                 stream.close()  # what the engine's loaded site does when load_weights failed
                 raise wt.WeightSyncError("consumer stopped after 3 tensors")
     finally:
-        wt.before_verify = None
+        wt_receiver.before_verify = None
     assert handed == len(expected)
 
 
@@ -114,7 +115,7 @@ def main():
     if backend == "nccl":
         DEVICE = f"cuda:{rank}"
         torch.cuda.set_device(rank)
-    wt._manifest = counted(wt._manifest)
+    wt_receiver._manifest = counted(wt_receiver._manifest)
     torch.set_num_threads(1)
     group = wt.open_group("127.0.0.1", port, rank, 2, "transport_test", backend, 60)
     link = wt.Link(group, LINK_TIMEOUT)

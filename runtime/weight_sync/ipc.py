@@ -1,0 +1,237 @@
+"""The ``ipc`` backend, for a trainer and its engines on the same machine (colocated:
+the same GPUs): the trainer packs each update into memory it exported once, and each
+engine copies the bytes device to device (on CPU: from a shared-memory file).
+Nothing crosses a link and nothing is pickled: the engine request
+(SGLang's ``update_weights_from_tensor``, load_format "source_patch") carries the
+manifest as JSON with the memory's handle as plain bytes (base64) and the bucket sums.
+
+    trainer: pack into the exported stream -> bucket sums -> device sync -> POST the request
+    engine:  map the handle (once per handle) -> copy into its own buffer -> verify sums -> load
+
+The memory is exported once and again only when it moves (a larger update, another
+device); an engine maps each handle once.  A trainer that dies before the request
+changes nothing on the engine; a refused request (a wrong sum, a bad manifest) leaves
+the engine on its old weights.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import re
+import secrets
+from typing import Optional
+
+import torch
+
+from . import sender
+from .request import post_update
+from .receiver import Update
+from .wire import (Buffers, Manifest, ManifestError, WeightSyncError, bucket_sum, request_json, too_many_buckets,
+                   verify_sums)
+
+SHM_DIR = "/dev/shm"  # where CPU exports live (named shared memory)
+_NAME = re.compile(r"sp-ws-[0-9]+-[0-9]+-[0-9a-f]{8}\Z")
+_counter = itertools.count()
+MAX_MAPPED = 4  # an engine keeps this many mapped exports (a new one appears only when the trainer's moves)
+
+
+class Exported:
+    """A uint8 buffer another process on this machine can map, and the fields that say how."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.nbytes, self.device, self.path = nbytes, device, None
+        if device.type == "cuda":
+            self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+            shared = self.tensor.untyped_storage()._share_cuda_()
+            dev, handle, size, offset, ref_handle, ref_offset, event, event_sync = shared
+            self.fields = {"kind": "cuda", "device": int(dev), "handle": _b64(handle), "size": int(size),
+                           "offset": int(offset), "ref_counter_handle": _b64(ref_handle),
+                           "ref_counter_offset": int(ref_offset), "event_handle": _b64(event),
+                           "event_sync_required": bool(event_sync)}
+            return
+        name = f"sp-ws-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+        self.path = os.path.join(SHM_DIR, name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        self.tensor = torch.from_file(self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+        self.fields = {"kind": "shm", "name": name, "nbytes": max(nbytes, 1)}
+
+    def close(self) -> None:
+        """Unlink a shared-memory export (engines that mapped it keep their mapping)."""
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+
+def _b64(data) -> str:
+    return base64.b64encode(bytes(data or b"")).decode()
+
+
+class IpcSender:
+    """The trainer's end: one exported stream, the packing plan into it, the engines' URLs."""
+
+    name = "ipc"
+
+    def __init__(self, engines: list, timeout_s: float = 300.0, device: Optional[torch.device] = None):
+        if not engines:
+            raise WeightSyncError("weight_sync.engines is empty: the ipc backend posts each update to the "
+                                  "engines' URLs (SOURCE_PATCH_WEIGHT_SYNC_ENGINES=http://127.0.0.1:PORT,...)")
+        self.engines, self.timeout_s = list(engines), float(timeout_s)
+        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                                 else torch.device("cpu"))
+        self.memory: Optional[Exported] = None
+        self.packing = None
+        self.broken = None
+        self.exports = 0  # how many times memory was exported (once, unless it had to move)
+
+    @classmethod
+    def open(cls, name: str, *, engines=None, timeout_s: float = 300.0, **_) -> "IpcSender":
+        return cls(engines or [], timeout_s)
+
+    def send(self, manifest: Manifest, tensors, extra=(), *, replay_packing: bool = True) -> None:
+        """Pack the update into the exported memory and ask every engine to load it.
+        Raises WeightSyncError (ChecksumMismatch when an engine found one)."""
+        source = iter(extra) if isinstance(tensors, Buffers) else iter(tensors)
+        try:
+            payload = self.stage(manifest, tensors, source, replay_packing)
+        except Exception:
+            for _ in source if not isinstance(tensors, Buffers) else ():  # peers' gathers still need rank 0
+                pass
+            raise
+        for url in self.engines:
+            post_update(url, payload, self.timeout_s)
+
+    def stage(self, manifest: Manifest, tensors, source, replay_packing: bool = True) -> bytes:
+        """Pack every bucket into the exported memory; the engine request's bytes."""
+        refusal = too_many_buckets(manifest.bucket_bytes, manifest.total_bytes)
+        if refusal:
+            raise WeightSyncError(f"update v{manifest.version} refused: {refusal}")
+        device = tensors.device if isinstance(tensors, Buffers) and tensors.pieces else self.device
+        packing = self._packing(manifest, tensors, device)
+        if hasattr(packing, "replays"):
+            packing.replays.enabled = replay_packing
+        sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=device)
+        with torch.no_grad():
+            for k, sources in packing.batches(source):
+                if k >= manifest.buckets:  # an update of 0 bytes has tensors but no bucket
+                    continue
+                data = packing.pack(k, sources)
+                if manifest.checksum:
+                    bucket_sum(data, sums[k])
+                    if sender.before_sum_send is not None:
+                        sender.before_sum_send(k, sums[k: k + 1])
+                if sender.after_send is not None:
+                    sender.after_send(k, data)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the engines read it from other processes
+        fields = {"backend": "ipc", "sums": sums[: manifest.buckets].tolist() if manifest.checksum else [],
+                  "memory": self.memory.fields}
+
+        return request_json(manifest, fields, packing.tensors_json)
+
+    def _packing(self, manifest: Manifest, tensors, device: torch.device):
+        memory = self.memory
+        if memory is None or memory.nbytes < manifest.total_bytes or memory.device != device:
+            self.packing = None
+            if memory is not None:
+                memory.close()
+            self.memory = Exported(manifest.total_bytes, device)
+            self.exports += 1
+        packing, stream = self.packing, self.memory.tensor
+        if isinstance(tensors, Buffers):
+            if packing is None or not isinstance(packing, sender._Spans) or not packing.matches(manifest, tensors):
+                self.packing = None
+                packing = sender._Spans(manifest, tensors, stream=stream)
+        elif packing is None or not isinstance(packing, sender._Packing) or not packing.matches(manifest):
+            self.packing = None
+            packing = sender._Packing(manifest, device, stream=stream)
+        self.packing = packing
+        return packing
+
+    def close(self) -> None:
+        if self.memory is not None:
+            self.memory.close()
+        self.memory = self.packing = None
+
+
+# ------------------------------------------------------------------ engine
+
+
+_mapped: dict = {}   # export key -> the trainer's memory, mapped here
+_staged: dict = {}   # device -> (entries, stream, views): this engine's copy, reused while the layout holds
+
+
+def receive(manifest: Manifest, fields: dict, *, device: torch.device, rank: int = 0) -> Update:
+    """Copy the update out of the trainer's exported memory into this engine's own
+    buffer, verify the bucket sums, and hand out views of it."""
+    source = _map(fields.get("memory"), manifest.total_bytes)
+    entries, stream, views = _stage(manifest, device)
+    if manifest.total_bytes:
+        stream.copy_(source[: manifest.total_bytes])
+    verify_sums(manifest, stream, fields.get("sums"))
+    return Update(manifest.version, manifest, list(views), lambda: None)
+
+
+def _stage(manifest: Manifest, device: torch.device):
+    staged = _staged.get(device)
+    if staged is None or (staged[0] is not manifest.entries and staged[0] != manifest.entries) \
+            or staged[1].numel() != manifest.total_bytes:
+        _staged.pop(device, None)  # free the old buffer first
+        stream = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=device)
+        views = [(e.name, stream[e.offset: e.offset + e.nbytes].view(e.dtype).view(e.shape))
+                 for e in manifest.entries]
+        staged = _staged[device] = (manifest.entries, stream, views)
+    return staged
+
+
+def _map(memory, total: int) -> torch.Tensor:
+    """The trainer's exported memory as a uint8 tensor of at least ``total`` bytes."""
+    if not isinstance(memory, dict) or memory.get("kind") not in ("shm", "cuda"):
+        raise ManifestError("the request names no exported memory (memory.kind: shm or cuda)")
+    key = tuple(sorted((k, str(v)) for k, v in memory.items()))
+    mapped = _mapped.get(key)
+    if mapped is None:
+        mapped = _map_shm(memory) if memory["kind"] == "shm" else _map_cuda(memory)
+        if len(_mapped) >= MAX_MAPPED:
+            _mapped.clear()  # a bound, not an LRU: the trainer's memory rarely moves
+        _mapped[key] = mapped
+    if mapped.numel() < total:
+        raise ManifestError(f"the exported memory holds {mapped.numel()} bytes, the update {total}")
+    return mapped
+
+
+def _map_shm(memory: dict) -> torch.Tensor:
+    name, nbytes = memory.get("name"), memory.get("nbytes")
+    if not isinstance(name, str) or not _NAME.match(name) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ManifestError(f"bad shared-memory export {str(memory)[:200]}")
+    path = os.path.join(SHM_DIR, name)
+    try:
+        size = os.stat(path).st_size
+    except OSError as exc:
+        raise WeightSyncError(f"cannot open the trainer's shared memory {name}: {exc.strerror}") from None
+    if size < nbytes:  # mapping past the file's end would fault on read
+        raise ManifestError(f"shared memory {name} holds {size} bytes, the request says {nbytes}")
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _map_cuda(memory: dict) -> torch.Tensor:
+    """torch's own CUDA IPC rebuild (torch.multiprocessing.reductions.rebuild_cuda_tensor),
+    from plain fields instead of a pickle."""
+    try:
+        args = (int(memory["device"]), base64.b64decode(memory["handle"], validate=True), int(memory["size"]),
+                int(memory["offset"]), base64.b64decode(memory["ref_counter_handle"], validate=True),
+                int(memory["ref_counter_offset"]), base64.b64decode(memory["event_handle"], validate=True),
+                bool(memory["event_sync_required"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"bad CUDA export: {type(exc).__name__}: {exc}") from None
+    storage = torch.UntypedStorage._new_shared_cuda(*args)
+    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", args[0])).set_(
+        storage, 0, (args[2],), (1,))

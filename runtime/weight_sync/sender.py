@@ -1,0 +1,427 @@
+"""The sending end of a weight update: packing the tensors into buckets (once per
+layout: cached views, one ``_foreach_copy_`` per dtype, on a GPU a replayed graph)
+or taking buckets straight from parameter buffers (``plan_buffers``), and, for the
+broadcast backends, the protocol's sender side over a ``Link``.
+
+One update on the group, in order (docs/weight_sync.md, "Wire format"):
+
+1. header: int64[4] ``[MAGIC, FORMAT, version, layout digest]``
+2. layout vote (all-reduce MAX of int64[1]): 0 from a receiver that holds this
+   layout (its manifest, buffers and views from an earlier update), 3 from one that
+   needs the manifest, 2 from one that cannot take it
+3. only when some receiver needs it: int64[1] length, then the manifest:
+   uint8[length], UTF-8 JSON (never pickle); then the manifest vote (2: rejected)
+4. per bucket: the bytes, then (with checksums) int64[1], the sum of the
+   bucket's int64 words computed on the sender's device
+5. verdict (all-reduce MAX): 0 when every receiver verified every bucket
+
+The sender packs bucket k+1 into the idle one of two buffers while bucket k is on the
+wire.  A checksum mismatch or a rejected manifest leaves the link usable: all ranks
+still run every step of the protocol.
+
+Over 400 lines: the packing plans (_Packing, _Spans, _Replays) and the protocol's
+sender are read together; the packing is what the ipc backend reuses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+
+from .link import Link
+from .wire import (CHECKSUM_MISMATCH, FORMAT, MAGIC, NEED_MANIFEST, OK, REJECTED, VERDICTS, Buffers,
+                   ChecksumMismatch, Entry, Manifest, WeightSyncError, bucket_sum, first_line, layout_digest,
+                   tensors_digest, too_many_buckets)
+
+# Test hooks (tests/e2e/weight_sync_*.py): called with (bucket index, its bytes)
+# after a bucket was sent, and with (bucket index, its checksum) before the sender
+# sends (or, ipc, publishes) the checksum.
+after_send: Optional[Callable[[int, torch.Tensor], None]] = None
+before_sum_send: Optional[Callable[[int, torch.Tensor], None]] = None
+
+
+def send(link: Link, manifest: Manifest, tensors: Iterable[torch.Tensor] | Buffers, extra=(), *,
+         replay_packing: bool = True) -> None:
+    """Send one update: ``tensors`` in manifest order, or the ``Buffers`` that
+    ``plan_buffers`` returned with ``manifest`` (and its ``extra`` tensors, in
+    order: an iterable taken when the first bucket that holds one is packed, so a
+    generator computes them while the buckets before are on the wire).  Raises
+    WeightSyncError (a receiver rejected it, a checksum differed, a peer failed or
+    timed out).  On failure the rest of ``tensors`` is still
+    consumed, so whoever produces them (tensor-parallel gathers) stays in step with
+    its peers.  ``replay_packing``: on a GPU, pack a bucket whose sources are the
+    tensors of the update before (same addresses, contiguous) by replaying its copies,
+    captured once as a CUDA graph (setting weight_sync.replay_packing)."""
+    if isinstance(tensors, Buffers):
+        if tensors.pieces and _indexed(tensors.device) != _indexed(link.device):
+            raise WeightSyncError(f"the buffers are on {tensors.device}, the link on {link.device}")
+        return _Sender(link, manifest, tensors).run(iter(extra))
+    it = iter(tensors)
+    try:
+        _Sender(link, manifest, replay_packing=replay_packing).run(it)
+    except Exception:
+        for _ in it:
+            pass
+        raise
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:<current>``: the same device, comparable."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class _Packing:
+    """Where each tensor goes in the two bucket buffers, computed once per layout and
+    kept on the link: packing bucket k is then one ``_foreach_copy_`` per dtype from
+    its tensors into cached views, with no per-tensor view work in the hot loop; on a
+    GPU, once bucket k has had the same sources twice, a replay of those copies.
+
+    ``batches`` takes and checks the tensors bucket by bucket and ``pack`` copies one
+    bucket into its buffer; the sender interleaves them with its broadcasts, the
+    bench (``--phases``) and the tests drive them without a group.
+
+    ``stream``: a uint8 tensor of the update's total size (the ipc backend's exported
+    memory) in which every bucket has its own window, instead of two reused buffers."""
+
+    def __init__(self, manifest: Manifest, device: torch.device, stream: Optional[torch.Tensor] = None):
+        self.manifest = manifest
+        self.key = (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
+        self.tensors_json = manifest.tensors_to_json()
+        self.tensors_digest = tensors_digest(self.tensors_json)
+        self.buffers = _slots(manifest, device, stream)
+        self.sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=device)
+        n = max(manifest.buckets, 1)
+        self.new = [[] for _ in range(n)]      # entries that start in bucket k: its batch, in order
+        self.shapes = [[] for _ in range(n)]   # their planned shapes and dtypes, to check the batch against
+        self.dtypes = [[] for _ in range(n)]
+        self.hold = [[] for _ in range(n)]     # (entry, batch position) of those that continue past bucket k
+        self.release = [[] for _ in range(n)]  # entries split over buckets whose last bytes are in k
+        copies = [[] for _ in range(n)]        # (destination view, source: batch position | (entry, byte range))
+        for i, e in enumerate(manifest.entries):
+            first = min(e.offset // manifest.bucket_bytes, n - 1)
+            position = len(self.new[first])
+            self.new[first].append(i)
+            self.shapes[first].append(e.shape)
+            self.dtypes[first].append(e.dtype)
+            lo, k = e.offset, first
+            while lo < e.offset + e.nbytes:
+                k = lo // manifest.bucket_bytes
+                start, end = manifest.window(k)
+                hi = min(e.offset + e.nbytes, end)
+                dst = self.buffers[k % len(self.buffers)][lo - start: hi - start]
+                if lo == e.offset and hi == e.offset + e.nbytes:
+                    copies[k].append((dst.view(e.dtype).view(e.shape), position))
+                else:
+                    copies[k].append((dst, (i, slice(lo - e.offset, hi - e.offset))))
+                lo = hi
+            if k != first:
+                self.hold[first].append((i, position))
+                self.release[k].append(i)
+        self.groups = [_by_dtype(c) for c in copies]
+        self.replays = _Replays(n, device)
+
+    def matches(self, manifest: Manifest) -> bool:
+        return self.key == (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
+
+    def batches(self, tensors: Iterator[torch.Tensor]) -> Iterator[tuple[int, list]]:
+        """Per bucket k: take the tensors that start in it from ``tensors`` (manifest
+        order), check their shapes and dtypes as a batch, and yield (k, the sources
+        of ``pack(k, ...)``).  Raises WeightSyncError for a wrong shape or dtype and
+        for fewer or more tensors than planned."""
+        # The hot loop (tens of thousands of tensors per update): per tensor only the
+        # check's two attribute reads, in map(); sources are slices of the batch, and
+        # only tensors split over buckets are held from one bucket to the next.
+        # (Reading (shape, dtype) pairs made a tuple per tensor: the cyclic GC then ran
+        # full collections in the loop, and the check took 15x longer at the median.)
+        held: dict = {}  # entry -> tensor, from its first bucket to its last
+        count = len(self.manifest.entries)
+        for k, shapes in enumerate(self.shapes):
+            batch = list(itertools.islice(tensors, len(shapes)))
+            if len(batch) < len(shapes):
+                raise WeightSyncError(f"got fewer tensors than the manifest's {count}")
+            if list(map(_SHAPE, batch)) != shapes or list(map(_DTYPE, batch)) != self.dtypes[k]:
+                self._mismatch(k, batch)
+            for i, position in self.hold[k]:
+                held[i] = batch[position]
+            yield k, [_sources(recipe, batch, held) for _, recipe in self.groups[k]]
+            for i in self.release[k]:
+                del held[i]
+        if next(tensors, None) is not None:
+            raise WeightSyncError(f"got more tensors than the manifest's {count}")
+
+    def pack(self, k: int, sources: list) -> torch.Tensor:
+        """Copy bucket k's ``sources`` (from ``batches``) into its buffer; returns the
+        bucket's bytes.  The buffer must be free (its previous bucket sent)."""
+        if not self.replays.replay(k, sources, self._copy):
+            self._copy(k, sources)
+        start, end = self.manifest.window(k)
+        return self.buffers[k % len(self.buffers)][: end - start]
+
+    def _copy(self, k: int, sources: list) -> None:
+        for (dsts, _), srcs in zip(self.groups[k], sources):
+            torch._foreach_copy_(dsts, srcs)
+
+    def _mismatch(self, k: int, batch: list) -> None:
+        for i, tensor in zip(self.new[k], batch):
+            _as_planned(tensor, self.manifest.entries[i])
+
+
+def _as_planned(tensor: torch.Tensor, e: Entry) -> None:
+    if tensor.shape != e.shape or tensor.dtype != e.dtype:
+        raise WeightSyncError(f"{e.name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {e.shape} {e.dtype}")
+
+
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+_ADDRESS, _CONTIGUOUS = operator.methodcaller("data_ptr"), operator.methodcaller("is_contiguous")
+
+
+class _Replays:
+    """Per bucket, its copies captured as a CUDA graph and the source addresses they
+    were captured for.  A bucket's sources are known by their addresses alone: their
+    shapes and dtypes are checked against the plan before, and only contiguous ones
+    are captured (a graph reads the memory, whatever tensor is there now).  Captured
+    on a side stream in thread-local mode, so other threads' CUDA calls (NCCL's
+    watchdog) go on; nothing is allocated during a capture."""
+
+    def __init__(self, buckets: int, device: torch.device):
+        self.on = device.type == "cuda"
+        self.enabled = True  # the setting, per send (weight_sync.replay_packing)
+        self.device = device
+        self.graphs: list = [None] * buckets  # (addresses, CUDAGraph)
+        self.seen: list = [None] * buckets    # addresses of the update before, not captured yet
+        self.stream = None
+
+    def replay(self, k: int, sources: list, copy: Callable) -> bool:
+        """Whether bucket k was packed by a replay (else the caller copies): its
+        graph's sources, or the same contiguous ones as last time (captured now)."""
+        if not (self.on and self.enabled):
+            return False
+        addresses = [list(map(_ADDRESS, srcs)) for srcs in sources]
+        graph = self.graphs[k]
+        if graph is not None and graph[0] == addresses:
+            graph[1].replay()
+            return True
+        self.graphs[k] = None
+        if self.seen[k] != addresses:
+            self.seen[k] = addresses if all(all(map(_CONTIGUOUS, srcs)) for srcs in sources) else None
+            return False
+        try:
+            self.graphs[k] = (addresses, self._capture(k, sources, copy))
+        except Exception as exc:  # noqa: BLE001 - a copy that cannot be captured: copy, and never capture again
+            self.on = False
+            logging.getLogger("source_patch.weight_sync").warning(
+                "weight sync: packing bucket %d could not be captured as a CUDA graph (%s: %s); packing by "
+                "copies from now on", k, type(exc).__name__, first_line(exc))
+            return False
+        self.seen[k] = None
+        self.graphs[k][1].replay()
+        return True
+
+    def _capture(self, k: int, sources: list, copy: Callable):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                copy(k, sources)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return graph
+
+
+def _by_dtype(copies: list) -> list:
+    """[(destinations, recipe of their sources)], one per destination dtype.
+
+    torch's fused _foreach_copy_ needs one dtype per call; a bucket mixes whole
+    tensors with byte ranges (uint8) of the tensors cut by its ends, so one call per
+    dtype (one mixed call fell back to a copy per tensor, ~8 us each on an H200).
+    A recipe is a list of ``slice``s of the bucket's batch (runs of whole tensors)
+    and ``(entry, byte range)`` pieces of split tensors."""
+    groups: dict = {}
+    for dst, source in copies:
+        dsts, recipe = groups.setdefault(dst.dtype, ([], []))
+        dsts.append(dst)
+        if isinstance(source, int) and recipe and isinstance(recipe[-1], list) and recipe[-1][1] == source:
+            recipe[-1][1] = source + 1  # extends the run
+        else:
+            recipe.append([source, source + 1] if isinstance(source, int) else source)
+    return [(dsts, [slice(*item) if isinstance(item, list) else item for item in recipe])
+            for dsts, recipe in groups.values()]
+
+
+def _sources(recipe: list, batch: list, held: dict) -> list:
+    if len(recipe) == 1 and type(recipe[0]) is slice:  # the common case: one run
+        return batch[recipe[0]]
+    sources = []
+    for item in recipe:
+        if type(item) is slice:
+            sources += batch[item]
+        else:
+            i, part = item
+            sources.append(held[i].reshape(-1).view(torch.uint8)[part])
+    return sources
+
+
+class _Spans:
+    """``_Packing`` for ``Buffers``: bucket k is a slice of the one buffer that holds
+    its window (no copy, no per-tensor work), or its pieces (of buffers, of the extra
+    tensors) copied into one of two bucket buffers with one ``_foreach_copy_``
+    (``stream``: every bucket copied into its window of it, as for _Packing)."""
+
+    def __init__(self, manifest: Manifest, buffers: Buffers, stream: Optional[torch.Tensor] = None):
+        self.manifest, self.source = manifest, buffers
+        self.key = (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
+        self.tensors_json = manifest.tensors_to_json()
+        self.tensors_digest = tensors_digest(self.tensors_json)
+        n = manifest.buckets
+        self.sums = torch.zeros(max(n, 1), dtype=torch.int64, device=buffers.device)
+        sizes = [manifest.window(k)[1] - manifest.window(k)[0] for k in range(n)]
+        pieces = [(base, view.numel(), view) for base, view in buffers.pieces] + \
+            [(base, e.nbytes, i) for i, (base, e) in enumerate(buffers.extra)]  # i: the i-th extra tensor
+        self.whole: list = [None] * n   # bucket k's bytes when one buffer holds them
+        self.parts: list = [None] * n   # else (destinations, sources: a view | (extra, byte range))
+        self.buffers = [torch.empty(max(sizes, default=0), dtype=torch.uint8, device=buffers.device)
+                        for _ in range(2)] if stream is None else _slots(manifest, buffers.device, stream)
+        for k in range(n):
+            start, end = manifest.window(k)
+            parts = [(max(start, base), min(end, base + size), base, source)
+                     for base, size, source in pieces if base < end and base + size > start]
+            if stream is None and len(parts) == 1 and parts[0][:2] == (start, end) and \
+                    isinstance(parts[0][3], torch.Tensor):
+                lo, hi, base, view = parts[0]
+                self.whole[k] = view[lo - base: hi - base]
+                continue
+            data = self.buffers[k % len(self.buffers)]
+            self.parts[k] = ([data[lo - start: hi - start] for lo, hi, _, _ in parts],
+                             [source[lo - base: hi - base] if isinstance(source, torch.Tensor)
+                              else (source, slice(lo - base, hi - base)) for lo, hi, base, source in parts])
+        if not any(p is not None for p in self.parts):
+            self.buffers = []
+        # The first bucket that packs an extra tensor (they lie after the buffers).
+        self.first_extra = next((k for k, parts in enumerate(self.parts) if parts is not None and any(
+            not isinstance(s, torch.Tensor) for s in parts[1])), n)
+
+    def matches(self, manifest: Manifest, buffers: Buffers) -> bool:
+        return self.source is buffers and self.key == (manifest.bucket_bytes, manifest.total_bytes,
+                                                       manifest.entries)
+
+    def batches(self, extra: Iterator[torch.Tensor]) -> Iterator[tuple[int, list]]:
+        """Every bucket with the extra tensors as bytes (checked against the plan),
+        taken from ``extra`` when the first bucket that holds one is packed: computing
+        them (push() splits the fused QKV weights by copies, ~2 ms of host time for 48
+        layers) then overlaps the transfer of the buckets before them."""
+        taken = None
+        for k in range(self.manifest.buckets):
+            if taken is None and k >= self.first_extra:
+                taken = self._extras(extra)
+            yield k, taken or ()
+        if taken is None:
+            self._extras(extra)
+
+    def _extras(self, extra: Iterator[torch.Tensor]) -> list:
+        planned = self.source.extra
+        tensors = list(itertools.islice(extra, len(planned) + 1))
+        if len(tensors) != len(planned):
+            raise WeightSyncError(f"got {len(tensors)} extra tensors, planned {len(planned)}")
+        for (_, e), tensor in zip(planned, tensors):
+            _as_planned(tensor, e)
+        return [t.reshape(-1).view(torch.uint8) for t in tensors]
+
+    def pack(self, k: int, extra: list) -> torch.Tensor:
+        if self.whole[k] is not None:
+            return self.whole[k]
+        dsts, sources = self.parts[k]
+        torch._foreach_copy_(dsts, [s if isinstance(s, torch.Tensor) else extra[s[0]][s[1]] for s in sources])
+        start, end = self.manifest.window(k)
+        return self.buffers[k % len(self.buffers)][: end - start]
+
+
+def _slots(manifest: Manifest, device: torch.device, stream: Optional[torch.Tensor]) -> list:
+    """Where bucket k is packed: ``slots[k % len(slots)]``, two reused buffers, or
+    with ``stream`` each bucket's own window of it."""
+    if stream is None:
+        size = min(manifest.bucket_bytes, manifest.total_bytes)
+        return [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2)]
+    if stream.dtype != torch.uint8 or stream.numel() < manifest.total_bytes:
+        raise WeightSyncError(f"the stream buffer holds {stream.numel()} bytes, the update {manifest.total_bytes}")
+    return [stream[slice(*manifest.window(k))] for k in range(manifest.buckets)] or [stream[:0]]
+
+
+class _Sender:
+    def __init__(self, link: Link, manifest: Manifest, buffers: Optional[Buffers] = None,
+                 replay_packing: bool = True):
+        self.link, self.manifest = link, manifest
+        # An update no receiver would accept is refused in the votes, so both ends
+        # stay usable, and without building its packing (as costly here as there).
+        self.refusal = too_many_buckets(manifest.bucket_bytes, manifest.total_bytes)
+        if self.refusal:
+            packing = None
+        elif buffers is not None:
+            packing = link.spans
+            if packing is None or not packing.matches(manifest, buffers):
+                link.spans = None
+                packing = link.spans = _Spans(manifest, buffers)
+        else:
+            packing = link.packing
+            if packing is None or not packing.matches(manifest):
+                link.packing = None  # free the old buffers first
+                packing = link.packing = _Packing(manifest, link.device)
+            packing.replays.enabled = replay_packing
+        self.packing = packing
+        self.in_flight: list = [None, None]   # data work per buffer
+        self.works: list = []
+
+    def run(self, tensors: Iterator[torch.Tensor]) -> None:
+        link, manifest, packing = self.link, self.manifest, self.packing
+        tensors_json = packing.tensors_json if packing else manifest.tensors_to_json()
+        digest = layout_digest(manifest, packing.tensors_digest if packing else tensors_digest(tensors_json))
+        header = torch.tensor([MAGIC, FORMAT, manifest.version, digest], dtype=torch.int64)
+        link.wait(link.broadcast(header.to(link.device)), "header")
+        mine = REJECTED if self.refusal else OK
+        status = link.layout_vote(mine)
+        if status == NEED_MANIFEST:  # a receiver does not hold this layout yet
+            text = manifest.to_json(tensors_json)
+            link.wait(link.broadcast(torch.tensor([len(text)], dtype=torch.int64).to(link.device)), "manifest")
+            body = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(link.device)
+            link.wait(link.broadcast(body), "manifest")
+            status = link.vote(mine, "manifest vote")
+        if self.refusal:
+            raise WeightSyncError(f"update v{manifest.version} refused: {self.refusal}")
+        if status:
+            raise WeightSyncError(f"update v{manifest.version} was refused by an engine rank (a bad manifest, "
+                                  "one that does not match its model, or not enough memory; see its log)")
+        with torch.no_grad():
+            for k, sources in self.packing.batches(tensors):
+                if k < manifest.buckets:  # an update of 0 bytes has tensors but no bucket
+                    self._flush(k, sources)
+        for work in self.works:
+            link.wait(work, "bucket")
+        verdict = link.vote(OK, "verdict")
+        if verdict:
+            raise (ChecksumMismatch if verdict == CHECKSUM_MISMATCH else WeightSyncError)(
+                f"update v{manifest.version} failed on an engine rank with {VERDICTS[verdict]} "
+                "(see its log)")
+
+    def _flush(self, k: int, sources: list) -> None:
+        link, slot = self.link, k % 2
+        if self.in_flight[slot] is not None:  # the buffer's previous bucket must be out
+            link.wait(self.in_flight[slot], f"bucket {k - 2}")
+        data = self.packing.pack(k, sources)
+        self.in_flight[slot] = link.broadcast(data)
+        self.works.append(self.in_flight[slot])
+        if self.manifest.checksum:
+            bucket_sum(data, self.packing.sums[k])
+            if before_sum_send is not None:
+                before_sum_send(k, self.packing.sums[k: k + 1])
+            self.works.append(link.broadcast(self.packing.sums[k: k + 1]))
+        if after_send is not None:
+            after_send(k, data)
