@@ -13,6 +13,15 @@ Two call sites (``patches/routing.yaml``) reach this module through ``__sp__``:
   captures them per layer, or overrides them in place from a replay record and
   recomputes the weights.
 
+Capture is keyed by KV slot, as SGLang's own capturer is (:mod:`.slot_store`): each
+forward's rows go to the slots of ``forward_batch.out_cache_loc``; a finished request's
+rows are read back through its ``req_to_token`` row, so a prompt prefix served from
+the radix cache (or recomputed after a retraction, or prefilled in chunks) reads the
+rows its first computation wrote: every record covers positions ``[0, prompt +
+generated - 1)``, as ``meta_info["routed_experts"]`` does.  Without KV slots (rows
+attributed in process with :func:`set_batch`) each request gets private slots and its
+record starts where its first row did (``extra["start_pos"]``).
+
 Records use :mod:`source_patch.runtime.routing.record`: one ``RoutingRecord`` per
 request (``token_order="requests"``, ``sample_ids=[rid]``, ``source="sglang"``,
 ``extra={"rank", "start_pos"}``), written to ``<dir>/rank<R>/<rid>.safetensors`` when
@@ -51,6 +60,7 @@ import torch
 from ..core import settings
 from ..core.sglang_batch import BatchRows, Unattributed, batch_rows, is_probe
 from .record import RoutingRecord, RoutingRecordError, load
+from .slot_store import SlotStore
 
 SETTINGS = "sglang_routing"  # its settings component (the capability contract: core/capability.py)
 _RENORM_EPS = 1e-20  # sglang.srt.layers.moe.topk._RENORMALIZE_SUM_EPSILON
@@ -69,8 +79,12 @@ class _State:
         self.written = 0  # records written by capture
         self.rank = None
         self.batch = None  # (rids, lens, starts) of the current forward
+        self.batch_slots = None  # (space, slots): the KV slot of each row of that forward
         self.forward_id = -1
-        self.forwards = []  # [{"rids", "lens", "starts", "layers": {layer: ids}}]
+        self.current = None  # {"id", "layers": {layer: (ids, weights)}} the forward being captured
+        self.stores = {"kv": SlotStore(), "virtual": SlotStore()}  # engine slots / private ones
+        self.live = {}  # rid -> {"space", "start", "end", "gap", "vslots", "pool", "idx"}
+        self.next_virtual = 0
         self.num_experts = None
         self.replay = None  # {rid: RoutingRecord}
         self.warned = set()
@@ -130,12 +144,14 @@ def enabled() -> bool:
 
 def state() -> dict:
     with _S.lock:
-        rows = sum(n for fw in _S.forwards for n in fw["lens"])
-        requests = len({rid for fw in _S.forwards for rid in fw["rids"]})
+        rows = sum(e["end"] - e["start"] for e in _S.live.values())
+        requests = len(_S.live)
+        kv = _S.stores["kv"]
     # Settings not read yet stay unread: the first call site reads them (state() must not).
     return {"enabled": _S.mode not in (None, "off"), "config": dict(_S.config or {}), "last_error": _S.last_error,
             "counters": {"requests_held": requests, "rows_held": rows, "records_written": _S.written,
-                         "replay_records": len(_S.replay or {}), "warnings": len(_S.warned)}}
+                         "replay_records": len(_S.replay or {}), "warnings": len(_S.warned),
+                         "slot_store_slots": kv.capacity, "slot_store_bytes": kv.nbytes()}}
 
 
 def reset() -> dict:
@@ -149,7 +165,7 @@ def reset() -> dict:
 def close(timeout: float | None = None) -> bool:
     """Write what is still held (capture with a dir); True when that succeeded.
     Registered with atexit."""
-    if _S.mode == "capture" and _S.dir and _S.forwards:
+    if _S.mode == "capture" and _S.dir and _S.live:
         try:
             flush()
         except Exception as exc:  # never fail interpreter exit
@@ -176,46 +192,87 @@ def _rank():
 # ---------------------------------------------------------------- the ambient batch
 
 
-def set_batch(rids, lens, starts=None) -> None:
+def set_batch(rids, lens, starts=None, *, slots=None, pool=None, pool_indices=None) -> None:
     """Make ``rids`` / ``lens`` (tokens of each request in this forward, in row
     order) / ``starts`` (position of each request's first row in that request;
-    default: right after what was captured for it so far) the ambient batch."""
+    default: right after what was captured for it so far) the ambient batch.
+
+    Capture only: ``slots`` (one KV slot per row, ``out_cache_loc``), ``pool``
+    (``req_to_token``) and ``pool_indices`` (each request's row of it) key the rows by
+    KV slot; without ``slots`` each request gets private slots."""
     rids, lens = list(rids), [int(n) for n in lens]
     if len(rids) != len(lens):
         raise ValueError(f"{len(rids)} request ids for {len(lens)} lengths")
     if starts is None:
-        starts = [_captured_len(r) for r in rids]
-    _S.batch = (rids, lens, [int(s) for s in starts])
+        starts = [_S.live[r]["end"] if r in _S.live else 0 for r in rids]
+    starts = [int(s) for s in starts]
+    _S.batch, _S.batch_slots = (rids, lens, starts), None
     _S.forward_id += 1
+    if _S.mode != "capture":
+        return
+    space = "kv" if slots is not None else "virtual"
+    if slots is None:
+        slots = torch.arange(_S.next_virtual, _S.next_virtual + sum(lens))
+        _S.next_virtual += sum(lens)
+    _S.batch_slots = (space, slots)
+    with _S.lock:
+        _track(rids, lens, starts, space, slots, pool, pool_indices)
+
+
+def _track(rids, lens, starts, space, slots, pool, pool_indices) -> None:
+    """Where each request of this forward has got to (and, in private slots, which
+    slot each of its positions has)."""
+    off = 0
+    for i, (rid, n, start) in enumerate(zip(rids, lens, starts)):
+        e = _S.live.get(rid)
+        if e is None or e["space"] != space:
+            e = _S.live[rid] = {"space": space, "start": start if space == "virtual" else 0, "end": start,
+                                "gap": None, "vslots": [], "pool": None, "idx": None}
+        if space == "virtual":
+            if start != e["end"] and e["gap"] is None:
+                e["gap"] = f"rows resume at position {start}, expected {e['end']} (retracted or re-prefilled request?)"
+            e["vslots"].append(slots[off:off + n])
+        else:
+            e["pool"], e["idx"] = pool, (pool_indices[i] if pool_indices is not None else None)
+        e["end"] = start + n
+        off += n
 
 
 def clear_batch() -> None:
-    _S.batch = None
+    _S.batch = _S.batch_slots = None
 
 
-def _captured_len(rid):
-    layer_rows = {}
-    for fw in _S.forwards:
-        for i, r in enumerate(fw["rids"]):
-            if r == rid and fw["layers"]:
-                n = fw["lens"][i]
-                for layer in fw["layers"]:
-                    layer_rows[layer] = layer_rows.get(layer, 0) + n
-    return max(layer_rows.values(), default=0)
+def _kv_slots(forward_batch, runner):
+    """(out_cache_loc, req_to_token, [req_pool_idx]) of an engine forward; SGLang's own
+    capturer prefers ``out_cache_loc_virtual`` (the ids ``req_to_token`` holds)."""
+    slots = getattr(forward_batch, "out_cache_loc_virtual", None)
+    if slots is None:
+        slots = getattr(forward_batch, "out_cache_loc", None)
+    pool = getattr(getattr(runner, "req_to_token_pool", None), "req_to_token", None)
+    idx = getattr(forward_batch, "req_pool_indices_cpu", None)
+    if idx is None:
+        idx = getattr(forward_batch, "req_pool_indices", None)
+    return slots, pool, None if idx is None else [int(i) for i in idx.tolist()]
 
 
-def routing_sglang_batch(forward_batch) -> None:
-    """Call site at ``ModelRunner._forward_raw`` entry: the ambient batch from an
-    SGLang ``ForwardBatch``. Does nothing when the mode is off."""
+def routing_sglang_batch(forward_batch, runner=None) -> None:
+    """Call site at ``ModelRunner._forward_raw`` entry (``runner``: that ModelRunner):
+    the ambient batch from an SGLang ``ForwardBatch``. Does nothing when the mode is off."""
     if _mode() == "off":
         return
     rows = batch_rows(forward_batch)
     if isinstance(rows, Unattributed):
         _warn_once(rows.key, rows.reason)
     if not isinstance(rows, BatchRows):
-        _S.batch = None
+        clear_batch()
         return
-    set_batch(rows.rids, rows.lens, rows.starts)
+    if _S.mode != "capture":
+        set_batch(rows.rids, rows.lens, rows.starts)
+        return
+    slots, pool, idx = _kv_slots(forward_batch, runner)
+    if slots is not None:
+        slots = slots[:sum(rows.lens)]
+    set_batch(rows.rids, rows.lens, rows.starts, slots=slots, pool=pool, pool_indices=idx)
 
 
 # ---------------------------------------------------------------- select_experts
@@ -324,15 +381,15 @@ def routing_sglang_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor, rout
     else:
         rows = total
     if mode == "capture":
-        if _S.batch is None:
+        if _S.batch_slots is None:
             _warn_once("nobatch", "no ambient batch (ModelRunner._forward_raw not patched?): capture skipped")
             return
         with _S.lock:
-            if not _S.forwards or _S.forwards[-1]["id"] != _S.forward_id:
-                rids, lens, starts = _S.batch
-                _S.forwards.append({"id": _S.forward_id, "rids": rids, "lens": lens, "starts": starts,
-                                    "layers": {}})
-            _S.forwards[-1]["layers"][int(layer_id)] = (  # ids and their combine weights
+            if _S.current is None or _S.current["id"] != _S.forward_id:
+                _S.current = {"id": _S.forward_id, "layers": {}}
+                space, slots = _S.batch_slots
+                _S.stores[space].pending(slots, _S.current["layers"])  # scattered on the next read
+            _S.current["layers"][int(layer_id)] = (  # ids and their combine weights, still on the device
                 routed[:rows].detach().clone(), topk_weights[:rows, :num_routed_topk].detach().clone())
             _S.num_experts = num_experts
         return
@@ -351,33 +408,40 @@ def routing_sglang_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor, rout
 def records(only=None) -> dict:
     """What was captured so far: ``{rid: RoutingRecord}`` (one per request, rows in
     generation order: prefill tokens then each decode token); ``only``: that request."""
-    per = {}  # rid -> {"start": int, "next": int, "layers": {layer: [tensors]}}
     with _S.lock:
-        forwards = list(_S.forwards)
-    for fw in forwards:
-        off = 0
-        for rid, n, start in zip(fw["rids"], fw["lens"], fw["starts"]):
-            if only is not None and rid != only:
-                off += n
-                continue
-            entry = per.setdefault(rid, {"start": start, "next": start, "layers": {}})
-            if start != entry["next"]:
-                raise RoutingRecordError(f"request {rid!r}: rows resume at position {start}, expected "
-                                         f"{entry['next']} (retracted or re-prefilled request?)")
-            entry["next"] = start + n
-            for layer, (ids, weights) in fw["layers"].items():
-                entry["layers"].setdefault(layer, []).append((ids[off:off + n], weights[off:off + n]))
-            off += n
+        live = [(rid, e) for rid, e in _S.live.items() if only is None or rid == only]
     out = {}
-    for rid, entry in per.items():
-        layers = {k: torch.cat([i for i, _ in v]).to("cpu", torch.int64) for k, v in entry["layers"].items()}
-        if not layers:
-            continue
-        probs = {k: torch.cat([w for _, w in v]).to("cpu", torch.float32) for k, v in entry["layers"].items()}
-        out[rid] = RoutingRecord(indices=layers, probs=probs, num_experts=_S.num_experts, token_order="requests",
-                                 sample_ids=[rid], seq_lens=[entry["next"] - entry["start"]], source="sglang",
-                                 extra={"rank": _rank(), "start_pos": entry["start"]})
+    for rid, e in live:
+        rec = _record(rid, e, e["end"], e["pool"], e["idx"])
+        if rec is not None:
+            out[rid] = rec
     return out
+
+
+def _record(rid, e, end, pool, idx) -> RoutingRecord | None:
+    """Rows ``[start, end)`` of ``rid`` read from the slot store (KV slots through
+    ``pool[idx]``); None when nothing was captured."""
+    if e["gap"]:
+        raise RoutingRecordError(f"request {rid!r}: {e['gap']}")
+    store = _S.stores[e["space"]]
+    with _S.lock:
+        store.settle()
+        if not store.ids or end <= e["start"]:
+            return None
+        if e["space"] == "virtual":
+            slots = torch.cat(e["vslots"])[:end - e["start"]]
+        elif pool is None or idx is None:
+            raise RoutingRecordError(f"request {rid!r}: its KV slots are unknown (the ModelRunner._forward_raw "
+                                     "call site passes no runner: an older cached spec?)")
+        else:
+            slots = pool[idx, :end]
+        try:
+            layers, probs = store.read(slots, f"request {rid!r}")
+        except LookupError as exc:
+            raise RoutingRecordError(str(exc)) from None
+    return RoutingRecord(indices=layers, probs=probs, num_experts=_S.num_experts, token_order="requests",
+                         sample_ids=[rid], seq_lens=[end - e["start"]], source="sglang",
+                         extra={"rank": _rank(), "start_pos": e["start"]})
 
 
 def _safe_name(rid) -> str:
@@ -400,48 +464,54 @@ def flush(dir=None, *, clear: bool = True) -> list:
         _S.written += 1
     if clear:
         with _S.lock:
-            _S.forwards = []
+            _S.live = {}
+            _S.stores["virtual"], _S.next_virtual = SlotStore(), 0  # engine slots stay: the radix cache keeps them
     return paths
 
 
-def routing_sglang_release(req) -> None:
+def routing_sglang_release(req, tree_cache=None) -> None:
     """Call site at ``release_kv_cache`` entry: a finished request's record is written
-    now (a scheduler is killed at shutdown, so waiting for exit would lose it) and
-    its rows leave memory.  A retracted request (not finished) keeps its rows."""
+    now (a scheduler is killed at shutdown, so waiting for exit would lose it), read
+    through its ``req_to_token`` row (``tree_cache.req_to_token_pool``) over
+    ``[0, prompt + output through stop - 1)``, the rows SGLang's ``routed_experts``
+    returns.  A retracted request (not finished) keeps its place."""
     if _S.mode != "capture" or not _S.dir:
         return
     try:
         if not req.finished():
             return
         rid = req.rid
-        rec = records(only=rid).get(rid)
-        if rec is not None and not is_probe(rid):
-            folder = Path(_S.dir) / f"rank{_rank()}"
-            folder.mkdir(parents=True, exist_ok=True)
-            rec.save(folder / f"{_safe_name(rid)}.safetensors")
-            _S.written += 1
+        e = _S.live.get(rid)
+        if e is not None and not is_probe(rid):
+            rec = _record(rid, e, *_finished_rows(req, e, tree_cache))
+            if rec is not None:
+                folder = Path(_S.dir) / f"rank{_rank()}"
+                folder.mkdir(parents=True, exist_ok=True)
+                rec.save(folder / f"{_safe_name(rid)}.safetensors")
+                _S.written += 1
         _drop(rid)
     except Exception as exc:  # noqa: BLE001 - capture must never break serving
         _S.last_error = f"release: {type(exc).__name__}: {exc}"
         _warn_once(("release", type(exc).__name__), f"writing a finished request's routes failed: {exc}")
 
 
+def _finished_rows(req, e, tree_cache) -> tuple:
+    """(end, req_to_token, row) of a finished request: SGLang's own count of routed
+    tokens; capture that stopped short of it is an error, not a short record."""
+    if e["space"] != "kv":
+        return e["end"], e["pool"], e["idx"]
+    end = len(req.origin_input_ids) + len(req.output_ids_through_stop) - 1
+    if e["end"] < end:
+        raise RoutingRecordError(f"request {req.rid!r}: routes captured up to position {e['end']}, "
+                                 f"it has {end} routed tokens")
+    pool = getattr(getattr(tree_cache, "req_to_token_pool", None), "req_to_token", None)
+    return end, pool if pool is not None else e["pool"], req.kv.req_pool_idx
+
+
 def _drop(rid) -> None:
-    """Remove ``rid``'s rows from every captured forward."""
+    """Forget ``rid``'s place (its slots' rows stay: the radix cache may serve them again)."""
     with _S.lock:
-        kept = []
-        for fw in _S.forwards:
-            if rid not in fw["rids"]:
-                kept.append(fw)
-                continue
-            i = fw["rids"].index(rid)
-            off, n = sum(fw["lens"][:i]), fw["lens"][i]
-            rest = [j for j in range(len(fw["rids"])) if j != i]
-            if rest:
-                kept.append({**fw, "rids": [fw["rids"][j] for j in rest], "lens": [fw["lens"][j] for j in rest],
-                             "starts": [fw["starts"][j] for j in rest],
-                             "layers": {k: torch.cat([v[:off], v[off + n:]]) for k, v in fw["layers"].items()}})
-        _S.forwards = kept
+        _S.live.pop(rid, None)
 
 
 def _by_request(recs, rank_of=None) -> dict:

@@ -1,0 +1,108 @@
+"""Routing capture keyed by KV slot under SGLang's radix cache (issue 31, build item 3),
+in one real SGLang server on CPU (radix cache on, routing capture on, SGLang's own
+``--enable-return-routed-experts`` on for an independent check).
+
+A GRPO-shaped rollout: one prompt, 4 sampled completions. Every sample after the first
+gets its prompt prefix from the radix cache (SGLang reports ``cached_tokens`` > 0), so
+its prefix rows were computed by another request. Every record must still start at
+position 0 with ``prompt + generated - 1`` rows, equal to SGLang's own
+``meta_info["routed_experts"]`` and to a run of the same samples with nothing cached
+(the cache flushed before each request, ``cached_tokens`` == 0)."""
+
+import base64
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("sglang is not installed", allow_module_level=True)
+
+from source_patch.runtime.routing import record as rr  # noqa: E402
+
+PROMPT = [11, 23, 5, 88, 140, 7, 301, 42, 9, 64, 17, 3, 250, 77]
+NEW, SAMPLES, LAYERS, TOPK = 6, 4, 2, 2
+BIAS = [5, 600, 321, 900]  # one favoured token per sample
+
+
+@pytest.fixture(scope="module")
+def cached_server(sglang_cpu, sglang_server, tmp_path_factory):
+    routes = tmp_path_factory.mktemp("prefix-routes")
+    server = sglang_server(specs=["routing"], args=["--enable-return-routed-experts", "--skip-server-warmup"],
+                           env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture",
+                                "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(routes)})
+    return server, routes
+
+
+def _theirs(meta):
+    raw = base64.b64decode(meta["routed_experts"])
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(-1, LAYERS, TOPK).long()
+
+
+def _record(folder, rid, timeout=20.0):
+    path = Path(folder) / "rank0" / f"{rid}.safetensors"
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return rr.load(path)
+
+
+def _generate(server, rids, samples):
+    """One /generate of PROMPT for each sample index in ``samples``. Greedy with a
+    per-sample logit bias: distinct completions that a second run reproduces exactly
+    (this engine's seeded sampling needs --enable-deterministic-inference, which
+    refuses the torch-native attention backend that runs on CPU)."""
+    params = [{"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True,
+               "logit_bias": {str(BIAS[i]): 4.0}} for i in samples]
+    status, out = server.post("/generate", {"input_ids": [PROMPT] * len(rids), "rid": rids,
+                                            "sampling_params": params, "return_routed_experts": True})
+    assert status == 200, out
+    return out
+
+
+def _grpo(server):
+    """Sample 0 alone (it fills the cache), then samples 1-3 together, as a rollout
+    worker sends a group once the prompt is warm."""
+    server.post("/flush_cache")
+    first = _generate(server, ["grpo-0"], [0])
+    rest = _generate(server, [f"grpo-{i}" for i in range(1, SAMPLES)], range(1, SAMPLES))
+    return first + rest
+
+
+def _uncached(server):
+    out = []
+    for i in range(SAMPLES):
+        assert server.post("/flush_cache")[0] == 200
+        out += _generate(server, [f"nocache-{i}"], [i])
+    return out
+
+
+def _stacked(rec):
+    return torch.stack([rec.indices[layer] for layer in rec.layers], dim=1)
+
+
+@pytest.mark.slow
+def test_grpo_samples_with_prefix_hits_have_whole_records(cached_server):
+    server, routes = cached_server
+    cached, uncached = _grpo(server), _uncached(server)
+    assert [r["meta_info"]["cached_tokens"] for r in uncached] == [0] * SAMPLES
+    hits = [r["meta_info"]["cached_tokens"] for r in cached[1:]]
+    assert all(h >= len(PROMPT) - 2 for h in hits), hits  # the prefix really came from the cache
+    outputs = {tuple(r["output_ids"]) for r in cached}
+    assert len(outputs) == SAMPLES  # the completions differ, the prompt is shared
+    for i, (hit, miss) in enumerate(zip(cached, uncached)):
+        assert hit["output_ids"] == miss["output_ids"]
+        rec, ref = _record(routes, f"grpo-{i}"), _record(routes, f"nocache-{i}")
+        assert rec.extra["start_pos"] == 0 and rec.layers == [0, 1] and rec.sample_ids == [f"grpo-{i}"]
+        assert rec.num_tokens == rec.seq_lens[0] == len(PROMPT) + NEW - 1
+        assert torch.equal(_stacked(rec), _theirs(hit["meta_info"]))   # SGLang's own capturer
+        assert torch.equal(_stacked(rec), _stacked(ref))                 # the run with nothing cached
+        assert torch.equal(_stacked(ref), _theirs(miss["meta_info"]))
+        assert rec.probs is not None and all(torch.allclose(rec.probs[k], ref.probs[k], atol=1e-5)
+                                             for k in rec.layers)
+    # The prefix rows of every cached sample are sample 0's: one computation, one route.
+    first = _stacked(_record(routes, "grpo-0"))
+    for i in range(1, SAMPLES):
+        assert torch.equal(_stacked(_record(routes, f"grpo-{i}"))[:len(PROMPT) - 1], first[:len(PROMPT) - 1])
