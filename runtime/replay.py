@@ -191,7 +191,8 @@ def _forwards(dump, model, requests: dict, records: dict, replay_probs: bool) ->
         _dump_rows(dump, rid, tokens)
         with _replaying(records.get(rid), len(tokens), replay_probs):
             logits = _forward(model, tokens)
-        logps[rid] = token_logprobs(logits[:-1], torch.tensor(tokens[1:])).tolist()
+        # dtype: a one-token request (SGLang's health probe) has no targets, still token ids
+        logps[rid] = token_logprobs(logits[:-1], torch.tensor(tokens[1:], dtype=torch.long)).tolist()
     dump.flush()
     return logps
 

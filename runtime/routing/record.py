@@ -309,6 +309,93 @@ class RoutingRecord:
     def load(cls, path: str | os.PathLike) -> "RoutingRecord":
         return load(path)
 
+    @classmethod
+    def from_sglang_meta(cls, meta, *, num_experts: int, num_layers: int, topk: int, layers=None,
+                         rid=None, start_len: int = 0) -> "RoutingRecord":
+        """The record of what SGLang's own capturer returned for one request (see
+        :func:`from_sglang_meta`)."""
+        return from_sglang_meta(meta, num_experts=num_experts, num_layers=num_layers, topk=topk, layers=layers,
+                                rid=rid, start_len=start_len)
+
+
+# ---------------------------------------------------------------- SGLang's own capturer (R3)
+
+MAX_META_BYTES = 1 << 30  # a larger base64 routed_experts field is refused
+
+
+def _meta_field(meta, rid):
+    """(base64 text, meta_info or None, rid) of a /generate result, its meta_info, or the text."""
+    if isinstance(meta, dict) and "meta_info" in meta:
+        meta = meta["meta_info"]
+    if isinstance(meta, dict):
+        text = meta.get("routed_experts")
+        if text is None:
+            raise RoutingRecordError("meta_info has no routed_experts (start the engine with "
+                                     "--enable-return-routed-experts and send return_routed_experts=True)")
+        return text, meta, rid if rid is not None else meta.get("id")
+    return meta, None, rid
+
+
+def from_sglang_meta(meta, *, num_experts: int, num_layers: int, topk: int, layers=None, rid=None,
+                     start_len: int = 0) -> RoutingRecord:
+    """A ``token_order="requests"`` record from ``meta_info["routed_experts"]`` of an
+    SGLang engine started with ``--enable-return-routed-experts``: base64 of int32
+    ``[seqlen - 1 - start_len, num_layers, topk]`` (logical expert ids, layer ``i`` is
+    SGLang's ``layer_id`` ``i``).  ``meta`` is a /generate result, its ``meta_info``,
+    or the base64 text.  ``layers``: the MoE layers to keep (a model with dense layers
+    leaves their rows zero: keep only the MoE ones); ``rid``: default ``meta_info["id"]``;
+    ``start_len``: the request's ``routed_experts_start_len``.  Validated as every record
+    is (expert range, duplicates); with a ``meta_info`` the row count must be
+    ``prompt_tokens + completion_tokens - 1 - start_len``."""
+    import base64
+    import binascii
+
+    text, info, rid = _meta_field(meta, rid)
+    if not isinstance(text, (str, bytes)) or len(text) > MAX_META_BYTES:
+        raise RoutingRecordError(f"routed_experts must be base64 text (at most {MAX_META_BYTES} bytes), "
+                                 f"got {type(text).__name__}")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise RoutingRecordError(f"routed_experts is not valid base64: {exc}") from None
+    row = 4 * num_layers * topk
+    if num_layers < 1 or topk < 1 or len(raw) % row:
+        raise RoutingRecordError(f"routed_experts holds {len(raw)} bytes: not whole rows of int32 "
+                                 f"[layers={num_layers}, topk={topk}] ({row} bytes)")
+    ids = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(-1, num_layers, topk)
+    if info is not None and "prompt_tokens" in info and "completion_tokens" in info:
+        want = int(info["prompt_tokens"]) + int(info["completion_tokens"]) - 1 - start_len
+        if ids.shape[0] != want:
+            raise RoutingRecordError(f"routed_experts has {ids.shape[0]} rows; request {rid!r} has "
+                                     f"{info['prompt_tokens']} prompt + {info['completion_tokens']} completion "
+                                     f"tokens: expected {want} (the last token is never routed)")
+    layers = list(range(num_layers)) if layers is None else [int(k) for k in layers]
+    bad = [k for k in layers if not 0 <= k < num_layers]
+    if bad:
+        raise RoutingRecordError(f"layers {bad} are outside the {num_layers} layers of routed_experts")
+    return RoutingRecord(indices={k: ids[:, k].to(INDEX_DTYPE) for k in layers}, num_experts=num_experts,
+                         token_order="requests", sample_ids=None if rid is None else [rid],
+                         seq_lens=[int(ids.shape[0])], source="sglang",
+                         extra={"start_pos": int(start_len), "from": "routed_experts"})
+
+
+def to_sglang_meta(record: RoutingRecord, *, num_layers: int | None = None) -> str:
+    """The inverse: base64 of int32 ``[tokens, num_layers, topk]`` as SGLang returns
+    ``routed_experts`` (layer ``k`` in column ``k``; ``num_layers`` default the largest
+    layer id + 1; layers the record lacks are zero, as SGLang leaves dense layers)."""
+    import base64
+
+    if record.token_order != "requests" or (record.sample_ids is not None and len(record.sample_ids) != 1):
+        raise RoutingRecordError("to_sglang_meta: needs a one-request record (token_order 'requests'), got "
+                                 f"{record.token_order!r} with sample_ids {record.sample_ids}")
+    num_layers = max(record.layers) + 1 if num_layers is None else num_layers
+    if max(record.layers) >= num_layers:
+        raise RoutingRecordError(f"to_sglang_meta: layer {max(record.layers)} does not fit {num_layers} layers")
+    out = torch.zeros(record.num_tokens, num_layers, record.topk, dtype=torch.int32)
+    for k in record.layers:
+        out[:, k] = record.indices[k].to(torch.int32)
+    return base64.b64encode(out.numpy().tobytes()).decode("ascii")
+
 
 # ---------------------------------------------------------------- file format
 
