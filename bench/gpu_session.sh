@@ -6,7 +6,7 @@
 #           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
 #           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
 #           folders copied into .upstream/ (git-ignored): mkdir -p .upstream && cp -r ../shared/upstream/megatron-lm .upstream/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [trace] [launch] [bias] [weights] [pushx2] [phases] [push] [newest] [upstream]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [bias] [weights] [pushx2] [phases] [push] [newest] [upstream]
 #           (default: all; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
 #            `upstream` installs each release of $UPSTREAM_RELEASES, default "0.16.1 0.19.2", in turn)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
@@ -21,7 +21,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | ta
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import sys, torch, megatron.core, libcst, source_patch.patcher; print(sys.version.split()[0], torch.__version__)" | tee -a "$OUT/gpu.txt"
 
-parts=${*:-tests dump step routing trace launch bias weights pushx2 phases push newest upstream}
+parts=${*:-tests dump step routing graphs trace launch bias weights pushx2 phases push newest upstream}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 if want tests; then
@@ -42,6 +42,11 @@ fi
 if want routing; then
 echo "== routing capture/replay step bench"
 timeout 560 python3 bench/routing_bench.py --rounds 5 --steps 25 --warmup 8 2>&1 | tee "$OUT/routing_bench.txt" | tail -10
+fi
+if want graphs; then
+echo "== graph-safe call sites (issue 31): staged under torch.cuda.graph, drained after each replay"
+timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_graph_stage.py 2>&1 \
+  | tee "$OUT/pytest_graph_stage.log" | tail -4
 fi
 if want trace; then
 echo "== trace: forwarder and compressor tests (Triton's interpreter too), gpu-marked hub tests, then the benches"

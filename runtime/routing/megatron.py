@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from ..core import graph_stage
 from .record import RoutingRecord, RoutingRecordError, load, slice_for_rank
 from ..core.settings import resolve
 
@@ -75,6 +76,7 @@ _lock = threading.Lock()
 _step = 0
 _microbatch = 0
 _in_forward = False  # inside a schedule's forward_step
+_draining = False    # a replayed CUDA graph's rows are being drained (runtime/core/graph_stage.py)
 _layer = None        # ambient MoE layer (TopKRouter.routing); None: no record can address the call
 _in_router = False   # inside TopKRouter.routing (its router may still have no layer_number)
 _shape = None        # (seq, batch) of the router's logits
@@ -409,8 +411,12 @@ def _capture(indices: torch.Tensor) -> None:
     if _unaddressable("capture"):
         return
     if indices.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # a graph replays without this Python: its routing could never be recorded
-        _warn_once("capture-graph", "capture: a router call during CUDA graph capture is not captured")
+        # a graph replays without this Python: stage the ids in the graph (drained after each replay)
+        if graph_stage.active() is not None:
+            graph_stage.stage(_drained, ("routing", _layer), indices, layer=_layer)
+            return
+        _warn_once("capture-graph", "capture: a router call during CUDA graph capture outside a GraphStage "
+                   "is not captured")
         return
     key, recompute = _call_key(int(indices.shape[0]))
     if recompute:
@@ -419,7 +425,20 @@ def _capture(indices: torch.Tensor) -> None:
     host, event = _to_host(indices)
     layers[_layer] = (_Pending(host, event), None, None)
     _last_idx = indices.detach()
-    _meta[key] = {"batch": _shape[1] if _shape else None, "num_experts": _num_experts, "sp": _seq_parallel}
+    graphed = _meta.get(key, {}).get("cuda_graph", False) or _draining
+    _meta[key] = {"batch": _shape[1] if _shape else None, "num_experts": _num_experts, "sp": _seq_parallel,
+                  "cuda_graph": graphed}
+
+
+def _drained(key, indices, *, layer, cuda_graph, replay, **_):
+    """A replayed graph's router rows (runtime/core/graph_stage.py): captured as the eager
+    call of this layer would have been, and the record tagged ``cuda_graph``."""
+    global _layer, _draining
+    saved, _layer, _draining = _layer, layer, cuda_graph
+    try:
+        _capture(indices)
+    finally:
+        _layer, _draining = saved, False
 
 
 class _Pending:
@@ -478,7 +497,8 @@ def _build(key) -> RoutingRecord:
     return RoutingRecord(indices=indices, probs=probs if len(probs) == len(indices) else None,
                          num_experts=int(num_experts), token_order="megatron-sbh", seq_lens=seq_lens,
                          parallel=parallel, source="megatron",
-                         extra={"step": key[0], "microbatch": key[1]})
+                         extra={"step": key[0], "microbatch": key[1], **({"cuda_graph": True} if meta.get("cuda_graph")
+                                                                          else {})})
 
 
 def records(steps=None) -> list:

@@ -1,0 +1,112 @@
+"""Graph-safe call sites: what a call site sees while a CUDA graph is being captured
+comes out after every replay of that graph (issue 31, build item 1).
+
+A replayed CUDA graph runs only the device work recorded at capture: the Python of a
+call site (a dump, a routing capture) never runs again.  So a call site that finds the
+current stream capturing records only device work: a copy of its tensor into a static
+buffer owned by that graph (allocated during capture, in the graph's memory pool, and
+refilled by every replay).  After each replay, :meth:`GraphStage.drain` hands each
+staged tensor, minus the padding rows of the graph's batch size, to the same writer
+(``sink``) the eager call site uses, tagged ``cuda_graph=True`` and with the replay's
+number::
+
+    stage = GraphStage("decode-bs8")
+    with stage.capture(), torch.cuda.graph(graph):   # call sites stage instead of writing
+        out = model(static_input)
+    stage.replay(graph)                               # instead of graph.replay()
+    stage.drain(rows=real_batch, step=step)           # sinks get rows [:real_batch]
+
+The drain copies the rows out of the static buffers on the current stream (no host
+sync) before handing them on, so the next replay cannot overwrite what a writer has
+not copied yet; writers then do what they do for eager tensors (routing: an async
+device-to-host copy on a side stream).  Nothing stale is ever written: replaying a
+graph whose staging was not drained raises :class:`GraphStageError`, and so does a
+drain with nothing replayed since the last one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+_local = threading.local()  # .stage: the GraphStage whose graph this thread is capturing
+
+
+class GraphStageError(RuntimeError):
+    """Staged tensors would be lost or written twice."""
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def active() -> "GraphStage | None":
+    """The GraphStage this thread is capturing into, if any."""
+    return getattr(_local, "stage", None)
+
+
+def stage(sink, key, tensor: torch.Tensor, **meta) -> bool:
+    """For a call site: under graph capture, stage ``tensor`` for ``sink`` and return
+    True (the call site must not write it itself); otherwise False."""
+    if not tensor.is_cuda or not torch.cuda.is_current_stream_capturing():
+        return False
+    active = getattr(_local, "stage", None)
+    if active is None:
+        raise GraphStageError(f"a call site ({key!r}) ran under CUDA graph capture outside GraphStage.capture(): "
+                              "its rows could never be drained after a replay")
+    active.put(sink, key, tensor, **meta)
+    return True
+
+
+class GraphStage:
+    """The staging buffers of one CUDA graph and the state of its last replay."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.entries = []  # (sink, key, static buffer, meta), in call order, fixed at capture
+        self.replays = 0
+        self.undrained = False
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Call sites in this block (on this thread) stage into this graph."""
+        if self.entries:
+            raise GraphStageError(f"graph {self.name!r}: captured twice (make a new GraphStage per graph)")
+        previous, _local.stage = getattr(_local, "stage", None), self
+        try:
+            yield self
+        finally:
+            _local.stage = previous
+
+    def put(self, sink, key, tensor: torch.Tensor, **meta) -> None:
+        buffer = torch.empty_like(tensor)  # during capture: the graph's pool, kept alive by this reference
+        buffer.copy_(tensor.detach())
+        self.entries.append((sink, key, buffer, meta))
+
+    def replay(self, graph) -> None:
+        """``graph.replay()``, refused while the previous replay's rows are undrained."""
+        if self.undrained:
+            raise GraphStageError(f"graph {self.name!r}: replay {self.replays + 1} would overwrite the staged rows "
+                                  f"of replay {self.replays}, which were never drained")
+        graph.replay()
+        self.replays += 1
+        self.undrained = bool(self.entries)
+
+    def drain(self, rows: int | None = None, **tags) -> int:
+        """Hand every staged tensor's first ``rows`` rows (default all: no padding) to its
+        sink as ``sink(key, tensor, cuda_graph=True, replay=N, **meta, **tags)``;
+        returns how many were handed on."""
+        if not self.undrained:
+            raise GraphStageError(f"graph {self.name!r}: nothing to drain (no replay since the last drain): "
+                                  "its buffers hold rows that were written already or never computed")
+        for sink, key, buffer, meta in self.entries:
+            n = buffer.shape[0] if rows is None else rows
+            if not 0 <= n <= buffer.shape[0]:
+                raise GraphStageError(f"graph {self.name!r}: {n} rows asked of {key!r}, whose graph has "
+                                      f"{buffer.shape[0]}")
+            sink(key, buffer[:n].clone(), cuda_graph=True, replay=self.replays, **meta, **tags)
+        self.undrained = False
+        return len(self.entries)

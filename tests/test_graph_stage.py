@@ -1,0 +1,170 @@
+"""Graph-safe call sites (runtime/core/graph_stage.py, issue 31 build item 1): a call site
+under CUDA graph capture stages its tensor in the graph; every replay is drained into the
+same writer an eager call uses, padding rows excluded, tagged cuda_graph; an undrained
+replay is an error.  Captured in torch.cuda.graph and replayed with new inputs (gpu);
+on CPU only what needs no graph."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from source_patch.runtime.core import graph_stage  # noqa: E402
+from source_patch.runtime.core.graph_stage import GraphStage, GraphStageError  # noqa: E402
+from source_patch.runtime.routing import megatron as routing  # noqa: E402
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+PAD, E, K = 8, 8, 2
+
+
+def test_eager_call_sites_are_not_staged():
+    """Off a capturing stream a call site writes as it always did (stage() says False)."""
+    seen = []
+    assert graph_stage.stage(lambda *a, **k: seen.append(a), "x", torch.ones(3)) is False
+    assert seen == [] and not graph_stage.capturing() and graph_stage.active() is None
+    stage = GraphStage("g")
+    with pytest.raises(GraphStageError, match="graph 'g': nothing to drain"):
+        stage.drain()
+
+
+class Writer:
+    """What an eager call site writes: (key, rows, tags) in call order."""
+
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self, key, tensor, **tags):
+        self.rows.append((key, tensor.detach().cpu(), tags))
+
+
+def _site(writer, key, tensor):
+    """A call site: staged under capture, written directly otherwise."""
+    if not graph_stage.stage(writer, key, tensor):
+        writer(key, tensor.detach().clone(), cuda_graph=False)
+
+
+def _model(writer, x, w):
+    h = torch.tanh(x * w)  # row by row: bitwise the same in a batch of 8 or of 3
+    _site(writer, "hidden", h)
+    ids = torch.topk(h.softmax(-1), K, dim=-1).indices
+    _site(writer, "topk", ids)
+    return h.relu().sum(-1)
+
+
+def _captured(writer, w):
+    static = torch.zeros(PAD, E, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph asks: eager, into a throwaway writer
+        _model(Writer(), static, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph, stage = torch.cuda.CUDAGraph(), GraphStage("toy")
+    with stage.capture(), torch.cuda.graph(graph):
+        out = _model(writer, static, w)
+    return graph, stage, static, out
+
+
+@gpu
+@pytest.mark.gpu
+def test_replays_drain_exactly_what_eager_calls_record():
+    torch.manual_seed(0)
+    w = torch.randn(E, device="cuda")
+    graphed, eager = Writer(), Writer()
+    graph, stage, static, out = _captured(graphed, w)
+    assert graphed.rows == [] and len(stage.entries) == 2  # capture staged, wrote nothing
+    for step, rows in enumerate((8, 5, 3)):
+        x = torch.randn(rows, E, device="cuda")
+        static.copy_(torch.cat([x, 100 * torch.randn(PAD - rows, E, device="cuda")]))  # padding: junk
+        stage.replay(graph)
+        assert stage.drain(rows=rows, step=step) == 2
+        _model(eager, x, w)
+        assert torch.equal(out[:rows], _model(Writer(), x, w))
+    assert len(graphed.rows) == len(eager.rows) == 6
+    for (gk, g, gtags), (ek, e, _) in zip(graphed.rows, eager.rows):
+        assert gk == ek and g.shape == e.shape  # padding rows never reach the writer
+        assert torch.equal(g, e)
+        assert gtags["cuda_graph"] is True
+    assert [t["replay"] for _, _, t in graphed.rows] == [1, 1, 2, 2, 3, 3]
+    assert [t["step"] for _, _, t in graphed.rows] == [0, 0, 1, 1, 2, 2]
+
+
+@gpu
+@pytest.mark.gpu
+def test_nothing_stale_is_ever_written():
+    w = torch.randn(E, device="cuda")
+    writer = Writer()
+    graph, stage, static, _ = _captured(writer, w)
+    stage.replay(graph)
+    with pytest.raises(GraphStageError, match="replay 2 would overwrite the staged rows of replay 1"):
+        stage.replay(graph)
+    stage.drain(rows=4)
+    with pytest.raises(GraphStageError, match="nothing to drain"):
+        stage.drain(rows=4)
+    with pytest.raises(GraphStageError, match="4 rows asked of|9 rows asked of"):
+        stage.replay(graph)
+        stage.drain(rows=9)
+    # a call site under capture with no GraphStage: an error at capture, not a silent loss
+    g2 = torch.cuda.CUDAGraph()
+    with pytest.raises(GraphStageError, match="outside GraphStage.capture"):
+        with torch.cuda.graph(g2):
+            _model(writer, static, w)
+
+
+class Router:
+    def __init__(self, layer):
+        self.layer_number = layer
+        self.config = type("C", (), {"sequence_parallel": False, "num_moe_experts": E})()
+
+
+def _moe(rt, scores):
+    """Two routers, as a Megatron MoE forward calls our call sites (patches/routing.yaml)."""
+    for layer in (1, 2):
+        s = scores * layer
+        rt.routing_enter(Router(layer), s.view(s.shape[0] // 2, 2, -1))
+        rt.routing_topk(s, torch.topk(s, K, dim=1))
+        rt.routing_exit()
+
+
+@gpu
+@pytest.mark.gpu
+def test_megatron_routing_capture_through_the_drain():
+    """runtime/routing/megatron.py's capture under torch.cuda.graph: each replay, drained
+    inside its microbatch, gives the record an eager forward of the same rows gives,
+    tagged cuda_graph; the padding rows of the graph's batch are not in it."""
+    routing.reset()
+    try:
+        routing.configure(mode="capture", dir="", probs=False)
+        static = torch.zeros(PAD, E, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside any microbatch: nothing recorded for it
+            routing.configure(mode="off")
+            _moe(routing, static)
+            routing.configure(mode="capture", dir="", probs=False)
+        torch.cuda.current_stream().wait_stream(side)
+        graph, stage = torch.cuda.CUDAGraph(), GraphStage("moe")
+        with stage.capture(), torch.cuda.graph(graph):
+            _moe(routing, static)
+        torch.manual_seed(1)
+        inputs = [torch.randn(rows, E, device="cuda") for rows in (8, 6, 4)]
+        for x in inputs:  # replayed: microbatches 0..2
+            static.copy_(torch.cat([x, torch.randn(PAD - len(x), E, device="cuda")]))
+            routing.routing_microbatch_begin()
+            stage.replay(graph)
+            stage.drain(rows=len(x))
+            routing.routing_microbatch_end()
+        graphed = routing.records()
+        routing.reset()
+        routing.configure(mode="capture", dir="", probs=False)
+        for x in inputs:  # eager: the same rows
+            routing.routing_microbatch_begin()
+            _moe(routing, x)
+            routing.routing_microbatch_end()
+        eager = routing.records()
+    finally:
+        routing.configure(mode="off")
+        routing.reset()
+    assert len(graphed) == len(eager) == 3
+    for g, e, x in zip(graphed, eager, inputs):
+        assert g.extra == {**e.extra, "cuda_graph": True} and g.layers == e.layers == [1, 2]
+        assert g.num_tokens == len(x) and g.seq_lens == e.seq_lens
+        assert all(torch.equal(g.indices[k], e.indices[k]) for k in g.layers)
