@@ -9,15 +9,12 @@ weights and version."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("megatron.core")
@@ -28,17 +25,8 @@ import weight_sync_models as models  # noqa: E402
 
 GROUP = "source_patch_weights"
 STEPS, TAMPER, DIE = 4, "2:1", "4:1"   # update 2: a corrupted bucket; update 4: the trainer dies
-PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
-NEW = 5
+PROMPTS, NEW = models.PROMPTS, models.NEW
 TRAINER_SPECS = f"megatron_cpu,weight_sync,{E2E / 'weight_sync_distopt_cpu.yaml'}"
-
-
-def checkpoint_config() -> dict:
-    """The Qwen3-MoE config of the trainer's model (tests/e2e/weight_sync_models.py)."""
-    return dict(vocab_size=models.VOCAB, hidden_size=models.HIDDEN, num_hidden_layers=models.LAYERS,
-                num_attention_heads=models.HEADS, num_key_value_heads=models.GROUPS, head_dim=models.HEAD_DIM,
-                num_experts=models.EXPERTS, num_experts_per_tok=2, moe_intermediate_size=models.MOE_FFN,
-                intermediate_size=models.FFN, rms_norm_eps=1e-6)
 
 
 def trainer_ranks(tmp: Path, port: int) -> list:
@@ -64,7 +52,7 @@ def synced(sglang_server, tmp_path_factory):
     from source_patch.testing.sglang import tiny_checkpoint
 
     tmp = tmp_path_factory.mktemp("weight-sync-engine")
-    model = tiny_checkpoint(**checkpoint_config())
+    model = tiny_checkpoint(**models.checkpoint_config())
     server = sglang_server(specs=["weight_sync"], args=["--skip-server-warmup", "--disable-radix-cache"],
                            env={"SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "60"}, model=model)
     port = models.free_port()
@@ -94,36 +82,6 @@ def _logs(tmp: Path) -> str:
     return "\n".join(p.read_text()[-1500:] for p in sorted(tmp.glob("*.log")))
 
 
-def reference(model_dir: Path, tmp: Path, step: int) -> list:
-    """transformers' greedy tokens with the trainer's full weights after ``step``."""
-    from safetensors.torch import load_file, save_file
-    from transformers import Qwen3MoeForCausalLM
-
-    from source_patch.runtime.weight_sync import names
-
-    full = {}
-    for rank in range(2):  # expert parallel: rank r holds experts r*2, r*2+1 as local 0, 1
-        for key, value in load_file(tmp / f"trainer.rank{rank}.safetensors").items():
-            s, name = key.split("/", 1)
-            if int(s) == step:
-                local = name.split("local_experts.")
-                if len(local) == 2:
-                    index, rest = local[1].split(".", 1)
-                    name = f"{local[0]}local_experts.{rank * models.EXPERTS // 2 + int(index)}.{rest}"
-                full[name] = value
-    layout = names.Layout(num_attention_heads=models.HEADS, num_query_groups=models.GROUPS,
-                          head_dim=models.HEAD_DIM, gated=True, vocab_size=models.VOCAB)
-    hf = dict(pair for name, t in full.items() for pair in names.to_hf(name, t, layout))
-    folder = tmp / f"reference-step{step}"  # transformers converts per-expert names as it loads
-    folder.mkdir(exist_ok=True)
-    shutil.copy(model_dir / "config.json", folder / "config.json")
-    save_file({k: v.contiguous() for k, v in hf.items()}, folder / "model.safetensors")
-    reference_model = Qwen3MoeForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
-    from sglang_reference import greedy
-
-    return [greedy(reference_model, p, NEW) for p in PROMPTS]
-
-
 def tokens(update) -> list:
     return [o["output_ids"] for o in update["outputs"]]
 
@@ -137,7 +95,7 @@ def test_each_update_serves_the_trainers_weights_and_version(synced, sglang_cpu)
     for step in (1, 3):
         update = updates[step - 1]
         assert update["status"] == 200 and update["reply"]["success"], (update["reply"], _logs(tmp))
-        assert tokens(update) == reference(model, tmp, step)
+        assert tokens(update) == models.reference(model, tmp, step)
         assert versions(update) == {str(step)}
     assert tokens(updates[0]) != [o["output_ids"] for o in seen["before"]]
     assert tokens(updates[2]) != tokens(updates[0])  # training moved the weights

@@ -9,6 +9,7 @@ Starcoder2ForCausalLM, constructed on CPU (see ``sglang_on_cpu`` for what that t
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from source_patch.runtime.core.endpoint import free_port  # noqa: F401 - the tes
 
 # One shape for both sides.
 VOCAB, HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, EXPERTS, MOE_FFN, FFN, SEQ = 128, 64, 2, 4, 2, 16, 4, 32, 96, 16
+PROMPTS, NEW = [[3, 1, 4, 1, 5], [9, 2, 6]], 5  # what the engine tests generate after each update
 
 
 def megatron_config(style: str, ep: int = 1):
@@ -162,3 +164,46 @@ def expected_engine_weights(megatron: dict, style: str) -> dict:
         out[s + "mlp.experts.w13_weight"] = torch.stack([megatron[experts.format(e, 1)] for e in range(EXPERTS)])
         out[s + "mlp.experts.w2_weight"] = torch.stack([megatron[experts.format(e, 2)] for e in range(EXPERTS)])
     return out
+
+
+# ------------------------------------------------------------------ engine tests
+
+
+def checkpoint_config() -> dict:
+    """The Qwen3-MoE config of the trainer's model (tests/e2e/weight_sync_models.py)."""
+    return dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM,
+                num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=MOE_FFN,
+                intermediate_size=FFN, rms_norm_eps=1e-6)
+
+
+def reference(model_dir: Path, tmp: Path, step: int) -> list:
+    """transformers' greedy tokens with the trainer's full weights after ``step``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3MoeForCausalLM
+
+    from source_patch.runtime.weight_sync import names
+
+    full = {}
+    for rank in range(2):  # expert parallel: rank r holds experts r*2, r*2+1 as local 0, 1
+        for key, value in load_file(tmp / f"trainer.rank{rank}.safetensors").items():
+            s, name = key.split("/", 1)
+            if int(s) == step:
+                local = name.split("local_experts.")
+                if len(local) == 2:
+                    index, rest = local[1].split(".", 1)
+                    name = f"{local[0]}local_experts.{rank * EXPERTS // 2 + int(index)}.{rest}"
+                full[name] = value
+    layout = names.Layout(num_attention_heads=HEADS, num_query_groups=GROUPS,
+                          head_dim=HEAD_DIM, gated=True, vocab_size=VOCAB)
+    hf = dict(pair for name, t in full.items() for pair in names.to_hf(name, t, layout))
+    folder = tmp / f"reference-step{step}"  # transformers converts per-expert names as it loads
+    folder.mkdir(exist_ok=True)
+    shutil.copy(model_dir / "config.json", folder / "config.json")
+    save_file({k: v.contiguous() for k, v in hf.items()}, folder / "model.safetensors")
+    reference_model = Qwen3MoeForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    from sglang_reference import greedy  # tests/fixtures/
+
+    return [greedy(reference_model, p, NEW) for p in PROMPTS]

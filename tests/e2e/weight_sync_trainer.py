@@ -6,7 +6,7 @@ patched optimizer.step() (patches/weight_sync.yaml) pushes each step's weights.
     SOURCE_PATCH_WEIGHT_SYNC_ENABLE=1 SOURCE_PATCH_WEIGHT_SYNC_PORT=P ... \
     [RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=Q] \
         python tests/e2e/weight_sync_trainer.py OUT --steps 3 [--ep 2] [--distributed-optimizer]
-        [--die-after V:K] [--tamper V:K] [--skip-param-gather]
+        [--die-after V:K] [--tamper V:K] [--skip-param-gather] [--generate URL]
 
 Megatron's own data, schedule, DDP and optimizer (examples/train_moe.py's pieces).
 With --distributed-optimizer, DDP uses overlap_param_gather: after step() each
@@ -17,6 +17,9 @@ match); OUT.rank<r>.json: weight_sync.state() after each step.
 --skip-param-gather turns the runtime's forced gather off (a control: the engine
 then gets stale weights).  --die-after V:K exits once bucket K of update V is sent; --tamper V:K sends a wrong
 checksum for it (a bucket corrupted in transit, as the receiver sees it).
+--generate URL: after each step rank 0 asks the SGLang server at URL to generate
+(weight_sync_models.PROMPTS) and records its answer in OUT.rank0.json (the request
+backends, where the trainer itself posts each update to the engine).
 """
 
 import argparse
@@ -24,6 +27,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 
 import torch
 from safetensors.torch import save_file
@@ -45,6 +49,7 @@ def main():
     p.add_argument("--die-after", help="V:K")
     p.add_argument("--tamper", help="V:K: send a wrong checksum for bucket K of update V")
     p.add_argument("--skip-param-gather", action="store_true")
+    p.add_argument("--generate", help="URL of an SGLang server to generate from after each step (rank 0)")
     cli = p.parse_args()
     torch.set_num_threads(1)
     args = train_moe.parse_args(["--device", "cpu", "--vocab", str(models.VOCAB), "--seq-len", str(models.SEQ),
@@ -99,6 +104,8 @@ def main():
         start = time.monotonic()
         success, _, _ = optimizer.step()   # patched: pushes the new weights
         states.append({**weight_sync.state(), "step_seconds": round(time.monotonic() - start, 3)})
+        if cli.generate and rank == 0:
+            states[-1]["generated"] = generate(cli.generate)
         assert success
         if dist_opt:
             ddp.start_param_sync(force_sync=True)  # Megatron's own sync: the reference
@@ -107,8 +114,18 @@ def main():
         save_file(saved, f"{cli.out}.rank{rank}.safetensors")  # after every step: a rank may die later
         with open(f"{cli.out}.rank{rank}.json", "w") as f:
             json.dump(states, f, indent=1)
+    weight_sync.close()  # the ipc backend's shared memory goes
     sys.stdout.flush()
     os._exit(0)  # the update group's peers may be gone; do not wait in its teardown
+
+
+def generate(url: str) -> list:
+    body = {"input_ids": models.PROMPTS, "sampling_params": {"temperature": 0.0, "max_new_tokens": models.NEW,
+                                                             "ignore_eos": True}}
+    request = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
 
 
 if __name__ == "__main__":
