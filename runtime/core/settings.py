@@ -378,6 +378,14 @@ SCHEMAS["weight_sync"] = {
     "engines": Setting(None, string_list, "trainer, ipc / mooncake: the engines' HTTP URLs "
                        "(http://127.0.0.1:30000,...); each update is posted to each as SGLang's "
                        "update_weights_from_tensor with load_format source_patch"),
+    "mooncake_host": Setting("127.0.0.1", _nonempty_text, "mooncake: the address this process's "
+                             "TransferEngine advertises to its peers (trainer and engines)"),
+    "mooncake_metadata": Setting("P2PHANDSHAKE", _nonempty_text, "mooncake: where TransferEngines find each "
+                                 "other: P2PHANDSHAKE (directly) or a metadata server's URL, e.g. a "
+                                 "mooncake_master's http://127.0.0.1:PORT/metadata"),
+    "mooncake_protocol": Setting("tcp", choice("tcp", "rdma"), "mooncake: the TransferEngine's transport"),
+    "mooncake_device": Setting("", text, "mooncake, rdma: the NICs to use (Mooncake's device names, "
+                               "comma-separated; empty: every one found)"),
     # At least 4 KiB (receivers also refuse more than 16,384 buckets: wire.MAX_BUCKETS).
     "bucket_bytes": Setting(512 << 20, size(low=4 << 10), "bytes per bucket; the sender double-buffers two of them "
                             "(512 MiB: the fastest of 128 MiB-1 GiB on two H100, docs/benchmarks.md)"),

@@ -66,11 +66,12 @@ def open_backend(name: str, **options) -> Backend:
 
 
 def receive_request(payload: bytes, *, device: torch.device, max_metadata_bytes: int, max_update_bytes: int,
-                    check: Optional[Callable[[Manifest], None]] = None, rank: int = 0):
+                    check: Optional[Callable[[Manifest], None]] = None, rank: int = 0, **options):
     """An engine's end of a request backend: the update described by ``payload`` (an
     engine request's bytes), its bucket sums verified: an Update whose tensors are
     ready to load.  Raises WeightSyncError (ChecksumMismatch, ManifestError) and
-    keeps nothing of a refused update."""
+    keeps nothing of a refused update.  ``options``: the weight_sync settings a
+    backend's engine end takes (mooncake: ``mooncake_*``)."""
     if not isinstance(payload, (bytes, bytearray, memoryview)) or not 0 < len(payload) <= max_metadata_bytes:
         raise wire.ManifestError(f"an engine request of {len(payload) if hasattr(payload, '__len__') else '?'} "
                                  f"bytes (max_metadata_bytes={max_metadata_bytes})")
@@ -85,4 +86,4 @@ def receive_request(payload: bytes, *, device: torch.device, max_metadata_bytes:
         raise wire.ManifestError(f"an engine request for backend {str(name)[:40]!r} (expected ipc or mooncake)")
     if check is not None:
         check(manifest)
-    return receive_backend(manifest, fields, device=device, rank=rank)
+    return receive_backend(manifest, fields, device=device, rank=rank, **options)

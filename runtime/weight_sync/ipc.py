@@ -169,7 +169,7 @@ _mapped: dict = {}   # export key -> the trainer's memory, mapped here
 _staged: dict = {}   # device -> (entries, stream, views): this engine's copy, reused while the layout holds
 
 
-def receive(manifest: Manifest, fields: dict, *, device: torch.device, rank: int = 0) -> Update:
+def receive(manifest: Manifest, fields: dict, *, device: torch.device, rank: int = 0, **_) -> Update:
     """Copy the update out of the trainer's exported memory into this engine's own
     buffer, verify the bucket sums, and hand out views of it."""
     source = _map(fields.get("memory"), manifest.total_bytes)

@@ -190,7 +190,8 @@ def _connected() -> weight_backend.Backend:
     if _backend is not None and not _backend.broken:
         return _backend
     disconnect()
-    options = {key: _config[key] for key in ("host", "port", "world_size", "group_name", "timeout_s")}
+    options = {key: value for key, value in _config.items() if key.startswith("mooncake_") or key in (
+        "host", "port", "world_size", "group_name", "timeout_s")}
     _backend = weight_backend.open_backend(_config["backend"], engines=_config["engines"], **options)
     return _backend
 
@@ -275,7 +276,7 @@ def weight_sync_load_request(updater: Any, payloads: Any, tp_rank: int) -> tuple
         update = weight_backend.receive_request(
             payload, device=_model_device(updater), max_metadata_bytes=_config["max_metadata_bytes"],
             max_update_bytes=_config["max_update_bytes"], check=functools.partial(_fits_model, updater),
-            rank=tp_rank)
+            rank=tp_rank, **{key: value for key, value in _config.items() if key.startswith("mooncake_")})
     except Exception as exc:  # noqa: BLE001 - refused: SGLang reports it, the old weights stay
         _engine_failed(exc)
         log.error("weight sync: update refused: %s", exc)

@@ -1,0 +1,197 @@
+"""The ``mooncake`` backend: the trainer packs each update into memory registered
+with a Mooncake TransferEngine, and each engine reads it from there with its own
+TransferEngine (RDMA in production; TCP, on loopback in the tests).  The engine
+request (SGLang's ``update_weights_from_tensor``, load_format "source_patch") carries
+the manifest as JSON with the trainer's segment name, the memory's address and the
+bucket sums; nothing is pickled.
+
+    trainer: pack into the registered stream -> bucket sums -> POST the request
+    engine:  read every bucket into its own registered buffer (one batch) -> verify -> load
+
+Segments are found through ``metadata``: ``P2PHANDSHAKE`` (the engines ask the
+trainer's engine directly) or a metadata server's URL, such as a ``mooncake_master``
+started with ``--enable_http_metadata_server`` (``http://127.0.0.1:PORT/metadata``).
+The memory is registered once and again only when it moves (a larger update).  The
+stream lives in host memory (the mooncake build without CUDA registers host memory
+only): on a GPU trainer the packing copies device to host, and a GPU engine copies its
+host buffer to the device.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+from ..core.endpoint import free_port
+from . import sender
+from .receiver import Update
+from .request import post_update
+from .wire import (Buffers, Manifest, ManifestError, WeightSyncError, bucket_sum, request_json, too_many_buckets,
+                   verify_sums)
+
+
+def _transfer_engine(host: str, metadata: str, protocol: str, device: str):
+    """A started TransferEngine and the segment name peers read it by."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise WeightSyncError(f"the mooncake backend needs mooncake-transfer-engine ({exc})") from None
+    engine = TransferEngine()
+    p2p = metadata == "P2PHANDSHAKE"
+    name = host if p2p else f"{host}:{free_port()}"  # a segment name of its own on the metadata server
+    if engine.initialize(name, metadata, protocol, device) != 0:
+        raise WeightSyncError(f"Mooncake TransferEngine did not start (host {host}, metadata {metadata}, "
+                              f"protocol {protocol})")
+    return engine, (f"{host}:{engine.get_rpc_port()}" if p2p else name)
+
+
+class _Registered:
+    """A uint8 host buffer registered with ``engine`` (unregistered when replaced)."""
+
+    def __init__(self, engine, nbytes: int):
+        self.engine, self.nbytes = engine, nbytes
+        self.tensor = torch.empty(max(nbytes, 1), dtype=torch.uint8,
+                                  pin_memory=torch.cuda.is_available())
+        if engine.register_memory(self.tensor.data_ptr(), self.tensor.numel()) != 0:
+            raise WeightSyncError(f"Mooncake refused to register {nbytes} bytes")
+
+    def close(self) -> None:
+        self.engine.unregister_memory(self.tensor.data_ptr())
+
+
+class MooncakeSender:
+    """The trainer's end: a TransferEngine, the registered stream, the engines' URLs."""
+
+    name = "mooncake"
+
+    def __init__(self, engines: list, timeout_s: float = 300.0, host: str = "127.0.0.1",
+                 metadata: str = "P2PHANDSHAKE", protocol: str = "tcp", device: str = ""):
+        if not engines:
+            raise WeightSyncError("weight_sync.engines is empty: the mooncake backend posts each update to the "
+                                  "engines' URLs (SOURCE_PATCH_WEIGHT_SYNC_ENGINES=http://HOST:PORT,...)")
+        self.engines, self.timeout_s = list(engines), float(timeout_s)
+        self.engine, self.segment = _transfer_engine(host, metadata, protocol, device)
+        self.memory: Optional[_Registered] = None
+        self.packing = None
+        self.broken = None
+        self.registrations = 0
+
+    @classmethod
+    def open(cls, name: str, *, engines=None, timeout_s: float = 300.0, mooncake_host: str = "127.0.0.1",
+             mooncake_metadata: str = "P2PHANDSHAKE", mooncake_protocol: str = "tcp", mooncake_device: str = "",
+             **_) -> "MooncakeSender":
+        return cls(engines or [], timeout_s, mooncake_host, mooncake_metadata, mooncake_protocol, mooncake_device)
+
+    def send(self, manifest: Manifest, tensors, extra=(), *, replay_packing: bool = True) -> None:
+        source = iter(extra) if isinstance(tensors, Buffers) else iter(tensors)
+        try:
+            payload = self.stage(manifest, tensors, source)
+        except Exception:
+            for _ in source if not isinstance(tensors, Buffers) else ():  # peers' gathers still need rank 0
+                pass
+            raise
+        for url in self.engines:
+            post_update(url, payload, self.timeout_s)
+
+    def stage(self, manifest: Manifest, tensors, source) -> bytes:
+        """Pack every bucket into the registered stream; the engine request's bytes."""
+        refusal = too_many_buckets(manifest.bucket_bytes, manifest.total_bytes)
+        if refusal:
+            raise WeightSyncError(f"update v{manifest.version} refused: {refusal}")
+        packing = self._packing(manifest, tensors)
+        sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64)
+        with torch.no_grad():
+            for k, sources in packing.batches(source):
+                if k >= manifest.buckets:
+                    continue
+                data = packing.pack(k, sources)
+                if manifest.checksum:
+                    bucket_sum(data, sums[k])
+                    if sender.before_sum_send is not None:
+                        sender.before_sum_send(k, sums[k: k + 1])
+                if sender.after_send is not None:
+                    sender.after_send(k, data)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # device-to-host packing done before a peer reads
+        fields = {"backend": "mooncake", "sums": sums[: manifest.buckets].tolist() if manifest.checksum else [],
+                  "memory": {"segment": self.segment, "address": self.memory.tensor.data_ptr()}}
+        return request_json(manifest, fields, packing.tensors_json)
+
+    def _packing(self, manifest: Manifest, tensors):
+        if self.memory is None or self.memory.nbytes < manifest.total_bytes:
+            self.packing = None
+            if self.memory is not None:
+                self.memory.close()
+            self.memory = _Registered(self.engine, manifest.total_bytes)
+            self.registrations += 1
+        packing, stream = self.packing, self.memory.tensor
+        if isinstance(tensors, Buffers):
+            if not isinstance(packing, sender._Spans) or not packing.matches(manifest, tensors):
+                packing = sender._Spans(manifest, tensors, stream=stream)
+        elif not isinstance(packing, sender._Packing) or not packing.matches(manifest):
+            packing = sender._Packing(manifest, stream.device, stream=stream)
+        self.packing = packing
+        return packing
+
+    def close(self) -> None:
+        if self.memory is not None:
+            self.memory.close()
+        self.memory = self.packing = None
+
+
+# ------------------------------------------------------------------ engine
+
+_engine_lock = threading.Lock()
+_reader: dict = {}  # (host, metadata, protocol, device) -> (TransferEngine, segment); "staged": (entries, _Registered, views)
+
+
+def receive(manifest: Manifest, fields: dict, *, device: torch.device, rank: int = 0,
+            mooncake_host: str = "127.0.0.1", mooncake_metadata: str = "P2PHANDSHAKE",
+            mooncake_protocol: str = "tcp", mooncake_device: str = "", **_) -> Update:
+    """Read the update from the trainer's registered memory into this engine's own
+    registered buffer, verify the bucket sums, and hand out views (on ``device``).
+    The ``mooncake_*`` settings start this process's TransferEngine (once)."""
+    memory = fields.get("memory")
+    if not isinstance(memory, dict) or not isinstance(memory.get("segment"), str) or \
+            not isinstance(memory.get("address"), int) or isinstance(memory.get("address"), bool):
+        raise ManifestError("the request names no registered memory (memory.segment, memory.address)")
+    with _engine_lock:
+        engine = _engine((mooncake_host, mooncake_metadata, mooncake_protocol, mooncake_device))
+        stream, views = _stage(engine, manifest)
+        n = manifest.buckets
+        if n:
+            windows = [manifest.window(k) for k in range(n)]
+            rc = engine.batch_transfer_sync_read(
+                memory["segment"], [stream.data_ptr() + lo for lo, _ in windows],
+                [memory["address"] + lo for lo, _ in windows], [hi - lo for lo, hi in windows])
+            if rc != 0:
+                raise WeightSyncError(f"reading v{manifest.version} from {memory['segment'][:200]} failed "
+                                      f"(Mooncake rc {rc}): the trainer is gone or its memory moved")
+        verify_sums(manifest, stream, fields.get("sums"))
+        if device.type != "cpu":  # a GPU engine: its host buffer to the device, once
+            on_device = stream[: manifest.total_bytes].to(device)
+            views = [(e.name, on_device[e.offset: e.offset + e.nbytes].view(e.dtype).view(e.shape))
+                     for e in manifest.entries]
+        return Update(manifest.version, manifest, list(views), lambda: None)
+
+
+def _engine(options: tuple):
+    if options not in _reader:
+        _reader[options] = _transfer_engine(*options)
+    return _reader[options][0]
+
+
+def _stage(engine, manifest: Manifest):
+    staged = _reader.get("staged")
+    if staged is None or (staged[0] is not manifest.entries and staged[0] != manifest.entries) \
+            or staged[1].nbytes != manifest.total_bytes:
+        if staged is not None:
+            _reader.pop("staged")[1].close()
+        buffer = _Registered(engine, manifest.total_bytes)
+        stream = buffer.tensor
+        views = [(e.name, stream[e.offset: e.offset + e.nbytes].view(e.dtype).view(e.shape))
+                 for e in manifest.entries]
+        staged = _reader["staged"] = (manifest.entries, buffer, views)
+    return staged[1].tensor, staged[2]
