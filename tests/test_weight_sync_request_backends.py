@@ -1,0 +1,171 @@
+"""The request backends' two ends in one process (runtime/weight_sync/ipc.py,
+mooncake.py, backend.py): what the trainer exports or registers, the engine request's
+bytes (JSON, never a pickle), and what an engine refuses.  The SGLang end to end runs
+are in test_weight_sync_backends.py; the CUDA IPC path between two processes is
+gpu-marked here."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from source_patch.runtime.weight_sync import backend, ipc, wire
+from source_patch.runtime.weight_sync.wire import ChecksumMismatch, ManifestError, WeightSyncError
+
+LIMITS = dict(max_metadata_bytes=1 << 20, max_update_bytes=1 << 30)
+
+
+def tensors(seed=0, big=6000):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(3, 5, generator=gen), torch.arange(7, dtype=torch.int64),
+            torch.randn(big, generator=gen).to(torch.bfloat16)]
+
+
+def manifest(ts, bucket=4096, version=3):
+    return wire.plan([(f"t{i}", tuple(t.shape), t.dtype) for i, t in enumerate(ts)], bucket, version)
+
+
+def receive(payload, device="cpu"):
+    return backend.receive_request(payload, device=torch.device(device), **LIMITS)
+
+
+@pytest.fixture
+def ipc_sender():
+    sender = ipc.IpcSender(["http://127.0.0.1:1"], 10, device=torch.device("cpu"))
+    yield sender
+    sender.close()
+
+
+def test_ipc_moves_every_tensor_bitwise_and_exports_its_memory_once(ipc_sender):
+    for version in (1, 2, 3):
+        ts = tensors(seed=version)
+        m = manifest(ts, version=version)
+        payload = ipc_sender.stage(m, ts, iter(ts))
+        update = receive(payload)
+        assert update.version == version and m.buckets > 1
+        assert [name for name, _ in update.tensors] == ["t0", "t1", "t2"]
+        assert all(torch.equal(got, want) for (_, got), want in zip(update.tensors, ts))
+    assert ipc_sender.exports == 1  # the same memory, update after update
+    bigger = tensors(big=9000)  # more bytes than before
+    receive(ipc_sender.stage(manifest(bigger), bigger, iter(bigger)))
+    assert ipc_sender.exports == 2  # it had to move: exported again
+
+
+def test_the_engine_request_is_json_with_the_memory_and_the_sums(ipc_sender):
+    ts = tensors()
+    payload = ipc_sender.stage(manifest(ts), ts, iter(ts))
+    doc = json.loads(payload)  # plain JSON: no pickle anywhere
+    assert doc["backend"] == "ipc" and doc["memory"]["kind"] == "shm" and len(doc["sums"]) == doc["total_bytes"] // 4096 + 1
+    assert list(doc)[-1] == "tensors" and os.path.exists(Path(ipc.SHM_DIR) / doc["memory"]["name"])
+    ipc_sender.close()
+    assert not os.path.exists(Path(ipc.SHM_DIR) / doc["memory"]["name"])
+
+
+def test_a_wrong_sum_or_changed_bytes_are_refused_by_bucket(ipc_sender):
+    ts = tensors()
+    payload = ipc_sender.stage(manifest(ts), ts, iter(ts))
+    doc = json.loads(payload)
+    doc["sums"][1] += 1
+    with pytest.raises(ChecksumMismatch, match=r"update v3: checksum mismatch in bucket\(s\) 1 of 3"):
+        receive(json.dumps(doc).encode())
+    ipc_sender.memory.tensor[0] += 1  # the trainer's memory changed after it was summed
+    with pytest.raises(ChecksumMismatch, match=r"bucket\(s\) 0 of 3"):
+        receive(payload)
+
+
+def test_from_buffers_the_stream_is_the_buffers_bytes(ipc_sender):
+    flat = torch.randn(1024)
+    views = [("a", flat[:256].view(16, 16)), ("b", flat[256:1024])]
+    m, buffers = wire.plan_buffers(views, 1024, 5, extra=[("c", (3,), torch.float32)])
+    extra = torch.tensor([1.0, 2.0, 3.0])
+    update = receive(ipc_sender.stage(m, buffers, iter([extra])))
+    got = dict(update.tensors)
+    assert torch.equal(got["a"], views[0][1]) and torch.equal(got["b"], views[1][1]) and torch.equal(got["c"], extra)
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda d: d["memory"].update(name="../../etc/passwd"), "bad shared-memory export"),
+    (lambda d: d["memory"].update(name="sp-ws-1-1-deadbeef"), "cannot open the trainer's shared memory"),
+    (lambda d: d["memory"].update(nbytes=1 << 40), "holds"),
+    (lambda d: d.update(memory={"kind": "pickle"}), "names no exported memory"),
+    (lambda d: d.update(backend="nccl"), "expected ipc or mooncake"),
+    (lambda d: d.update(sums=[1]), "bucket sums for 3 buckets"),
+])
+def test_a_bad_request_is_refused_with_a_reason(ipc_sender, change, error):
+    ts = tensors()
+    doc = json.loads(ipc_sender.stage(manifest(ts), ts, iter(ts)))
+    change(doc)
+    with pytest.raises(WeightSyncError, match=error):
+        receive(json.dumps(doc).encode())
+
+
+def test_request_size_and_update_size_limits_hold_before_anything_is_mapped(ipc_sender):
+    ts = tensors()
+    payload = ipc_sender.stage(manifest(ts), ts, iter(ts))
+    with pytest.raises(ManifestError, match="max_metadata_bytes"):
+        backend.receive_request(payload, device=torch.device("cpu"), max_metadata_bytes=100, max_update_bytes=1 << 30)
+    with pytest.raises(ManifestError, match="max_update_bytes"):
+        backend.receive_request(payload, device=torch.device("cpu"), max_metadata_bytes=1 << 20, max_update_bytes=64)
+
+
+def test_a_sender_without_engines_says_which_setting_is_missing():
+    with pytest.raises(WeightSyncError, match="SOURCE_PATCH_WEIGHT_SYNC_ENGINES"):
+        backend.open_backend("ipc", engines=None, timeout_s=1)
+    with pytest.raises(WeightSyncError, match="unknown weight-sync backend 'rdma'"):
+        backend.open_backend("rdma")
+
+
+def test_mooncake_moves_every_tensor_bitwise_and_registers_once():
+    pytest.importorskip("mooncake.engine")
+    from source_patch.runtime.weight_sync import mooncake
+
+    sender = mooncake.MooncakeSender(["http://127.0.0.1:1"], 10)
+    try:
+        for version in (1, 2):
+            ts = tensors(seed=version)
+            update = receive(sender.stage(manifest(ts, version=version), ts, iter(ts)))
+            assert update.version == version
+            assert all(torch.equal(got, want) for (_, got), want in zip(update.tensors, ts))
+        assert sender.registrations == 1
+        doc = json.loads(sender.stage(manifest(ts, version=3), ts, iter(ts)))
+        doc["sums"][2] -= 1
+        with pytest.raises(ChecksumMismatch, match=r"bucket\(s\) 2 of 3"):
+            receive(json.dumps(doc).encode())
+        doc["memory"]["segment"] = "127.0.0.1:1"  # nobody there
+        with pytest.raises(WeightSyncError, match="the trainer is gone"):
+            receive(json.dumps(doc).encode())
+    finally:
+        sender.close()
+
+
+ENGINE = """
+import sys, torch
+from source_patch.runtime.weight_sync import backend
+torch.cuda.set_device(int(sys.argv[2]))
+update = backend.receive_request(open(sys.argv[1], "rb").read(), device=torch.device("cuda", int(sys.argv[2])),
+                                 max_metadata_bytes=1 << 24, max_update_bytes=1 << 34)
+torch.save({name: t.cpu() for name, t in update.tensors}, sys.argv[1] + ".pt")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ipc_an_engine_process_on_each_gpu_copies_the_trainers_buckets_bitwise(tmp_path):
+    """Colocated: the trainer's exported device memory, mapped by an engine process on
+    each GPU (the peer GPU reads it over the interconnect), every tensor checked."""
+    sender = ipc.IpcSender(["http://127.0.0.1:1"], 60, device=torch.device("cuda", 0))
+    try:
+        ts = [t.cuda() for t in tensors(big=1 << 20)]
+        payload = sender.stage(manifest(ts, bucket=1 << 20), ts, iter(ts))
+        assert json.loads(payload)["memory"]["kind"] == "cuda"
+        (tmp_path / "req").write_bytes(payload)
+        for gpu in range(min(2, torch.cuda.device_count())):
+            subprocess.run([sys.executable, "-c", ENGINE, str(tmp_path / "req"), str(gpu)], check=True, timeout=120)
+            got = torch.load(tmp_path / "req.pt", weights_only=True)
+            assert all(torch.equal(got[f"t{i}"], t.cpu()) for i, t in enumerate(ts)), gpu
+    finally:
+        sender.close()
