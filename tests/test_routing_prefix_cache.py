@@ -4,7 +4,8 @@ in one real SGLang server on CPU (radix cache on, routing capture on, SGLang's o
 
 A GRPO-shaped rollout: one prompt, 4 sampled completions. Every sample after the first
 gets its prompt prefix from the radix cache (SGLang reports ``cached_tokens`` > 0), so
-its prefix rows were computed by another request. Every record must still start at
+its prefix rows were computed by another request; prompts are prefilled in chunks of 8
+tokens. Every record must still start at
 position 0 with ``prompt + generated - 1`` rows, equal to SGLang's own
 ``meta_info["routed_experts"]`` and to a run of the same samples with nothing cached
 (the cache flushed before each request, ``cached_tokens`` == 0)."""
@@ -21,6 +22,7 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
 from source_patch.runtime.routing import record as rr  # noqa: E402
+from source_patch.runtime.routing.slot_store import SlotStore  # noqa: E402
 
 PROMPT = [11, 23, 5, 88, 140, 7, 301, 42, 9, 64, 17, 3, 250, 77]
 NEW, SAMPLES, LAYERS, TOPK = 6, 4, 2, 2
@@ -30,7 +32,9 @@ BIAS = [5, 600, 321, 900]  # one favoured token per sample
 @pytest.fixture(scope="module")
 def cached_server(sglang_cpu, sglang_server, tmp_path_factory):
     routes = tmp_path_factory.mktemp("prefix-routes")
-    server = sglang_server(specs=["routing"], args=["--enable-return-routed-experts", "--skip-server-warmup"],
+    # chunked prefill of 8 tokens: the 14-token prompt is prefilled in two chunks (cache off too)
+    server = sglang_server(specs=["routing"], args=["--enable-return-routed-experts", "--skip-server-warmup",
+                                                    "--chunked-prefill-size", "8"],
                            env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture",
                                 "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(routes)})
     return server, routes
@@ -86,6 +90,8 @@ def _stacked(rec):
 @pytest.mark.slow
 def test_grpo_samples_with_prefix_hits_have_whole_records(cached_server):
     server, routes = cached_server
+    status, info = server.get("/get_server_info")
+    assert status == 200 and info["chunked_prefill_size"] == 8 < len(PROMPT) and not info["disable_radix_cache"]
     cached, uncached = _grpo(server), _uncached(server)
     assert [r["meta_info"]["cached_tokens"] for r in uncached] == [0] * SAMPLES
     hits = [r["meta_info"]["cached_tokens"] for r in cached[1:]]
@@ -106,3 +112,20 @@ def test_grpo_samples_with_prefix_hits_have_whole_records(cached_server):
     first = _stacked(_record(routes, "grpo-0"))
     for i in range(1, SAMPLES):
         assert torch.equal(_stacked(_record(routes, f"grpo-{i}"))[:len(PROMPT) - 1], first[:len(PROMPT) - 1])
+
+
+def test_slot_store_reads_by_slot_and_refuses_unwritten_rows():
+    """The host store: rows land at their KV slots (a later owner overwrites), read back in
+    the order of the slots asked; a slot never written is an error naming the position."""
+    store = SlotStore()
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    store.pending(torch.tensor([7, 2, 40]), {0: (ids, ids.float() / 10)})
+    store.pending(torch.tensor([2]), {0: (torch.tensor([[6, 7]]), torch.tensor([[0.5, 0.5]]))})  # slot 2 reused
+    layers, weights = store.read(torch.tensor([40, 2, 7]), "request 'r'")
+    assert layers[0].tolist() == [[4, 5], [6, 7], [0, 1]] and layers[0].dtype == torch.int64
+    assert torch.allclose(weights[0], torch.tensor([[0.4, 0.5], [0.5, 0.5], [0.0, 0.1]]))
+    assert store.capacity >= 41 and store.bytes_per_slot() == 2 * 8 + 1
+    with pytest.raises(LookupError, match=r"request 'r': layer 0 has no routes at position 1 \(KV slot 3\)"):
+        store.read(torch.tensor([7, 3]), "request 'r'")
+    with pytest.raises(LookupError, match=r"position 0 \(KV slot 500\)"):
+        store.read(torch.tensor([500]), "request 'r'")
