@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import math
 import statistics
 import sys
@@ -135,8 +136,8 @@ class OtherWork:
     """What runs between two due calls in training, untimed: other torch ops (their
     dispatch code), a few small device kernels, and a pass over 32 MiB of memory."""
 
-    def __init__(self, device: str):
-        self.memory = torch.ones(8 << 20)
+    def __init__(self, device: str, elements: int = 8 << 20):
+        self.memory = torch.ones(elements)
         self.small = torch.randn(64, 64)
         self.device = torch.randn(4096, device=device) if device == "cuda" else None
 
@@ -166,29 +167,45 @@ class Variant(NamedTuple):
     after_other_work: bool = False
     against: str | None = None
     gpu_only: bool = False
+    planned: bool = True  # the runtime's planned due call (api._fast) where it applies; False: the general path
 
 
 VARIANTS = (
     Variant("due", "tiles subscription, due"),
+    Variant("due, general path", "  the same, the general path (no plan)", planned=False, against="due",
+            gpu_only=True),
     Variant("due, an event per result", "  the same, an event per result", per_batch=False, against="due"),
     Variant("due, Triton's dispatch each call", "  the same, Triton's dispatch each call", direct=False,
             against="due", gpu_only=True),
     Variant("after other work", "  the same, after other work", after_other_work=True, against="due"),
+    Variant("after other work, general path", "  after other work, the general path", after_other_work=True,
+            planned=False, against="after other work", gpu_only=True),
     Variant("after other work, an event per result", "  after other work, an event per result", per_batch=False,
             after_other_work=True, against="after other work"),
 )
 
 
-def due_variants(rt, x: torch.Tensor, device: str, reps: int, layers: int, step_end) -> dict:
+def path(rt, planned: bool):
+    """Within the block, due calls take the planned path (the runtime's own way) or,
+    with its plans set aside, the general one (_emit, _compress, _device_stage, ...)."""
+    if planned:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(rt._table, "plans", {}))
+    stack.enter_context(mock.patch.object(rt, "_make_plan", lambda *args: False))
+    return stack
+
+
+def due_variants(rt, x: torch.Tensor, device: str, reps: int, layers: int, step_end, other) -> dict:
     """{Variant: microseconds per due trace() call, one sample per round of ``layers``
     calls (then trace_step)}, the variants alternated round by round so that drift
-    hits them alike (Triton's dispatch on a GPU only)."""
-    other = OtherWork(device)
+    hits them alike (Triton's dispatch and the general path on a GPU only)."""
     gpu = x.is_cuda and tc.fused_kernel() is not None
     samples: dict = {v: [] for v in VARIANTS if gpu or not v.gpu_only}
     for _ in range(reps):
         for v in samples:
-            with mock.patch.object(rt, "PER_BATCH_EVENTS", v.per_batch), triton_launch(v.direct):
+            with mock.patch.object(rt, "PER_BATCH_EVENTS", v.per_batch), triton_launch(v.direct), \
+                    path(rt, v.planned):
                 samples[v].append(host_loop(lambda layer: rt.trace("traced", x, layer=layer), device, 1, layers,
                                             step_end, before=other if v.after_other_work else None))
     return samples
@@ -253,7 +270,7 @@ def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int) -> list[tuple[str
 
 
 def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: int = 50,
-               profile: bool = False) -> list[tuple[str, float]]:
+               profile: bool = False, other_elements: int = 8 << 20) -> list[tuple[str, float]]:
     """Microseconds per trace() call on the calling thread (see the module doc), and
     the CPU time per frame of the publisher and hub threads, with a real hub and a
     recording client (trace_client record) in another process."""
@@ -288,7 +305,7 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: i
         rows = [("disabled", per_call("traced", False)),
                 ("enabled, name not subscribed", per_call("idle", True))]
         before = rt.state()
-        samples = due_variants(rt, x, device, reps, layers, step_end)
+        samples = due_variants(rt, x, device, reps, layers, step_end, OtherWork(device, other_elements))
         print_variants(samples, hub, layers)
         rows += [(v.row, statistics.median(values)) for v, values in samples.items()]
         if profile and x.is_cuda and hub == "process" and tc.fused_kernel() is not None:
@@ -341,6 +358,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="where a due trace() call's host time goes: its parts "
                    "timed alone (GPU, hub: process) and a cProfile, per hub kind")
     args = p.parse_args()
+    if args.quick:  # a smoke run: every row, few samples (the suite runs it on a loaded 2-core VM)
+        args.iters = 5
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     shape = (1024, 4, 1024) if device == "cuda" else (64, 4, 256)
     with tempfile.TemporaryDirectory() as tmp:
@@ -359,7 +378,7 @@ def main() -> None:
         dtypes = (torch.float32, torch.bfloat16)
         print(f"{'compressor':28}" + "".join(f"{str(d).replace('torch.', ''):>12}" for d in dtypes))
         inputs = [torch.randn(shape, device=device, dtype=d) for d in (torch.float32, torch.bfloat16)]
-        warm_until = time.perf_counter() + 1.0
+        warm_until = time.perf_counter() + (0.1 if args.quick else 1.0)
         while time.perf_counter() < warm_until:  # clocks up, caches and allocator warm
             for fn in variants.values():
                 getattr(fn, "reduce", fn)(inputs[0])
@@ -373,7 +392,8 @@ def main() -> None:
         for label in ("tiles, rows x tile at once", "tiles, var_mean + aminmax"):
             assert torch.allclose(variants[label](check).cpu(), reference, rtol=1e-3, atol=1e-5), label
         hubs = ("process", "thread")
-        costs = [host_costs(device, shape, tmp, hub, profile=args.profile) for hub in hubs]
+        sizes = dict(reps=4, layers=8, other_elements=1 << 18) if args.quick else {}
+        costs = [host_costs(device, shape, tmp, hub, profile=args.profile, **sizes) for hub in hubs]
     print(f"\n{'host time, float32 input, us':48}" + "".join(f"{'hub: ' + hub:>16}" for hub in hubs))
     for i, (label, _) in enumerate(costs[0]):
         print(f"{label:48}" + "".join(f"{rows[i][1]:16.2f}" for rows in costs))

@@ -6,11 +6,11 @@
 #           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
 #           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
 #           folders copied into .upstream/ (git-ignored): mkdir -p .upstream && cp -r ../shared/upstream/megatron-lm .upstream/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [bias] [weights] [pushx2] [phases] [push] [newest] [upstream]
-#           (default: all; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [bias] [weights] [pushx2] [backends] [phases] [push] [newest] [upstream]
+#           (default: all; `overhead` first on a fresh machine to see the first-run cliff; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
 #            `upstream` installs each release of $UPSTREAM_RELEASES, default "0.16.1 0.19.2", in turn)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
-#  `weights` and `pushx2` need two GPUs: the nvidia-h100-x2 kind; `phases` runs on one)
+#  `weights`, `pushx2` and `backends` need two GPUs: the nvidia-h100-x2 kind; `phases` runs on one)
 # The project's wheel goes into the interpreter's own environment, so its .pth start
 # hook runs and SOURCE_PATCH works in child processes as it does for users.
 set -uo pipefail
@@ -21,7 +21,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | ta
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import sys, torch, megatron.core, libcst, source_patch.patcher; print(sys.version.split()[0], torch.__version__)" | tee -a "$OUT/gpu.txt"
 
-parts=${*:-tests dump step routing graphs trace launch bias weights pushx2 phases push newest upstream}
+parts=${*:-tests dump step routing graphs trace launch bias weights pushx2 backends phases push newest upstream}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 if want tests; then
@@ -74,6 +74,11 @@ echo "== trace bench bias: the toggling process and an A/A process (same request
 timeout 420 python3 bench/trace_bench.py --resolve --aa --gc --settings device_timing=0 --rounds 1 \
   --toggle-steps 650 --phase 4 --warmup 8 --save "$OUT/bias_run.json" 2>&1 | tee "$OUT/trace_bench_bias.txt" | tail -16
 fi
+if want overhead; then
+echo "== what each capability costs in the Megatron example's step, and all at once (first: a fresh machine's first-run cliff)"
+(cd bench && timeout 450 python3 overhead_bench.py --steps 30 --warmup 6 --save "$OUT/overhead.json" 2>&1 \
+  | tee "$OUT/overhead_bench.txt")
+fi
 if want weights; then
 echo "== weight sync: bucketed vs per-tensor vs raw broadcast, 2 GPUs over NCCL"
 nvidia-smi topo -m 2>&1 | head -4 | tee "$OUT/topo.txt"
@@ -89,6 +94,14 @@ for hidden in 512 64; do
   timeout 240 python3 bench/push_bench.py --engine --hidden $hidden --rounds 9 2>&1 \
     | grep -v "Warning\|warnings.warn" | tee "$OUT/push_engine_$hidden.txt" | tail -9
 done
+fi
+if want backends; then
+echo "== weight sync backends (issue 32): CUDA IPC engines on both GPUs (bitwise), ipc vs a raw copy, nccl from buffers / packed"
+timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_weight_sync_request_backends.py \
+  tests/test_weight_sync.py 2>&1 | tee "$OUT/pytest_backends_gpu.log" | tail -4
+timeout 90 python3 bench/weight_sync_backends_bench.py --ipc --gb 4 --rounds 9 2>&1 | tee "$OUT/backends_ipc.txt" | tail -12
+timeout 120 python3 bench/weight_sync_bench.py --gb 4 --rounds 7 2>&1 | grep -v "^USDT\|profiler" \
+  | tee "$OUT/weight_sync_bench_split.txt" | tail -30
 fi
 if want phases; then
 echo "== weight sync phases (one GPU, one process): pack, checksum, receivers, load, d2d copy"

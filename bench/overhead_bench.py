@@ -18,8 +18,9 @@ Core 0.16 needs without Transformer Engine):
 
 Per variant: step time against plain (ratio of medians and of means, each with a
 bootstrap 90% interval over the timed steps of all its processes; the mean carries a
-cost paid every 10th step), the peak device memory torch allocated and the host's
-peak RSS against plain, and the bytes written per step (the dump and routing
+cost paid every 10th step), the peak device memory torch allocated, the host's
+peak RSS and peak pinned host memory (torch's caching host allocator; the RSS does
+not show it) against plain, and the bytes written per step (the dump and routing
 folders).  Each process's own median is listed in the order the processes ran: the
 first processes of a fresh machine are where the first-run cliff of dumping showed
 (issue 34).  On a GPU the bench first measures the machine (``--no-probes``: not):
@@ -172,39 +173,43 @@ def table(runs: list[dict], steps: int) -> None:
     plain_times = [t for run in base for t in run["times"]]
     plain_dev = statistics.median(r["probe"]["device_peak_allocated"] for r in base)
     plain_rss = statistics.median(r["probe"]["host_peak_rss"] for r in base)
+    plain_pinned = statistics.median(r["probe"].get("pinned_peak", 0) for r in base)
     print(f"{'variant':22}{'procs':>6}{'median ms':>10}  {'vs plain, medians [90%]':26}{'vs plain, means [90%]':26}"
-          f"{'device peak':>12}{'host RSS':>10}{'written/step':>13}")
+          f"{'device peak':>12}{'host RSS':>10}{'pinned':>9}{'written/step':>13}")
     for name, group in by_name.items():
         times = [t for run in group for t in run["times"]]
         if not times:
             continue
         dev = statistics.median(r["probe"]["device_peak_allocated"] for r in group) - plain_dev
         rss = statistics.median(r["probe"]["host_peak_rss"] for r in group) - plain_rss
+        pinned = statistics.median(r["probe"].get("pinned_peak", 0) for r in group) - plain_pinned
         written = statistics.median(sum(r["written"].values()) for r in group) / steps
         print(f"{name:22}{len(group):>6}{statistics.median(times):>10.1f}  "
               f"{ratio_text(stats.ratio_of_medians, times, plain_times):26}"
               f"{ratio_text(mean_ratio, times, plain_times):26}"
-              f"{dev / 2**20:>+10.0f}Mi{rss / 2**20:>+8.0f}Mi{written / 2**20:>11.1f}Mi")
+              f"{dev / 2**20:>+10.0f}Mi{rss / 2**20:>+8.0f}Mi{pinned / 2**20:>+7.0f}Mi{written / 2**20:>11.1f}Mi")
     print(flush=True)
 
 
-def process_log(runs: list[dict]) -> None:
-    """Each process in the order it ran: its median and what its writer said."""
-    print("processes in the order they ran (median ms of the timed steps; dump writer: GiB written, "
-          "writer GiB/s while writing, the training thread's waits for room, the final flush):")
-    for i, run in enumerate(runs):
-        probe, times = run["probe"], run["times"]
-        line = f"{i + 1:3}. {run['name']:22}{statistics.median(times) if times else 0:9.1f} ms"
-        dump = probe["states"].get("dump") or {}
-        if dump.get("bytes"):
-            write_s = dump.get("write_s") or 0
-            line += (f"  dump {dump['bytes'] / 2**30:.2f} GiB, {dump['bytes'] / 2**30 / write_s if write_s else 0:.2f} "
-                     f"GiB/s writing, {dump.get('waits', 0)} waits {dump.get('blocked_s', 0):.2f} s, flush "
-                     f"{probe['flush_s']:.2f} s; cpu sys {probe['cpu_sys_s']:.1f} s; vmstat {probe['vmstat']}")
-        if run.get("frames") is not None:
-            line += f"  trace frames {run['frames']}"
-        print(line)
-    print(flush=True)
+PROCESS_LOG = ("process (in the order they ran): median ms of its timed steps; dump writer: GiB written, its GiB/s "
+               "while writing, all bytes over the run, the training thread's waits for room, the final flush; CPU "
+               "seconds in the kernel; pinned peak; /proc/vmstat changes")
+
+
+def process_line(i: int, run: dict) -> str:
+    """One process: its median and what its writer said."""
+    probe, times = run["probe"], run["times"]
+    line = f"{i:3}. {run['name']:22}{statistics.median(times) if times else 0:9.1f} ms"
+    dump = probe["states"].get("dump") or {}
+    if dump.get("bytes"):
+        gib, write_s = dump["bytes"] / 2**30, dump.get("write_s") or 0
+        line += (f"  dump {gib:.2f} GiB, {gib / write_s if write_s else 0:.2f} GiB/s writing, "
+                 f"{gib / probe['run_s']:.2f} GiB/s over the run, {dump.get('waits', 0)} waits "
+                 f"{dump.get('blocked_s', 0):.2f} s, flush {probe['flush_s']:.2f} s; sys {probe['cpu_sys_s']:.1f} s; "
+                 f"pinned {probe.get('pinned_peak', 0) / 2**30:.2f} GiB; vmstat {probe['vmstat']}")
+    if run.get("frames") is not None:
+        line += f"  trace frames {run['frames']}"
+    return line
 
 
 def first_run(runs: list[dict]) -> None:
@@ -241,15 +246,16 @@ def main() -> None:
         if not args.no_probes:
             machine_probe.report(root, args.probe_gib, training.CUDA)
         replay: dict = {}
+        print(PROCESS_LOG, flush=True)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 runs.append(train(args, name, root, replay))
-            print(f"after round {r + 1}/{args.rounds}: {args.steps - args.warmup} timed steps a process")
+                print(process_line(len(runs), runs[-1]), flush=True)
+            print(f"\nafter round {r + 1}/{args.rounds}: {args.steps - args.warmup} timed steps a process")
             table(runs, args.steps)
-        process_log(runs)
+            if args.save:  # each round: a run cut short by a time limit keeps what it measured
+                Path(args.save).write_text(json.dumps(runs))
         first_run(runs)
-    if args.save:
-        Path(args.save).write_text(json.dumps(runs))
 
 
 if __name__ == "__main__":

@@ -307,3 +307,55 @@ def test_direct_launches_compute_what_tritons_own_launches_do_in_every_layout(mo
         triton_hooks.launch_enter_hook.remove(hook)
     assert len(launches) == before + 1
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_planned_due_calls_write_into_the_ring_what_the_general_path_does(monkeypatch):
+    """After a (name, layer)'s first due call the runtime plans its launch (api._fast):
+    later due calls of that layout go through the plan, into ring slices, and write
+    what the fused kernel writes through Triton's own dispatch; another layout goes the
+    general way and is planned anew; every result waits for its batch's event."""
+    import threading
+
+    from source_patch.runtime.trace import api, hub, ring as ring_module
+
+    fused = tc.fused_kernel()
+    if fused is None:
+        pytest.skip("Triton is not importable here")
+    x = torch.randn(64, 4, 256, device="cuda")  # first: pinning needs the CUDA context it makes
+    ring = ring_module.shared()
+    assert ring.pin() and ring.device_address is not None
+    for name, value in (("_ring", ring), ("_enabled", True), ("_stepping", True), ("_unsealed", []),
+                        ("_publisher", threading.current_thread())):  # alive: no publisher takes the results
+        monkeypatch.setattr(api, name, value)
+    general = []
+    emit = api._emit
+    monkeypatch.setattr(api, "_emit", lambda *args: general.append(args[2].shape) or emit(*args))
+    sub = hub.parse_subscription({"op": "subscribe", "id": "t", "names": ["h"], "compressor": {"kind": "tiles"}})
+    api.set_subscriptions([sub])
+    try:
+        calls = sum(api._call_us)
+        for _ in range(4):
+            api.trace("h", x, layer=1)
+            api.trace_step()
+        plan = api._table.plans[("h", 1)]
+        assert isinstance(plan, api._Plan) and not plan.stale and sum(api._call_us) == calls + 4
+        assert general == [x.shape]  # the first call only: the others went by the plan
+        y = torch.randn(32, 512, device="cuda")  # another layout: the general path, then a new plan
+        api.trace("h", y, layer=1)
+        api.trace_step()
+        assert general == [x.shape, y.shape] and api._table.plans[("h", 1)].layout[0] == y.shape
+        items = list(api._pending)
+        assert len(items) == 5 and all(item.event is not None and item.slot for item in items)
+        torch.cuda.synchronize()
+        stats = sub.compressor.fused[0]
+        for item, tensor in zip(items, [x] * 4 + [y]):
+            offset, _, _, shape = item.slot
+            got = ring.floats[offset // 4: offset // 4 + math.prod(shape)].view(shape)
+            want = fused.column_stats(tensor, stats, direct=False)
+            assert torch.equal(got, want.cpu()), item.shape
+    finally:
+        api.set_subscriptions(())
+        api._pending.clear()
+        ring.reset()

@@ -69,11 +69,12 @@ class _Table:
     Replaced as a whole when subscriptions change, so the training thread never
     sees a half-built one."""
 
-    __slots__ = ("subs", "routes")
+    __slots__ = ("subs", "routes", "plans")
 
     def __init__(self, subs: tuple = ()):
         self.subs = subs
         self.routes: dict = {}
+        self.plans: dict = {}  # (name, layer) -> _Plan, or False where none applies (see _fast)
 
 
 _table = _Table()
@@ -132,7 +133,11 @@ def trace(name: str, tensor, /, **tags):
     if routes is None:
         routes = _first_sight(table, key, tensor)
     if routes:
-        _emit(routes, key, tensor, tags)
+        plan = table.plans.get(key)
+        if not plan or not _fast(plan, key, tensor, tags):
+            _emit(routes, key, tensor, tags)
+            if plan is None or (plan and plan.stale):  # a plan that failed is not made again
+                table.plans[key] = False if plan and plan.failed else _make_plan(routes, tensor)
     return tensor
 
 
@@ -305,6 +310,109 @@ def _first_sight(table: _Table, key: tuple, tensor) -> tuple:
     if len(table.routes) < MAX_NAMES:
         table.routes[key] = routes
     return routes
+
+
+class _Plan:
+    """The common due call worked out once per (name, layer) and tensor layout: one
+    subscription whose tiles go through the fused kernel straight into the forwarder's
+    ring (hub: process), launched through Triton's compiled launcher with the grid and
+    arguments fused.py computed for the layout.  ``_fast`` runs it in one frame (and
+    the launcher's) where the general path takes ~12; ``stale``: the tensor's layout
+    changed, plan again; ``failed``: its launch raised, the general path from now on."""
+
+    __slots__ = ("sub", "layout", "device", "launch", "nbytes", "stale", "failed", "fused", "compress")
+
+    def __init__(self, sub, tensor: torch.Tensor, launch, fused, compress):
+        self.sub, self.launch, self.stale, self.failed = sub, launch, False, False
+        self.fused, self.compress = fused, compress  # the modules (their settings are read at each call)
+        self.device = tensor.get_device()
+        self.layout = (tensor.shape, tensor.dtype, self.device, tensor.data_ptr() & 15 == 0)
+        self.nbytes = 4 * launch.shape[0] * launch.shape[1] * launch.shape[2]  # float32 [splits, stats, cols]
+
+
+def _make_plan(routes: tuple, tensor) -> "_Plan | bool | None":
+    """(after a general due call) A plan for this (name, layer), False where none can
+    apply (several subscriptions, another compressor, no ring the device writes to),
+    None where one may later (the kernel is not compiled yet)."""
+    ring = _ring
+    fused_spec = getattr(routes[0].compressor, "fused", None)
+    if len(routes) != 1 or fused_spec is None or ring is None or not isinstance(tensor, torch.Tensor) \
+            or not tensor.is_cuda:
+        return False
+    if not (ring.direct and ring.pinned and ring.device_address is not None):
+        return None
+    from . import compress
+
+    fused = compress.fused_kernel()
+    launch = fused.planned(tensor, *fused_spec) if fused is not None else None
+    return None if launch is None else _Plan(routes[0], tensor, launch, fused, compress)
+
+
+def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
+    """The planned due call (see _Plan); False (nothing done) where its conditions do not
+    hold now: the general path (_emit) then does the call.  What it does is what
+    _compress, _device_stage, fused.column_stats, ring.claim, _defer and the queueing
+    do for this case, inline, in one function: a due call's host time grows with its
+    Python frames, most of all between a training step's layers, where their code is
+    out of the caches (docs/bench-notes/trace.md)."""
+    global _tracer
+    sub = plan.sub
+    step = _step
+    following = sub.next_step.get(key)
+    if following is not None and following - sub.every <= step < following:
+        return True  # not due
+    ring, launch, fused, compress = _ring, plan.launch, plan.fused, plan.compress
+    if ring is None or not ring.direct or not _stepping or not PER_BATCH_EVENTS or _config["device_timing"] \
+            or not isinstance(tensor, torch.Tensor):
+        return False  # (a value that is not a tensor: _emit raises TypeError)
+    address = tensor.data_ptr()
+    device = plan.device
+    if (tensor.shape, tensor.dtype, tensor.get_device(), address & 15 == 0) != plan.layout \
+            or not tensor.is_contiguous():
+        plan.stale = True
+        return False
+    base = ring.device_address
+    if base is None or not fused._direct_ok or not compress.DIRECT_LAUNCH or not compress.USE_TRITON \
+            or _capturing() or fused._current_device() != device or not fused._no_hooks():
+        return False
+    start = time.perf_counter()
+    sub.next_step[key] = step + sub.every
+    stamp = time.time()
+    context = ambient.context()
+    if context:  # copied now: published later, the microbatch will have moved on
+        tags = {**context, **tags}
+    try:
+        if len(_pending) >= _config["queue"]:  # the publisher is behind: drop, never wait
+            _count("dropped")
+        else:
+            with ring._lock:
+                offset, end = ring._take(plan.nbytes)
+            if offset is None:
+                _count("dropped")  # the forwarder is behind: its ring is full
+            else:
+                run, function, metadata = launch.compiled
+                run(*launch.grid, 1, fused._current_raw_stream(device), function, metadata, None, None, None,
+                    address, base + offset, *launch.args)
+                item = _Result([sub], key[0], tags, step, stamp, None, None, None, tensor,
+                               (offset, end, "<f4", list(launch.shape)))
+                sid, index, _ = _stream_of(device)  # its batch's event goes on this stream (_seal)
+                stream = _stream_objects.get((index, sid))
+                item.stream = stream if stream is not None else _current_stream(device)
+                with _lock:
+                    _pending.append(item)
+                    _counts["results"] += 1
+                    _unsealed.append(item)
+                    _tracer = threading.get_ident()
+                    if _publisher is None or len(_pending) >= BATCH or stamp - _unsealed[0].time > FLUSH_SECONDS:
+                        _seal()
+                        _wake_publisher()
+    except Exception as exc:  # noqa: BLE001 - tracing must never break the step
+        plan.stale = plan.failed = True  # the general path from now on
+        _fail(f"trace({key[0]!r})", exc)
+    elapsed = time.perf_counter() - start
+    _cost["trace_calls"] += elapsed  # statistics: a rare lost update is fine
+    _call_us[min(int(elapsed * 1e6).bit_length(), CALL_BUCKETS - 1)] += 1
+    return True
 
 
 def _emit(routes: tuple, key: tuple, tensor, tags: dict) -> None:
@@ -492,6 +600,8 @@ _event_record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", Non
 
 
 _stream_objects: dict = {}  # (device index, stream id) -> torch.cuda.Stream
+_stream_of = getattr(torch._C, "_cuda_getCurrentStream", None) or (
+    lambda index: (torch.cuda.current_stream(index).stream_id, index, 1))  # a torch without the C function
 
 
 def _current_stream(index: int):

@@ -65,11 +65,12 @@ Finish = Callable[[np.ndarray, tuple], np.ndarray]
 class Compressor:
     """A validated compressor: ``kind``, canonical ``params`` (JSON), and its stages."""
 
-    __slots__ = ("kind", "params", "key", "_reduce", "_finish", "_into")
+    __slots__ = ("kind", "params", "key", "_reduce", "_finish", "_into", "fused")
 
     def __init__(self, kind: str, params: dict, reduce: Callable[[torch.Tensor], torch.Tensor],
-                 finish: Finish | None = None, into: Callable | None = None):
+                 finish: Finish | None = None, into: Callable | None = None, fused: tuple | None = None):
         self.kind, self.params, self._reduce, self._finish, self._into = kind, params, reduce, finish, into
+        self.fused = fused  # (stats, dim) of the fused tiles kernel: the trace runtime's planned launches
         self.key = json.dumps([kind, params], sort_keys=True)  # equal keys compute the same thing
 
     def reduce(self, tensor: torch.Tensor, into: Callable | None = None) -> torch.Tensor:
@@ -164,7 +165,7 @@ def _tiles(params: dict, _raw_max: int) -> Compressor:
     # be below `tiles`); each stat over every other dim x tile.
     return Compressor("tiles", canonical, lambda x: tile_columns(x, stats, dim),
                       lambda columns, shape: tile_finish(columns, shape, stats, tiles),
-                      functools.partial(_fused_columns, stats=stats, dim=dim))
+                      functools.partial(_fused_columns, stats=stats, dim=dim), (stats, dim))
 
 
 def _fused_columns(x: torch.Tensor, into: Callable | None, stats: tuple, dim: int):

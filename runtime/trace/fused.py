@@ -168,6 +168,18 @@ def column_stats(x: torch.Tensor, stats: tuple, into=None, direct: bool = True):
     return out
 
 
+def planned(x: torch.Tensor, stats: tuple, dim: int) -> "_Launch | None":
+    """The launch of ``x``'s layout once Triton has compiled it and direct launches are
+    allowed (the trace runtime then launches it itself, without this module's call
+    frames: api._fast), else None.  ``x`` as column_stats takes it: contiguous,
+    floating, on CUDA, ``dim`` its last and at least 2-D."""
+    rank = x.dim()
+    if rank < 2 or dim % rank != rank - 1 or not (x.is_cuda and x.is_floating_point() and x.is_contiguous()):
+        return None
+    launch = _launches.get((x.shape, x.dtype, x.get_device(), x.data_ptr() & 15 == 0, stats))
+    return launch if launch is not None and launch.compiled is not None and _direct_ok else None
+
+
 def _launcher(kernel) -> tuple | None:
     """What JITFunction.run hands the compiled kernel's launcher, or None for a Triton
     whose compiled kernels differ (its own dispatch only)."""
