@@ -65,6 +65,9 @@ def open_backend(name: str, **options) -> Backend:
     return cls.open(name, **options)
 
 
+_known = None  # (tensors JSON, entries) of the last request: a layout is parsed once
+
+
 def receive_request(payload: bytes, *, device: torch.device, max_metadata_bytes: int, max_update_bytes: int,
                     check: Optional[Callable[[Manifest], None]] = None, rank: int = 0, **options):
     """An engine's end of a request backend: the update described by ``payload`` (an
@@ -75,8 +78,10 @@ def receive_request(payload: bytes, *, device: torch.device, max_metadata_bytes:
     if not isinstance(payload, (bytes, bytearray, memoryview)) or not 0 < len(payload) <= max_metadata_bytes:
         raise wire.ManifestError(f"an engine request of {len(payload) if hasattr(payload, '__len__') else '?'} "
                                  f"bytes (max_metadata_bytes={max_metadata_bytes})")
+    global _known
     payload = bytes(payload)
-    manifest, fields = wire.parse_request(payload, max_update_bytes)
+    manifest, fields = wire.parse_request(payload, max_update_bytes, _known)
+    _known = (wire.split_tensors(payload)[1], manifest.entries)  # the same tensors next time: not parsed again
     name = fields.get("backend")
     if name == "ipc":
         from .ipc import receive as receive_backend

@@ -232,6 +232,7 @@ def _map_cuda(memory: dict) -> torch.Tensor:
                 bool(memory["event_sync_required"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(f"bad CUDA export: {type(exc).__name__}: {exc}") from None
+    torch.cuda.init()
     storage = torch.UntypedStorage._new_shared_cuda(*args)
     return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", args[0])).set_(
         storage, 0, (args[2],), (1,))

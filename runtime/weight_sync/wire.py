@@ -320,10 +320,10 @@ def request_json(manifest: Manifest, fields: dict, tensors_json: bytes | None = 
     return head[:cut] + b"," + extra[1:-1] + head[cut:]
 
 
-def parse_request(data: bytes, max_update_bytes: int) -> tuple[Manifest, dict]:
+def parse_request(data: bytes, max_update_bytes: int, known: tuple | None = None) -> tuple[Manifest, dict]:
     """(the manifest, the request's other fields) of ``request_json``'s bytes;
-    ManifestError says what is wrong."""
-    manifest = Manifest.from_json(data, max_update_bytes)
+    ManifestError says what is wrong.  ``known``: as for Manifest.from_json."""
+    manifest = Manifest.from_json(data, max_update_bytes, known)
     head = split_tensors(data)[0]
     fields = _load(head + b"}", "the request")
     return manifest, {k: v for k, v in fields.items() if k not in ("format", "version", "bucket_bytes",
