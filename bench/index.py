@@ -8,7 +8,9 @@ docs/benchmarks.md (the goals) and docs/bench-notes/ (the dated runs).  Shared
 helpers (``HELPERS``): ``stats.py`` (bootstrap intervals, ratios, and the
 ``min / median [90% interval]`` cell every bench prints a timing as), ``training.py`` (runs
 the Megatron example as a timed subprocess), ``gc_probe.py`` (the collector's and a due
-call's time).  ``upstream_tests.py`` (with its pytest plugin ``upstream_adapt.py``) is a
+call's time), ``overhead_probe.py`` (a training process's peak memory, CPU and
+capability counters), ``machine_probe.py`` (fresh memory, disk, pinned allocation),
+``import_table.py`` (import_bench.py's table).  ``upstream_tests.py`` (with its pytest plugin ``upstream_adapt.py``) is a
 test harness, not a bench: docs/upstream_tests.md.
 """
 
@@ -19,7 +21,8 @@ import sys
 from typing import NamedTuple
 
 
-HELPERS = ("index.py", "stats.py", "training.py", "gc_probe.py", "upstream_tests.py", "upstream_adapt.py")
+HELPERS = ("index.py", "stats.py", "training.py", "gc_probe.py", "upstream_tests.py", "upstream_adapt.py",
+           "overhead_probe.py", "machine_probe.py", "import_table.py")
 
 
 class Bench(NamedTuple):
