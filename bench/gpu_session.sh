@@ -96,8 +96,8 @@ for hidden in 512 64; do
 done
 fi
 if want backends; then
-echo "== weight sync backends (issue 32): CUDA IPC engines on both GPUs (bitwise), ipc vs a raw copy, nccl from buffers / packed"
-timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_weight_sync_request_backends.py \
+echo "== weight sync backends (issue 32): colocated TP 2 / EP 2 trainers feeding a CUDA IPC engine on each GPU (bitwise), ipc vs a raw copy, nccl from buffers / packed"
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_weight_sync_request_backends.py \
   tests/test_weight_sync.py 2>&1 | tee "$OUT/pytest_backends_gpu.log" | tail -4
 timeout 90 python3 bench/weight_sync_backends_bench.py --ipc --gb 4 --rounds 9 2>&1 | tee "$OUT/backends_ipc.txt" | tail -12
 timeout 120 python3 bench/weight_sync_bench.py --gb 4 --rounds 7 2>&1 | grep -v "^USDT\|profiler" \

@@ -169,3 +169,46 @@ def test_cuda_ipc_an_engine_process_on_each_gpu_copies_the_trainers_buckets_bitw
             assert all(torch.equal(got[f"t{i}"], t.cpu()) for i, t in enumerate(ts)), gpu
     finally:
         sender.close()
+
+
+E2E = Path(__file__).parent / "e2e"
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                                 reason="needs two GPUs")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["--tp", "--ep"])
+@pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=TWO_GPUS)], ids=["cpu-shm", "cuda-ipc"])
+def test_colocated_a_trainer_over_two_devices_feeds_an_engine_receiver_on_each_bitwise(tmp_path, parallel, cuda):
+    """tests/e2e/weight_sync_colocated.py: Megatron with TP 2 or EP 2 over two devices
+    (real gathers: NCCL on GPUs, gloo on CPU), push() by ipc, an engine receiver
+    next to each trainer rank maps the export and checks every tensor bitwise."""
+    pytest.importorskip("megatron.core")
+    from source_patch.runtime.core.endpoint import free_port
+
+    out = str(tmp_path / "run")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(E2E), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), **({} if cuda else {"SOURCE_PATCH": "megatron_cpu",
+                                                              "CUDA_VISIBLE_DEVICES": ""})}
+    script = str(E2E / "weight_sync_colocated.py")
+    logs = [open(tmp_path / f"{name}.log", "w") for name in ("rank0", "rank1", "engine0", "engine1")]
+    procs = [subprocess.Popen([sys.executable, script, "trainer", out, parallel, "2", *(["--cuda"] if cuda else [])],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=logs[r],
+                              stderr=subprocess.STDOUT) for r in range(2)]
+    procs += [subprocess.Popen([sys.executable, script, "engine", out, f"cuda:{d}" if cuda else str(d)], env=env,
+                               stdout=logs[2 + d], stderr=subprocess.STDOUT) for d in range(2)]
+    try:
+        codes = [p.wait(300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = "\n".join((tmp_path / f"{n}.log").read_text()[-1500:] for n in ("rank0", "rank1", "engine0", "engine1"))
+    assert codes == [0, 0, 0, 0], text
+    trainer = json.loads(Path(f"{out}.trainer.json").read_text())
+    assert trainer["pushes"] == 1 and trainer["failures"] == 0 and trainer["gathers"] > 0, trainer
+    for d in range(2):
+        engine = json.loads(Path(f"{out}.engine{d}.json").read_text())
+        assert engine.get("version") == 7 and engine["names_match"] and engine["mismatched"] == [], engine
+        assert engine["tensors"] > 10 and engine["device"] == (f"cuda:{d}" if cuda else "cpu")
