@@ -18,6 +18,8 @@ OUT=${OUT:-/tmp/sp-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | tail -2
+# the project's wheel keeps its version across edits: on a warm machine pip would keep the old code
+python3 -m pip install -q --no-index --no-deps --no-compile --force-reinstall .whl/source_patch-*.whl 2>&1 | tail -2
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import sys, torch, megatron.core, libcst, source_patch.patcher; print(sys.version.split()[0], torch.__version__)" | tee -a "$OUT/gpu.txt"
 

@@ -168,3 +168,61 @@ def test_megatron_routing_capture_through_the_drain():
         assert g.extra == {**e.extra, "cuda_graph": True} and g.layers == e.layers == [1, 2]
         assert g.num_tokens == len(x) and g.seq_lens == e.seq_lens
         assert all(torch.equal(g.indices[k], e.indices[k]) for k in g.layers)
+
+
+def _moe_ids(rt, scores):
+    """_moe, returning each router's (values, ids): what the graphed forward computes."""
+    out = []
+    for layer in (1, 2):
+        s = scores * layer
+        rt.routing_enter(Router(layer), s.view(s.shape[0] // 2, 2, -1))
+        out.append(rt.routing_topk(s, torch.topk(s, K, dim=1)))
+        rt.routing_exit()
+    return out
+
+
+@gpu
+@pytest.mark.gpu
+def test_megatron_routing_replay_feeds_each_replay_its_own_record():
+    """Replay under torch.cuda.graph: the graphed router reads its ids from a static buffer
+    that GraphStage.replay refills from the record of the current micro-batch, so three
+    replays follow three different records (never the capture's); values are the live
+    scores gathered at the recorded ids, as in eager replay. No record: a clear error."""
+    from source_patch.runtime.routing.megatron import RoutingReplayError
+    from source_patch.runtime.routing.record import RoutingRecord
+
+    torch.manual_seed(2)
+    records = []
+    for mb in range(3):
+        ids = {k: torch.stack([torch.randperm(E)[:K] for _ in range(PAD)]) for k in (1, 2)}
+        records.append(RoutingRecord(indices=ids, num_experts=E, seq_lens=[PAD // 2] * 2,
+                                     extra={"step": 0, "microbatch": mb}))
+    routing.reset()
+    try:
+        routing.configure(mode="off")
+        static = torch.randn(PAD, E, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _moe_ids(routing, static)
+        torch.cuda.current_stream().wait_stream(side)
+        routing.configure(mode="replay")
+        routing.set_replay(records)
+        graph, stage = torch.cuda.CUDAGraph(), GraphStage("moe-replay")
+        with stage.capture(), torch.cuda.graph(graph):
+            outs = _moe_ids(routing, static)
+        assert [key for _, key, _, _ in stage.feeds] == [("routing", 1), ("routing", 2)]
+        for rec in records:
+            static.copy_(torch.randn(PAD, E, device="cuda"))
+            routing.routing_microbatch_begin()
+            stage.replay(graph)
+            routing.routing_microbatch_end()  # checks every recorded layer was routed
+            for layer, (values, ids) in zip((1, 2), outs):
+                assert torch.equal(ids.cpu(), rec.indices[layer])
+                assert torch.equal(values, (static * layer).gather(1, ids))
+        routing.routing_microbatch_begin()  # microbatch 3: no record
+        with pytest.raises(RoutingReplayError, match="step 0, microbatch 3: no routing record to replay"):
+            stage.replay(graph)
+    finally:
+        routing.configure(mode="off")
+        routing.reset()

@@ -22,6 +22,11 @@ not copied yet; writers then do what they do for eager tensors (routing: an asyn
 device-to-host copy on a side stream).  Nothing stale is ever written: replaying a
 graph whose staging was not drained raises :class:`GraphStageError`, and so does a
 drain with nothing replayed since the last one.
+
+The other direction (:func:`feed`): a call site that gives the graph a tensor (routing
+replay's recorded expert ids) returns a static buffer under capture; before every
+replay :meth:`GraphStage.replay` refills it for that forward (``fill``), so a replayed
+graph routes as the record of its own step and micro-batch says, never as the capture's.
 """
 
 from __future__ import annotations
@@ -61,19 +66,35 @@ def stage(sink, key, tensor: torch.Tensor, **meta) -> bool:
     return True
 
 
+def feed(fill, key, like: torch.Tensor, **meta) -> torch.Tensor:
+    """For a call site that gives the graph a tensor (routing replay's ids): under capture,
+    a static buffer shaped like ``like`` that the graph reads, refilled before every
+    replay by ``fill(key, buffer, replay=N, **meta, **tags)``; the call site returns it."""
+    active = getattr(_local, "stage", None)
+    if active is None:
+        raise GraphStageError(f"a call site ({key!r}) fed a CUDA graph being captured outside GraphStage.capture(): "
+                              "its replays would read the capture's values forever")
+    # allocation only: any kernel here (a clone of ``like``) would be part of the graph and
+    # overwrite every fill with the live values at each replay
+    buffer = torch.empty_like(like)
+    active.feeds.append((fill, key, buffer, meta))
+    return buffer
+
+
 class GraphStage:
     """The staging buffers of one CUDA graph and the state of its last replay."""
 
     def __init__(self, name: str):
         self.name = name
         self.entries = []  # (sink, key, static buffer, meta), in call order, fixed at capture
+        self.feeds = []  # (fill, key, static buffer, meta): what the graph reads, refilled per replay
         self.replays = 0
         self.undrained = False
 
     @contextlib.contextmanager
     def capture(self):
         """Call sites in this block (on this thread) stage into this graph."""
-        if self.entries:
+        if self.entries or self.feeds:
             raise GraphStageError(f"graph {self.name!r}: captured twice (make a new GraphStage per graph)")
         previous, _local.stage = getattr(_local, "stage", None), self
         try:
@@ -86,11 +107,14 @@ class GraphStage:
         buffer.copy_(tensor.detach())
         self.entries.append((sink, key, buffer, meta))
 
-    def replay(self, graph) -> None:
-        """``graph.replay()``, refused while the previous replay's rows are undrained."""
+    def replay(self, graph, **tags) -> None:
+        """Refill what the graph reads (each feed's ``fill``, on the current stream), then
+        ``graph.replay()``; refused while the previous replay's rows are undrained."""
         if self.undrained:
             raise GraphStageError(f"graph {self.name!r}: replay {self.replays + 1} would overwrite the staged rows "
                                   f"of replay {self.replays}, which were never drained")
+        for fill, key, buffer, meta in self.feeds:
+            fill(key, buffer, replay=self.replays + 1, **meta, **tags)
         graph.replay()
         self.replays += 1
         self.undrained = bool(self.entries)

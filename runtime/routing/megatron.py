@@ -638,14 +638,34 @@ def _on_device(key, rec: RoutingRecord, device: torch.device) -> dict:
 def _replay_topk(scores, result):
     if _unaddressable("replay"):
         return result
-    key, _ = _call_key(int(scores.shape[0]))
+    if scores.is_cuda and torch.cuda.is_current_stream_capturing() and graph_stage.active() is not None:
+        # a graphed router reads its ids from a static buffer, refilled before each replay
+        idx = graph_stage.feed(_fill, ("routing", _layer), result[1], layer=_layer, experts=int(scores.shape[1]))
+        return scores.gather(1, idx), idx
+    idx = _replay_ids(int(scores.shape[0]), int(scores.shape[1]), int(result[1].shape[1]), scores.device)
+    return scores.gather(1, idx), idx
+
+
+def _fill(key, buffer, *, layer, experts, **_):
+    """Before a graph replay: this layer's recorded ids for the current micro-batch into
+    the buffer its router reads (runtime/core/graph_stage.py)."""
+    global _layer
+    saved, _layer = _layer, layer
+    try:
+        buffer.copy_(_replay_ids(int(buffer.shape[0]), experts, int(buffer.shape[1]), buffer.device))
+    finally:
+        _layer = saved
+
+
+def _replay_ids(live_tokens: int, live_experts: int, live_topk: int, device):
+    """The recorded ids of this call (step, micro-batch, layer) on ``device``, checked
+    against the router's token count, top-k and expert count."""
+    key, _ = _call_key(live_tokens)
     rec = _for_rank(key)
     where = f"step {key[0]}, microbatch {key[1]}, layer {_layer}"
     if _layer not in rec.indices:
         raise RoutingReplayError(f"{where}: the record has no layer {_layer} (it has {rec.layers}; "
                                  "layer mismatch)")
-    live_tokens, live_experts = int(scores.shape[0]), int(scores.shape[1])
-    live_topk = int(result[1].shape[1])
     if rec.num_tokens != live_tokens:
         raise RoutingReplayError(f"{where}: the record has {rec.num_tokens} rows, the router has {live_tokens} "
                                  "tokens (row-count mismatch)")
@@ -658,11 +678,11 @@ def _replay_topk(scores, result):
             row = int(bad.any(dim=1).nonzero()[0, 0])
             raise RoutingReplayError(f"{where}, row {row}: expert id out of range [0, {live_experts}) "
                                      f"(row {idx[row].tolist()})")
-    idx = _on_device(key, rec, scores.device)[_layer]
+    idx = _on_device(key, rec, device)[_layer]
     _used.setdefault(key, set()).add(_layer)
     global _last_replay
     _last_replay = (key, _layer, idx)
-    return scores.gather(1, idx), idx
+    return idx
 
 
 _last_replay = None  # (key, layer, indices) of the latest replayed top-k: where its weights go
@@ -670,6 +690,9 @@ _last_replay = None  # (key, layer, indices) of the latest replayed top-k: where
 
 def _replay_probs(routing_probs):
     """``routing_probs`` [tokens, experts] rebuilt from the record: its weights at its ids."""
+    if routing_probs.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RoutingReplayError(f"replay_probs under CUDA graph capture is not supported: the graph would keep the "
+                                 f"capture's weights ({_where()}); replay ids only")
     if _last_replay is None or _last_replay[1] != _layer:
         raise RoutingReplayError(f"replay_probs: no replayed top-k for this router call ({_where()})")
     key, layer, idx = _last_replay
