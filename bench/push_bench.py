@@ -1,51 +1,41 @@
 """Weight sync, trainer side: the host time of ``weight_sync.push()`` apart from the
 transfer, on a real Megatron-Core MoE (Qwen3-30B-A3B's layout: 48 layers of 128
-experts, tiny widths: the cost is per tensor, not per byte), wrapped in Megatron's
-DDP with the distributed optimizer's contiguous parameter buffers.
+experts, tiny widths: the cost is per tensor, not per byte) in Megatron's DDP with the
+distributed optimizer's contiguous parameter buffers.
 
     python bench/push_bench.py                 # one GPU (a world of one, NCCL)
     python bench/push_bench.py --cpu           # CPU (gloo; megatron_cpu patched in)
 
-One process, no engine: push() sends over ``transport.LoopbackLink(record=False)``,
-a wire that costs nothing, so what is timed is everything push() does on the host
-around the bytes.  Rows, min and median over ``--rounds`` (each round runs them all,
-in turn), host time:
-  walk            model.named_parameters(), wrappers stripped: what every push did
-                  before the walk was kept (runtime/weight_sync/megatron.named_params)
+One process: push() sends over ``LoopbackLink(record=False)``, a wire that costs
+nothing, so what is timed is push()'s host work around the bytes.  Rows, min and
+median over ``--rounds`` (each round runs them all in turn):
+  walk            model.named_parameters(), wrappers stripped (what every push did
+                  before the walk was kept: megatron.named_params)
   params          MegatronParams(chunks): the kept walk and the parallel groups
-  mapping         every parameter through names.to_hf (name and layout conversion:
-                  fused QKV split, gate/up split), as the packed path does
-  push buffers    push(): sent from DDP's parameter buffers (the default without gathers)
-  push tensors    push() with from_buffers off: mapped and packed tensor by tensor (on a GPU
-                  a bucket of the same tensors as the push before replays its copies)
-  push tensors, copied   the same with replay_packing off: every tensor copied
-  push, walked    push buffers, with the kept walk dropped before each push (the old cost)
---profile then prints cProfile's top functions (own time; with --engine cumulative)
-over 5 pushes from the buffers.
-Ends with a bitwise check: one push over a recording link, replayed to a receiver,
-equals every mapped parameter.
+  mapping         every parameter through names.to_hf (fused QKV and gate/up splits)
+  push buffers    push() from DDP's parameter buffers (the default without gathers)
+  push tensors    push() with from_buffers off: mapped and packed tensor by tensor (on a
+                  GPU a bucket of the same tensors as the push before replays its copies)
+  push tensors, copied   the same with replay_packing off
+  push, walked    push buffers with the kept walk dropped before each push (the old cost)
+--profile: cProfile's top functions over 5 pushes from the buffers.  Ends with a
+bitwise check: one push over a recording link, replayed to a receiver.
 
 --engine (two GPUs; --cpu: two gloo processes): the whole push, transfer included.
-Rank 0 trains on GPU 0 (a world of one) and pushes to rank 1, a receiver on GPU 1
-(``transport.receive``, the engine side's protocol without SGLang's load), over NCCL
-groups of two (``transport.open_group``, as push() opens its own).  Per round, in
+Rank 0 trains on GPU 0 and pushes to rank 1, a receiver on GPU 1 (``receiver.receive``,
+the engine's protocol without SGLang's load), over NCCL groups of two.  Per round, in
 rotated order: one raw broadcast of the update's bytes, push() from DDP's buffers,
-push() packed tensor by tensor; rank 0's wall time from a barrier to the verdict,
-min / median / % of raw with a 90% interval.  Each push method has a group of its
-own: a receiver keeps one layout's staged buffer and views, and the two methods lay
-the tensors out differently (switching costs a new buffer and ~19k views: ~100 ms a
-push when the methods alternated on one group).  Ends with a bitwise check of each
-path: the parameters are redrawn in place, pushed, and the receiver sends back what
-it got.
+push() packed; rank 0's wall time from a barrier to the verdict, min / median / % of
+raw with a 90% interval.  Each push method has a group of its own (a receiver keeps
+one layout's buffer and views; alternating layouts on one group cost ~100 ms a push).
+Ends with a bitwise check of each path (the receiver sends back what it got).
 
---ep N / --tp N (CPU): N processes over gloo, the experts spread over them (expert
-parallelism N) or every layer's weights split over them (tensor parallelism N, expert
-TP too); the packed path.  Per
-round, push() with the parameters gathered a window of DDP's buffer at a time
-(runtime/weight_sync/megatron._Windows) and with one gather per parameter (the old way),
-alternated; rank 0's wall time, the collectives each ran, and a check that both
-broadcast the same bytes.  Not here: the transfer (bench/weight_sync_bench.py on two
-GPUs) and the engine's load.
+--ep N / --tp N (CPU): N gloo processes, experts spread (expert parallelism) or every
+layer split (tensor parallelism, expert TP too); the packed path.  Per round, push()
+with the parameters gathered a window of DDP's buffer at a time (megatron._Windows)
+and with one gather per parameter, alternated; rank 0's wall time, the collectives
+each ran, and a check that both broadcast the same bytes.  Not here: the transfer
+(weight_sync_bench.py) and the engine's load.
 """
 
 from __future__ import annotations
@@ -67,6 +57,7 @@ def _broadcast(link):
     from source_patch.runtime.weight_sync.broadcast import Broadcast
 
     return Broadcast(link)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -477,17 +468,10 @@ def engine_report(args, ddp, nbytes: int, times: dict, checked: list) -> None:
 
 ENGINE_LABELS = {"raw": "raw broadcast, same bytes", "push buffers": "push(), from DDP's buffers",
                  "push tensors": "push(), packed"}
-
-
-LABELS = {
-    "walk": "named_parameters() walk (uncached)",
-    "params": "MegatronParams (kept walk)",
-    "mapping": "name/layout mapping (to_hf), every tensor",
-    "push buffers": "push(), from DDP's buffers",
-    "push tensors": "push(), packed tensor by tensor",
-    "push tensors, copied": "the same, no replayed packing",
-    "push, walked": "push(), buffers, walk redone (before)",
-}
+LABELS = {"walk": "named_parameters() walk (uncached)", "params": "MegatronParams (kept walk)",
+          "mapping": "name/layout mapping (to_hf), every tensor", "push buffers": "push(), from DDP's buffers",
+          "push tensors": "push(), packed tensor by tensor", "push tensors, copied": "the same, no replayed packing",
+          "push, walked": "push(), buffers, walk redone (before)"}
 
 
 def report(args, device, ddp, layout, times) -> None:
