@@ -1,7 +1,13 @@
 """Weight sync, trainer -> engines, after each optimizer step.
 
-    sync.py      the call sites (attach, step, receive, loaded, version)
-    transport.py bucketed, double-buffered, checksummed transfer with a JSON manifest
+    sync.py      the call sites (attach, step, receive, load_request, loaded, version) and control
+    planning.py  what a push sends, planned once per layout
     megatron.py  gathering Megatron's TP/EP-sharded parameters into full tensors
     names.py     Megatron -> Hugging Face / SGLang name and layout mapping
+    wire.py      the contract both ends read: manifest, digests, checksums, limits, errors
+    link.py      the broadcast backends' update group and its deadlines
+    sender.py    packing and the sending end;  receiver.py  the receiving end
+    backend.py   the backend interface: broadcast.py (nccl, gloo), ipc.py, mooncake.py
+    request.py   the engine request of the ipc and mooncake backends
+    transport.py the transport's names as they were before the split
 """

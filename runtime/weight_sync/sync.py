@@ -275,7 +275,7 @@ def weight_sync_load_request(updater: Any, payloads: Any, tp_rank: int) -> tuple
         payload = payloads[tp_rank] if tp_rank < len(payloads) else payloads[0]
         update = weight_backend.receive_request(
             payload, device=_model_device(updater), max_metadata_bytes=_config["max_metadata_bytes"],
-            max_update_bytes=_config["max_update_bytes"], check=functools.partial(_fits_model, updater),
+            max_update_bytes=_config["max_update_bytes"], check=functools.partial(_fits_model_once, updater),
             rank=tp_rank, **{key: value for key, value in _config.items() if key.startswith("mooncake_")})
     except Exception as exc:  # noqa: BLE001 - refused: SGLang reports it, the old weights stay
         _engine_failed(exc)
@@ -306,6 +306,18 @@ def _fits_model(updater: Any, manifest) -> None:
     from . import names as weight_names
 
     weight_names.check_model(_model(updater), [(e.name, e.shape, e.dtype) for e in manifest.entries])
+
+
+_fitted: dict = {}  # id(model) -> the entries last found to fit it (the request backends' layouts)
+
+
+def _fits_model_once(updater: Any, manifest) -> None:
+    """_fits_model for the request backends, once per layout: an engine parses a
+    layout's tensor list once, so the same entries object means the same layout."""
+    key = id(_model(updater))
+    if _fitted.get(key) is not manifest.entries:
+        _fits_model(updater, manifest)
+        _fitted[key] = manifest.entries
 
 
 def weight_sync_loaded(result: Any) -> Any:
