@@ -79,7 +79,7 @@ def test_the_ray_rl_loop_patches_every_actor_replays_routes_and_serves_the_pushe
     actors = json.loads(Path(out.split("every actor's patched modules: ")[1].split()[0]).read_text())
     for rank in (0, 1):
         patched = actors[f"trainer rank {rank}"]["patched"]
-        assert any(p.startswith("moe:") for p in patched["megatron.core.transformer.moe.router"]), patched
+        assert any(p.startswith("routing:") for p in patched["megatron.core.transformer.moe.router"]), patched
         assert any(p.startswith("weight_sync:") for p in patched["megatron.core.optimizer.optimizer"]), patched
     assert "/dumper/get_state answered by source-patch in scheduler rank(s) [0]" in out
 

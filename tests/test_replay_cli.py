@@ -104,7 +104,7 @@ def test_the_printed_commands_take_the_rollout_to_no_divergence(rollout, sglang_
     assert [words[1] for words in printed] == ["replay", "compare"]
     replayed = source_patch(*printed[0][1:])
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert re.search(r"^replayed 4 requests \(\d+ tokens\) through source_patch\.runtime\.weights\.twin:build in "
+    assert re.search(r"^replayed 4 requests \(\d+ tokens\) through source_patch\.runtime\.weight_sync\.twin:build in "
                      r"[\d.]+ s; routes: expert ids of 4 of 4 requests replayed from ", replayed.stdout, re.M)
     assert "Traceback" not in replayed.stderr and "UserWarning" not in replayed.stderr
 
