@@ -8,8 +8,10 @@ checksums, views) against a raw copy of those bytes alone.
 ipc: the trainer process (this one, GPU 0) packs a synthetic model (``--tensors``
 tensors, bf16) into its exported memory once; an engine process on each GPU maps it
 (CUDA IPC), then per round: ``receive`` (backend.receive_request: device-to-device
-copy, checksums, verdict) and ``raw`` (one copy of the same bytes from the mapped
-memory into a buffer of the engine's), each timed to a device sync.  The engine on
+copy and checksums, in one pass where source and copy share a device: copysum.py),
+the same with the copy and the sums apart, without checksums (``-c``), and ``raw``
+(one copy of the same bytes from the mapped memory into a buffer of the engine's),
+each timed to a device sync.  The engine on
 GPU 0 is the colocated layout; the one on GPU 1 reads over the interconnect.
 
 mooncake: a trainer TransferEngine and an engine TransferEngine in this process
@@ -87,7 +89,19 @@ def engine_main(payload_path: str, gpu: int, n: int) -> None:
     backend.receive_request(payloads[""], device=device, **LIMITS)  # maps the export, allocates the stream
     source = ipc._map(doc["memory"], doc["total_bytes"])[: doc["total_bytes"]]
     dst = torch.empty_like(source, device=device)
+    from source_patch.runtime.weight_sync import copysum
+
+    fused = copysum.usable
+
+    def unfused():  # the copy, then the sums: a second pass over the bytes
+        copysum.usable = lambda *_: False
+        try:
+            backend.receive_request(payloads[""], device=device, **LIMITS)
+        finally:
+            copysum.usable = fused
+
     times = rounds({"receive": lambda: backend.receive_request(payloads[""], device=device, **LIMITS),
+                    "receive, copy then sums": unfused,
                     "receive -c": lambda: backend.receive_request(payloads[".nosum"], device=device, **LIMITS),
                     "raw": lambda: dst.copy_(source)}, n, device)
     print(json.dumps(times))
@@ -113,7 +127,7 @@ def ipc_bench(args) -> list:
                 raise SystemExit(f"engine on GPU {gpu} failed:\n{out.stderr[-3000:]}")
             times = json.loads(out.stdout.strip().splitlines()[-1])
             where = "colocated (GPU 0)" if gpu == 0 else f"GPU {gpu} reads GPU 0"
-            rows += [(f"ipc {name}, {where}", times[name], times["raw"]) for name in ("receive", "receive -c", "raw")]
+            rows += [(f"ipc {name}, {where}", times[name], times["raw"]) for name in times]
         rows.append(("ipc trainer: pack into the export (no checksums)", pack, None))
     sender.close()
     return rows

@@ -212,3 +212,33 @@ def test_colocated_a_trainer_over_two_devices_feeds_an_engine_receiver_on_each_b
         engine = json.loads(Path(f"{out}.engine{d}.json").read_text())
         assert engine.get("version") == 7 and engine["names_match"] and engine["mismatched"] == [], engine
         assert engine["tensors"] > 10 and engine["device"] == (f"cuda:{d}" if cuda else "cpu")
+
+
+COPYSUM = """
+import json, torch
+from source_patch.runtime.weight_sync import copysum, wire
+cases = {}
+for total, bucket in ((1 << 16, 4096), (12352, 4096), (3 << 20, 1 << 20)):
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=torch.Generator().manual_seed(total))
+    src[:8] = 255  # words near 2**64: the sums wrap
+    dst, n = torch.empty(total, dtype=torch.uint8), -(-total // bucket)
+    sums, ref = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+    copysum.copy_and_sum(src, dst, bucket, sums)
+    for k in range(n):
+        wire.bucket_sum(src[k * bucket: (k + 1) * bucket], ref[k])
+    cases[f"{total}/{bucket}"] = [torch.equal(src, dst), torch.equal(sums, ref)]
+print(json.dumps({"cases": cases, "blocks": [copysum.block_for(b) for b in (4096, 48, 1 << 20, 4104)]}))
+"""
+
+
+def test_the_fused_copy_and_checksum_kernel_equals_a_copy_and_bucket_sums_under_tritons_interpreter():
+    """runtime/weight_sync/copysum.py (the colocated ipc receive on a GPU) run by
+    Triton's interpreter on CPU: the copy is exact and each bucket's sum is
+    wire.bucket_sum's, wrapping included; a block never straddles two buckets."""
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", COPYSUM], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(copied and summed for copied, summed in result["cases"].values()), result
+    assert result["blocks"] == [512, 0, 4096, 0]  # 4104 bytes: 513 words, odd: not fused

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from . import sender
+from . import copysum, sender
 from .request import post_update
 from .receiver import Update
 from .wire import (Buffers, Manifest, ManifestError, WeightSyncError, bucket_sum, request_json, too_many_buckets,
@@ -172,11 +172,15 @@ _staged: dict = {}   # device -> (entries, stream, views): this engine's copy, r
 def receive(manifest: Manifest, fields: dict, *, device: torch.device, rank: int = 0, **_) -> Update:
     """Copy the update out of the trainer's exported memory into this engine's own
     buffer, verify the bucket sums, and hand out views of it."""
-    source = _map(fields.get("memory"), manifest.total_bytes)
+    source = _map(fields.get("memory"), manifest.total_bytes)[: manifest.total_bytes]
     entries, stream, views = _stage(manifest, device)
-    if manifest.total_bytes:
-        stream.copy_(source[: manifest.total_bytes])
-    verify_sums(manifest, stream, fields.get("sums"))
+    computed = None
+    if manifest.total_bytes and manifest.checksum and copysum.usable(source, stream, manifest.bucket_bytes):
+        computed = torch.empty(manifest.buckets, dtype=torch.int64, device=device)
+        copysum.copy_and_sum(source, stream, manifest.bucket_bytes, computed)  # one pass: no second read
+    elif manifest.total_bytes:
+        stream.copy_(source)
+    verify_sums(manifest, stream, fields.get("sums"), computed)
     return Update(manifest.version, manifest, list(views), lambda: None)
 
 

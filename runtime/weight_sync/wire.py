@@ -330,16 +330,19 @@ def parse_request(data: bytes, max_update_bytes: int, known: tuple | None = None
                                                                    "total_bytes", "checksum")}
 
 
-def verify_sums(manifest: Manifest, stream: torch.Tensor, sums: list) -> None:
-    """Compare each bucket's int64 word sum of ``stream`` with the sender's ``sums``."""
+def verify_sums(manifest: Manifest, stream: torch.Tensor, sums: list, computed: torch.Tensor | None = None) -> None:
+    """Compare each bucket's int64 word sum of ``stream`` (or ``computed``, those sums
+    already made, e.g. while copying) with the sender's ``sums``."""
     if not manifest.checksum:
         return
     if not isinstance(sums, list) or len(sums) != manifest.buckets:
         raise ManifestError(f"{len(sums) if isinstance(sums, list) else 'no'} bucket sums for "
                                  f"{manifest.buckets} buckets")
-    got = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=stream.device)
-    for k in range(manifest.buckets):
-        bucket_sum(stream[slice(*manifest.window(k))], got[k])
+    got = computed
+    if got is None:
+        got = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=stream.device)
+        for k in range(manifest.buckets):
+            bucket_sum(stream[slice(*manifest.window(k))], got[k])
     bad = [k for k, (a, b) in enumerate(zip(got.tolist(), sums)) if a != b]
     if bad:
         raise ChecksumMismatch(f"update v{manifest.version}: checksum mismatch in bucket(s) "
