@@ -49,7 +49,7 @@ import torch
 
 from ..core import ranks, settings, tags as ambient
 from ..core.failures import Counters
-from .ring import Slice
+from .ring import ALIGN, Slice
 
 SETTINGS = "trace"  # its settings component (the capability contract: core/capability.py)
 
@@ -320,7 +320,7 @@ class _Plan:
     the launcher's) where the general path takes ~12; ``stale``: the tensor's layout
     changed, plan again; ``failed``: its launch raised, the general path from now on."""
 
-    __slots__ = ("sub", "layout", "device", "launch", "nbytes", "stale", "failed", "fused", "compress")
+    __slots__ = ("sub", "layout", "device", "launch", "nbytes", "padded", "stale", "failed", "fused", "compress")
 
     def __init__(self, sub, tensor: torch.Tensor, launch, fused, compress):
         self.sub, self.launch, self.stale, self.failed = sub, launch, False, False
@@ -328,6 +328,7 @@ class _Plan:
         self.device = tensor.get_device()
         self.layout = (tensor.shape, tensor.dtype, self.device, tensor.data_ptr() & 15 == 0)
         self.nbytes = 4 * launch.shape[0] * launch.shape[1] * launch.shape[2]  # float32 [splits, stats, cols]
+        self.padded = -(-self.nbytes // ALIGN) * ALIGN  # what a slice of it takes in the ring
 
 
 def _make_plan(routes: tuple, tensor) -> "_Plan | bool | None":
@@ -351,8 +352,8 @@ def _make_plan(routes: tuple, tensor) -> "_Plan | bool | None":
 def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
     """The planned due call (see _Plan); False (nothing done) where its conditions do not
     hold now: the general path (_emit) then does the call.  What it does is what
-    _compress, _device_stage, fused.column_stats, ring.claim, _defer and the queueing
-    do for this case, inline, in one function: a due call's host time grows with its
+    _compress, _device_stage, fused.column_stats (and _no_hooks), ring.claim (and
+    _take), _defer and the queueing do for this case, inline, in one function: a due call's host time grows with its
     Python frames, most of all between a training step's layers, where their code is
     out of the caches (docs/bench-notes/trace.md)."""
     global _tracer
@@ -371,10 +372,13 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
             or not tensor.is_contiguous():
         plan.stale = True
         return False
-    base = ring.device_address
-    if base is None or not fused._direct_ok or not compress.DIRECT_LAUNCH or not compress.USE_TRITON \
-            or _capturing() or fused._current_device() != device or not fused._no_hooks():
+    base, hooks = ring.device_address, fused._hooks
+    if base is None or hooks is None or not fused._direct_ok or not compress.DIRECT_LAUNCH \
+            or not compress.USE_TRITON or _capturing() or fused._current_device() != device:
         return False
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook  # fused._no_hooks, inline
+    if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
+        return False  # a profiler's launch hook wants Triton's dispatch
     start = time.perf_counter()
     sub.next_step[key] = step + sub.every
     stamp = time.time()
@@ -385,8 +389,17 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
         if len(_pending) >= _config["queue"]:  # the publisher is behind: drop, never wait
             _count("dropped")
         else:
-            with ring._lock:
-                offset, end = ring._take(plan.nbytes)
+            with ring._lock:  # ring._take, inline: the next slice, never wrapping; None when full
+                head = ring.head
+                offset = head % ring.size
+                if offset + plan.nbytes > ring.size:
+                    head += ring.size - offset
+                    offset = 0
+                end = head + plan.padded
+                if end - ring.tail > ring.size:
+                    offset = None
+                else:
+                    ring.head = end
             if offset is None:
                 _count("dropped")  # the forwarder is behind: its ring is full
             else:

@@ -86,6 +86,7 @@ class Ring:
         return None if offset is None else Slice(self, offset, end, shape)
 
     def _take(self, nbytes: int) -> tuple:
+        # (caller holds _lock) api._fast runs this inline: keep the two in step.
         start = self.head
         offset = start % self.size
         if offset + nbytes > self.size:  # a slice never wraps: skip to the ring's start
