@@ -119,8 +119,11 @@ def test_slot_store_reads_by_slot_and_refuses_unwritten_rows():
     the order of the slots asked; a slot never written is an error naming the position."""
     store = SlotStore()
     ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
-    store.pending(torch.tensor([7, 2, 40]), {0: (ids, ids.float() / 10)})
-    store.pending(torch.tensor([2]), {0: (torch.tensor([[6, 7]]), torch.tensor([[0.5, 0.5]]))})  # slot 2 reused
+    store.pending(torch.tensor([7, 2, 40]), {0: (ids, ids.float() / 10)}, "first")
+    store.pending(torch.tensor([2]), {0: (torch.tensor([[6, 7]]), torch.tensor([[0.5, 0.5]]))}, "second")
+    store.settle(keep=lambda tag: tag == "second")  # a reader that does not need the latest forward
+    assert store.read(torch.tensor([2]), "r")[0][0].tolist() == [[2, 3]]
+    store.settle()  # slot 2 reused by the second forward
     layers, weights = store.read(torch.tensor([40, 2, 7]), "request 'r'")
     assert layers[0].tolist() == [[4, 5], [6, 7], [0, 1]] and layers[0].dtype == torch.int64
     assert torch.allclose(weights[0], torch.tensor([[0.4, 0.5], [0.5, 0.5], [0.0, 0.1]]))

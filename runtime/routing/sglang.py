@@ -42,7 +42,7 @@ weights (as in SGLang's biased top-k), so it plays no part. Only the routed colu
 (the first ``top_k - num_shared_topk_slots``) are captured or replaced; fused shared
 expert columns keep what the router gave them.
 
-Over 400 lines on purpose: capture, replay and the per-request records share the
+Over 500 lines on purpose: capture, replay and the per-request records share the
 ambient batch and its row bookkeeping, which must be read together.
 """
 
@@ -217,6 +217,9 @@ def set_batch(rids, lens, starts=None, *, slots=None, pool=None, pool_indices=No
     _S.batch_slots = (space, slots)
     with _S.lock:
         _track(rids, lens, starts, space, slots, pool, pool_indices)
+        # forwards older than the previous one are done even under the overlap schedule:
+        # to the host now, so at most two forwards stay on the device
+        _S.stores[space].settle(keep=lambda tag: tag[0] >= _S.forward_id - 1)
 
 
 def _track(rids, lens, starts, space, slots, pool, pool_indices) -> None:
@@ -388,7 +391,7 @@ def routing_sglang_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor, rout
             if _S.current is None or _S.current["id"] != _S.forward_id:
                 _S.current = {"id": _S.forward_id, "layers": {}}
                 space, slots = _S.batch_slots
-                _S.stores[space].pending(slots, _S.current["layers"])  # scattered on the next read
+                _S.stores[space].pending(slots, _S.current["layers"], (_S.forward_id, _S.batch))  # scattered when read
             _S.current["layers"][int(layer_id)] = (  # ids and their combine weights, still on the device
                 routed[:rows].detach().clone(), topk_weights[:rows, :num_routed_topk].detach().clone())
             _S.num_experts = num_experts
@@ -418,14 +421,23 @@ def records(only=None) -> dict:
     return out
 
 
-def _record(rid, e, end, pool, idx) -> RoutingRecord | None:
+def _record(rid, e, end, pool, idx, *, lazy: bool = False) -> RoutingRecord | None:
     """Rows ``[start, end)`` of ``rid`` read from the slot store (KV slots through
-    ``pool[idx]``); None when nothing was captured."""
+    ``pool[idx]``); None when nothing was captured.  ``lazy``: leave the latest forward
+    on its device unless it holds rows of ``rid`` before ``end`` (a finished request's
+    rows are all in earlier forwards under SGLang's overlap schedule, which has launched
+    the next batch already: waiting for it would stall the overlap)."""
     if e["gap"]:
         raise RoutingRecordError(f"request {rid!r}: {e['gap']}")
     store = _S.stores[e["space"]]
+    latest = _S.forward_id
+
+    def keep(tag):
+        fid, (rids, _, starts) = tag
+        return fid == latest and not any(r == rid and s < end for r, s in zip(rids, starts))
+
     with _S.lock:
-        store.settle()
+        store.settle(keep if lazy else None)
         if not store.ids or end <= e["start"]:
             return None
         if e["space"] == "virtual":
@@ -483,7 +495,7 @@ def routing_sglang_release(req, tree_cache=None) -> None:
         rid = req.rid
         e = _S.live.get(rid)
         if e is not None and not is_probe(rid):
-            rec = _record(rid, e, *_finished_rows(req, e, tree_cache))
+            rec = _record(rid, e, *_finished_rows(req, e, tree_cache), lazy=True)
             if rec is not None:
                 folder = Path(_S.dir) / f"rank{_rank()}"
                 folder.mkdir(parents=True, exist_ok=True)

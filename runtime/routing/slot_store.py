@@ -10,8 +10,11 @@ simply overwritten by their next owner, so memory is bounded by the KV pool: per
 and MoE layer ``topk`` int32 ids + ``topk`` float32 weights + one byte saying the row
 was written (``bytes_per_slot``).
 
-Forwards are held on their device until the next read (:meth:`SlotStore.pending` then
-:meth:`SlotStore.settle`), so the call sites never wait for the device.
+Forwards are held on their device until a read needs them (:meth:`SlotStore.pending`
+then :meth:`SlotStore.settle`), so the call sites never wait for the device; a reader
+may leave a forward pending (``keep``): under SGLang's overlap schedule the next batch
+is already launched when a finished request is released, and waiting for it would
+stall the overlap.
 """
 
 from __future__ import annotations
@@ -26,16 +29,20 @@ class SlotStore:
     def __init__(self):
         self.ids, self.weights, self.written = {}, {}, {}
         self.capacity = 0
-        self._pending = []  # (slots, {layer: (ids, weights)}) still on the device
+        self._pending = []  # (slots, {layer: (ids, weights)}, tag) still on the device
 
-    def pending(self, slots: torch.Tensor, layers: dict) -> None:
+    def pending(self, slots: torch.Tensor, layers: dict, tag=None) -> None:
         """Hold one forward's rows (``slots``: one KV slot per row) until :meth:`settle`."""
-        self._pending.append((slots, layers))
+        self._pending.append((slots, layers, tag))
 
-    def settle(self) -> None:
-        """Scatter every held forward into the host arrays (one device-to-host copy each)."""
+    def settle(self, keep=None) -> None:
+        """Scatter the held forwards into the host arrays (one device-to-host copy each),
+        but those whose ``tag`` makes ``keep(tag)`` true, which stay held."""
         pending, self._pending = self._pending, []
-        for slots, layers in pending:
+        for slots, layers, tag in pending:
+            if keep is not None and keep(tag):
+                self._pending.append((slots, layers, tag))
+                continue
             slots = slots.to("cpu", torch.int64)
             if slots.numel() == 0:
                 continue
@@ -68,8 +75,8 @@ class SlotStore:
     def read(self, slots: torch.Tensor, what: str) -> tuple[dict, dict]:
         """``({layer: ids}, {layer: weights})`` of these slots, in their order.  A row
         never written (capture was off when a cached prefix was computed, a skipped
-        forward) is an error naming the position: never zeros, never a stale row."""
-        self.settle()
+        forward) is an error naming the position: never zeros.  Settle what the rows
+        need first."""
         slots = slots.to("cpu", torch.int64)
         ids, weights = {}, {}
         for layer in sorted(self.ids):
