@@ -53,7 +53,7 @@ def _record(folder, rid, timeout=20.0):
     return rr.load(path)
 
 
-def _generate(server, rids, samples):
+def _generate(server, rids, samples, **fields):
     """One /generate of PROMPT for each sample index in ``samples``. Greedy with a
     per-sample logit bias: distinct completions that a second run reproduces exactly
     (this engine's seeded sampling needs --enable-deterministic-inference, which
@@ -61,7 +61,7 @@ def _generate(server, rids, samples):
     params = [{"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True,
                "logit_bias": {str(BIAS[i]): 4.0}} for i in samples]
     status, out = server.post("/generate", {"input_ids": [PROMPT] * len(rids), "rid": rids,
-                                            "sampling_params": params, "return_routed_experts": True})
+                                            "sampling_params": params, "return_routed_experts": True, **fields})
     assert status == 200, out
     return out
 
@@ -132,3 +132,37 @@ def test_slot_store_reads_by_slot_and_refuses_unwritten_rows():
         store.read(torch.tensor([7, 3]), "request 'r'")
     with pytest.raises(LookupError, match=r"position 0 \(KV slot 500\)"):
         store.read(torch.tensor([500]), "request 'r'")
+
+
+@pytest.fixture(scope="module")
+def replayed(cached_server, sglang_server, tmp_path_factory):
+    """Sample 2 of a GRPO group (its prompt prefix came from the radix cache), replayed in a
+    second server: as recorded ("rp-same"), and with only its prompt-prefix rows moved to
+    other experts ("rp-prefix-moved"), which changes the model's output only if those rows,
+    the ones a start_pos > 0 record used to lack, are replayed."""
+    server, routes = cached_server
+    out = _grpo(server)[2]
+    assert out["meta_info"]["cached_tokens"] > 0
+    rec = _record(routes, "grpo-2")
+    folder = tmp_path_factory.mktemp("prefix-replay")
+    prefix = len(PROMPT) - 1
+    moved = {k: torch.cat([(v[:prefix] + 3) % rec.num_experts, v[prefix:]]) for k, v in rec.indices.items()}
+    rec.replace(sample_ids=["rp-same"], probs=None).save(folder / "same.safetensors")
+    rec.replace(sample_ids=["rp-prefix-moved"], indices=moved, probs=None).save(folder / "moved.safetensors")
+    replay = sglang_server(specs=["routing"], args=["--disable-radix-cache", "--skip-server-warmup"],
+                           env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "replay",
+                                "SOURCE_PATCH_SGLANG_ROUTING_REPLAY": str(folder)})
+    return replay, out["output_ids"]
+
+
+@pytest.mark.slow
+def test_replaying_a_cached_samples_record_reproduces_its_tokens(replayed):
+    server, tokens = replayed
+    same = _generate(server, ["rp-same"], [2], return_logprob=True)[0]
+    moved = _generate(server, ["rp-prefix-moved"], [2], return_logprob=True)[0]
+    assert same["output_ids"] == tokens
+    # the prompt-prefix rows are in the record and replayed: other experts, other log-probs
+    # (the sample's logit bias may still pick the same tokens)
+    logp = [[entry[0] for entry in r["meta_info"]["output_token_logprobs"]] for r in (same, moved)]
+    assert len(logp[0]) == len(logp[1]) == NEW
+    assert max(abs(a - b) for a, b in zip(*logp)) > 1e-3
