@@ -245,11 +245,10 @@ def engine(sglang_server):
     """The server test_weight_sync_engine.py uses (same arguments: shared in a session),
     joined to a group of this test process as the trainer, and the checkpoint it serves."""
     from safetensors.torch import load_file
-    from test_weight_sync_engine import checkpoint_config
 
     from source_patch.testing.sglang import tiny_checkpoint
 
-    checkpoint = tiny_checkpoint(**checkpoint_config())
+    checkpoint = tiny_checkpoint(**models.checkpoint_config())
     server = sglang_server(specs=["weight_sync"], args=["--skip-server-warmup", "--disable-radix-cache"],
                            env={"SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "60"}, model=checkpoint)
     port, joined = models.free_port(), {}
