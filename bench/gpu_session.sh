@@ -46,9 +46,13 @@ echo "== routing capture/replay step bench"
 timeout 560 python3 bench/routing_bench.py --rounds 5 --steps 25 --warmup 8 2>&1 | tee "$OUT/routing_bench.txt" | tail -10
 fi
 if want graphs; then
-echo "== graph-safe call sites (issue 31): staged under torch.cuda.graph, drained after each replay"
-timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_graph_stage.py 2>&1 \
-  | tee "$OUT/pytest_graph_stage.log" | tail -4
+echo "== graph-safe call sites (issue 31): staged under torch.cuda.graph, drained after each replay;"
+echo "   routing capture / replay under Megatron's own CUDA graphs (cuda_graph_impl=local, moe_router scope)"
+timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_graph_stage.py tests/test_megatron_graphs.py 2>&1 \
+  | tee "$OUT/pytest_graph_stage.log" | tail -30
+echo "== routing capture on vs off in a graphed Megatron step (bench/graph_bench.py)"
+timeout ${GRAPH_BENCH_TIMEOUT:-150} python3 bench/graph_bench.py ${GRAPH_BENCH_ARGS:-} 2>&1 | grep -v "Warning\|warnings.warn" \
+  | tee "$OUT/graph_bench.txt" | tail -12
 fi
 if want trace; then
 echo "== trace: forwarder and compressor tests (Triton's interpreter too), gpu-marked hub tests, then the benches"

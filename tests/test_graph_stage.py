@@ -226,3 +226,87 @@ def test_megatron_routing_replay_feeds_each_replay_its_own_record():
     finally:
         routing.configure(mode="off")
         routing.reset()
+
+
+# --------------------------------------------------------------------------- Megatron's runners (CPU)
+# patches/routing.yaml calls graph_build / graph_capture / graph_captured around a
+# _CudaGraphRunner's create_fwd_graph and graph_replay / graph_replayed around each
+# fwd_graph.replay(); the capture itself needs CUDA (tests/test_megatron_graphs.py), the
+# bookkeeping around it does not: staged and fed buffers are put in by hand here.
+
+
+class Runner:
+    """What the hooks read of megatron-core's _CudaGraphRunner."""
+
+    def __init__(self, layer=3):
+        self.base_module = type("MoETransformerLayer", (), {"layer_number": layer})()
+        self.func = None
+
+
+def test_runner_hooks_cost_one_test_without_a_user():
+    graph_stage.use("routing", on=False)
+    runner = Runner()
+    graph_stage.graph_build(runner)
+    assert not graph_stage.warming_up() and graph_stage.active() is None
+    graph_stage.graph_capture(runner)
+    assert graph_stage.active() is None
+    graph_stage.graph_captured(runner)
+    graph_stage.graph_replay(runner)
+    graph_stage.graph_replayed(runner)  # nothing staged, nothing drained, nothing raised
+
+
+def test_runner_build_warmup_capture_replay_drain():
+    """Warm-up passes (between build and capture) are flagged; call sites in the capture
+    stage into the runner's stage; each replay is fed before and drained after."""
+    graph_stage.use("test", on=True)
+    try:
+        runner, writer, fills = Runner(), Writer(), []
+        graph_stage.graph_build(runner)
+        assert graph_stage.warming_up() and graph_stage.active() is None
+        graph_stage.graph_capture(runner)
+        stage = graph_stage.active()
+        assert stage is not None and not graph_stage.warming_up() and stage.name == "megatron MoETransformerLayer 3"
+        stage.put(writer, "ids", torch.tensor([[1, 2], [3, 4]]))
+        buffer = graph_stage.feed(lambda key, buf, **t: fills.append((key, t["replay"])) or buf.fill_(7), "in",
+                                  torch.zeros(2))
+        graph_stage.graph_captured(runner)
+        assert graph_stage.active() is None and not graph_stage.warming_up()
+        for n in (1, 2):
+            graph_stage.graph_replay(runner)
+            assert torch.equal(buffer, torch.full((2,), 7.0)) and fills[-1] == ("in", n)
+            graph_stage.graph_replayed(runner)
+        assert [(k, t["replay"], t["cuda_graph"]) for k, _, t in writer.rows] == [("ids", 1, True), ("ids", 2, True)]
+        assert torch.equal(writer.rows[0][1], torch.tensor([[1, 2], [3, 4]]))
+        stage.after_replay()  # a replay the hooks did not drain: the next one refuses
+        with pytest.raises(GraphStageError, match="never drained"):
+            graph_stage.graph_replay(runner)
+    finally:
+        graph_stage.use("test", on=False)
+
+
+def test_megatron_routing_skips_warmup_and_refuses_unstaged_replay():
+    """Routing capture records nothing from a graph's warm-up passes; a graph built while
+    routing was off: capture warns, replay raises (it would route as at its capture)."""
+    from source_patch.runtime.routing.megatron import RoutingReplayError
+
+    routing.reset()
+    try:
+        routing.configure(mode="capture", dir="", probs=False)
+        runner = Runner()
+        graph_stage.graph_build(runner)
+        _moe(routing, torch.randn(PAD, E))  # a warm-up pass
+        graph_stage.graph_captured(runner)
+        assert routing.records() == []
+        _moe(routing, torch.randn(PAD, E))  # eager, after the build: recorded
+        assert [r.layers for r in routing.records()] == [[1, 2]]
+        unbuilt = Runner(5)
+        with pytest.warns(RuntimeWarning, match="built .* while routing was off"):
+            graph_stage.graph_replay(unbuilt)
+        routing.configure(mode="replay")
+        with pytest.raises(RoutingReplayError, match="MoETransformerLayer 5"):
+            graph_stage.graph_replay(unbuilt)
+        routing.configure(mode="off")
+        graph_stage.graph_replay(unbuilt)  # off: one test, nothing else
+    finally:
+        routing.configure(mode="off")
+        routing.reset()

@@ -94,13 +94,20 @@ class GraphStage:
     @contextlib.contextmanager
     def capture(self):
         """Call sites in this block (on this thread) stage into this graph."""
-        if self.entries or self.feeds:
-            raise GraphStageError(f"graph {self.name!r}: captured twice (make a new GraphStage per graph)")
-        previous, _local.stage = getattr(_local, "stage", None), self
+        previous = self.begin()
         try:
             yield self
         finally:
             _local.stage = previous
+
+    def begin(self) -> "GraphStage | None":
+        """Make this the stage call sites on this thread capture into (the start of
+        :meth:`capture`, for code that cannot hold a ``with`` block); returns the
+        previous one."""
+        if self.entries or self.feeds:
+            raise GraphStageError(f"graph {self.name!r}: captured twice (make a new GraphStage per graph)")
+        previous, _local.stage = getattr(_local, "stage", None), self
+        return previous
 
     def put(self, sink, key, tensor: torch.Tensor, **meta) -> None:
         buffer = torch.empty_like(tensor)  # during capture: the graph's pool, kept alive by this reference
@@ -110,12 +117,21 @@ class GraphStage:
     def replay(self, graph, **tags) -> None:
         """Refill what the graph reads (each feed's ``fill``, on the current stream), then
         ``graph.replay()``; refused while the previous replay's rows are undrained."""
+        self.before_replay(**tags)
+        graph.replay()
+        self.after_replay()
+
+    def before_replay(self, **tags) -> None:
+        """What :meth:`replay` does before ``graph.replay()`` (for code that replays the
+        graph itself): refuse an undrained stage, refill the feeds."""
         if self.undrained:
             raise GraphStageError(f"graph {self.name!r}: replay {self.replays + 1} would overwrite the staged rows "
                                   f"of replay {self.replays}, which were never drained")
         for fill, key, buffer, meta in self.feeds:
             fill(key, buffer, replay=self.replays + 1, **meta, **tags)
-        graph.replay()
+
+    def after_replay(self) -> None:
+        """What :meth:`replay` does after ``graph.replay()``: the staged rows await a drain."""
         self.replays += 1
         self.undrained = bool(self.entries)
 
@@ -134,3 +150,95 @@ class GraphStage:
             sink(key, buffer[:n].clone(), cuda_graph=True, replay=self.replays, **meta, **tags)
         self.undrained = False
         return len(self.entries)
+
+
+# ------------------------------------------------------------------ Megatron-Core's own graphs
+#
+# patches/routing.yaml calls these from megatron-core's cuda_graphs.py (``cuda_graph_impl=
+# "local"``): each ``_CudaGraphRunner`` gets a GraphStage when its forward graph is built
+# (``create_fwd_graph``: eager warm-up passes, then the capture), is fed before and drained
+# after every ``fwd_graph.replay()`` (``_CudagraphReplayNode.forward``).  A capability that
+# stages or feeds under graphs registers with :func:`use`; with none registered every
+# hook is one truthiness test and Megatron's graphs are built and replayed as without us.
+
+_users: dict = {}  # capability name -> on_unstaged(name, runner): a graph built while it was off
+_stages = None  # weakref.WeakKeyDictionary: _CudaGraphRunner -> GraphStage (made on first use)
+
+
+def use(name: str, on_unstaged=None, on: bool = True) -> None:
+    """Register (``on``) or drop capability ``name`` as a user of graph staging.
+    ``on_unstaged(name, runner)`` is called at the replay of a graph built while no
+    capability was registered: its call sites were never staged or fed."""
+    if on:
+        _users[name] = on_unstaged
+    else:
+        _users.pop(name, None)
+
+
+def warming_up() -> bool:
+    """Whether a Megatron graph is being built and this is one of its eager warm-up
+    passes (their inputs are zeros and their results thrown away: not a forward to record)."""
+    return getattr(_local, "building", None) is not None and getattr(_local, "stage", None) is None
+
+
+def graph_build(runner) -> None:
+    """``create_fwd_graph`` entry: a new GraphStage for this runner; warm-up begins."""
+    if not _users:
+        return
+    global _stages
+    if _stages is None:
+        import weakref
+
+        _stages = weakref.WeakKeyDictionary()
+    _local.stage = None  # a build that raised earlier left nothing behind
+    _local.building = _stages[runner] = GraphStage(describe(runner))
+
+
+def describe(runner) -> str:
+    """A runner's module and layer (its own __str__ assumes a hidden_states keyword, which
+    the MoE router graph's runner does not have)."""
+    module = getattr(runner, "base_module", None)
+    number = getattr(module, "layer_number", None)
+    func = getattr(getattr(runner, "func", None), "__name__", None)
+    return f"megatron {type(module).__name__}" + (f" {number}" if number is not None else "") + \
+        (f" {func}" if func and func != "__call__" else "")
+
+
+def graph_capture(runner) -> None:
+    """Before ``with torch.cuda.graph(...)`` in ``create_fwd_graph``: call sites stage."""
+    stage = getattr(_local, "building", None)
+    if stage is not None:
+        stage.begin()
+
+
+def graph_captured(runner) -> None:
+    """After the capture block: the build is over."""
+    if getattr(_local, "building", None) is not None:
+        _local.stage = _local.building = None
+
+
+def graph_replay(runner) -> None:
+    """Before ``runner.fwd_graph.replay()``: refill what the graph reads."""
+    if not _users:
+        return
+    stage = _stages.get(runner) if _stages is not None else None
+    if stage is None:
+        for name, on_unstaged in list(_users.items()):
+            if on_unstaged is not None:
+                on_unstaged(name, runner)
+        return
+    stage.before_replay()
+
+
+def graph_replayed(runner) -> None:
+    """After the replay (its outputs ready on the current stream): drain the staged rows
+    into their writers, tagged ``cuda_graph=True`` (Megatron's training graphs have no
+    padding rows)."""
+    if not _users or _stages is None:
+        return
+    stage = _stages.get(runner)
+    if stage is None:
+        return
+    stage.after_replay()
+    if stage.undrained:
+        stage.drain()

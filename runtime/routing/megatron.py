@@ -115,6 +115,7 @@ def configure(**changes) -> dict:
     for key, value in changes.items():
         _config[key] = check("routing", key, value)
     _OFF = _config["mode"] == "off"
+    graph_stage.use("routing", _unstaged, on=not _OFF)  # Megatron's own CUDA graphs stage / feed for us
     if _config["mode"] == "replay" and not _replay and _config.get("dir"):
         set_replay(_config["dir"])
     return dict(_config)
@@ -408,6 +409,8 @@ def _to_host(t: torch.Tensor):
 
 def _capture(indices: torch.Tensor) -> None:
     global _last_idx
+    if graph_stage.warming_up():
+        return  # an eager warm-up pass of a Megatron graph being built: zeros in, nothing routed
     if _unaddressable("capture"):
         return
     if indices.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -439,6 +442,17 @@ def _drained(key, indices, *, layer, cuda_graph, replay, **_):
         _capture(indices)
     finally:
         _layer, _draining = saved, False
+
+
+def _unstaged(name, runner) -> None:
+    """A Megatron CUDA graph built while routing was off is replayed (core/graph_stage.py)."""
+    why = ("was built (at the end of the first step) while routing was off, so its routers are not "
+           f"{'captured' if _config['mode'] == 'capture' else 'replayed'} ({graph_stage.describe(runner)}); "
+           "turn routing on "
+           "before the first step")
+    if _config["mode"] == "replay":
+        raise RoutingReplayError(f"routing replay: a CUDA graph {why}: it would route as at its capture")
+    _warn_once("capture-unstaged-graph", f"capture: a CUDA graph {why}")
 
 
 class _Pending:
@@ -636,6 +650,8 @@ def _on_device(key, rec: RoutingRecord, device: torch.device) -> dict:
 
 
 def _replay_topk(scores, result):
+    if graph_stage.warming_up():
+        return result  # an eager warm-up pass of a Megatron graph being built: its results are thrown away
     if _unaddressable("replay"):
         return result
     if scores.is_cuda and torch.cuda.is_current_stream_capturing() and graph_stage.active() is not None:

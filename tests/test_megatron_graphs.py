@@ -1,0 +1,188 @@
+"""Routing capture and replay under Megatron-Core's own CUDA graphs (issue 31, build item 5).
+
+A real GPT-MoE (examples/train_moe.py's model: 2 MoE layers, 8 experts, top-2, allgather
+dispatcher) trained with ``cuda_graph_impl="local"`` and ``cuda_graph_scope=["moe_router"]``:
+each layer's router (pre-MLP norm, router, dispatch preprocessing) is a CUDA graph that
+Megatron records in step 0 (eager), builds at the end of step 0 (eager warm-up passes,
+then the capture) and replays from step 1 on.  patches/routing.yaml gives each graph a
+GraphStage (runtime/core/graph_stage.py): capture stages the top-k ids in the graph and
+drains them after every replay; replay feeds the recorded ids into a static buffer the
+graphed router reads.  Learning rate 0: every step routes with the same weights, so a
+difference between two runs can only come from how the routes were taken.
+
+Each scenario is its own process (this file run as a script; patching happens at import):
+
+- ``capture`` eager vs graphed, same seed: every (step, micro-batch, layer) record equal,
+  graph-replayed steps tagged ``cuda_graph``, no record from a warm-up pass;
+- ``replay`` of the graphed capture into a model of another seed, graphed and eager: the
+  routing map the experts used at the last replayed micro-batch is the recorded one, and
+  the losses of graphed and eager replay agree, while the same model with routing off
+  routes (and loses) otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+STEPS, MICRO_BATCHES, SEED, OTHER_SEED = 4, 2, 1234, 99
+
+
+def _scenario(out: Path, mode: str, graphs: bool, seed: int, folder: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH")}
+    env["SOURCE_PATCH_CACHE"] = str(out.parent / "cache")
+    args = [sys.executable, __file__, str(out), mode, "graphs" if graphs else "eager", str(seed), str(folder)]
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _results(runs: dict) -> dict:
+    out = {}
+    for name, (path, proc) in runs.items():
+        log, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"scenario {name} failed (exit {proc.returncode}):\n{log[-4000:]}"
+        from safetensors.torch import load_file
+
+        out[name] = (json.loads(path.with_suffix(".json").read_text()), load_file(str(path.with_suffix(".st"))))
+    return out
+
+
+def _routes(tensors: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Megatron's graphs)")
+def test_capture_and_replay_under_megatron_cuda_graphs(tmp_path):
+    pytest.importorskip("megatron.core")
+    folder = tmp_path / "routes"
+    first = {name: (tmp_path / name, _scenario(tmp_path / name, mode, graphs, seed, folder))
+             for name, mode, graphs, seed in (("eager", "capture", False, SEED), ("graphs", "capture", True, SEED),
+                                               ("off", "off", True, OTHER_SEED))}
+    res = _results(first)
+    (eager, eager_t), (graphed, graphed_t) = res["eager"], res["graphs"]
+
+    # capture: the records of graph-replayed steps are the eager ones, key for key, layer for layer
+    keys = [(s, m) for s in range(STEPS) for m in range(MICRO_BATCHES)]
+    assert [tuple(r["key"]) for r in graphed["records"]] == keys, "a warm-up pass or a lost replay in the records"
+    assert [tuple(r["key"]) for r in eager["records"]] == keys
+    assert [r["cuda_graph"] for r in graphed["records"]] == [s >= 1 for s, _ in keys]
+    assert not any(r["cuda_graph"] for r in eager["records"])
+    routes_e, routes_g = _routes(eager_t, "route/"), _routes(graphed_t, "route/")
+    assert sorted(routes_g) == sorted(routes_e) and len(routes_g) == len(keys) * 2
+    differ = [k for k in routes_e if not torch.equal(routes_e[k], routes_g[k])]
+    assert not differ, f"graphed capture differs from eager at {differ}"
+    # what the experts of the last (graph-replayed) micro-batch were sent is what was drained
+    last = f"{STEPS - 1}/{MICRO_BATCHES - 1}/"
+    for layer, used in _routes(graphed_t, "used/").items():
+        assert torch.equal(used, routes_g[last + layer].sort(-1).values)
+
+    replays = {name: (tmp_path / name, _scenario(tmp_path / name, "replay", graphs, OTHER_SEED, folder))
+               for name, graphs in (("replay-graphs", True), ("replay-eager", False))}
+    res.update(_results(replays))
+    (rg, rg_t), (re_, re_t), (off, off_t) = res["replay-graphs"], res["replay-eager"], res["off"]
+    # replay under graphs: every replayed micro-batch read the record (the feeds ran), the
+    # experts got the recorded routes, and the model learns nothing else from the graph
+    assert [tuple(k) for k in rg["used"]] == keys and all(n == 2 for n in rg["used_layers"])
+    for layer, used in _routes(rg_t, "used/").items():
+        assert torch.equal(used, routes_g[last + layer].sort(-1).values)
+        assert not torch.equal(used, off_t["used/" + layer]), "routing off routes as recorded: the test shows nothing"
+    assert torch.allclose(rg_t["loss"], re_t["loss"], rtol=1e-5, atol=1e-6), (rg_t["loss"], re_t["loss"])
+    assert (rg_t["loss"][1:] - off_t["loss"][1:]).abs().max() > 1e-4, "replayed and live routes give one loss"
+
+
+# --------------------------------------------------------------------------- the scenario process
+
+
+def _activate() -> None:
+    import importlib.metadata as md
+
+    from source_patch.patcher.activation import activate
+
+    major, minor = (int(x) for x in md.version("megatron-core").split(".")[:2])
+    # megatron_cpu: before 0.17 the router gemm is unbound without Transformer Engine
+    activate(["routing"] + (["megatron_cpu"] if (major, minor) < (0, 17) else []))
+
+
+def _model(train_moe, args, graphs: bool):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    extra = {"cuda_graph_impl": "local", "cuda_graph_scope": ["moe_router"]} if graphs else {}
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        ffn_hidden_size=2 * args.hidden, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+        num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=2 * args.hidden,
+        moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+        params_dtype=torch.float32, bf16=False, **extra)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+        num_experts=args.experts, moe_grouped_gemm=False), vocab_size=args.vocab,
+        max_sequence_length=args.seq_len, position_embedding_type="rope").cuda()
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
+                                        use_distributed_optimizer=False)
+    return DistributedDataParallel(config=config, ddp_config=ddp, module=model)
+
+
+def _used_routes(model) -> dict:
+    """Per MoE layer: the experts each token of the last micro-batch was dispatched to."""
+    out = {}
+    for module in model.modules():
+        if hasattr(module, "router") and hasattr(module, "token_dispatcher"):
+            rmap = module.token_dispatcher.local_map  # all experts at ep 1; routing_map is freed after use
+            out[str(module.router.layer_number)] = rmap.nonzero()[:, 1].view(rmap.shape[0], -1).cpu()
+    return out
+
+
+def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
+    _activate()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import train_moe
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from safetensors.torch import save_file
+
+    from source_patch.runtime.routing import megatron as routing
+
+    args = train_moe.parse_args(["--layers", "2", "--micro-batches", str(MICRO_BATCHES), "--seed", seed,
+                                 "--lr", "0"])
+    train_moe.init_distributed(torch.device("cuda"), 1)
+    routing.configure(mode=mode, **({"dir": folder} if mode == "replay" else {}))
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed, use_cudagraphable_rng=True)  # what Megatron's graphs need
+    model = _model(train_moe, args, graphs == "graphs")
+    optimizer = train_moe.build_optimizer(model, args)
+    data = train_moe.make_dataset(args, torch.device("cuda"))
+    losses = []
+    for step in range(STEPS):
+        batches = [train_moe.make_batch(data, step * args.micro_batches + m, args)
+                   for m in range(args.micro_batches)]
+        losses.append(train_moe.train_step(model, optimizer, batches, args)[0])
+    torch.cuda.synchronize()
+    tensors = {"loss": torch.tensor(losses, dtype=torch.float64)}
+    tensors.update({f"used/{k}": v for k, v in _used_routes(model).items()})
+    summary = {"records": [], "used": sorted(routing._used), "used_layers": [len(v) for _, v in sorted(routing._used.items())]}
+    if mode == "capture":
+        routing.flush()
+        for rec in routing.records():
+            key = (rec.extra["step"], rec.extra["microbatch"])
+            summary["records"].append({"key": key, "cuda_graph": bool(rec.extra.get("cuda_graph"))})
+            for layer, ids in rec.indices.items():
+                tensors[f"route/{key[0]}/{key[1]}/{layer}"] = ids.sort(-1).values.contiguous()
+        if graphs == "graphs":
+            routing.save(folder)
+    summary["warnings"] = sorted(routing._warned)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out + ".st")
+    Path(out + ".json").write_text(json.dumps(summary))
+    routing.configure(mode="off")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:6])
