@@ -58,6 +58,7 @@ def build(train_moe, args):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
 
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
@@ -65,8 +66,11 @@ def build(train_moe, args):
         num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=2 * args.hidden,
         moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         params_dtype=torch.float32, bf16=False, cuda_graph_impl="local", cuda_graph_scope=["moe_router"])
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-        num_experts=args.experts, moe_grouped_gemm=False), vocab_size=args.vocab,
+    spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
+    # MoETransformerLayer: the layer class whose router Megatron graphs alone (the GPT specs
+    # build a TransformerLayer, which graphs either the whole layer or nothing of an MoE)
+    spec.module = MoETransformerLayer
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
         max_sequence_length=args.seq_len, position_embedding_type="rope").cuda()
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
                                         use_distributed_optimizer=False)
@@ -122,8 +126,8 @@ def main() -> None:
 
     for _ in range(cli.warmup):
         train()
-    graphed = sum(len(getattr(m, "cudagraph_manager_router").cudagraph_runners)
-                  for m in model.modules() if hasattr(m, "cudagraph_manager_router"))
+    graphed = sum(r.fwd_graph is not None for m in model.modules() if hasattr(m, "cudagraph_manager_router")
+                  for r in m.cudagraph_manager_router.cudagraph_runners)
     print(f"megatron-core {md.version('megatron-core')}, torch {torch.__version__}, {torch.cuda.get_device_name()}; "
           f"{cli.layers} MoE layers, hidden {cli.hidden}, {cli.experts} experts top-{cli.topk}, "
           f"{cli.micro_batches} x {cli.micro_batch} x {cli.seq_len} tokens a step; {graphed} router graphs")
@@ -141,8 +145,13 @@ def main() -> None:
             med, low, high = stats.bootstrap(statistics.median, r)
             print(f"  {name:<16} ratio {med:.4f} [{low:.4f}..{high:.4f}]  ({100 * (med - 1):+.2f}%, "
                   f"90% upper end {100 * (high - 1):+.2f}%)")
+    from source_patch.runtime.core import graph_stage
+
+    replays = sum(st.replays for st in (graph_stage._stages or {}).values() if st.entries)
     saved = routing.state()["counters"]["records_saved"]
+    print(f"  router graph replays drained: {replays}")
     print(f"  records saved while capturing: {saved} (last error: {routing.state()['last_error']})")
+    routing.close()
     torch.distributed.destroy_process_group()
 
 

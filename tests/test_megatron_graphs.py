@@ -68,6 +68,7 @@ def test_capture_and_replay_under_megatron_cuda_graphs(tmp_path):
     res = _results(first)
     (eager, eager_t), (graphed, graphed_t) = res["eager"], res["graphs"]
 
+    assert graphed["router_graphs"] == 2 and eager["router_graphs"] == 0 and res["off"][0]["router_graphs"] == 2
     # capture: the records of graph-replayed steps are the eager ones, key for key, layer for layer
     keys = [(s, m) for s in range(STEPS) for m in range(MICRO_BATCHES)]
     assert [tuple(r["key"]) for r in graphed["records"]] == keys, "a warm-up pass or a lost replay in the records"
@@ -86,9 +87,10 @@ def test_capture_and_replay_under_megatron_cuda_graphs(tmp_path):
     replays = {name: (tmp_path / name, _scenario(tmp_path / name, "replay", graphs, OTHER_SEED, folder))
                for name, graphs in (("replay-graphs", True), ("replay-eager", False))}
     res.update(_results(replays))
-    (rg, rg_t), (re_, re_t), (off, off_t) = res["replay-graphs"], res["replay-eager"], res["off"]
+    (rg, rg_t), (re_, re_t), (_, off_t) = res["replay-graphs"], res["replay-eager"], res["off"]
     # replay under graphs: every replayed micro-batch read the record (the feeds ran), the
     # experts got the recorded routes, and the model learns nothing else from the graph
+    assert rg["router_graphs"] == 2 and re_["router_graphs"] == 0
     assert [tuple(k) for k in rg["used"]] == keys and all(n == 2 for n in rg["used_layers"])
     for layer, used in _routes(rg_t, "used/").items():
         assert torch.equal(used, routes_g[last + layer].sort(-1).values)
@@ -115,6 +117,7 @@ def _model(train_moe, args, graphs: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
 
     extra = {"cuda_graph_impl": "local", "cuda_graph_scope": ["moe_router"]} if graphs else {}
     config = TransformerConfig(
@@ -123,8 +126,11 @@ def _model(train_moe, args, graphs: bool):
         num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=2 * args.hidden,
         moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         params_dtype=torch.float32, bf16=False, **extra)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-        num_experts=args.experts, moe_grouped_gemm=False), vocab_size=args.vocab,
+    spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
+    # MoETransformerLayer: the layer class whose router Megatron graphs alone (the GPT specs
+    # build a TransformerLayer, which graphs either the whole layer or nothing of an MoE)
+    spec.module = MoETransformerLayer
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
         max_sequence_length=args.seq_len, position_embedding_type="rope").cuda()
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
                                         use_distributed_optimizer=False)
@@ -178,6 +184,8 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
         if graphs == "graphs":
             routing.save(folder)
     summary["warnings"] = sorted(routing._warned)
+    summary["router_graphs"] = sum(r.fwd_graph is not None for m in model.modules()
+                                   if hasattr(m, "cudagraph_manager_router") for r in m.cudagraph_manager_router.cudagraph_runners)
     save_file({k: v.contiguous() for k, v in tensors.items()}, out + ".st")
     Path(out + ".json").write_text(json.dumps(summary))
     routing.configure(mode="off")

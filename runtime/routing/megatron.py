@@ -326,7 +326,10 @@ def _save_reporting(steps) -> None:
 def flush() -> None:
     """Wait until every step handed to the background writer is on disk."""
     if _saver is not None:
-        _saver.submit(lambda: None).result()
+        try:
+            _saver.submit(lambda: None).result()
+        except RuntimeError:  # at interpreter exit: the executor was shut down, its work done
+            pass
 
 
 def routing_topk(scores, result):
