@@ -112,6 +112,20 @@ def _activate() -> None:
     activate(["routing"] + (["megatron_cpu"] if (major, minor) < (0, 17) else []))
 
 
+def _unwrapping(layer_class):
+    """megatron-core 0.16.1 returns the one output of the MoE postprocess graph as a
+    1-tuple on replay, which the next layer cannot take (0.19 unwraps it in
+    CudaGraphManager's wrapper, "to match the original function's return type"): the
+    same unwrap here, a no-op where Megatron does it."""
+
+    class Layer(layer_class):
+        def _forward_mlp(self, *args, **kwargs):
+            out = super()._forward_mlp(*args, **kwargs)
+            return out[0] if isinstance(out, tuple) and len(out) == 1 else out
+
+    return Layer
+
+
 def _model(train_moe, args, graphs: bool):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -129,7 +143,7 @@ def _model(train_moe, args, graphs: bool):
     spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
     # MoETransformerLayer: the layer class whose router Megatron graphs alone (the GPT specs
     # build a TransformerLayer, which graphs either the whole layer or nothing of an MoE)
-    spec.module = MoETransformerLayer
+    spec.module = _unwrapping(MoETransformerLayer)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
         max_sequence_length=args.seq_len, position_embedding_type="rope").cuda()
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
