@@ -35,10 +35,16 @@ On disk: ``<dir>/rank-<r>/step-<S>-mb-<M>.safetensors`` (one RoutingRecord, toke
 
 Capture and replay observe upstream: a call no record can address (a router without a
 ``layer_number``, a routing function called outside ``TopKRouter.routing``, capture
-during CUDA graph capture, the fused router under capture) is routed by upstream
-unchanged, with one ``RuntimeWarning`` per process and cause.  Outside any schedule
-each forward is its own microbatch (``_free_key``), so a bare model's forwards are
-recorded one record each and replayed in the same order.
+during CUDA graph capture outside a GraphStage, the fused router under capture) is
+routed by upstream unchanged, with one ``RuntimeWarning`` per process and cause.
+Outside any schedule each forward is its own microbatch (``_free_key``), so a bare
+model's forwards are recorded one record each and replayed in the same order.
+
+Under CUDA graphs (``core/graph_stage.py``; megatron-core's own graphs through the
+spec's ``graph-build`` / ``graph-replay`` patches) capture stages the ids inside the
+graph and ``_drained`` records them after each replay, tagged ``cuda_graph``; replay
+returns a fed static buffer that ``_fill`` refills before each replay; the eager
+warm-up passes of a graph being built are neither captured nor replayed.
 
 Capture and replay live together: they share the per-step state machine
 (schedule, microbatch, recompute bookkeeping) that both must agree on.
