@@ -20,10 +20,11 @@ where the isolated bench (compressor_bench.py --profile) sees a quarter of it.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import sys
 import time
+
+import training  # bench/: loads the example
 
 per_step: list = []
 current = [0.0, 0, 0, 0]  # this step's ms, collections of generation 0, 1, 2
@@ -84,12 +85,7 @@ def main() -> None:
     calls = sys.argv[1] == "--calls"
     if calls:
         del sys.argv[1]
-    path = sys.argv[1]
-    sys.argv = sys.argv[1:]  # the example parses its own flags
-    spec = importlib.util.spec_from_file_location("train_moe", path)
-    example = importlib.util.module_from_spec(spec)
-    sys.modules["train_moe"] = example
-    spec.loader.exec_module(example)
+    example = training.load_example(sys.argv)  # the example parses its own flags
     train_step = example.train_step
 
     def probed(*args, **kwargs):

@@ -46,6 +46,8 @@ def parse() -> argparse.Namespace:
 
 
 def activate() -> None:
+    """The routing spec, before Megatron imports (megatron_cpu: before 0.17 the router gemm
+    is unbound without Transformer Engine)."""
     from source_patch.patcher.activation import activate as _activate
 
     major, minor = (int(x) for x in md.version("megatron-core").split(".")[:2])
@@ -66,7 +68,9 @@ def _unwrapping(layer_class):
     return Layer
 
 
-def build(train_moe, args):
+def graphed_model(train_moe, args, graphs: bool = True):
+    """examples/train_moe.py's GPT-MoE with Megatron's own router graphs (``graphs``), in
+    DDP; tests/test_megatron_graphs.py builds its model here too."""
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -74,12 +78,13 @@ def build(train_moe, args):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_layer import MoETransformerLayer
 
+    extra = {"cuda_graph_impl": "local", "cuda_graph_scope": ["moe_router"]} if graphs else {}
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=2 * args.hidden, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
         num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=2 * args.hidden,
         moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
-        params_dtype=torch.float32, bf16=False, cuda_graph_impl="local", cuda_graph_scope=["moe_router"])
+        params_dtype=torch.float32, bf16=False, **extra)
     spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
     # MoETransformerLayer: the layer class whose router Megatron graphs alone (the GPT specs
     # build a TransformerLayer, which graphs either the whole layer or nothing of an MoE)
@@ -88,7 +93,11 @@ def build(train_moe, args):
         max_sequence_length=args.seq_len, position_embedding_type="rope").cuda()
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
                                         use_distributed_optimizer=False)
-    model = DistributedDataParallel(config=config, ddp_config=ddp, module=model)
+    return DistributedDataParallel(config=config, ddp_config=ddp, module=model)
+
+
+def build(train_moe, args):
+    model = graphed_model(train_moe, args)
     return model, train_moe.build_optimizer(model, args)
 
 

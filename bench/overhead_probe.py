@@ -14,11 +14,12 @@ memory-bound one.  overhead_bench.py reads it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import resource
 import sys
 import time
+
+import training  # bench/: loads the example
 
 VMSTAT = ("pgfault", "pgmajfault", "nr_dirtied", "nr_written", "pgalloc_normal", "pgfree",
           "allocstall_normal", "pgsteal_kswapd", "pgsteal_direct", "thp_fault_alloc")
@@ -59,12 +60,7 @@ def pinned_peak(torch) -> int:
 
 
 def main() -> None:
-    path = sys.argv[1]
-    sys.argv = sys.argv[1:]  # the example parses its own flags
-    spec = importlib.util.spec_from_file_location("train_moe", path)
-    example = importlib.util.module_from_spec(spec)
-    sys.modules["train_moe"] = example
-    spec.loader.exec_module(example)
+    example = training.load_example(sys.argv)  # the example parses its own flags
     marks = {"first_step": None, "flush_s": 0.0}
     train_step = example.train_step
 

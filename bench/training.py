@@ -27,6 +27,20 @@ CALL_PARTS = re.compile(r"^call-parts: (.*)$", re.M)
 CUDA = torch.cuda.is_available()
 
 
+def load_example(argv: list):
+    """In a probe process (gc_probe.py, overhead_probe.py): ``argv[1]`` is the example's
+    path, the rest its flags; the example loaded as module ``train_moe`` (not run), with
+    ``sys.argv`` set for its own parser."""
+    import importlib.util
+
+    sys.argv = argv[1:]
+    spec = importlib.util.spec_from_file_location("train_moe", argv[1])
+    example = importlib.util.module_from_spec(spec)
+    sys.modules["train_moe"] = example
+    spec.loader.exec_module(example)
+    return example
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
     """Flags for the rounds and the model: small on CPU, mid-size on a GPU."""
     p = argparse.ArgumentParser(description=doc)

@@ -33,6 +33,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 STEPS, MICRO_BATCHES, SEED, OTHER_SEED = 4, 2, 1234, 99
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _scenario(out: Path, mode: str, graphs: bool, seed: int, folder: Path) -> subprocess.Popen:
@@ -102,55 +103,6 @@ def test_capture_and_replay_under_megatron_cuda_graphs(tmp_path):
 # --------------------------------------------------------------------------- the scenario process
 
 
-def _activate() -> None:
-    import importlib.metadata as md
-
-    from source_patch.patcher.activation import activate
-
-    major, minor = (int(x) for x in md.version("megatron-core").split(".")[:2])
-    # megatron_cpu: before 0.17 the router gemm is unbound without Transformer Engine
-    activate(["routing"] + (["megatron_cpu"] if (major, minor) < (0, 17) else []))
-
-
-def _unwrapping(layer_class):
-    """megatron-core 0.16.1 returns the one output of the MoE postprocess graph as a
-    1-tuple on replay, which the next layer cannot take (0.19 unwraps it in
-    CudaGraphManager's wrapper, "to match the original function's return type"): the
-    same unwrap here, a no-op where Megatron does it."""
-
-    class Layer(layer_class):
-        def _forward_mlp(self, *args, **kwargs):
-            out = super()._forward_mlp(*args, **kwargs)
-            return out[0] if isinstance(out, tuple) and len(out) == 1 else out
-
-    return Layer
-
-
-def _model(train_moe, args, graphs: bool):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.transformer_layer import MoETransformerLayer
-
-    extra = {"cuda_graph_impl": "local", "cuda_graph_scope": ["moe_router"]} if graphs else {}
-    config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        ffn_hidden_size=2 * args.hidden, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
-        num_moe_experts=args.experts, moe_router_topk=args.topk, moe_ffn_hidden_size=2 * args.hidden,
-        moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
-        params_dtype=torch.float32, bf16=False, **extra)
-    spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
-    # MoETransformerLayer: the layer class whose router Megatron graphs alone (the GPT specs
-    # build a TransformerLayer, which graphs either the whole layer or nothing of an MoE)
-    spec.module = _unwrapping(MoETransformerLayer)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
-        max_sequence_length=args.seq_len, position_embedding_type="rope").cuda()
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False,
-                                        use_distributed_optimizer=False)
-    return DistributedDataParallel(config=config, ddp_config=ddp, module=model)
-
-
 def _used_routes(model) -> dict:
     """Per MoE layer: the experts each token of the last micro-batch was dispatched to."""
     out = {}
@@ -162,8 +114,11 @@ def _used_routes(model) -> dict:
 
 
 def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
-    _activate()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import graph_bench  # bench/graph_bench.py: the graphed model and the activation
+
+    graph_bench.activate()
+    sys.path.insert(0, str(ROOT / "examples"))
     import train_moe
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from safetensors.torch import save_file
@@ -176,7 +131,7 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
     routing.configure(mode=mode, **({"dir": folder} if mode == "replay" else {}))
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed, use_cudagraphable_rng=True)  # what Megatron's graphs need
-    model = _model(train_moe, args, graphs == "graphs")
+    model = graph_bench.graphed_model(train_moe, args, graphs == "graphs")
     optimizer = train_moe.build_optimizer(model, args)
     data = train_moe.make_dataset(args, torch.device("cuda"))
     losses = []

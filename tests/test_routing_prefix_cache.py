@@ -12,8 +12,6 @@ position 0 with ``prompt + generated - 1`` rows, equal to SGLang's own
 
 import base64
 import importlib.util
-import time
-from pathlib import Path
 
 import pytest
 
@@ -21,7 +19,7 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
-from source_patch.runtime.routing import record as rr  # noqa: E402
+from source_patch.runtime.routing.sglang import wait_record  # noqa: E402
 from source_patch.runtime.routing.slot_store import SlotStore  # noqa: E402
 
 PROMPT = [11, 23, 5, 88, 140, 7, 301, 42, 9, 64, 17, 3, 250, 77]
@@ -43,14 +41,6 @@ def cached_server(sglang_cpu, sglang_server, tmp_path_factory):
 def _theirs(meta):
     raw = base64.b64decode(meta["routed_experts"])
     return torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(-1, LAYERS, TOPK).long()
-
-
-def _record(folder, rid, timeout=20.0):
-    path = Path(folder) / "rank0" / f"{rid}.safetensors"
-    deadline = time.monotonic() + timeout
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return rr.load(path)
 
 
 def _generate(server, rids, samples, **fields):
@@ -100,7 +90,7 @@ def test_grpo_samples_with_prefix_hits_have_whole_records(cached_server):
     assert len(outputs) == SAMPLES  # the completions differ, the prompt is shared
     for i, (hit, miss) in enumerate(zip(cached, uncached)):
         assert hit["output_ids"] == miss["output_ids"]
-        rec, ref = _record(routes, f"grpo-{i}"), _record(routes, f"nocache-{i}")
+        rec, ref = wait_record(routes, f"grpo-{i}"), wait_record(routes, f"nocache-{i}")
         assert rec.extra["start_pos"] == 0 and rec.layers == [0, 1] and rec.sample_ids == [f"grpo-{i}"]
         assert rec.num_tokens == rec.seq_lens[0] == len(PROMPT) + NEW - 1
         assert torch.equal(_stacked(rec), _theirs(hit["meta_info"]))   # SGLang's own capturer
@@ -109,9 +99,9 @@ def test_grpo_samples_with_prefix_hits_have_whole_records(cached_server):
         assert rec.probs is not None and all(torch.allclose(rec.probs[k], ref.probs[k], atol=1e-5)
                                              for k in rec.layers)
     # The prefix rows of every cached sample are sample 0's: one computation, one route.
-    first = _stacked(_record(routes, "grpo-0"))
+    first = _stacked(wait_record(routes, "grpo-0"))
     for i in range(1, SAMPLES):
-        assert torch.equal(_stacked(_record(routes, f"grpo-{i}"))[:len(PROMPT) - 1], first[:len(PROMPT) - 1])
+        assert torch.equal(_stacked(wait_record(routes, f"grpo-{i}"))[:len(PROMPT) - 1], first[:len(PROMPT) - 1])
 
 
 def test_slot_store_reads_by_slot_and_refuses_unwritten_rows():
@@ -143,7 +133,7 @@ def replayed(cached_server, sglang_server, tmp_path_factory):
     server, routes = cached_server
     out = _grpo(server)[2]
     assert out["meta_info"]["cached_tokens"] > 0
-    rec = _record(routes, "grpo-2")
+    rec = wait_record(routes, "grpo-2")
     folder = tmp_path_factory.mktemp("prefix-replay")
     prefix = len(PROMPT) - 1
     moved = {k: torch.cat([(v[:prefix] + 3) % rec.num_experts, v[prefix:]]) for k, v in rec.indices.items()}

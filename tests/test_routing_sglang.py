@@ -7,7 +7,6 @@ real ForwardBatch)."""
 import importlib.util
 import types
 
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,6 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
 from source_patch.runtime.routing import sglang as rs  # noqa: E402
-from source_patch.runtime.routing import record as rr  # noqa: E402
 from source_patch.runtime.routing.record import RoutingRecord, RoutingRecordError  # noqa: E402
 
 E, K = 8, 2
@@ -258,18 +256,6 @@ def _routed_experts(meta, layers=2, topk=2):
     return torch.from_numpy(raw.copy()).reshape(-1, layers, topk).long()
 
 
-def _record_of(folder, rid, timeout=20.0, rank=0):
-    """The record the scheduler of TP rank ``rank`` writes when ``rid`` finishes
-    (release_kv_cache): each rank writes its own, after the reply may have gone out."""
-    import time
-
-    path = Path(folder) / f"rank{rank}" / f"{rid}.safetensors"
-    deadline = time.monotonic() + timeout
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return rr.load(path)
-
-
 @pytest.mark.slow
 def test_captured_routes_equal_sglangs_own_capture(instrumented_sglang):
     """Independent check: for the same requests, the routing record equals what
@@ -280,7 +266,7 @@ def test_captured_routes_equal_sglangs_own_capture(instrumented_sglang):
                                               sampling={"ignore_eos": True})
     for (rid, prompt), result in zip(prompts.items(), out):
         theirs = _routed_experts(result["meta_info"])
-        rec = _record_of(instrumented_sglang.routes, rid)
+        rec = rs.wait_record(instrumented_sglang.routes, rid)
         assert rec.sample_ids == [rid] and rec.extra["start_pos"] == 0 and rec.layers == [0, 1]
         assert rec.num_tokens == len(prompt) + 5 - 1 == theirs.shape[0]  # the last token is never routed
         ours = torch.stack([rec.indices[layer] for layer in rec.layers], dim=1)
@@ -294,7 +280,7 @@ def replay_server(instrumented_sglang, sglang_server, tmp_path_factory):
     prompt, new = [7, 3, 9, 1, 12, 5], 5
     captured = instrumented_sglang.server.generate(input_ids=prompt, max_new_tokens=new, rid="replay-src",
                                                    sampling={"ignore_eos": True})
-    rec = _record_of(instrumented_sglang.routes, "replay-src")
+    rec = rs.wait_record(instrumented_sglang.routes, "replay-src")
     folder = tmp_path_factory.mktemp("replay")
     moved = {layer: (ids + 3) % rec.num_experts for layer, ids in rec.indices.items()}
     rec.replace(sample_ids=["same"]).save(folder / "same.safetensors")
@@ -358,8 +344,8 @@ def _check_tensor_parallel(server, root, prompt, single, instrumented_sglang):
 
     out = server.generate(input_ids=prompt, max_new_tokens=4, rid="tp2-a", sampling={"ignore_eos": True})
     assert out["output_ids"] == single["output_ids"]
-    ranks = [_record_of(root / "routes", "tp2-a", rank=rank) for rank in (0, 1)]
-    reference = _record_of(instrumented_sglang.routes, "tp1-ref")
+    ranks = [rs.wait_record(root / "routes", "tp2-a", rank=rank) for rank in (0, 1)]
+    reference = rs.wait_record(instrumented_sglang.routes, "tp1-ref")
     assert [r.extra["rank"] for r in ranks] == [0, 1]
     for rec in ranks:
         assert all(torch.equal(rec.indices[layer], reference.indices[layer]) for layer in reference.layers)

@@ -6,8 +6,6 @@ from SGLang's meta routes the Megatron twin (``source-patch replay --routes``)."
 
 import base64
 import importlib.util
-import time
-from pathlib import Path
 
 import pytest
 
@@ -15,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from source_patch.runtime.routing import record as rr  # noqa: E402
 from source_patch.runtime.routing.record import RoutingRecord, RoutingRecordError  # noqa: E402
+from source_patch.runtime.routing.sglang import wait_record  # noqa: E402
 
 E, L, K = 8, 2, 2
 
@@ -74,14 +73,6 @@ def test_export_needs_one_request():
 needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
 
 
-def _record_of(folder, rid, timeout=20.0):
-    path = Path(folder) / "rank0" / f"{rid}.safetensors"
-    deadline = time.monotonic() + timeout
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return rr.load(path)
-
-
 @needs_sglang
 @pytest.mark.slow
 def test_sglang_meta_equals_our_capture_and_routes_the_twin(instrumented_sglang, sglang_checkpoint, tmp_path):
@@ -96,7 +87,7 @@ def test_sglang_meta_equals_our_capture_and_routes_the_twin(instrumented_sglang,
     for result in out:
         rid = result["meta_info"]["id"]
         theirs = RoutingRecord.from_sglang_meta(result, num_experts=E, num_layers=L, topk=K)
-        ours = _record_of(instrumented_sglang.routes, rid)
+        ours = wait_record(instrumented_sglang.routes, rid)
         assert theirs.sample_ids == [rid] and theirs.num_tokens == len(prompts[rid]) + 4 - 1
         assert theirs.equals(ours.replace(probs=None, extra=theirs.extra))
         assert rr.to_sglang_meta(ours) == result["meta_info"]["routed_experts"]  # the inverse, byte for byte
@@ -113,7 +104,7 @@ def test_sglang_meta_equals_our_capture_and_routes_the_twin(instrumented_sglang,
         (rows,) = [r for r in records if r.name == "row_request" and r.tags["rids"] == [rid]]
         maps = {r.tags["layer"]: r.tensor for r in records
                 if r.name == "routing_map" and r.tags["step"] == rows.tags["step"]}
-        rec = _record_of(routes, rid)
+        rec = wait_record(routes, rid)
         assert sorted(maps) == [1, 2]  # Megatron's layer_number = SGLang's layer_id + 1
         for layer, routing_map in maps.items():
             chosen = routing_map.reshape(-1, E)[:rec.num_tokens].nonzero()[:, 1].reshape(-1, K)

@@ -10,14 +10,10 @@ trainer's weights of that step and serves the trainer's version; a wrong checksu
 is refused and the server keeps its old version; a trainer killed in the middle of
 an update leaves the server serving the previous weights and version."""
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -48,43 +44,19 @@ def trainer_ranks(tmp: Path, backend: str, url: str, extra_env: dict) -> list:
             for r in range(2)]
 
 
-@contextlib.contextmanager
-def metadata_master(log: Path):
-    """A real mooncake_master on 127.0.0.1 serving the TransferEngines' metadata
-    (--enable_http_metadata_server), started as the feature store's tests start theirs;
-    yields the metadata URL."""
-    binary = Path(sys.executable).parent / "mooncake_master"
-    if not binary.exists():
-        pytest.skip(f"no mooncake_master next to {sys.executable}")
-    rpc, metrics, meta = models.free_port(), models.free_port(), models.free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(binary), "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
-                                 "--metrics_host=127.0.0.1", f"--metrics_port={metrics}",
-                                 "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                                 f"--http_metadata_server_port={meta}"], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/health", timeout=1):
-                    break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{meta}/metadata"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 @pytest.fixture(scope="module")
 def metadata(tmp_path_factory):
+    """A real mooncake_master on 127.0.0.1 serving the TransferEngines' metadata, started as
+    the feature store starts its master; the metadata URL."""
     pytest.importorskip("mooncake.engine")
-    with metadata_master(tmp_path_factory.mktemp("mooncake") / "master.log") as url:
-        yield url
+    from source_patch.runtime.features import mooncake as feature_mooncake
+
+    if not (Path(sys.executable).parent / "mooncake_master").exists():
+        pytest.skip(f"no mooncake_master next to {sys.executable}")
+    port = models.free_port()
+    with feature_mooncake.master(tmp_path_factory.mktemp("mooncake") / "master.log", timeout=30,
+                                 metadata_port=port):
+        yield f"http://127.0.0.1:{port}/metadata"
 
 
 def _logs(tmp: Path) -> str:
@@ -106,11 +78,8 @@ def pushed(request, sglang_server, metadata, tmp_path_factory):
     before = server.generate(input_ids=models.PROMPTS, max_new_tokens=models.NEW, sampling={"ignore_eos": True})
     procs = trainer_ranks(tmp, backend, server.url, mooncake)
     try:
-        codes = [p.wait(300) for p in procs]
+        codes = models.exit_codes(procs)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         for p in procs:  # the rank that died on purpose left its shared memory behind
             for leftover in Path("/dev/shm").glob(f"sp-ws-{p.pid}-*"):
                 leftover.unlink()

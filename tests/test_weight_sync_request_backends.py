@@ -172,6 +172,8 @@ def test_cuda_ipc_an_engine_process_on_each_gpu_copies_the_trainers_buckets_bitw
 
 
 E2E = Path(__file__).parent / "e2e"
+sys.path.insert(0, str(E2E))
+import weight_sync_models as models  # noqa: E402
 TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                                  reason="needs two GPUs")]
 
@@ -198,12 +200,7 @@ def test_colocated_a_trainer_over_two_devices_feeds_an_engine_receiver_on_each_b
                               stderr=subprocess.STDOUT) for r in range(2)]
     procs += [subprocess.Popen([sys.executable, script, "engine", out, f"cuda:{d}" if cuda else str(d)], env=env,
                                stdout=logs[2 + d], stderr=subprocess.STDOUT) for d in range(2)]
-    try:
-        codes = [p.wait(300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    codes = models.exit_codes(procs)
     text = "\n".join((tmp_path / f"{n}.log").read_text()[-1500:] for n in ("rank0", "rank1", "engine0", "engine1"))
     assert codes == [0, 0, 0, 0], text
     trainer = json.loads(Path(f"{out}.trainer.json").read_text())

@@ -368,20 +368,23 @@ def hint(rc: int) -> str:
 
 
 @contextlib.contextmanager
-def master(log: str | os.PathLike | None = None, timeout: float = 20.0):
+def master(log: str | os.PathLike | None = None, timeout: float = 20.0, metadata_port: int | None = None):
     """A ``mooncake_master`` (the one installed next to this Python) on 127.0.0.1 for
     the block: yields its ``host:port``; SIGTERM on exit.  Ready once its metrics
-    endpoint answers ``/health``."""
+    endpoint answers ``/health``.  With ``metadata_port`` it also serves TransferEngines'
+    metadata there (``http://127.0.0.1:PORT/metadata``, the weight-sync mooncake backend)."""
     binary = Path(sys.executable).parent / "mooncake_master"
     if not binary.exists():
         raise StoreError(f"no mooncake_master next to {sys.executable}: "
                          f"pip install mooncake-transfer-engine-non-cuda")
     rpc, metrics = free_port(), free_port()
+    metadata = ["--enable_http_metadata_server=true", f"--http_metadata_server_port={metadata_port}"] \
+        if metadata_port else []
     with open(log or os.devnull, "wb") as out:
-        # every listener on loopback (the HTTP metadata server is off, and would be too)
+        # every listener on loopback (the HTTP metadata server's too)
         proc = subprocess.Popen([str(binary), "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
                                  "--metrics_host=127.0.0.1", f"--metrics_port={metrics}",
-                                 "--http_metadata_server_host=127.0.0.1"],
+                                 "--http_metadata_server_host=127.0.0.1", *metadata],
                                 stdout=out, stderr=subprocess.STDOUT)
         try:
             _wait_healthy(proc, metrics, timeout, log)

@@ -52,6 +52,7 @@ import atexit
 import os
 import re
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -454,6 +455,19 @@ def _record(rid, e, end, pool, idx, *, lazy: bool = False) -> RoutingRecord | No
     return RoutingRecord(indices=layers, probs=probs, num_experts=_S.num_experts, token_order="requests",
                          sample_ids=[rid], seq_lens=[end - e["start"]], source="sglang",
                          extra={"rank": _rank(), "start_pos": e["start"]})
+
+
+def wait_record(dir, rid, *, rank: int = 0, timeout: float = 20.0) -> RoutingRecord:
+    """The record capture writes for request ``rid`` under ``dir`` (in the scheduler
+    process, when the request releases its KV cache: shortly after its response), once
+    it is there; FileNotFoundError naming the file after ``timeout`` seconds."""
+    path = Path(dir) / f"rank{rank}" / f"{_safe_name(rid)}.safetensors"
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise FileNotFoundError(f"no routing record of request {rid!r} at {path} after {timeout:.0f} s")
+        time.sleep(0.05)
+    return load(path)
 
 
 def _safe_name(rid) -> str:

@@ -25,11 +25,10 @@ from typing import Optional
 
 import torch
 
-from . import copysum, sender
-from .request import post_update
+from . import copysum
 from .receiver import Update
-from .wire import (Buffers, Manifest, ManifestError, WeightSyncError, bucket_sum, request_json, too_many_buckets,
-                   verify_sums)
+from .request import RequestSender
+from .wire import Buffers, Manifest, ManifestError, WeightSyncError, verify_sums
 
 SHM_DIR = "/dev/shm"  # where CPU exports live (named shared memory)
 _NAME = re.compile(r"sp-ws-[0-9]+-[0-9]+-[0-9a-f]{8}\Z")
@@ -75,91 +74,33 @@ def _b64(data) -> str:
     return base64.b64encode(bytes(data or b"")).decode()
 
 
-class IpcSender:
+class IpcSender(RequestSender):
     """The trainer's end: one exported stream, the packing plan into it, the engines' URLs."""
 
     name = "ipc"
 
     def __init__(self, engines: list, timeout_s: float = 300.0, device: Optional[torch.device] = None):
-        if not engines:
-            raise WeightSyncError("weight_sync.engines is empty: the ipc backend posts each update to the "
-                                  "engines' URLs (SOURCE_PATCH_WEIGHT_SYNC_ENGINES=http://127.0.0.1:PORT,...)")
-        self.engines, self.timeout_s = list(engines), float(timeout_s)
+        super().__init__(engines, timeout_s)
         self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                                  else torch.device("cpu"))
-        self.memory: Optional[Exported] = None
-        self.packing = None
-        self.broken = None
         self.exports = 0  # how many times memory was exported (once, unless it had to move)
 
     @classmethod
     def open(cls, name: str, *, engines=None, timeout_s: float = 300.0, **_) -> "IpcSender":
         return cls(engines or [], timeout_s)
 
-    def send(self, manifest: Manifest, tensors, extra=(), *, replay_packing: bool = True) -> None:
-        """Pack the update into the exported memory and ask every engine to load it.
-        Raises WeightSyncError (ChecksumMismatch when an engine found one)."""
-        source = iter(extra) if isinstance(tensors, Buffers) else iter(tensors)
-        try:
-            payload = self.stage(manifest, tensors, source, replay_packing)
-        except Exception:
-            for _ in source if not isinstance(tensors, Buffers) else ():  # peers' gathers still need rank 0
-                pass
-            raise
-        for url in self.engines:
-            post_update(url, payload, self.timeout_s)
+    def _stream_device(self, tensors) -> torch.device:
+        return tensors.device if isinstance(tensors, Buffers) and tensors.pieces else self.device
 
-    def stage(self, manifest: Manifest, tensors, source, replay_packing: bool = True) -> bytes:
-        """Pack every bucket into the exported memory; the engine request's bytes."""
-        refusal = too_many_buckets(manifest.bucket_bytes, manifest.total_bytes)
-        if refusal:
-            raise WeightSyncError(f"update v{manifest.version} refused: {refusal}")
-        device = tensors.device if isinstance(tensors, Buffers) and tensors.pieces else self.device
-        packing = self._packing(manifest, tensors, device)
-        if hasattr(packing, "replays"):
-            packing.replays.enabled = replay_packing
-        sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=device)
-        with torch.no_grad():
-            for k, sources in packing.batches(source):
-                if k >= manifest.buckets:  # an update of 0 bytes has tensors but no bucket
-                    continue
-                data = packing.pack(k, sources)
-                if manifest.checksum:
-                    bucket_sum(data, sums[k])
-                    if sender.before_sum_send is not None:
-                        sender.before_sum_send(k, sums[k: k + 1])
-                if sender.after_send is not None:
-                    sender.after_send(k, data)
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # the engines read it from other processes
-        fields = {"backend": "ipc", "sums": sums[: manifest.buckets].tolist() if manifest.checksum else [],
-                  "memory": self.memory.fields}
+    def _moved(self, device: torch.device) -> bool:
+        return self.memory.device != device
 
-        return request_json(manifest, fields, packing.tensors_json)
+    def _new_memory(self, nbytes: int, device: torch.device) -> Exported:
+        self.exports += 1
+        return Exported(nbytes, device)
 
-    def _packing(self, manifest: Manifest, tensors, device: torch.device):
-        memory = self.memory
-        if memory is None or memory.nbytes < manifest.total_bytes or memory.device != device:
-            self.packing = None
-            if memory is not None:
-                memory.close()
-            self.memory = Exported(manifest.total_bytes, device)
-            self.exports += 1
-        packing, stream = self.packing, self.memory.tensor
-        if isinstance(tensors, Buffers):
-            if packing is None or not isinstance(packing, sender._Spans) or not packing.matches(manifest, tensors):
-                self.packing = None
-                packing = sender._Spans(manifest, tensors, stream=stream)
-        elif packing is None or not isinstance(packing, sender._Packing) or not packing.matches(manifest):
-            self.packing = None
-            packing = sender._Packing(manifest, device, stream=stream)
-        self.packing = packing
-        return packing
-
-    def close(self) -> None:
-        if self.memory is not None:
-            self.memory.close()
-        self.memory = self.packing = None
+    def _memory_fields(self) -> dict:
+        return self.memory.fields
 
 
 # ------------------------------------------------------------------ engine

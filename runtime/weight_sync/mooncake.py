@@ -20,16 +20,13 @@ host buffer to the device.
 from __future__ import annotations
 
 import threading
-from typing import Optional
 
 import torch
 
 from ..core.endpoint import free_port
-from . import sender
 from .receiver import Update
-from .request import post_update
-from .wire import (Buffers, Manifest, ManifestError, WeightSyncError, bucket_sum, request_json, too_many_buckets,
-                   verify_sums)
+from .request import RequestSender
+from .wire import Manifest, ManifestError, WeightSyncError, verify_sums
 
 
 def _transfer_engine(host: str, metadata: str, protocol: str, device: str):
@@ -61,21 +58,15 @@ class _Registered:
         self.engine.unregister_memory(self.tensor.data_ptr())
 
 
-class MooncakeSender:
+class MooncakeSender(RequestSender):
     """The trainer's end: a TransferEngine, the registered stream, the engines' URLs."""
 
     name = "mooncake"
 
     def __init__(self, engines: list, timeout_s: float = 300.0, host: str = "127.0.0.1",
                  metadata: str = "P2PHANDSHAKE", protocol: str = "tcp", device: str = ""):
-        if not engines:
-            raise WeightSyncError("weight_sync.engines is empty: the mooncake backend posts each update to the "
-                                  "engines' URLs (SOURCE_PATCH_WEIGHT_SYNC_ENGINES=http://HOST:PORT,...)")
-        self.engines, self.timeout_s = list(engines), float(timeout_s)
+        super().__init__(engines, timeout_s)
         self.engine, self.segment = _transfer_engine(host, metadata, protocol, device)
-        self.memory: Optional[_Registered] = None
-        self.packing = None
-        self.broken = None
         self.registrations = 0
 
     @classmethod
@@ -84,61 +75,15 @@ class MooncakeSender:
              **_) -> "MooncakeSender":
         return cls(engines or [], timeout_s, mooncake_host, mooncake_metadata, mooncake_protocol, mooncake_device)
 
-    def send(self, manifest: Manifest, tensors, extra=(), *, replay_packing: bool = True) -> None:
-        source = iter(extra) if isinstance(tensors, Buffers) else iter(tensors)
-        try:
-            payload = self.stage(manifest, tensors, source)
-        except Exception:
-            for _ in source if not isinstance(tensors, Buffers) else ():  # peers' gathers still need rank 0
-                pass
-            raise
-        for url in self.engines:
-            post_update(url, payload, self.timeout_s)
+    def _stream_device(self, tensors) -> torch.device:
+        return torch.device("cpu")  # registered host memory (the mooncake build without CUDA)
 
-    def stage(self, manifest: Manifest, tensors, source) -> bytes:
-        """Pack every bucket into the registered stream; the engine request's bytes."""
-        refusal = too_many_buckets(manifest.bucket_bytes, manifest.total_bytes)
-        if refusal:
-            raise WeightSyncError(f"update v{manifest.version} refused: {refusal}")
-        packing = self._packing(manifest, tensors)
-        sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64)
-        with torch.no_grad():
-            for k, sources in packing.batches(source):
-                if k >= manifest.buckets:
-                    continue
-                data = packing.pack(k, sources)
-                if manifest.checksum:
-                    bucket_sum(data, sums[k])
-                    if sender.before_sum_send is not None:
-                        sender.before_sum_send(k, sums[k: k + 1])
-                if sender.after_send is not None:
-                    sender.after_send(k, data)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # device-to-host packing done before a peer reads
-        fields = {"backend": "mooncake", "sums": sums[: manifest.buckets].tolist() if manifest.checksum else [],
-                  "memory": {"segment": self.segment, "address": self.memory.tensor.data_ptr()}}
-        return request_json(manifest, fields, packing.tensors_json)
+    def _new_memory(self, nbytes: int, device: torch.device) -> "_Registered":
+        self.registrations += 1
+        return _Registered(self.engine, nbytes)
 
-    def _packing(self, manifest: Manifest, tensors):
-        if self.memory is None or self.memory.nbytes < manifest.total_bytes:
-            self.packing = None
-            if self.memory is not None:
-                self.memory.close()
-            self.memory = _Registered(self.engine, manifest.total_bytes)
-            self.registrations += 1
-        packing, stream = self.packing, self.memory.tensor
-        if isinstance(tensors, Buffers):
-            if not isinstance(packing, sender._Spans) or not packing.matches(manifest, tensors):
-                packing = sender._Spans(manifest, tensors, stream=stream)
-        elif not isinstance(packing, sender._Packing) or not packing.matches(manifest):
-            packing = sender._Packing(manifest, stream.device, stream=stream)
-        self.packing = packing
-        return packing
-
-    def close(self) -> None:
-        if self.memory is not None:
-            self.memory.close()
-        self.memory = self.packing = None
+    def _memory_fields(self) -> dict:
+        return {"segment": self.segment, "address": self.memory.tensor.data_ptr()}
 
 
 # ------------------------------------------------------------------ engine

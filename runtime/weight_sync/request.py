@@ -9,9 +9,102 @@ import json
 import urllib.error
 import urllib.request
 
-from .wire import ChecksumMismatch, WeightSyncError
+import torch
+
+from . import sender
+from .wire import Buffers, ChecksumMismatch, Manifest, WeightSyncError, bucket_sum, request_json, too_many_buckets
 
 LOAD_FORMAT = "source_patch"  # SGLang's load_format that selects our receivers
+
+
+class RequestSender:
+    """The trainer's end of a request backend (ipc.py, mooncake.py): each update is
+    packed into one region of memory the engines can reach (``memory``: made by
+    ``_new_memory``, made again only when the update no longer fits, or ``_moved``),
+    then the engine request goes to every engine.  A backend says how its memory is
+    made and named (``_memory_fields``) and on which device the stream is packed."""
+
+    name = ""
+
+    def __init__(self, engines: list, timeout_s: float):
+        if not engines:
+            raise WeightSyncError(f"weight_sync.engines is empty: the {self.name} backend posts each update to "
+                                  "the engines' URLs (SOURCE_PATCH_WEIGHT_SYNC_ENGINES=http://HOST:PORT,...)")
+        self.engines, self.timeout_s = list(engines), float(timeout_s)
+        self.memory = self.packing = self.broken = None
+
+    def send(self, manifest: Manifest, tensors, extra=(), *, replay_packing: bool = True) -> None:
+        """Pack the update into the memory and ask every engine to load it.  Raises
+        WeightSyncError (ChecksumMismatch when an engine found one)."""
+        source = iter(extra) if isinstance(tensors, Buffers) else iter(tensors)
+        try:
+            payload = self.stage(manifest, tensors, source, replay_packing)
+        except Exception:
+            for _ in source if not isinstance(tensors, Buffers) else ():  # peers' gathers still need rank 0
+                pass
+            raise
+        for url in self.engines:
+            post_update(url, payload, self.timeout_s)
+
+    def stage(self, manifest: Manifest, tensors, source, replay_packing: bool = True) -> bytes:
+        """Pack every bucket into the memory; the engine request's bytes."""
+        refusal = too_many_buckets(manifest.bucket_bytes, manifest.total_bytes)
+        if refusal:
+            raise WeightSyncError(f"update v{manifest.version} refused: {refusal}")
+        packing = self._packing(manifest, tensors, self._stream_device(tensors))
+        if hasattr(packing, "replays"):
+            packing.replays.enabled = replay_packing
+        device = self.memory.tensor.device
+        sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=device)
+        with torch.no_grad():
+            for k, sources in packing.batches(source):
+                if k >= manifest.buckets:  # an update of 0 bytes has tensors but no bucket
+                    continue
+                data = packing.pack(k, sources)
+                if manifest.checksum:
+                    bucket_sum(data, sums[k])
+                    if sender.before_sum_send is not None:
+                        sender.before_sum_send(k, sums[k: k + 1])
+                if sender.after_send is not None:
+                    sender.after_send(k, data)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # packed (and copied off the device) before an engine reads it
+        fields = {"backend": self.name, "sums": sums[: manifest.buckets].tolist() if manifest.checksum else [],
+                  "memory": self._memory_fields()}
+        return request_json(manifest, fields, packing.tensors_json)
+
+    def _packing(self, manifest: Manifest, tensors, device: torch.device):
+        """The packing plan into the memory, kept while the layout holds."""
+        if self.memory is None or self.memory.nbytes < manifest.total_bytes or self._moved(device):
+            self.packing = None
+            if self.memory is not None:
+                self.memory.close()
+            self.memory = self._new_memory(manifest.total_bytes, device)
+        packing, stream = self.packing, self.memory.tensor
+        if isinstance(tensors, Buffers):
+            if not isinstance(packing, sender._Spans) or not packing.matches(manifest, tensors):
+                packing = sender._Spans(manifest, tensors, stream=stream)
+        elif not isinstance(packing, sender._Packing) or not packing.matches(manifest):
+            packing = sender._Packing(manifest, stream.device, stream=stream)
+        self.packing = packing
+        return packing
+
+    def _stream_device(self, tensors) -> torch.device:
+        raise NotImplementedError
+
+    def _moved(self, device: torch.device) -> bool:
+        return False
+
+    def _new_memory(self, nbytes: int, device: torch.device):
+        raise NotImplementedError
+
+    def _memory_fields(self) -> dict:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.memory is not None:
+            self.memory.close()
+        self.memory = self.packing = None
 
 
 def post_update(url: str, payload: bytes, timeout_s: float, session: bool = True) -> None:

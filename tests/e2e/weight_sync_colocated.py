@@ -39,9 +39,9 @@ def trainer(out: str, tp: int, ep: int, cuda: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("nccl" if cuda else "gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    from source_patch.runtime.weight_sync import ipc
     from source_patch.runtime.weight_sync import megatron as weight_megatron
     from source_patch.runtime.weight_sync import names as weight_names
+    from source_patch.runtime.weight_sync import request
     from source_patch.runtime.weight_sync import sync as weight_sync
 
     torch.manual_seed(0)
@@ -54,7 +54,7 @@ def trainer(out: str, tp: int, ep: int, cuda: bool) -> None:
                  for n, t in weight_names.to_hf(name, full, layout)}  # a gather of its own
     if rank == 0:
         save_file(reference, f"{out}.reference.safetensors")
-        ipc.post_update = deliver(out)  # the engine request, through a file
+        request.post_update = deliver(out)  # the engine request, through a file
     weight_sync.configure(backend="ipc", engines=["file"], bucket_bytes=64 << 10, timeout_s=120)
     weight_sync.push([model], version=7)
     state = weight_sync.state()

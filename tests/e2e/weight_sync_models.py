@@ -207,3 +207,14 @@ def reference(model_dir: Path, tmp: Path, step: int) -> list:
     from sglang_reference import greedy  # tests/fixtures/
 
     return [greedy(reference_model, p, NEW) for p in PROMPTS]
+
+
+def exit_codes(procs: list, timeout: float = 300) -> list:
+    """The exit codes of ``procs``, each waited for up to ``timeout`` s; whatever still
+    runs then (or when waiting fails) is killed."""
+    try:
+        return [p.wait(timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
