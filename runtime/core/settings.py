@@ -35,6 +35,12 @@ def check(component: str, key: str, value: Any) -> Any:
     return schema[key].parse(value)
 
 
+def check_all(component: str, changes: dict) -> dict[str, Any]:
+    """Every change parsed before any is applied (a capability's ``configure``): the
+    first bad one raises as ``check`` does, and nothing has changed."""
+    return {key: check(component, key, value) for key, value in changes.items()}
+
+
 def resolve(component: str, environ=os.environ) -> dict[str, Any]:
     """Effective settings of a component: environment over specs over defaults."""
     schema = SCHEMAS[component]

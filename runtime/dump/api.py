@@ -141,7 +141,7 @@ def configure(**changes) -> dict:
     All values are validated before any is applied: KeyError names the valid keys,
     ValueError/TypeError say what is wrong.  Returns the effective configuration."""
     with _config_lock:
-        parsed = {key: settings.check("dump", key, value) for key, value in changes.items()}
+        parsed = settings.check_all("dump", changes)
         _apply({**_config, **parsed})
         return public_config()
 

@@ -79,7 +79,7 @@ def enabled() -> bool:
 def configure(**changes) -> dict:
     """Change settings (keys of the ``features`` schema), all validated first; returns
     the effective settings."""
-    parsed = {key: settings.check(SETTINGS, key, value) for key, value in changes.items()}
+    parsed = settings.check_all(SETTINGS, changes)
     return _apply({**(_config or settings.resolve(SETTINGS)), **parsed})
 
 

@@ -64,7 +64,7 @@ import torch
 
 from ..core import graph_stage
 from .record import RoutingRecord, RoutingRecordError, load, slice_for_rank
-from ..core.settings import resolve
+from ..core.settings import check_all, resolve
 
 SETTINGS = "routing"  # its settings component (the capability contract: core/capability.py)
 
@@ -114,12 +114,10 @@ _last_error: str | None = None  # the latest failure to save captured routes
 
 
 def configure(**changes) -> dict:
-    """Set settings (mode, dir, probs); returns the effective settings."""
+    """Set settings (mode, dir, probs), all validated before any is applied; returns the
+    effective settings."""
     global _OFF
-    from ..core.settings import check
-
-    for key, value in changes.items():
-        _config[key] = check("routing", key, value)
+    _config.update(check_all(SETTINGS, changes))
     _OFF = _config["mode"] == "off"
     graph_stage.use("routing", _unstaged, on=not _OFF)  # Megatron's own CUDA graphs stage / feed for us
     if _config["mode"] == "replay" and not _replay and _config.get("dir"):
@@ -163,8 +161,16 @@ def state() -> dict:
 def close(timeout: float | None = None) -> bool:
     """Save what was captured (capture with a dir) and stop the background writer; True
     when nothing failed.  Registered with atexit."""
-    global _saver
-    _flush_at_exit()
+    global _saver, _last_error
+    flush()
+    if _config.get("mode") == "capture" and _config.get("dir") and _pending:
+        try:
+            save()
+        except Exception as exc:  # noqa: BLE001 - at exit: report, do not mask the real exit
+            import sys
+
+            _last_error = f"saving: {type(exc).__name__}: {exc}"
+            print(f"source-patch routing: could not save captured routes: {exc}", file=sys.stderr)
     saver, _saver = _saver, None
     if saver is not None:
         saver.shutdown(wait=True)
@@ -555,19 +561,6 @@ def save(dir: str | os.PathLike | None = None, steps=None) -> list:
                                    "records": _saved_index}, indent=1))
         os.replace(tmp, folder / "index.json")
     return list(_saved_index)
-
-
-def _flush_at_exit():
-    flush()
-    if _config.get("mode") == "capture" and _config.get("dir") and _pending:
-        try:
-            save()
-        except Exception as exc:  # noqa: BLE001 - at exit: report, do not mask the real exit
-            import sys
-
-            global _last_error
-            _last_error = f"saving: {type(exc).__name__}: {exc}"
-            print(f"source-patch routing: could not save captured routes: {exc}", file=sys.stderr)
 
 
 atexit.register(close)

@@ -107,8 +107,8 @@ def configure(**changes) -> dict:
     names the rank folder capture writes to (default: the process's rank)."""
     rank = changes.pop("rank", _S.rank)
     objects = changes.pop("replay") if not isinstance(changes.get("replay", ""), (str, os.PathLike)) else None
-    parsed = {key: settings.check(SETTINGS, key, os.fspath(v) if isinstance(v, os.PathLike) else v)
-              for key, v in changes.items()}
+    parsed = settings.check_all(SETTINGS, {key: os.fspath(v) if isinstance(v, os.PathLike) else v
+                                           for key, v in changes.items()})
     config = {**(_S.config or settings.resolve(SETTINGS)), **parsed}
     src = None
     if config["mode"] == "replay":  # read before any state is set: a bad source fails every call alike

@@ -173,7 +173,7 @@ def configure(**changes) -> dict:
     """Change settings (keys of the ``trace`` schema); all are validated before any
     is applied (KeyError names the valid keys).  Returns the effective configuration."""
     with _config_lock:
-        parsed = {key: settings.check("trace", key, value) for key, value in changes.items()}
+        parsed = settings.check_all("trace", changes)
         _apply({**_config, **parsed})
         return public_config()
 

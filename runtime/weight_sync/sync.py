@@ -56,7 +56,7 @@ def enabled() -> bool:
 def configure(**changes) -> dict:
     """Change settings (validated as a whole; same keys as the ``weight_sync`` schema)."""
     global _config, _enabled
-    parsed = {key: settings.check(SETTINGS, key, value) for key, value in changes.items()}
+    parsed = settings.check_all(SETTINGS, changes)
     _config = {**_config, **parsed}
     _enabled = _config["enable"]
     return dict(_config)
