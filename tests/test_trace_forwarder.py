@@ -248,14 +248,18 @@ def test_when_no_forwarder_can_start_a_thread_serves(tmp_path, monkeypatch):
 
 
 def test_a_port_in_use_is_reported_by_the_forwarder_without_a_fallback(tmp_path):
+    # Counted from zero here: a hub stopped by an earlier test may still count its
+    # own late failure while a loaded machine winds it down (seen once in CI).
+    reset()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
+        before = state()["errors"]
         configure(enable=True, port=taken.getsockname()[1], token=TOKEN, dir=str(tmp_path), ranks=[0],
                   hub="process")
         try:
             s = state()
-            assert url() is None and not s["enabled"] and s["errors"] == 1
+            assert url() is None and not s["enabled"] and s["errors"] == before + 1
             assert "starting the trace hub" in s["last_error"] and "in use" in s["last_error"]
         finally:
             configure(enable=False, port=0)
