@@ -45,13 +45,13 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def activate() -> None:
-    """The routing spec, before Megatron imports (megatron_cpu: before 0.17 the router gemm
-    is unbound without Transformer Engine)."""
+def activate(specs=("routing",)) -> None:
+    """The routing spec (or ``specs``), before Megatron imports (megatron_cpu: before 0.17
+    the router gemm is unbound without Transformer Engine)."""
     from source_patch.patcher.activation import activate as _activate
 
     major, minor = (int(x) for x in md.version("megatron-core").split(".")[:2])
-    _activate(["routing"] + (["megatron_cpu"] if (major, minor) < (0, 17) else []))
+    _activate(list(specs) + (["megatron_cpu"] if (major, minor) < (0, 17) else []))
 
 
 def _unwrapping(layer_class):

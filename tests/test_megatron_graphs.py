@@ -17,7 +17,11 @@ Each scenario is its own process (this file run as a script; patching happens at
 - ``replay`` of the graphed capture into a model of another seed, graphed and eager: the
   routing map the experts used at the last replayed micro-batch is the recorded one, and
   the losses of graphed and eager replay agree, while the same model with routing off
-  routes (and loses) otherwise.
+  routes (and loses) otherwise;
+- ``dump`` (patches/dump.yaml alone, its own copy of the graph hooks), graphed and eager,
+  the same micro-batches at every step: the records of graph-replayed steps equal the
+  eager step 0 of the same process and the eager process, bitwise, record for record;
+  those of the graphed parts (router and MoE postprocess graphs) tagged ``cuda_graph``.
 """
 
 from __future__ import annotations
@@ -100,6 +104,56 @@ def test_capture_and_replay_under_megatron_cuda_graphs(tmp_path):
     assert (rg_t["loss"][1:] - off_t["loss"][1:]).abs().max() > 1e-4, "replayed and live routes give one loss"
 
 
+GRAPHED_NAMES = {"pre_mlp_residual", "routing_map", "mlp_output", "layer_output"}  # in the router / postprocess graphs
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    """The dump scenario, eager and graphed: (step, microbatch, name, layer) -> record."""
+    torch_ok = torch.cuda.is_available()
+    if not torch_ok:
+        pytest.skip("needs a CUDA GPU (Megatron's graphs)")
+    pytest.importorskip("megatron.core")
+    from source_patch.runtime.dump.reader import load
+
+    tmp = tmp_path_factory.mktemp("dumps")
+    res = _results({name: (tmp / name, _scenario(tmp / name, "dump", graphs, SEED, tmp / "dumps"))
+                    for name, graphs in (("eager", False), ("graphs", True))})
+    out = {}
+    for name in ("eager", "graphs"):
+        records = load(tmp / "dumps", exp_name=name)
+        keys = [(r.step, r.microbatch, r.name, r.layer) for r in records]
+        assert len(set(keys)) == len(keys), f"{name}: a record twice (a warm-up pass or a drain twice)"
+        out[name] = ({k: r for k, r in zip(keys, records)}, res[name][0])
+    return out
+
+
+@pytest.mark.gpu
+def test_dumps_of_replayed_steps_equal_the_eager_step_bitwise(dumps):
+    records, summary = dumps["graphs"]
+    assert summary["router_graphs"] == 2 and summary["dump_errors"] == 0, summary
+    keys = sorted(records, key=str)
+    names = {k[2] for k in keys}
+    assert GRAPHED_NAMES <= names and {"layer_input", "attention_output", "logits"} <= names
+    per_step = {s: sorted((k[1:] for k in keys if k[0] == s), key=str) for s in range(STEPS)}
+    assert all(per_step[s] == per_step[0] for s in range(STEPS)), "a step lacks records another has"
+    graphed = {k for k in keys if records[k].tags.get("cuda_graph")}
+    assert graphed == {k for k in keys if k[0] >= 1 and k[2] in GRAPHED_NAMES}, "cuda_graph tags"
+    differ = [k for k in keys if k[0] >= 1 and not torch.equal(records[k].tensor, records[(0, *k[1:])].tensor)]
+    assert not differ, f"replayed steps differ from the eager step 0 at {differ[:8]}"
+
+
+@pytest.mark.gpu
+def test_dumps_under_graphs_equal_a_process_without_graphs_bitwise(dumps):
+    (graphed, _), (eager, summary) = dumps["graphs"], dumps["eager"]
+    assert summary["router_graphs"] == 0 and summary["dump_errors"] == 0, summary
+    assert sorted(graphed, key=str) == sorted(eager, key=str)
+    assert not any(r.tags.get("cuda_graph") for r in eager.values())
+    differ = {k: float((graphed[k].tensor.double() - eager[k].tensor.double()).abs().max()) for k in eager
+              if not torch.equal(graphed[k].tensor, eager[k].tensor)}
+    assert not differ, f"{len(differ)} of {len(eager)} records differ, e.g. {sorted(differ.items(), key=str)[:8]}"
+
+
 # --------------------------------------------------------------------------- the scenario process
 
 
@@ -117,7 +171,7 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import graph_bench  # bench/graph_bench.py: the graphed model and the activation
 
-    graph_bench.activate()
+    graph_bench.activate(("dump",) if mode == "dump" else ("routing",))
     sys.path.insert(0, str(ROOT / "examples"))
     import train_moe
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -128,7 +182,12 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
     args = train_moe.parse_args(["--layers", "2", "--micro-batches", str(MICRO_BATCHES), "--seed", seed,
                                  "--lr", "0"])
     train_moe.init_distributed(torch.device("cuda"), 1)
-    routing.configure(mode=mode, **({"dir": folder} if mode == "replay" else {}))
+    if mode == "dump":  # on before the graphs are built (the end of step 0)
+        from source_patch.runtime.dump import api as dump
+
+        dump.configure(enable=True, dir=folder, exp_name=Path(out).name)
+    else:
+        routing.configure(mode=mode, **({"dir": folder} if mode == "replay" else {}))
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed, use_cudagraphable_rng=True)  # what Megatron's graphs need
     model = graph_bench.graphed_model(train_moe, args, graphs == "graphs")
@@ -136,8 +195,8 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
     data = train_moe.make_dataset(args, torch.device("cuda"))
     losses = []
     for step in range(STEPS):
-        batches = [train_moe.make_batch(data, step * args.micro_batches + m, args)
-                   for m in range(args.micro_batches)]
+        first = 0 if mode == "dump" else step * args.micro_batches  # dump: the same forwards every step
+        batches = [train_moe.make_batch(data, first + m, args) for m in range(args.micro_batches)]
         losses.append(train_moe.train_step(model, optimizer, batches, args)[0])
     torch.cuda.synchronize()
     tensors = {"loss": torch.tensor(losses, dtype=torch.float64)}
@@ -152,6 +211,11 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
                 tensors[f"route/{key[0]}/{key[1]}/{layer}"] = ids.sort(-1).values.contiguous()
         if graphs == "graphs":
             routing.save(folder)
+    if mode == "dump":
+        dump.flush()
+        summary["dump_errors"] = dump.state()["errors"]
+        summary["dump_last_error"] = dump.state()["last_error"]
+        summary["dump_records"] = dump.state()["records"]
     summary["warnings"] = sorted(routing._warned)
     summary["router_graphs"] = sum(r.fwd_graph is not None for m in model.modules()
                                    if hasattr(m, "cudagraph_manager_router") for r in m.cudagraph_manager_router.cudagraph_runners)

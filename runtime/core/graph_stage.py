@@ -36,7 +36,11 @@ import threading
 
 import torch
 
-_local = threading.local()  # .stage: the GraphStage whose graph this thread is capturing
+_local = threading.local()  # .stage: the GraphStage this thread captures into; .building: a Megatron build
+_busy_lock = threading.Lock()
+# Threads with a capture (a GraphStage's) or a Megatron graph build in progress.  The one
+# test a capability's call site adds (dump, trace): zero, the call site runs as without graphs.
+busy = 0
 
 
 class GraphStageError(RuntimeError):
@@ -51,6 +55,28 @@ def capturing() -> bool:
 def active() -> "GraphStage | None":
     """The GraphStage this thread is capturing into, if any."""
     return getattr(_local, "stage", None)
+
+
+def _set_local(**values) -> None:
+    """Set this thread's ``stage`` / ``building``, keeping :data:`busy` in step."""
+    global busy
+    before = getattr(_local, "stage", None) is not None or getattr(_local, "building", None) is not None
+    for name, value in values.items():
+        setattr(_local, name, value)
+    after = getattr(_local, "stage", None) is not None or getattr(_local, "building", None) is not None
+    if before != after:
+        with _busy_lock:
+            busy += 1 if after else -1
+
+
+def site(sink, key, tensor: torch.Tensor, **meta) -> bool:
+    """For a call site that found :data:`busy` set: True when it must do nothing more,
+    because this is an eager warm-up pass of a Megatron graph being built (nothing to
+    record) or because ``tensor`` was staged in the graph being captured (:func:`stage`);
+    False: an eager call, write as usual."""
+    if warming_up():
+        return True
+    return stage(sink, key, tensor, **meta)
 
 
 def stage(sink, key, tensor: torch.Tensor, **meta) -> bool:
@@ -84,8 +110,10 @@ def feed(fill, key, like: torch.Tensor, **meta) -> torch.Tensor:
 class GraphStage:
     """The staging buffers of one CUDA graph and the state of its last replay."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, users: frozenset = frozenset()):
         self.name = name
+        self.users = users  # the capabilities registered (use()) when it was built: who staged or fed
+        self.hooked = False  # Megatron's replay hooks: between graph_replay and graph_replayed
         self.entries = []  # (sink, key, static buffer, meta), in call order, fixed at capture
         self.feeds = []  # (fill, key, static buffer, meta): what the graph reads, refilled per replay
         self.replays = 0
@@ -98,7 +126,7 @@ class GraphStage:
         try:
             yield self
         finally:
-            _local.stage = previous
+            self.end(previous)
 
     def begin(self) -> "GraphStage | None":
         """Make this the stage call sites on this thread capture into (the start of
@@ -106,8 +134,13 @@ class GraphStage:
         previous one."""
         if self.entries or self.feeds:
             raise GraphStageError(f"graph {self.name!r}: captured twice (make a new GraphStage per graph)")
-        previous, _local.stage = getattr(_local, "stage", None), self
+        previous = getattr(_local, "stage", None)
+        _set_local(stage=self)
         return previous
+
+    def end(self, previous: "GraphStage | None" = None) -> None:
+        """The end of :meth:`begin`'s capture: ``previous`` (its return) is current again."""
+        _set_local(stage=previous)
 
     def put(self, sink, key, tensor: torch.Tensor, **meta) -> None:
         buffer = torch.empty_like(tensor)  # during capture: the graph's pool, kept alive by this reference
@@ -160,6 +193,8 @@ class GraphStage:
 # after every ``fwd_graph.replay()`` (``_CudagraphReplayNode.forward``).  A capability that
 # stages or feeds under graphs registers with :func:`use`; with none registered every
 # hook is one truthiness test and Megatron's graphs are built and replayed as without us.
+# patches/dump.yaml and patches/trace.yaml carry the same hooks, so that each spec works
+# alone: with several active each hook runs once per spec, and the repeats do nothing.
 
 _users: dict = {}  # capability name -> on_unstaged(name, runner): a graph built while it was off
 _stages = None  # weakref.WeakKeyDictionary: _CudaGraphRunner -> GraphStage (made on first use)
@@ -167,8 +202,8 @@ _stages = None  # weakref.WeakKeyDictionary: _CudaGraphRunner -> GraphStage (mad
 
 def use(name: str, on_unstaged=None, on: bool = True) -> None:
     """Register (``on``) or drop capability ``name`` as a user of graph staging.
-    ``on_unstaged(name, runner)`` is called at the replay of a graph built while no
-    capability was registered: its call sites were never staged or fed."""
+    ``on_unstaged(name, runner)`` is called at each replay of a graph built while this
+    capability was not registered: its call sites in that graph were never staged or fed."""
     if on:
         _users[name] = on_unstaged
     else:
@@ -190,8 +225,13 @@ def graph_build(runner) -> None:
         import weakref
 
         _stages = weakref.WeakKeyDictionary()
-    _local.stage = None  # a build that raised earlier left nothing behind
-    _local.building = _stages[runner] = GraphStage(describe(runner))
+    building = getattr(_local, "building", None)
+    if building is not None and _stages.get(runner) is building and not building.entries and not building.feeds \
+            and getattr(_local, "stage", None) is None:
+        return  # the same build, from another spec's copy of this hook
+    # a build that raised earlier left nothing behind
+    _set_local(stage=None, building=GraphStage(describe(runner), frozenset(_users)))
+    _stages[runner] = _local.building
 
 
 def describe(runner) -> str:
@@ -207,27 +247,30 @@ def describe(runner) -> str:
 def graph_capture(runner) -> None:
     """Before ``with torch.cuda.graph(...)`` in ``create_fwd_graph``: call sites stage."""
     stage = getattr(_local, "building", None)
-    if stage is not None:
+    if stage is not None and getattr(_local, "stage", None) is not stage:
         stage.begin()
 
 
 def graph_captured(runner) -> None:
     """After the capture block: the build is over."""
     if getattr(_local, "building", None) is not None:
-        _local.stage = _local.building = None
+        _set_local(stage=None, building=None)
 
 
 def graph_replay(runner) -> None:
-    """Before ``runner.fwd_graph.replay()``: refill what the graph reads."""
+    """Before ``runner.fwd_graph.replay()``: refill what the graph reads.  A capability
+    registered now but not when the graph was built hears of it (``on_unstaged``)."""
     if not _users:
         return
     stage = _stages.get(runner) if _stages is not None else None
-    if stage is None:
-        for name, on_unstaged in list(_users.items()):
-            if on_unstaged is not None:
-                on_unstaged(name, runner)
-        return
-    stage.before_replay()
+    if stage is not None and stage.hooked:
+        return  # another spec's copy of this hook ran first
+    for name, on_unstaged in list(_users.items()):
+        if on_unstaged is not None and (stage is None or name not in stage.users):
+            on_unstaged(name, runner)
+    if stage is not None:
+        stage.before_replay()
+        stage.hooked = True
 
 
 def graph_replayed(runner) -> None:
@@ -237,8 +280,9 @@ def graph_replayed(runner) -> None:
     if not _users or _stages is None:
         return
     stage = _stages.get(runner)
-    if stage is None:
+    if stage is None or not stage.hooked:
         return
+    stage.hooked = False
     stage.after_replay()
     if stage.undrained:
         stage.drain()

@@ -19,7 +19,9 @@ Enabled, the caller's thread tags the record, applies the declarative filter and
 hands a host snapshot to the pipeline (:mod:`.writer`), which writes safetensors
 files and a manifest (:mod:`.files`) from a background thread.  Nothing raises into
 the caller: failures are counted, the first of each kind is logged, and ``state()``
-shows them.
+shows them.  Under CUDA graphs (core/graph_stage.py) a call site being captured stages
+a copy in the graph, and the drain after every replay writes it as an eager call
+would, tagged ``cuda_graph``; a Megatron graph's warm-up passes record nothing.
 
 This module is loaded on the first ``__sp__.dump*`` call; it reads its settings
 (environment > spec ``runtime: dump:`` > defaults) at that moment.
@@ -40,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..core import ranks, settings, tags as ambient
+from ..core import graph_stage, ranks, settings, tags as ambient
 from ..core.failures import Counters
 from .writer import Pipeline
 
@@ -78,7 +80,8 @@ def dump(name: str, value: Any, /, **tags) -> Any:
     if not _enabled:
         return value
     try:
-        _record(name, value, tags)
+        if not (graph_stage.busy and _in_graph(name, value, tags)):
+            _record(name, value, tags)
     except Exception as exc:  # noqa: BLE001 - a dump must never break the caller
         _counters.fail(f"dump({name!r})", exc)
     return value
@@ -212,7 +215,8 @@ dump_configure = configure
 # ---------------------------------------------------------------- records
 
 
-def _record(name: str, value: Any, tags: dict) -> None:
+def _record(name: str, value: Any, tags: dict, leaf: str | None = None) -> None:
+    """``leaf``: the name of ``value`` (a tensor) where it is one element of ``name``'s value."""
     if value is None:
         return
     filt = _filter
@@ -226,12 +230,55 @@ def _record(name: str, value: Any, tags: dict) -> None:
     if not filt.admits_tags(record_tags, rank):
         _counters.add("filtered", 1 if isinstance(value, torch.Tensor) else sum(1 for _ in _leaves(name, value, 0)))
         return
-    leaves = ((name, value),) if isinstance(value, torch.Tensor) else _leaves(name, value, 0)
+    leaves = ((leaf or name, value),) if isinstance(value, torch.Tensor) else _leaves(name, value, 0)
     for leaf, tensor in leaves:
         if filt.admits_name(name, leaf):
             _pipeline.enqueue(leaf, tensor, record_tags, _rank_dir(rank))
         else:
             _counters.add("filtered")
+
+
+# ---------------------------------------------------------------- under CUDA graphs
+
+
+def _in_graph(name: str, value: Any, tags: dict) -> bool:
+    """(a graph is being built or captured somewhere: core/graph_stage.py) True when this
+    call must record nothing now: a Megatron graph's warm-up pass, or a capture, where
+    each leaf is staged in the graph and written by the drain after every replay."""
+    if graph_stage.warming_up():
+        return True
+    if not graph_stage.capturing():
+        return False
+    leaves = () if value is None else ((name, value),) if isinstance(value, torch.Tensor) \
+        else _leaves(name, value, 0)
+    for leaf, tensor in leaves:
+        if not graph_stage.stage(_drained, (name, leaf), tensor, tags=tags):
+            raise TypeError(f"{leaf}: a {tensor.device.type} value under CUDA graph capture is not dumped "
+                            "(a replay would not compute it again)")
+    return True
+
+
+def _drained(key: tuple, tensor: torch.Tensor, *, cuda_graph: bool, replay: int, tags: dict, **drain_tags) -> None:
+    """A replayed graph's staged leaf: the record an eager call would write now (step,
+    phase, microbatch as they are now; the filter as configured now), tagged cuda_graph."""
+    if not _enabled:
+        return
+    name, leaf = key
+    _record(name, tensor, {**tags, **drain_tags, "cuda_graph": cuda_graph}, leaf)
+
+
+def _unstaged(capability: str, runner) -> None:
+    """A Megatron graph built while dumping was off is replayed: its call sites are not
+    dumped (said once per graph)."""
+    what = graph_stage.describe(runner)
+    if what not in _unstaged_seen:
+        _unstaged_seen.add(what)
+        _counters.fail("dump under CUDA graphs", graph_stage.GraphStageError(
+            f"{what}: its CUDA graph was built while dumping was off, so its replays dump nothing "
+            "(turn dumping on before the graphs are built: Megatron builds them after the first step)"))
+
+
+_unstaged_seen: set = set()
 
 
 def _leaves(name: str, value: Any, depth: int):
@@ -311,6 +358,7 @@ def _apply(config: dict) -> None:
     _config, _filter, _rank_dirs = config, new_filter, {}
     _pipeline.config = config
     _enabled = _pipeline.keep_buffers = bool(config["enable"])
+    graph_stage.use("dump", _unstaged, on=_enabled)  # Megatron's own graphs stage for us while on
     if not _enabled:
         _pipeline.drop_pool()
     _sync_server()

@@ -152,7 +152,8 @@ class Pipeline:
 
     def _cuda_snapshot(self, source: torch.Tensor):
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("dump() during CUDA graph capture is not supported (nothing recorded)")
+            raise RuntimeError("dump() under CUDA graph capture outside GraphStage.capture() records nothing "
+                               "(runtime/core/graph_stage.py: capture in one to dump every replay)")
         device = source.device
         current = torch.cuda.current_stream(device)
         side = self.side_streams.get(device.index)

@@ -3,6 +3,7 @@ WebSocket clients while a model trains or serves.
 
     api.py       call sites (trace, trace_step) and control (configure, url, state, ...);
                  importable from this package
+    graphs.py    trace() under CUDA graphs: staged at capture, offered after every replay
     compress.py  compressors: a device stage (torch, no sync) and a host stage (numpy)
     frame.py     the binary frame format and multi-frame messages
     hub.py       the WebSocket hub (127.0.0.1 + token, per-client bounded queues)

@@ -47,8 +47,9 @@ from typing import Any
 
 import torch
 
-from ..core import ranks, settings, tags as ambient
+from ..core import graph_stage, ranks, settings, tags as ambient
 from ..core.failures import Counters
+from . import graphs
 from .ring import ALIGN, Slice
 
 SETTINGS = "trace"  # its settings component (the capability contract: core/capability.py)
@@ -126,6 +127,8 @@ def trace(name: str, tensor, /, **tags):
     subscribed clients; return it unchanged.  Raises TypeError only for a value that
     is not a tensor (the call site's bug); runtime failures are counted, not raised."""
     if not _enabled:
+        return tensor
+    if graph_stage.busy and graphs.intercept(name, tensor, tags):  # a CUDA graph being built (graphs.py)
         return tensor
     table = _table
     key = (name, tags.get("layer"))
@@ -818,6 +821,7 @@ def _apply(config: dict) -> None:
         serve = ranks.global_rank() in settings.IntSet(_config["ranks"])
     started = _sync_hub(serve)
     _enabled = _hub is not None
+    graphs.use(_enabled, trace, _fail)
     if started and _config["wait"] and not _table.subs:
         print(f"source-patch trace: waiting up to {_config['wait']:g} s for a client to subscribe",
               file=sys.stderr, flush=True)

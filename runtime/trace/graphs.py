@@ -1,0 +1,53 @@
+"""trace() under CUDA graphs (core/graph_stage.py, issue 31).
+
+A replayed graph runs no Python, so a trace call site captured in it would never be
+offered to a client again.  While a graph is being built or captured somewhere
+(``graph_stage.busy``, the one flag api.trace tests for this), :func:`intercept`
+decides: a Megatron graph's warm-up pass traces nothing; under capture the tensor is
+staged in the graph (a copy into a buffer of its own, whether or not a client
+subscribes now: subscriptions change while the graph lives), and the drain after every
+replay offers the replay's rows to ``api.trace`` as an eager call would be offered
+them, tagged ``cuda_graph``.  Subscriptions, ``every`` and the step are applied then.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import graph_stage
+
+
+_offer = _fail = None  # api.trace and api._fail (handed over by use(): no import of api here)
+
+
+def use(on: bool, offer, fail) -> None:
+    """Register tracing with Megatron's graph hooks while it is enabled; ``offer``: what a
+    drained tensor is offered to (api.trace), ``fail``: where a failure is counted."""
+    global _offer, _fail
+    _offer, _fail = offer, fail
+    graph_stage.use("trace", _unstaged, on=on)
+
+
+def intercept(name: str, tensor, tags: dict) -> bool:
+    """True when ``trace(name, tensor, **tags)`` must do nothing more now."""
+    if not isinstance(tensor, torch.Tensor):
+        return False  # the call site's error: api.trace raises it
+    return graph_stage.site(_drained, (name, tags.get("layer")), tensor, tags=tags)
+
+
+def _drained(key: tuple, tensor: torch.Tensor, *, cuda_graph: bool, replay: int, tags: dict, **drain_tags) -> None:
+    _offer(key[0], tensor, **{**tags, **drain_tags, "cuda_graph": cuda_graph})
+
+
+_unstaged_seen: set = set()
+
+
+def _unstaged(capability: str, runner) -> None:
+    """A Megatron graph built while tracing was off is replayed: its call sites are not
+    traced (said once per graph)."""
+    what = graph_stage.describe(runner)
+    if what not in _unstaged_seen:
+        _unstaged_seen.add(what)
+        _fail("trace under CUDA graphs", graph_stage.GraphStageError(
+            f"{what}: its CUDA graph was built while tracing was off, so its replays trace nothing "
+            "(turn tracing on before the graphs are built: Megatron builds them after the first step)"))
