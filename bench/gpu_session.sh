@@ -46,13 +46,19 @@ echo "== routing capture/replay step bench"
 timeout 560 python3 bench/routing_bench.py --rounds 5 --steps 25 --warmup 8 2>&1 | tee "$OUT/routing_bench.txt" | tail -10
 fi
 if want graphs; then
-echo "== graph-safe call sites (issue 31): staged under torch.cuda.graph, drained after each replay;"
-echo "   routing capture / replay under Megatron's own CUDA graphs (cuda_graph_impl=local, moe_router scope)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_graph_stage.py tests/test_megatron_graphs.py 2>&1 \
+echo "== graph-safe call sites (issue 31): dump, trace and routing staged under torch.cuda.graph, drained after"
+echo "   each replay; dumps under Megatron's own CUDA graphs (cuda_graph_impl=local, moe_router scope) vs eager"
+timeout ${GRAPH_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rs --durations=8 tests/test_graph_stage.py \
+  tests/test_graph_stage_sites.py tests/test_megatron_graphs.py -k "not capture_and_replay" 2>&1 \
   | tee "$OUT/pytest_graph_stage.log" | tail -30
+echo "== routing capture / replay under Megatron's own CUDA graphs"
+timeout ${GRAPH_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rs --durations=3 \
+  tests/test_megatron_graphs.py -k capture_and_replay 2>&1 | tee "$OUT/pytest_megatron_graphs.log" | tail -12
+if [ "${GRAPH_BENCH:-1}" != 0 ]; then  # GRAPH_BENCH=0: the tests only
 echo "== routing capture on vs off in a graphed Megatron step (bench/graph_bench.py)"
 timeout ${GRAPH_BENCH_TIMEOUT:-150} python3 bench/graph_bench.py ${GRAPH_BENCH_ARGS:-} 2>&1 | grep -v "Warning\|warnings.warn" \
   | tee "$OUT/graph_bench.txt" | tail -12
+fi
 fi
 if want trace; then
 echo "== trace: forwarder and compressor tests (Triton's interpreter too), gpu-marked hub tests, then the benches"

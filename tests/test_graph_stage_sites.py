@@ -259,7 +259,8 @@ def test_dump_trace_and_routing_call_sites_in_a_plain_cuda_graph(dumper, tracer,
     for g, e in zip(graphed_frames, eager_frames):
         assert g.meta["cuda_graph"] is True and g.meta["source_shape"] == e.meta["source_shape"]
         assert np.array_equal(g.array, e.array)
-        assert np.array_equal(g.array, tc.parse(TILES)(eager[(g.step, "hidden", g.layer)][0]).numpy())
+        want = tc.parse(TILES)(eager[(g.step, "hidden", g.layer)][0]).numpy()  # on the CPU: its own rounding
+        assert np.allclose(g.array, want, rtol=1e-5, atol=1e-6)
     # routing: the records of the eager forwards
     assert len(graphed_routes) == len(eager_routes) == 3
     for g, e, x in zip(graphed_routes, eager_routes, inputs):
