@@ -6,7 +6,7 @@
 #           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
 #           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
 #           folders copied into .upstream/ (git-ignored): mkdir -p .upstream && cp -r ../shared/upstream/megatron-lm .upstream/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [bias] [weights] [pushx2] [backends] [phases] [push] [newest] [upstream]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [bias] [overhead] [overhead_processes] [weights] [pushx2] [backends] [phases] [push] [newest] [upstream]
 #           (default: all; `overhead` first on a fresh machine to see the first-run cliff; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
 #            `upstream` installs each release of $UPSTREAM_RELEASES, default "0.16.1 0.19.2", in turn)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
@@ -86,10 +86,29 @@ echo "== trace bench bias: the toggling process and an A/A process (same request
 timeout 420 python3 bench/trace_bench.py --resolve --aa --gc --settings device_timing=0 --rounds 1 \
   --toggle-steps 650 --phase 4 --warmup 8 --save "$OUT/bias_run.json" 2>&1 | tee "$OUT/trace_bench_bias.txt" | tail -16
 fi
-if want overhead; then
-echo "== what each capability costs in the Megatron example's step, and all at once (first: a fresh machine's first-run cliff)"
+if want overhead_processes; then
+echo "== what each capability costs in the Megatron example's step, a process per round (first: a fresh machine's first-run cliff)"
 (cd bench && timeout 450 python3 overhead_bench.py --steps 30 --warmup 6 --save "$OUT/overhead.json" 2>&1 \
   | tee "$OUT/overhead_bench.txt")
+fi
+if want overhead; then
+echo "== what each capability costs (issue 34); first: routing capture's host time per router call (before / after)"
+(cd bench && timeout 25 python3 routing_call_bench.py --rounds 9 --steps 5 2>&1 | grep -v "Warning\|warnings.warn" \
+  | tee "$OUT/routing_call_bench.txt")
+echo "== one resident process per variant, blocks of steps alternated; the issue's model (hidden 1024, 8 layers)"
+(cd bench && timeout ${OVERHEAD_S:-110} python3 overhead_bench.py --resident 6 --rounds ${OVERHEAD_ROUNDS:-8} --no-probes \
+  --variants "plain;plain again;every spec inert;routing capture;trace, 1 client;everything at once" \
+  --save "$OUT/overhead_resident.json" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_resident.txt" | tail -9)
+echo "== due trace() calls"
+timeout 50 python3 bench/compressor_bench.py 2>&1 | tee "$OUT/compressor_bench.txt" | grep -v "^source-patch" | tail -14
+echo "== a C extension built at install time: does this machine have a compiler and Python's headers?"
+(command -v gcc cc g++ || echo "no C compiler on PATH"; python3 -c "import sysconfig, os; \
+p = sysconfig.get_paths()['include']; print('Python.h', os.path.exists(os.path.join(p, 'Python.h')), p)"; \
+python3 -c "import triton; print('triton', triton.__version__)") 2>&1 | tee "$OUT/toolchain.txt"
+echo "== a larger, GPU-bound model (hidden 2048, 4 layers), the same way"
+(cd bench && timeout ${OVERHEAD_LARGE_S:-90} python3 overhead_bench.py --resident 5 --rounds ${OVERHEAD_LARGE_ROUNDS:-6} \
+  --no-probes --hidden 2048 --layers 4 --variants "plain;plain again;every spec inert;everything at once" \
+  --save "$OUT/overhead_large.json" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_large.txt" | tail -7)
 fi
 if want weights; then
 echo "== weight sync: bucketed vs per-tensor vs raw broadcast, 2 GPUs over NCCL"

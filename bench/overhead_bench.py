@@ -31,6 +31,22 @@ room in its queue, the final flush).
 
     python bench/overhead_bench.py                 # GPU: the issue's model (~7 min at 2 rounds)
     python bench/overhead_bench.py --quick         # CPU smoke run: plain vs everything at once
+    python bench/overhead_bench.py --resident 8 --rounds 14 --variants "plain,plain again,..."
+
+``--resident K``: one process per variant, all started at once and kept alive (they
+share the GPU's memory, never its time: one runs while the others wait on a pipe);
+the bench alternates blocks of K steps between them, the order rotating each round,
+the first block of each process left out (warm-up); every step of a later block counts
+(its first, after the pause, is the same for every variant; leaving it out would hide
+a cost paid every 10th step where 10 steps and the block line up).  A round is then a block of each variant
+seconds apart, not a process start apart, so many rounds fit a device call and a
+variant is compared with plain round by round (paired: drift cancels).  Per variant:
+its block medians (min / median [90% interval]), the median over rounds of its
+block's median against plain's of the same round, and the ratio of mean step times,
+each with a bootstrap 90% interval over rounds.  ``plain again`` is plain in a
+second process: the A/A row, what two identical processes differ by (a variant's
+interval means something only where it is wider than that).  Replay is left out
+(it needs a capture first).
 """
 
 from __future__ import annotations
@@ -59,11 +75,12 @@ from source_patch.runtime.core.endpoint import free_port  # noqa: E402
 BASE = "megatron_cpu"
 EVERY = f"{BASE},routing,dump,trace,weight_sync"
 TOKEN = "overhead-bench"
-PROBE = re.compile(r"^overhead-probe: (.*)$", re.M)
+PROBE = re.compile(r"^overhead-probe: (\{.*)$", re.M)
 PREFIXES = ("SOURCE_PATCH_DUMP", "SOURCE_PATCH_ROUTING", "SOURCE_PATCH_TRACE", "SOURCE_PATCH_WEIGHT_SYNC")
 # name -> what it turns on: spec, routing mode, dump ("all", "sparse" or None), trace client
 VARIANTS = {
     "plain": (BASE, "off", None, False),
+    "plain again": (BASE, "off", None, False),  # the A/A control: a second plain process
     "every spec inert": (EVERY, "off", None, False),
     "routing capture": (f"{BASE},routing", "capture", None, False),
     "routing replay": (f"{BASE},routing", "replay", None, False),
@@ -221,19 +238,149 @@ def first_run(runs: list[dict]) -> None:
               f"({dumping[0] / later:.2f}x; goal <= 1.2x)\n", flush=True)
 
 
+class Resident:
+    """One variant's process, alive across rounds: ``block()`` runs its next K steps."""
+
+    def __init__(self, args, name: str, root: str):
+        import queue
+
+        self.name, self.folder, self.lines = name, tempfile.mkdtemp(dir=root), queue.Queue()
+        port = free_port()
+        total = args.resident * (args.rounds + 1)  # + the warm-up block
+        env = {**environment(name, self.folder, "", total, port), "OVERHEAD_PROBE_BLOCK": str(args.resident),
+               "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # several processes share the GPU's memory
+        self.report: dict = {}
+        if VARIANTS[name][3]:
+            threading.Thread(target=lambda: asyncio.run(trace_client(port, self.report)), daemon=True).start()
+        probe = str(Path(__file__).with_name("overhead_probe.py"))
+        self.err = open(os.path.join(self.folder, "stderr.txt"), "w+")
+        self.proc = subprocess.Popen([sys.executable, probe, str(training.EXAMPLE), *size_args(args, total)],
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                     text=True, bufsize=1)
+        threading.Thread(target=self._read, daemon=True).start()
+        self.probe: dict | None = None
+        self.ended = False
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_ready(self) -> list[float]:
+        """Step times until the process waits for its next block (or ends)."""
+        times = []
+        while not self.ended:
+            line = self.lines.get(timeout=900)
+            if line is None:
+                self.ended = True
+                break
+            if line.startswith("overhead-probe: ready"):
+                return times
+            found = PROBE.match(line)
+            if found:
+                self.probe = json.loads(found.group(1))
+            step = training.STEP.match(line.rstrip("\n"))
+            if step:
+                times.append(float(step.group(1)))
+        return times
+
+    def block(self, discard: int) -> list[float]:
+        if self.proc.poll() is not None:
+            return []
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        except OSError:
+            return []
+        return self.wait_ready()[discard:]
+
+    def finish(self) -> dict:
+        self.wait_ready()  # the last block's end: the example's own end, then the probe's report
+        code = self.proc.wait(timeout=300)
+        self.err.seek(0)
+        if code != 0 or self.probe is None:
+            print(f"{self.name}: exit {code}:\n{self.err.read()[-3000:]}", flush=True)
+        self.err.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return self.probe or {}
+
+
+def resident_table(blocks: dict, probes: dict) -> None:
+    """Per variant: block medians, and against plain round by round (paired over rounds)."""
+    base = blocks.get("plain")
+    print(f"{'variant':22}{'rounds':>7}  {'block medians, ms: ' + stats.HEADER:44}"
+          f"{'vs plain, per round [90%]':28}{'vs plain, means [90%]':26}{'device peak':>12}{'pinned':>9}")
+    for name, rows in blocks.items():
+        pairs = [(b, a) for b, a in zip(rows, base) if b and a] if base else []
+        meds = [statistics.median(b) for b in rows if b]
+        if not meds:
+            print(f"{name:22}{0:>7}  (no steps: see its exit above)")
+            continue
+        per_round = "-"
+        if name != "plain" and len(pairs) >= 3:
+            value, low, high = stats.bootstrap(statistics.median, [statistics.median(b) / statistics.median(a)
+                                                                   for b, a in pairs])
+            per_round = f"{(value - 1) * 100:+.2f}% ({(low - 1) * 100:+.2f}..{(high - 1) * 100:+.2f})"
+        means = "-"
+        if name != "plain" and len(pairs) >= 3:
+            value, low, high = stats.bootstrap(
+                lambda bs, as_: sum(map(sum, bs)) / sum(map(len, bs)) / (sum(map(sum, as_)) / sum(map(len, as_))),
+                [b for b, _ in pairs], [a for _, a in pairs], paired=True)
+            means = f"{(value - 1) * 100:+.2f}% ({(low - 1) * 100:+.2f}..{(high - 1) * 100:+.2f})"
+        probe, plain_probe = probes.get(name) or {}, probes.get("plain") or {}
+        dev = (probe.get("device_peak_allocated", 0) - plain_probe.get("device_peak_allocated", 0)) / 2**20
+        pinned = (probe.get("pinned_peak", 0) - plain_probe.get("pinned_peak", 0)) / 2**20
+        print(f"{name:22}{len(meds):>7}  {stats.cells(meds):44}{per_round:28}{means:26}{dev:>+10.0f}Mi{pinned:>+7.0f}Mi")
+    print(flush=True)
+
+
+def run_resident(args, names: list[str], root: str) -> None:
+    names = [n for n in names if VARIANTS[n][1] != "replay"]
+    if "plain" in names:  # plain first: every round's ratios need its block
+        names.remove("plain")
+    names.insert(0, "plain")
+    procs = {name: Resident(args, name, root) for name in names}  # started together: one start-up wait
+    for proc in procs.values():
+        proc.wait_ready()
+    for proc in procs.values():  # the warm-up block, not timed
+        proc.block(0)
+    print(f"resident: {len(procs)} processes warm (a first block of {args.resident} steps each, left out); "
+          f"{args.rounds} rounds of a block of {args.resident} steps per variant", flush=True)
+    blocks: dict = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            blocks[name].append(procs[name].block(0))
+        if (r + 1) % max(1, args.rounds // 3) == 0 or r + 1 == args.rounds:
+            print(f"after round {r + 1}/{args.rounds}")
+            resident_table(blocks, {})
+            if args.save:  # a run cut short by a time limit keeps what it measured
+                Path(args.save).write_text(json.dumps({"blocks": blocks}))
+    probes = {name: proc.finish() for name, proc in procs.items()}
+    print("with each process's peaks (device: torch's allocated; pinned: its caching host allocator)")
+    resident_table(blocks, probes)
+    for name, proc in procs.items():
+        if proc.report.get("frames") is not None:
+            print(f"{name}: trace frames {proc.report['frames']}")
+    if args.save:
+        Path(args.save).write_text(json.dumps({"blocks": blocks, "probes": probes}))
+
+
 def main() -> None:
     p = training.parser(__doc__)
     p.set_defaults(vocab=32000 if training.CUDA else 128, rounds=2 if training.CUDA else 1,
                    steps=40 if training.CUDA else 6, warmup=8 if training.CUDA else 2)
-    p.add_argument("--variants", default="", help="comma-separated variant names (default: all; --quick: "
+    p.add_argument("--variants", default="", help="variant names, separated by ',' or ';' (default: all; --quick: "
                    + ", ".join(QUICK) + ")")
     p.add_argument("--no-probes", action="store_true", help="skip the machine probes (memory, disk, pinned)")
     p.add_argument("--probe-gib", type=float, default=4.0, help="GiB each machine probe writes or touches")
     p.add_argument("--save", metavar="JSON", help="also write every process's times and probe report here")
+    p.add_argument("--resident", type=int, default=0, metavar="K",
+                   help="one process per variant kept alive, blocks of K steps alternated (see above)")
     args = p.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warmup, args.no_probes = 1, 5, 2, True
-    names = [n.strip() for n in args.variants.split(",") if n.strip()] or list(QUICK if args.quick else VARIANTS)
+    sep = ";" if ";" in args.variants else ","  # ";" where a name has a comma ("trace, 1 client")
+    names = [n.strip() for n in args.variants.split(sep) if n.strip()] or list(QUICK if args.quick else VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}; valid: {', '.join(VARIANTS)}")
@@ -241,6 +388,10 @@ def main() -> None:
         names.remove(FIRST)
         names.insert(0, FIRST)
     training.header(args)
+    if args.resident:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("OVERHEAD_BENCH_DIR")) as root:
+            run_resident(args, names, root)
+        return
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("OVERHEAD_BENCH_DIR")) as root:
         if not args.no_probes:

@@ -10,11 +10,17 @@ to the end of the dump writer's final flush, the flush alone, what the capabilit
 trace, where loaded), and changes of a few /proc/vmstat counters over the run (page
 faults, pages dirtied and written back, reclaim): what tells a disk-bound run from a
 memory-bound one.  overhead_bench.py reads it.
+
+With ``OVERHEAD_PROBE_BLOCK=K`` the process runs in blocks of K steps: before each it
+prints ``overhead-probe: ready`` and waits for a line on stdin (overhead_bench.py's
+resident mode keeps one process per variant alive and alternates their blocks, so a
+round costs no process start and the variants share the machine's drift).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -63,6 +69,17 @@ def main() -> None:
     example = training.load_example(sys.argv)  # the example parses its own flags
     marks = {"first_step": None, "flush_s": 0.0}
     train_step = example.train_step
+    block = int(os.environ.get("OVERHEAD_PROBE_BLOCK", "0"))
+    make_batch = example.make_batch
+
+    def waiting_batch(dataset, index, args):  # main() makes a step's batches before it starts its clock
+        if block and index % (args.micro_batches * block) == 0:  # resident mode: wait for this block's turn
+            print("overhead-probe: ready", flush=True)
+            if not sys.stdin.readline():
+                raise SystemExit(0)  # the bench is gone
+        return make_batch(dataset, index, args)
+
+    example.make_batch = waiting_batch
 
     def timed_step(*args, **kwargs):
         if marks["first_step"] is None:

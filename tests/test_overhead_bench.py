@@ -1,0 +1,31 @@
+"""bench/overhead_bench.py --resident (CPU smoke run): one process per variant kept
+alive, blocks of steps alternated round by round, the A/A row and a variant against
+plain with per-round and mean ratios; the waits between blocks are not in the step times."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_resident_mode_alternates_blocks_and_reports_an_aa_row(tmp_path):
+    save = tmp_path / "run.json"
+    out = subprocess.run([sys.executable, "bench/overhead_bench.py", "--resident", "3", "--rounds", "3", "--no-probes",
+                          "--variants", "plain;plain again;routing capture", "--save", str(save)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    final = out.stdout.split("with each process's peaks")[-1]
+    cell = r"[+-][\d.]+% \([+-][\d.]+\.\.[+-][\d.]+\)"
+    for name in ("plain again", "routing capture"):
+        assert re.search(rf"^{name}\s+3\s+[\d.]+ / [\d.]+ \[[\d.]+\.\.[\d.]+\]\s+{cell}\s+{cell}", final, re.M), final
+    blocks = json.loads(save.read_text())["blocks"]
+    assert set(blocks) == {"plain", "plain again", "routing capture"}
+    for rows in blocks.values():
+        assert len(rows) == 3 and all(len(b) == 3 for b in rows), rows  # 3 rounds of a block of 3 steps
+        # a step waits for its block before its clock starts: no step holds a block's wait (seconds)
+        assert max(max(b) for b in rows) < 10 * min(min(b) for b in rows), rows
