@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..core import ranks
-from ..core.sglang_batch import BatchRows, batch_rows
+from ..core.sglang_batch import DRAFT, BatchRows, batch_rows
 from . import api, server
 
 _forward_pass = 0
@@ -49,8 +49,8 @@ def dump_sglang_forward(model, input_ids, positions, forward_batch) -> None:
         return
     try:
         api.dump_step(step=step)
-        rows = batch_rows(forward_batch)
-        mode = rows.mode if isinstance(rows, BatchRows) else _mode_name(forward_batch)
+        rows = batch_rows(forward_batch)  # a draft model's forward (speculative decoding) is tagged "draft"
+        mode = rows.mode if isinstance(rows, BatchRows) else "draft" if rows is DRAFT else _mode_name(forward_batch)
         api.dump_context(forward_mode=mode, cuda_graph=False)
         _write_summary(model)
         api.dump("input_ids", input_ids)

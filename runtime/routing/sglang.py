@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from ..core import settings
-from ..core.sglang_batch import BatchRows, Unattributed, batch_rows, is_probe
+from ..core.sglang_batch import DRAFT, BatchRows, Unattributed, batch_rows, is_probe
 from .record import RoutingRecord, RoutingRecordError, load
 from .slot_store import SlotStore
 
@@ -81,10 +81,11 @@ class _State:
         self.rank = None
         self.batch = None  # (rids, lens, starts) of the current forward
         self.batch_slots = None  # (space, slots): the KV slot of each row of that forward
+        self.skip = False  # the current forward is a draft model's or cannot be attributed: not routed here
         self.forward_id = -1
         self.current = None  # {"id", "layers": {layer: (ids, weights)}} the forward being captured
         self.stores = {"kv": SlotStore(), "virtual": SlotStore()}  # engine slots / private ones
-        self.live = {}  # rid -> {"space", "start", "end", "gap", "vslots", "pool", "idx"}
+        self.live = {}  # rid -> {"space", "start", "end", "gap", "vslots", "pool", "idx", "reach"}
         self.next_virtual = 0
         self.num_experts = None
         self.replay = None  # {rid: RoutingRecord}
@@ -193,21 +194,23 @@ def _rank():
 # ---------------------------------------------------------------- the ambient batch
 
 
-def set_batch(rids, lens, starts=None, *, slots=None, pool=None, pool_indices=None) -> None:
+def set_batch(rids, lens, starts=None, *, slots=None, pool=None, pool_indices=None, verify=False) -> None:
     """Make ``rids`` / ``lens`` (tokens of each request in this forward, in row
     order) / ``starts`` (position of each request's first row in that request;
     default: right after what was captured for it so far) the ambient batch.
 
     Capture only: ``slots`` (one KV slot per row, ``out_cache_loc``), ``pool``
     (``req_to_token``) and ``pool_indices`` (each request's row of it) key the rows by
-    KV slot; without ``slots`` each request gets private slots."""
+    KV slot; without ``slots`` each request gets private slots.  ``verify``: the rows
+    are a speculative verify pass's draft tokens (``slots`` required); only the accepted
+    ones stay in ``req_to_token``, so a request's settled length does not move."""
     rids, lens = list(rids), [int(n) for n in lens]
     if len(rids) != len(lens):
         raise ValueError(f"{len(rids)} request ids for {len(lens)} lengths")
     if starts is None:
         starts = [_S.live[r]["end"] if r in _S.live else 0 for r in rids]
     starts = [int(s) for s in starts]
-    _S.batch, _S.batch_slots = (rids, lens, starts), None
+    _S.batch, _S.batch_slots, _S.skip = (rids, lens, starts), None, False
     _S.forward_id += 1
     if _S.mode != "capture":
         return
@@ -217,33 +220,40 @@ def set_batch(rids, lens, starts=None, *, slots=None, pool=None, pool_indices=No
         _S.next_virtual += sum(lens)
     _S.batch_slots = (space, slots)
     with _S.lock:
-        _track(rids, lens, starts, space, slots, pool, pool_indices)
+        _track(rids, lens, starts, space, slots, pool, pool_indices, verify)
         # forwards older than the previous one are done even under the overlap schedule:
         # to the host now, so at most two forwards stay on the device
         _S.stores[space].settle(keep=lambda tag: tag[0] >= _S.forward_id - 1)
 
 
-def _track(rids, lens, starts, space, slots, pool, pool_indices) -> None:
+def _track(rids, lens, starts, space, slots, pool, pool_indices, verify=False) -> None:
     """Where each request of this forward has got to (and, in private slots, which
-    slot each of its positions has)."""
+    slot each of its positions has); a verify pass only says how far it may reach."""
     off = 0
     for i, (rid, n, start) in enumerate(zip(rids, lens, starts)):
         e = _S.live.get(rid)
         if e is None or e["space"] != space:
             e = _S.live[rid] = {"space": space, "start": start if space == "virtual" else 0, "end": start,
-                                "gap": None, "vslots": [], "pool": None, "idx": None}
+                                "gap": None, "vslots": [], "pool": None, "idx": None, "reach": 0}
         if space == "virtual":
             if start != e["end"] and e["gap"] is None:
                 e["gap"] = f"rows resume at position {start}, expected {e['end']} (retracted or re-prefilled request?)"
             e["vslots"].append(slots[off:off + n])
         else:
             e["pool"], e["idx"] = pool, (pool_indices[i] if pool_indices is not None else None)
-        e["end"] = start + n
+        if verify:
+            e["reach"] = max(e["reach"], start + n)
+        else:
+            e["end"] = start + n
         off += n
 
 
-def clear_batch() -> None:
+def clear_batch(skip: bool = False) -> None:
+    """No ambient batch; ``skip``: the forward is a draft model's (SGLang opts its
+    routers out of its own capture too) or one whose rows cannot be attributed, so its
+    routers are neither captured nor replayed."""
     _S.batch = _S.batch_slots = None
+    _S.skip = skip
 
 
 def _kv_slots(forward_batch, runner):
@@ -264,19 +274,25 @@ def routing_sglang_batch(forward_batch, runner=None) -> None:
     the ambient batch from an SGLang ``ForwardBatch``. Does nothing when the mode is off."""
     if _mode() == "off":
         return
-    rows = batch_rows(forward_batch)
+    capture = _S.mode == "capture"
+    rows = batch_rows(forward_batch, runner, verify=capture)  # a verify pass: rows keyed by KV slot
     if isinstance(rows, Unattributed):
         _warn_once(rows.key, rows.reason)
     if not isinstance(rows, BatchRows):
-        clear_batch()
+        clear_batch(skip=rows is DRAFT or isinstance(rows, Unattributed))
         return
-    if _S.mode != "capture":
+    if not capture:
         set_batch(rows.rids, rows.lens, rows.starts)
         return
     slots, pool, idx = _kv_slots(forward_batch, runner)
+    if slots is None and rows.mode == "verify":
+        _warn_once("verify-slots", "a verify pass without KV slots is not attributed; its rows are skipped")
+        clear_batch(skip=True)
+        return
     if slots is not None:
         slots = slots[:sum(rows.lens)]
-    set_batch(rows.rids, rows.lens, rows.starts, slots=slots, pool=pool, pool_indices=idx)
+    set_batch(rows.rids, rows.lens, rows.starts, slots=slots, pool=pool, pool_indices=idx,
+              verify=rows.mode == "verify")
 
 
 # ---------------------------------------------------------------- select_experts
@@ -371,7 +387,7 @@ def routing_sglang_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor, rout
     place from the replay record. Rows past the ambient batch's tokens (padding)
     are left alone."""
     mode = _mode()
-    if mode == "off" or layer_id is None or not getattr(topk_config, "allow_routed_experts_capture", True):
+    if mode == "off" or _S.skip or layer_id is None or not getattr(topk_config, "allow_routed_experts_capture", True):
         return
     num_experts = router_logits.shape[-1]
     routed = topk_ids[:, :num_routed_topk]
@@ -527,7 +543,7 @@ def _finished_rows(req, e, tree_cache) -> tuple:
     if e["space"] != "kv":
         return e["end"], e["pool"], e["idx"]
     end = len(req.origin_input_ids) + len(req.output_ids_through_stop) - 1
-    if e["end"] < end:
+    if max(e["end"], e["reach"]) < end:
         raise RoutingRecordError(f"request {req.rid!r}: routes captured up to position {e['end']}, "
                                  f"it has {end} routed tokens")
     pool = getattr(getattr(tree_cache, "req_to_token_pool", None), "req_to_token", None)
