@@ -14,9 +14,11 @@ median over ``--rounds`` (each round runs them all in turn):
   params          MegatronParams(chunks): the kept walk and the parallel groups
   mapping         every parameter through names.to_hf (fused QKV and gate/up splits)
   push buffers    push() from DDP's parameter buffers (the default without gathers)
-  push tensors    push() with from_buffers off: mapped and packed tensor by tensor (on a
-                  GPU a bucket of the same tensors as the push before replays its copies)
-  push tensors, copied   the same with replay_packing off
+  push tensors    push() with from_buffers off: packed by the program planned once per
+                  layout (program.py: every engine tensor a kept view, per bucket a few
+                  fused copies, on a GPU one replayed CUDA graph per run between gathers)
+  push tensors, copied   the same with replay_packing off (the fused copies, no graph)
+  push tensors, unplanned   packed tensor by tensor, mapped anew each push (before)
   push, walked    push buffers with the kept walk dropped before each push (the old cost)
 --profile: cProfile's top functions over 5 pushes from the buffers.  Ends with a
 bitwise check: one push over a recording link, replayed to a receiver.
@@ -25,7 +27,7 @@ bitwise check: one push over a recording link, replayed to a receiver.
 Rank 0 trains on GPU 0 and pushes to rank 1, a receiver on GPU 1 (``receiver.receive``,
 the engine's protocol without SGLang's load), over NCCL groups of two.  Per round, in
 rotated order: one raw broadcast of the update's bytes, push() from DDP's buffers,
-push() packed; rank 0's wall time from a barrier to the verdict, min / median / % of
+push() packed (the program), push() packed tensor by tensor (before); rank 0's wall time from a barrier to the verdict, min / median / % of
 raw with a 90% interval.  Each push method has a group of its own (a receiver keeps
 one layout's buffer and views; alternating layouts on one group cost ~100 ms a push).
 Ends with a bitwise check of each path (the receiver sends back what it got).
@@ -79,7 +81,13 @@ def parse_args(argv=None):
     p.add_argument("--engine", action="store_true",
                    help="two processes (GPUs 0 and 1): push to a receiver over NCCL, the transfer included")
     p.add_argument("--stage", choices=("update", "bucket"), default="update", help="--engine: the receiver's stage")
+    p.add_argument("--bucket-kib", type=int, default=0,
+                   help="bucket size in KiB (default: the bucket_bytes setting); small ones cut tensors over buckets")
     return p.parse_args(argv)
+
+
+def bucket(args) -> dict:
+    return {"bucket_bytes": args.bucket_kib << 10} if args.bucket_kib else {}
 
 
 def build(args, device: torch.device, rank: int = 0, world: int = 1, store=None):
@@ -126,7 +134,8 @@ def main(argv=None) -> None:
         from source_patch.runtime.core.endpoint import free_port
 
         if args.engine:
-            torch.multiprocessing.spawn(engine, args=(args, free_port(), free_port()), nprocs=2, join=True)
+            torch.multiprocessing.spawn(engine, args=(args, free_port(), free_port(), free_port()), nprocs=2,
+                                        join=True)
         else:
             torch.multiprocessing.spawn(parallel, args=(args, free_port()), nprocs=args.ep * args.tp, join=True)
         return
@@ -141,11 +150,12 @@ def main(argv=None) -> None:
     from source_patch.runtime.weight_sync import sync as weight_sync
     from source_patch.runtime.weight_sync import transport as wt
 
-    weight_sync.configure(checksum=args.checksum)
+    weight_sync.configure(checksum=args.checksum, **bucket(args))
     chunks = [ddp]
     layout = weight_names.Layout.from_config(ddp.config)
-    wire = wt.LoopbackLink(device, record=False)
-    weight_sync._connected = lambda: _broadcast(wire)  # the bench's wire: push() itself is unchanged
+    # the bench's wires (push() itself is unchanged): one for the planned pushes, one for the
+    # unplanned (a link keeps one packing: alternating would plan again every push)
+    wires = {True: wt.LoopbackLink(device, record=False), False: wt.LoopbackLink(device, record=False)}
 
     def sync():
         if device.type == "cuda":
@@ -159,10 +169,13 @@ def main(argv=None) -> None:
             for _ in weight_names.to_hf(name, full, layout):
                 pass
 
-    def push(from_buffers=True, walked=False, replay=True):
+    def push(from_buffers=True, walked=False, replay=True, planned=True):
+        weight_sync.PROGRAM = planned
         weight_sync.configure(from_buffers=from_buffers, replay_packing=replay)
         if walked:
             weight_megatron._walks.pop(ddp, None)
+        wire = wires[planned]
+        weight_sync._connected = lambda: _broadcast(wire)
         wire.rewind()
         weight_sync.push(chunks, version=1)
         sent = weight_sync.state()["sent_from"]
@@ -172,6 +185,7 @@ def main(argv=None) -> None:
     rows = {"walk": walk, "params": lambda: weight_megatron.MegatronParams(chunks), "mapping": mapping,
             "push buffers": push, "push tensors": lambda: push(from_buffers=False),
             "push tensors, copied": lambda: push(from_buffers=False, replay=False),
+            "push tensors, unplanned": lambda: push(from_buffers=False, planned=False),
             "push, walked": lambda: push(walked=True)}
     times: dict = {key: [] for key in rows}
     for r in range(args.warmup + args.rounds):
@@ -184,7 +198,8 @@ def main(argv=None) -> None:
                 times[key].append(time.perf_counter() - t0)
     if args.profile:
         profile(push, sync)
-    check(ddp, chunks, layout, device, weight_sync, wt)  # last: it swaps the wire for a recording one
+    check(ddp, chunks, layout, device, weight_sync, wt)  # last: they swap the wire for a recording one
+    check_program(ddp, chunks, weight_sync, wt, device)
     report(args, device, ddp, layout, times)
 
 
@@ -215,7 +230,7 @@ def parallel(rank: int, args, port: int) -> None:
     from source_patch.runtime.weight_sync import sync as weight_sync
     from source_patch.runtime.weight_sync import transport as wt
 
-    weight_sync.configure(checksum=args.checksum)
+    weight_sync.configure(checksum=args.checksum, **bucket(args))
     window = weight_megatron.WINDOW_BYTES
     wires = {True: wt.LoopbackLink(device), False: wt.LoopbackLink(device)}  # recorded, for the check
 
@@ -234,6 +249,9 @@ def parallel(rank: int, args, port: int) -> None:
         for windows in ((True, False) if r % 2 == 0 else (False, True)):
             elapsed = push(windows)
             gathers[windows] = weight_sync.state()["gathers"]
+            if rank == 0 and weight_sync.state()["planned"] != windows:  # windows: the program; else by tensor
+                raise SystemExit(f"check: the push with{'out' * (not windows)} windows was "
+                                 f"{'not ' * windows}planned")
             if r >= args.warmup:
                 times[windows].append(elapsed)
     try:
@@ -292,10 +310,54 @@ def check(ddp, chunks, layout, device, weight_sync, wt) -> None:
     print(f"check: one push from the buffers, replayed: all {got} engine tensors equal the mapped parameters")
 
 
+def check_program(ddp, chunks, weight_sync, wt, device) -> None:
+    """The packed push by its program and tensor by tensor broadcast the same bytes,
+    after the parameters changed in place (the program is kept) and after one moved
+    (it is planned again)."""
+    from source_patch.runtime.weight_sync import planning
+
+    def messages(planned: bool) -> list:
+        weight_sync.PROGRAM = planned
+        weight_sync.configure(from_buffers=False)
+        tx = wt.LoopbackLink(device)
+        weight_sync._connected = lambda: _broadcast(tx)
+        weight_sync.push(chunks, version=3)
+        if weight_sync.state()["planned"] != planned:
+            raise SystemExit(f"check: the packed push was {'not ' * planned}planned")
+        return tx.messages
+
+    kept = []
+    for change in ("redrawn", "moved"):
+        with torch.no_grad():
+            for p in ddp.parameters():
+                p.uniform_(-1, 1)
+            if change == "moved":  # a buffer reallocated (its parameters views of a copy): planned again
+                move_buffer(ddp, next(p for name, p in ddp.named_parameters() if "linear_qkv" in name))
+        planned, before = messages(True), messages(False)
+        if len(planned) != len(before) or not all(map(torch.equal, planned, before)):
+            raise SystemExit(f"check: the planned packed push sent other bytes than tensor by tensor ({change})")
+        kept.append(planning._plans[ddp].sources[1])
+    if kept[0] is kept[1]:
+        raise SystemExit("check: the program was kept after a parameter moved")
+    print(f"check: the packed push by its program sent the same {len(planned)} messages as tensor by tensor, "
+          "byte for byte, with the parameters redrawn in place and after a buffer moved (planned again)")
+
+
+def move_buffer(ddp, member) -> None:
+    """Every parameter in ``member``'s storage becomes the same view of a copy of it."""
+    old = member.untyped_storage()
+    new = torch.empty(old.nbytes(), dtype=torch.uint8, device=member.device)
+    new.copy_(torch.empty(0, dtype=torch.uint8, device=member.device).set_(old))
+    for p in ddp.parameters():
+        if p.untyped_storage().data_ptr() == old.data_ptr():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device).set_(
+                new.untyped_storage(), p.storage_offset(), p.shape, p.stride())
+
+
 # ------------------------------------------------------------------ --engine
 
-ENGINE_ROWS = ("raw", "push buffers", "push tensors")
-METHOD = {"raw": "buffers", "push buffers": "buffers", "push tensors": "tensors"}  # the row's group
+ENGINE_ROWS = ("raw", "push buffers", "push tensors", "push unplanned")
+METHOD = {"raw": "buffers", "push buffers": "buffers", "push tensors": "tensors", "push unplanned": "unplanned"}
 
 
 def engine(rank: int, args, *ports: int) -> None:
@@ -312,7 +374,7 @@ def engine(rank: int, args, *ports: int) -> None:
     def links() -> dict:  # one group per push method (see the module doc)
         return {method: wt.Link(wt.open_group("127.0.0.1", port, rank, 2, f"push_{method}",
                                               "gloo" if cpu else "nccl", 300), 300)
-                for method, port in zip(("buffers", "tensors"), ports)}
+                for method, port in zip(("buffers", "tensors", "unplanned"), ports)}
 
     if rank == 1:
         _Ends(links(), args).receiver()
@@ -322,7 +384,7 @@ def engine(rank: int, args, *ports: int) -> None:
         print(f"built in {time.perf_counter() - start:.1f} s", flush=True)
         from source_patch.runtime.weight_sync import sync as weight_sync
 
-        weight_sync.configure(checksum=args.checksum)
+        weight_sync.configure(checksum=args.checksum, **bucket(args))
         _Ends(links(), args).sender(ddp, weight_sync)
     # Both ends passed the last barrier; leave without tearing the groups down:
     # destroying them held each process until its timeout on two H200 (NCCL), and
@@ -339,7 +401,8 @@ class _Ends:
     def __init__(self, links: dict, args):
         self.links, self.args = links, args
         self.link = links["buffers"]  # barriers, the raw broadcast
-        self.rotation = [list(ENGINE_ROWS[r % 3:] + ENGINE_ROWS[:r % 3]) for r in range(args.warmup + args.rounds)]
+        n = len(ENGINE_ROWS)
+        self.rotation = [list(ENGINE_ROWS[r % n:] + ENGINE_ROWS[:r % n]) for r in range(args.warmup + args.rounds)]
 
     def barrier(self) -> None:
         if self.link.device.type == "cuda":
@@ -383,12 +446,15 @@ class _Ends:
 
     def sender(self, ddp, weight_sync) -> None:
         def push(method: str):
+            weight_sync.PROGRAM = method != "unplanned"  # off: packed tensor by tensor, as before issue 32's item 2
             weight_sync.configure(from_buffers=method == "buffers", replay_packing=True)
             weight_sync._connected = lambda: _broadcast(self.links[method])  # the bench's groups (push() is unchanged)
             self.version += 1
             weight_sync.push([ddp], version=self.version)
-            if weight_sync.state()["sent_from"] != method:
-                raise SystemExit(f"push sent from {weight_sync.state()['sent_from']}, not {method}")
+            state = weight_sync.state()
+            if state["sent_from"] != ("buffers" if method == "buffers" else "tensors") or \
+                    state["planned"] != (method == "tensors"):
+                raise SystemExit(f"push sent from {state['sent_from']} (planned: {state['planned']}), not {method}")
 
         self.version = 0
         for method in self.links:
@@ -467,10 +533,11 @@ def engine_report(args, ddp, nbytes: int, times: dict, checked: list) -> None:
 
 
 ENGINE_LABELS = {"raw": "raw broadcast, same bytes", "push buffers": "push(), from DDP's buffers",
-                 "push tensors": "push(), packed"}
+                 "push tensors": "push(), packed", "push unplanned": "push(), packed unplanned"}
 LABELS = {"walk": "named_parameters() walk (uncached)", "params": "MegatronParams (kept walk)",
           "mapping": "name/layout mapping (to_hf), every tensor", "push buffers": "push(), from DDP's buffers",
-          "push tensors": "push(), packed tensor by tensor", "push tensors, copied": "the same, no replayed packing",
+          "push tensors": "push(), packed (planned program)", "push tensors, copied": "the same, no graph replay",
+          "push tensors, unplanned": "push(), packed tensor by tensor (before)",
           "push, walked": "push(), buffers, walk redone (before)"}
 
 

@@ -21,6 +21,9 @@ runs them all in a rotating order, per-tensor in rounds of its own after the oth
                on a GPU each bucket's copies replayed once its sources repeat (replay_packing)
   bucketed -c  the same without checksums
   bucketed, copied  bucketed with every tensor copied each update (replay_packing off)
+  planned      the packed push's program (program.py, what push() sends with TP/EP gathers):
+               the tensors' views planned once, per bucket one replayed CUDA graph of fused
+               copies; receiver as bucketed
   streamed     stage "bucket": the receiver verifies and hands out bucket by bucket
   buffers      the sender's tensors are views of one flat buffer (as Megatron's parameter
                buffers with the distributed optimizer), planned with plan_buffers: each
@@ -164,6 +167,9 @@ class Run:
             manifest, source = weight_sync_phases.in_one_buffer(self.wt, planned, self.layout, self.tensors)
             # one Buffers for both: a sender keeps its plan while the buffers are the same
             self.from_buffers = {True: (manifest, source), False: (dataclasses.replace(manifest, checksum=False), source)}
+            from source_patch.runtime.weight_sync.program import Sources
+
+            self.sources = Sources([("out", t, True) for t in self.tensors], [], (None, None))
 
     def sync(self):
         if self.device.type == "cuda":
@@ -180,10 +186,14 @@ class Run:
             self.link.wait(work, "per-tensor")
         self.link.vote(0, "ack")
 
-    def bucketed(self, checksum=True, stage="update", buffers=False, replay=True):
+    def bucketed(self, checksum=True, stage="update", buffers=False, replay=True, planned=False):
         wt = self.wt
         if self.rank == 0:  # planned once, as the trainer does: a push only changes the version
             self.version += 1
+            if planned:  # the packed push's program (program.py), as push() sends with gathers
+                wt.send(self.link, dataclasses.replace(self.manifests[checksum], version=self.version),
+                        self.sources)
+                return None
             if buffers:
                 manifest, source = self.from_buffers[checksum]
                 wt.send(self.link, dataclasses.replace(manifest, version=self.version), source)
@@ -272,6 +282,7 @@ METHODS = {
     "bucketed": lambda r: r.bucketed(),
     "bucketed -c": lambda r: r.bucketed(checksum=False),
     "bucketed, copied": lambda r: r.bucketed(replay=False),
+    "planned": lambda r: r.bucketed(planned=True),
     "streamed": lambda r: r.bucketed(stage="bucket"),
     "buffers": lambda r: r.bucketed(buffers=True),
     "buffers -c": lambda r: r.bucketed(checksum=False, buffers=True),
@@ -389,7 +400,7 @@ def kernel_summary(prof) -> dict:
 def check(run: Run, when: str = ""):
     """The bucketed update, and the one sent from the flat buffer, deliver exactly
     what per-tensor broadcasts deliver."""
-    for method in ("bucketed", "buffers"):
+    for method in ("bucketed", "planned", "buffers"):
         run.sync()
         run.per_tensor()
         staged = METHODS[method](run)
@@ -425,7 +436,7 @@ def report(run: Run, times: dict, args):
     print("every round, ms (the order of methods rotates by one each round; per-tensor runs after the others):")
     for name, values in times.items():
         print(f"  {name:<16} " + " ".join(f"{1e3 * v:.1f}" for v in values))
-    for name in ("bucketed", "bucketed, copied", "streamed", "buffers", "buffers streamed"):
+    for name in ("bucketed", "bucketed, copied", "planned", "streamed", "buffers", "buffers streamed"):
         print(f"{name}: {100 * med['raw'] / med[name]:.0f}% of raw at the median, "
               f"{100 * med['raw'] / max(times[name]):.0f}% in the worst round; "
               f"{med['per-tensor'] / med[name]:.1f}x per-tensor", flush=True)

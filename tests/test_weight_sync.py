@@ -509,14 +509,20 @@ def test_the_benchs_phase_breakdown_runs_on_cpu(capsys):
         assert label in out
 
 
-def test_the_push_bench_runs_a_real_megatron_model_on_cpu_and_checks_the_bytes():
+@pytest.mark.parametrize("bucket", [[], ["--bucket-kib", "4"]])
+def test_the_push_bench_runs_a_real_megatron_model_on_cpu_and_checks_the_bytes(bucket):
     """bench/push_bench.py: push() from DDP's buffers over a loopback wire, bitwise
-    checked (its own process: it patches Megatron before importing it)."""
+    checked (its own process: it patches Megatron before importing it); the packed
+    push by its program (issue 32, item 2) against tensor by tensor, byte for byte, with
+    the parameters redrawn in place and after a buffer moved (planned again); with
+    4 KiB buckets most tensors cross a bucket end (the fused QKV's strided views too)."""
     out = subprocess.run([sys.executable, ROOT / "bench" / "push_bench.py", "--cpu", "--layers", "2",
-                          "--experts", "4", "--rounds", "1"], capture_output=True, text=True, timeout=120,
+                          "--experts", "4", "--rounds", "1", *bucket], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert re.search(r"check: one push from the buffers, replayed: all \d+ engine tensors equal", out.stdout)
+    assert re.search(r"check: the packed push by its program sent the same (\d+) messages as tensor by tensor, "
+                     r"byte for byte, with the parameters redrawn in place and after a buffer moved", out.stdout)
     assert "push(), from DDP's buffers" in out.stdout and "push(), buffers, walk redone (before)" in out.stdout
 
 
@@ -531,7 +537,8 @@ def test_the_push_bench_pushes_to_a_receiver_process_and_gets_the_bytes_back(sta
     assert out.returncode == 0, out.stderr[-2000:]
     assert re.search(r"check: pushed from the buffers and packed, the receiver got all \d+ engine tensors equal",
                      out.stdout)
-    for label in ("raw broadcast, same bytes", "push(), from DDP's buffers", "push(), packed"):
+    for label in ("raw broadcast, same bytes", "push(), from DDP's buffers", "push(), packed",
+                  "push(), packed unplanned"):
         assert re.search(rf"^  {re.escape(label)}\s+[\d.]+ [\d.]+$", out.stdout, re.M), out.stdout  # every round
 
 
@@ -544,10 +551,16 @@ def test_the_push_bench_pushes_to_a_receiver_process_and_gets_the_bytes_back(sta
     # TP 2 and EP 2 (expert TP 2), four processes: the experts' windows gathered over the
     # EP x expert-TP group at once, against a gather over expert TP and one over EP each.
     (["--tp", "2", "--ep", "2"], {"gathers per parameter (before)": 22, "buffer windows": 4}),
+    # The same with 4 KiB buckets (109 of them): the windows' gathers fall between buckets,
+    # shards joined in kept staging and tensors read from it cut over bucket ends.
+    (["--tp", "2", "--bucket-kib", "4"], {"gathers per parameter (before)": 22, "buffer windows": 4}),
+    (["--tp", "2", "--ep", "2", "--bucket-kib", "4"], {"gathers per parameter (before)": 22, "buffer windows": 4}),
 ])
 def test_the_push_bench_gathers_buffer_windows_and_checks_them_against_per_parameter_gathers(parallel, collectives):
     """bench/push_bench.py --ep 2 / --tp 2 (two processes) / both (four): both ways of
-    gathering broadcast the same bytes (checked by the bench), with far fewer collectives."""
+    gathering broadcast the same bytes (checked by the bench), with far fewer collectives.
+    The windowed push is the packed push's program (program.py: gathers into two kept
+    slots, joins into kept staging); the per-parameter one is mapped tensor by tensor."""
     out = subprocess.run([sys.executable, ROOT / "bench" / "push_bench.py", *parallel, "--layers", "2",
                           "--experts", "4", "--rounds", "1"], capture_output=True, text=True, timeout=180,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})

@@ -82,6 +82,7 @@ class Link:
         self.size = group.size()
         self.broken: Optional[str] = None
         self.packing = None  # the sender's bucket buffers and layout, reused while it holds
+        self.program = None  # the same for a packed push's program (program.py)
         self.spans = None  # the same for updates sent from buffers (plan_buffers)
         self.known_manifest = None  # a receiver's last (tensors JSON, entries): parsed once
         self.layouts: dict = {}  # a receiver's accepted layouts: digest -> manifest (at most MAX_LAYOUTS)
@@ -175,7 +176,8 @@ class LoopbackLink(Link):
         self.device = torch.device(device)
         self.rank, self.size = (0 if replay is None else 1), 2
         self.broken = None
-        self.packing = self.spans = self.known_manifest = self.staged = self.streamed = self.sums = None
+        self.packing = self.spans = self.program = self.known_manifest = self.staged = self.streamed = None
+        self.sums = None
         self.layouts = {}
         self.record, self.source = record, replay
         self.messages: list = []  # a sender's recorded broadcasts

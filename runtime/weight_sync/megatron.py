@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import re
 import struct
 import weakref
@@ -117,6 +118,7 @@ class MegatronParams:
         self.in_expert = ps.get_expert_data_parallel_rank() == 0 if self.ep[0] else self.in_dense
         self.gated = bool(self.config.gated_linear_unit)
         self._gathers, self._windows = 0, {}  # of the last tensors(); windows by expert (bool)
+        self._checked = False  # check_windows() ran (once a push)
 
     @staticmethod
     def _group(group):
@@ -147,15 +149,121 @@ class MegatronParams:
         """(global name, full tensor), in ``shapes()`` order.  Collective over the
         tensor- and expert-parallel groups of rank 0: every participant iterates it.
         ``collectives`` then counts the gathers it ran."""
-        self._gathers, self._windows = 0, {}
-        for expert in (False, True):
-            self._windows[expert] = self._windowed(expert)
+        if not self._checked:
+            self.check_windows()
         try:
             yield from self._full_tensors()
         finally:  # the windows are kept for the next push: not their last gathered bytes
             for windows in self._windows.values():
                 if windows is not None:
                     windows[0].current = (None, None)
+
+    def check_windows(self) -> dict:
+        """This push's buffer windows by expert flag (collective: the layout check,
+        once per push: ``tensors()`` then takes these)."""
+        self._gathers, self._windows, self._checked = 0, {}, True
+        for expert in (False, True):
+            self._windows[expert] = self._windowed(expert)
+        return self._windows
+
+    def gather_only(self) -> None:
+        """A participant other than the sender: ``tensors()``'s gathers, in its order,
+        without joining shards (no one reads them here)."""
+        self.check_windows()
+        current = {False: None, True: None}
+        for name, param in self.params:
+            expert = _expert(name) is not None
+            if not (self.in_expert if expert else self.in_dense):
+                continue
+            windows, _ = self._windows[expert] or (None, None)
+            if windows is not None and id(param) in windows.where:
+                index = windows.where[id(param)][0]
+                if current[expert] != index:
+                    current[expert] = index
+                    windows._gather(index)
+                continue
+            group, size = self.etp if expert else self.tp
+            if len(self._global_names(name, expert)) == 1:  # this rank's shard is all the others read
+                if size > 1 and getattr(param, "tensor_model_parallel", False):
+                    tensor = param.detach().contiguous()
+                    dist.all_gather([torch.empty_like(tensor) for _ in range(size)], tensor, group=group)
+                    self._gathers += 1
+                continue
+            full = self._gather_tp(name, param, group, size)  # the expert-parallel peers read it whole
+            dist.all_gather([torch.empty_like(full) for _ in range(self.ep[1])], full.contiguous(), group=self.ep[0])
+            self._gathers += 1
+
+    def ops(self, layout) -> "list | None":
+        """The sender's push as operations over memory that stays put, in ``shapes()``
+        order, for program.py to plan once: ("gather", call) a buffer window into one
+        of two kept slots, ("copy", dst, src) a shard into its place in a joined full
+        tensor (kept staging memory), ("out", view, stable) an engine tensor as a view
+        (names.to_hf_views; ``stable``: of the parameter itself, unchanged during the
+        push).  None where a parameter is gathered on its own (no buffer windows):
+        then the push takes ``tensors()``.  Run after ``check_windows()``."""
+        from .names import to_hf_views
+
+        ops, current, slots = [], {False: None, True: None}, {}
+        for name, param in self.params:
+            expert = _expert(name) is not None
+            if not (self.in_expert if expert else self.in_dense):
+                continue
+            names = self._global_names(name, expert)
+            windows, mode = self._windows[expert] or (None, None)
+            if windows is None or id(param) not in windows.where:
+                if len(names) > 1 or ((self.etp if expert else self.tp)[1] > 1
+                                      and getattr(param, "tensor_model_parallel", False)):
+                    return None
+                fulls, stable = [(names[0], param.detach())], True
+            else:
+                memory = slots.get(expert) or slots.setdefault(expert, _Slots(windows))
+                index = windows.where[id(param)][0]
+                if current[expert] != index:
+                    current[expert] = index
+                    ops.append(("gather", functools.partial(windows.gather_into, index, memory.rows(index))))
+                fulls, stable = self._slot_fulls(name, param, names, mode, windows, memory, ops), False
+            for global_name, full in fulls:
+                ops.extend(("out", view, stable) for _, view in to_hf_views(global_name, full, layout))
+        return ops
+
+    def _slot_fulls(self, name, param, names, mode, windows, memory, ops) -> list:
+        """(global name, full tensor) of a windowed parameter, from its window's slot;
+        a join's shard copies appended to ``ops``."""
+        index = windows.where[id(param)][0]
+        parts = memory.parts(param)
+        if mode == "experts":
+            return list(zip(names, parts))
+        if mode == "shards":
+            groups = [parts]
+        elif getattr(param, "tensor_model_parallel", False):  # both
+            groups = [[parts[m] for m in members] for members in windows.grid]
+        else:  # both, not split by expert TP: each EP rank's first copy
+            return list(zip(names, (parts[members[0]] for members in windows.grid)))
+        fulls = []
+        for global_name, shards in zip(names, groups):
+            full = memory.staging(index, self._joined_shape(param, len(shards)), param.dtype)
+            ops.extend(("copy", dst, src) for dst, src in self._join_pairs(name, param, shards, full))
+            fulls.append((global_name, full))
+        return fulls
+
+    @staticmethod
+    def _joined_shape(param, size: int) -> tuple:
+        shape = list(param.shape)
+        shape[param.partition_dim] *= size
+        return tuple(shape)
+
+    def _join_pairs(self, name: str, param: torch.Tensor, shards: list, full: torch.Tensor) -> list:
+        """``_join`` as copies into ``full``: (destination view, shard piece)."""
+        if self.gated and _FC1.search(name):
+            halves = [shard.chunk(2, dim=0) for shard in shards]
+            pieces, dim = [h[0] for h in halves] + [h[1] for h in halves], 0
+        else:
+            pieces, dim = shards, param.partition_dim
+        pairs, at = [], 0
+        for piece in pieces:
+            pairs.append((full.narrow(dim, at, piece.shape[dim]), piece))
+            at += piece.shape[dim]
+        return pairs
 
     def _full_tensors(self):
         for name, param in self.params:
@@ -348,6 +456,13 @@ class _Windows:
         offset = start - self.spans[index][1]
         return [rank[offset: offset + nbytes].view(param.dtype).view(param.shape) for rank in self.current[1]]
 
+    def gather_into(self, index: int, gathered: list) -> None:
+        """Window ``index`` gathered into ``gathered`` (kept memory: _Slots)."""
+        anchor, low, size = self.spans[index]
+        local = torch.empty(0, dtype=torch.uint8, device=anchor.device).set_(anchor.untyped_storage(), low, (size,))
+        dist.all_gather(gathered, local, group=self.group)
+        self.gathers += 1
+
     def _gather(self, index: int) -> list:
         anchor, low, size = self.spans[index]
         local = torch.empty(0, dtype=torch.uint8, device=anchor.device).set_(anchor.untyped_storage(), low, (size,))
@@ -357,3 +472,45 @@ class _Windows:
         dist.all_gather(gathered, local, group=self.group)
         self.gathers += 1
         return gathered
+
+
+class _Slots:
+    """Kept memory for the program's gathers (program.py): window i is gathered into
+    slot i % 2 and its joined tensors staged in staging slot i % 2, so a push's
+    sources are the same addresses every push; window i + 2 reuses the slot after
+    every read of window i (the program runs in walk order, on one stream)."""
+
+    def __init__(self, windows: "_Windows"):
+        self.windows = windows
+        self.size = dist.get_world_size(windows.group)
+        self.stride = -(-max(size for _, _, size in windows.spans) // 16) * 16
+        device = windows.spans[0][0].device
+        self.memory = [torch.empty((self.size, self.stride), dtype=torch.uint8, device=device) for _ in range(2)]
+        self.staged = [None, None]
+        self.cursor: dict = {}  # window -> next free byte of its staging slot
+        self.gathered: dict = {}  # window -> its gathered rows (views of its slot)
+
+    def rows(self, index: int) -> list:
+        """Window ``index``'s bytes as every rank of the group holds them (in its slot)."""
+        if index not in self.gathered:
+            size = self.windows.spans[index][2]
+            self.gathered[index] = [row[:size] for row in self.memory[index % 2]]
+        return self.gathered[index]
+
+    def parts(self, param) -> list:
+        index, start, nbytes = self.windows.where[id(param)]
+        offset = start - self.windows.spans[index][1]
+        return [row[offset: offset + nbytes].view(param.dtype).view(param.shape) for row in self.rows(index)]
+
+    def staging(self, index: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A kept tensor of ``shape`` in window ``index``'s staging slot."""
+        slot = index % 2
+        if self.staged[slot] is None:  # a window's joined tensors fill at most its gathered bytes
+            self.staged[slot] = torch.empty(self.memory[slot].numel() + (1 << 20), dtype=torch.uint8,
+                                            device=self.memory[slot].device)
+        at = self.cursor.get(index, 0)
+        nbytes = math.prod(shape) * dtype.itemsize
+        self.cursor[index] = -(-(at + nbytes) // 16) * 16
+        if self.cursor[index] > self.staged[slot].numel():
+            raise ValueError("weight sync: a window's joined tensors outgrew its staging slot")
+        return self.staged[slot][at: at + nbytes].view(dtype).view(shape)

@@ -78,11 +78,12 @@ def strip_wrappers(name: str) -> str:
 # appended to the engine prefix the rule gives.
 
 
-def split_qkv(t: torch.Tensor, layout: Layout, kind: str) -> list:
+def split_qkv(t: torch.Tensor, layout: Layout, kind: str, views: bool = False) -> list:
     """Megatron's fused QKV -> q, k, v.  Megatron interleaves by query group:
     [num_query_groups, (heads_per_group + 2) * head_dim, ...] holds each group's
     query heads, then its key head, then its value head.  Weights and biases
-    alike (dim 0 is the output dim)."""
+    alike (dim 0 is the output dim).  ``views``: the strided views, not reshaped
+    (no copy; the packed push copies them straight into its buckets)."""
     groups, head_dim = layout.num_query_groups, layout.head_dim
     per_group = layout.num_attention_heads // groups
     rest = t.shape[1:]
@@ -90,6 +91,9 @@ def split_qkv(t: torch.Tensor, layout: Layout, kind: str) -> list:
         raise UnmappedParameter(f"linear_qkv has {t.shape[0]} rows, expected num_query_groups * "
                                 f"(heads_per_group + 2) * head_dim = {groups * (per_group + 2) * head_dim}")
     grouped = t.view(groups, per_group + 2, head_dim, *rest)
+    if views:
+        return [(f"q_proj.{kind}", grouped[:, :per_group]), (f"k_proj.{kind}", grouped[:, per_group]),
+                (f"v_proj.{kind}", grouped[:, per_group + 1])]
     q = grouped[:, :per_group].reshape(groups * per_group * head_dim, *rest)
     k = grouped[:, per_group].reshape(groups * head_dim, *rest)
     v = grouped[:, per_group + 1].reshape(groups * head_dim, *rest)
@@ -155,6 +159,16 @@ def to_hf(name: str, tensor: torch.Tensor, layout: Layout, layer_offset: int = 0
     """[(engine name, tensor)] for one full Megatron parameter; UnmappedParameter if none."""
     prefix, convert, kind = _rule(name, layer_offset)
     return [(prefix + suffix, out) for suffix, out in convert(tensor, layout, kind)]
+
+
+def to_hf_views(name: str, tensor: torch.Tensor, layout: Layout, layer_offset: int = 0) -> list:
+    """``to_hf`` as views of ``tensor`` only, never copies: each holds the engine
+    tensor's elements in order, in a shape of its own where the engine's would need
+    a copy (q, k, v: [groups, heads, head_dim, ...]).  The packed push's program
+    (program.py) copies them into its buckets, viewed in that shape."""
+    prefix, convert, kind = _rule(name, layer_offset)
+    outs = convert(tensor, layout, kind, views=True) if convert is split_qkv else convert(tensor, layout, kind)
+    return [(prefix + suffix, out) for suffix, out in outs]
 
 
 @functools.lru_cache(maxsize=1 << 16)

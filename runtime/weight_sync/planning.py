@@ -45,12 +45,34 @@ class Plan:
         self.specs = list(weight_names.plan(params.shapes(), layout))
         self.manifests: dict = {}
         self.buffers: dict = {}
+        self.sources = None  # (windows' identities, program.Sources or None): the packed push's program
 
     def manifest(self, bucket_bytes: int, checksum: bool) -> Manifest:
         key = (bucket_bytes, checksum)
         if key not in self.manifests:
             self.manifests = {key: wire.plan(self.specs, bucket_bytes, 0, checksum)}
         return self.manifests[key]
+
+    def packed(self, params, layout):
+        """The packed push planned as kept operations (program.Sources), or None where
+        a parameter is gathered on its own (no buffer windows): then it is mapped and
+        packed tensor by tensor.  Runs this push's window check (collective: the other
+        participants run it in their gathers).  Planned again when a storage or a
+        window moved (one tensor per storage is checked)."""
+        from . import megatron as weight_megatron
+        from .program import Sources
+
+        windows = params.check_windows()
+        ident = tuple(id(windows[flag][0]) if windows[flag] else None for flag in (False, True))
+        cached = self.sources
+        if cached is not None and cached[0] == ident and (
+                cached[1] is None or weight_megatron.unmoved(cached[1].anchors)):
+            return cached[1]
+        ops = params.ops(layout)
+        sources = None if ops is None else Sources(
+            ops, weight_megatron.storage_anchors(param for _, param in params.params), ident)
+        self.sources = (ident, sources)
+        return sources
 
     def from_buffers(self, params, layout, bucket_bytes: int, checksum: bool):
         """(manifest, Buffers, extras) to send the parameters from Megatron's own

@@ -11,7 +11,7 @@ import urllib.request
 
 import torch
 
-from . import sender
+from . import program, sender
 from .wire import Buffers, ChecksumMismatch, Manifest, WeightSyncError, bucket_sum, request_json, too_many_buckets
 
 LOAD_FORMAT = "source_patch"  # SGLang's load_format that selects our receivers
@@ -36,11 +36,14 @@ class RequestSender:
     def send(self, manifest: Manifest, tensors, extra=(), *, replay_packing: bool = True) -> None:
         """Pack the update into the memory and ask every engine to load it.  Raises
         WeightSyncError (ChecksumMismatch when an engine found one)."""
-        source = iter(extra) if isinstance(tensors, Buffers) else iter(tensors)
+        planned = isinstance(tensors, (Buffers, program.Sources))
+        source = iter(extra) if planned else iter(tensors)
         try:
             payload = self.stage(manifest, tensors, source, replay_packing)
         except Exception:
-            for _ in source if not isinstance(tensors, Buffers) else ():  # peers' gathers still need rank 0
+            if isinstance(tensors, program.Sources):  # peers' gathers still need rank 0
+                self.packing.drain() if isinstance(self.packing, program.Program) else tensors.drain(0)
+            for _ in source if not planned else ():
                 pass
             raise
         for url in self.engines:
@@ -54,6 +57,8 @@ class RequestSender:
         packing = self._packing(manifest, tensors, self._stream_device(tensors))
         if hasattr(packing, "replays"):
             packing.replays.enabled = replay_packing
+        elif isinstance(packing, program.Program):
+            packing.enabled = replay_packing
         device = self.memory.tensor.device
         sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=device)
         with torch.no_grad():
@@ -81,7 +86,11 @@ class RequestSender:
                 self.memory.close()
             self.memory = self._new_memory(manifest.total_bytes, device)
         packing, stream = self.packing, self.memory.tensor
-        if isinstance(tensors, Buffers):
+        if isinstance(tensors, program.Sources):
+            if not isinstance(packing, program.Program) or not packing.matches(manifest, tensors):
+                self.packing = None  # its carries go first
+                packing = program.Program(manifest, tensors, stream.device, stream=stream)
+        elif isinstance(tensors, Buffers):
             if not isinstance(packing, sender._Spans) or not packing.matches(manifest, tensors):
                 packing = sender._Spans(manifest, tensors, stream=stream)
         elif not isinstance(packing, sender._Packing) or not packing.matches(manifest):

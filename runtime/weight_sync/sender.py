@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from .link import Link
+from .program import Program, Sources
 from .wire import (CHECKSUM_MISMATCH, FORMAT, MAGIC, NEED_MANIFEST, OK, REJECTED, VERDICTS, Buffers,
                    ChecksumMismatch, Entry, Manifest, WeightSyncError, bucket_sum, first_line, layout_digest,
                    tensors_digest, too_many_buckets)
@@ -60,6 +61,18 @@ def send(link: Link, manifest: Manifest, tensors: Iterable[torch.Tensor] | Buffe
         if tensors.pieces and _indexed(tensors.device) != _indexed(link.device):
             raise WeightSyncError(f"the buffers are on {tensors.device}, the link on {link.device}")
         return _Sender(link, manifest, tensors).run(iter(extra))
+    if isinstance(tensors, Sources):
+        sender = None
+        try:
+            sender = _Sender(link, manifest, sources=tensors, replay_packing=replay_packing)
+            sender.run(iter(()))
+        except Exception:
+            if sender is not None and sender.packing is not None:
+                sender.packing.drain()
+            else:
+                tensors.drain(0)
+            raise
+        return None
     it = iter(tensors)
     try:
         _Sender(link, manifest, replay_packing=replay_packing).run(it)
@@ -358,13 +371,19 @@ def _slots(manifest: Manifest, device: torch.device, stream: Optional[torch.Tens
 
 class _Sender:
     def __init__(self, link: Link, manifest: Manifest, buffers: Optional[Buffers] = None,
-                 replay_packing: bool = True):
+                 replay_packing: bool = True, sources: Optional[Sources] = None):
         self.link, self.manifest = link, manifest
         # An update no receiver would accept is refused in the votes, so both ends
         # stay usable, and without building its packing (as costly here as there).
         self.refusal = too_many_buckets(manifest.bucket_bytes, manifest.total_bytes)
         if self.refusal:
             packing = None
+        elif sources is not None:
+            packing = link.program
+            if packing is None or not packing.matches(manifest, sources):
+                link.program = None  # free the old buffers first
+                packing = link.program = Program(manifest, sources, link.device)
+            packing.enabled = replay_packing
         elif buffers is not None:
             packing = link.spans
             if packing is None or not packing.matches(manifest, buffers):
@@ -414,7 +433,9 @@ class _Sender:
     def _flush(self, k: int, sources: list) -> None:
         link, slot = self.link, k % 2
         if self.in_flight[slot] is not None:  # the buffer's previous bucket must be out
-            link.wait(self.in_flight[slot], f"bucket {k - 2}")
+            # On NCCL the device orders it (no host wait: the host runs ahead and every
+            # work's deadline is checked after the last bucket); gloo waits here.
+            link.after(self.in_flight[slot], f"bucket {k - 2}")
         data = self.packing.pack(k, sources)
         self.in_flight[slot] = link.broadcast(data)
         self.works.append(self.in_flight[slot])

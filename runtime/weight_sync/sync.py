@@ -73,7 +73,9 @@ def configure_from_settings() -> dict:
 
 _attached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> model chunks
 _trainer: dict = {"step": 0, "pushes": 0, "failures": 0, "last_error": None, "last_push_s": None,
-                  "last_bytes": 0, "version": None, "sent_from": None, "gathers": 0}
+                  "last_bytes": 0, "version": None, "sent_from": None, "gathers": 0,
+                  "planned": False}
+PROGRAM = True  # the packed push planned once (program.py); the bench turns it off for the old path
 _backend = None  # the trainer's end of the configured backend (backend.Backend), opened on first push
 
 
@@ -138,7 +140,7 @@ def push(model_chunks, version: int | None = None) -> None:
     The cyclic garbage collector is paused meanwhile (see _collector_paused)."""
     from . import megatron as weight_megatron
     from . import names as weight_names
-    from . import planning
+    from . import planning, program
 
     version = _trainer["step"] if version is None else int(version)
     start = time.perf_counter()
@@ -151,8 +153,7 @@ def push(model_chunks, version: int | None = None) -> None:
         # Planned on every participant, so a mapping error stops all before any gather.
         plan = planning.plan_for(model_chunks[0], params, layout)
         if not params.sender:
-            for _ in params.tensors():  # take part in the gathers
-                pass
+            params.gather_only()  # take part in the gathers
             return
         bucket_bytes, checksum = _config["bucket_bytes"], _config["checksum"]
         buffers = plan.from_buffers(params, layout, bucket_bytes, checksum) \
@@ -163,12 +164,17 @@ def push(model_chunks, version: int | None = None) -> None:
             extra = planning.extra_tensors(buffers[2], layout)
         else:
             manifest = plan.manifest(bucket_bytes, checksum)
-            tensors = (out for name, full in params.tensors() for _, out in weight_names.to_hf(name, full, layout))
+            # Planned once (program.py): no per-tensor host work; else tensor by tensor.
+            tensors = plan.packed(params, layout) if PROGRAM else None
+            if tensors is None:
+                tensors = (out for name, full in params.tensors() for _, out in weight_names.to_hf(name, full, layout))
             extra = ()
         try:
             backend = _connected()
         except Exception:
-            for _ in tensors if buffers is None else ():  # the other participants' gathers still need rank 0
+            if isinstance(tensors, program.Sources):  # the other participants' gathers still need rank 0
+                tensors.drain(0)
+            for _ in tensors if buffers is None and not isinstance(tensors, program.Sources) else ():
                 pass
             raise
         backend.send(dataclasses.replace(manifest, version=version), tensors, extra=extra,
@@ -180,6 +186,7 @@ def push(model_chunks, version: int | None = None) -> None:
     _trainer.update(pushes=_trainer["pushes"] + 1, version=version, last_bytes=manifest.total_bytes,
                     last_push_s=round(time.perf_counter() - start, 6),
                     sent_from="buffers" if buffers is not None else "tensors",
+                    planned=isinstance(tensors, program.Sources),
                     gathers=params.collectives)
 
 

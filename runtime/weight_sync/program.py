@@ -1,0 +1,209 @@
+"""The packed push as a program planned once per layout (issue 32, item 2).
+
+A packed push (the path of every tensor- or expert-parallel trainer) used to do
+~3.7 us of host work per engine tensor on the critical path, every push: walk the
+parameters, join shards, map names and layouts (``names.to_hf``), take and check
+each tensor, then copy it into its bucket.  The layout is the same every step, so
+all of that is planned once here:
+
+* ``Sources`` (planning.py builds it, megatron.MegatronParams.ops): the push as
+  operations over memory that stays put: gathers of buffer windows into two kept
+  slots, shard copies into kept staging (the joins), and every engine tensor as a
+  *view* of a parameter or of a slot (the fused QKV as strided views: no copy);
+* ``Program``: those operations bound to the sender's bucket buffers (the two
+  reused ones, or the ipc export): per bucket, runs of copies between gathers,
+  grouped by dtype into one ``torch._foreach_copy_`` each, on a GPU captured once
+  as a CUDA graph and replayed (one launch per run, nothing per tensor).
+
+A push then costs per bucket: its gathers (collectives on the tensor/expert groups,
+issued from the host, ordered with the copies on the device: a gather for bucket
+k + 1 runs while bucket k is on the wire) and one graph launch.  The program holds
+while the parameters' storages and the buffer windows stay where they were
+(planning.py checks one tensor per storage each push).  A tensor split over two
+buckets whose source is a slot (or strided) is first copied whole into a kept
+carry tensor, so every read of a slot happens in walk order, before the slot is
+reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Iterator, Optional
+
+import torch
+
+from .wire import Manifest, WeightSyncError, tensors_digest
+
+log = logging.getLogger("source_patch.weight_sync")
+
+
+class Sources:
+    """A model's push as kept operations (see the module doc): ``ops`` in manifest
+    order, ``anchors`` (megatron.storage_anchors) of the memory they read."""
+
+    def __init__(self, ops: list, anchors: list, windows: tuple):
+        self.ops, self.anchors, self.windows = ops, anchors, windows
+        self.gathers = [op[1] for op in ops if op[0] == "gather"]
+
+    def drain(self, done: int) -> None:
+        """Run the gathers after the first ``done`` (a failed send: the other
+        participants still wait in theirs)."""
+        for gather in self.gathers[done:]:
+            gather()
+
+
+class Program:
+    """``Sources`` bound to the bucket buffers (``stream``: the ipc export, each bucket
+    in its own window of it; else two reused buffers).  The sender drives it like
+    sender._Packing: ``batches`` then ``pack(k, _)`` per bucket."""
+
+    def __init__(self, manifest: Manifest, sources: Sources, device: torch.device,
+                 stream: Optional[torch.Tensor] = None):
+        from .sender import _slots
+
+        self.manifest, self.source = manifest, sources
+        self.key = (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
+        self.tensors_json = manifest.tensors_to_json()
+        self.tensors_digest = tensors_digest(self.tensors_json)
+        self.buffers = _slots(manifest, device, stream)
+        n = max(manifest.buckets, 1)
+        self.sums = torch.zeros(n, dtype=torch.int64, device=device)
+        self.carries: list = []  # kept whole copies of split tensors read from slots
+        steps: list = [[] for _ in range(n)]  # per bucket: ("gather", call) | (phase, dst, src)
+        pending: list = []
+        entries = manifest.entries
+        i = 0
+        for op in sources.ops:
+            if op[0] != "out":
+                pending.append(op)
+                continue
+            if i >= len(entries):
+                raise WeightSyncError(f"the program has more tensors than the manifest's {len(entries)}")
+            first = min(entries[i].offset // manifest.bucket_bytes, n - 1)
+            steps[first] += pending
+            pending = []
+            self._place(entries[i], op[1], op[2], steps, n)
+            i += 1
+        if i != len(entries):
+            raise WeightSyncError(f"the program has {i} tensors, the manifest {len(entries)}")
+        steps[-1] += pending
+        self.runs = [_runs(ops) for ops in steps]  # per bucket: [call | (copies by dtype)]
+        self.graphs: list = [[None] * len(runs) for runs in self.runs]
+        self.capturable = device.type == "cuda"  # off for good once a capture failed
+        self.enabled = True  # the replay_packing setting, per send
+        self.device = device
+        self.gathered = 0  # gathers run in this push (drain runs the rest after a failure)
+        self.capture_stream = None
+
+    def _place(self, e, src: torch.Tensor, stable: bool, steps: list, n: int) -> None:
+        if src.dtype != e.dtype or src.numel() != math.prod(e.shape):
+            raise WeightSyncError(f"{e.name}: the program has {tuple(src.shape)} {src.dtype}, planned {e.shape} {e.dtype}")
+        size = self.manifest.bucket_bytes
+        first, last = e.offset // size, max(e.offset + e.nbytes - 1, e.offset) // size
+        if first == last or e.nbytes == 0:
+            k = min(first, n - 1)
+            start = self.manifest.window(k)[0] if self.manifest.buckets else 0
+            dst = self.buffers[k % len(self.buffers)][e.offset - start: e.offset - start + e.nbytes]
+            steps[k].append(("out", dst.view(e.dtype).view(src.shape), src))
+            return
+        if not (stable and src.is_contiguous()):  # read it whole now: its slot may be reused before its tail
+            carry = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+            self.carries.append(carry)
+            steps[first].append(("carry", carry, src))
+            src = carry
+        flat = src.reshape(-1).view(torch.uint8)
+        lo = e.offset
+        while lo < e.offset + e.nbytes:
+            k = lo // size
+            start, end = self.manifest.window(k)
+            hi = min(e.offset + e.nbytes, end)
+            steps[k].append(("out", self.buffers[k % len(self.buffers)][lo - start: hi - start],
+                             flat[lo - e.offset: hi - e.offset]))
+            lo = hi
+
+    def matches(self, manifest: Manifest, sources: Sources) -> bool:
+        return self.source is sources and self.key == (manifest.bucket_bytes, manifest.total_bytes,
+                                                       manifest.entries)
+
+    def batches(self, _tensors=None) -> Iterator[tuple[int, None]]:
+        """Every bucket, in order (the sources are the program's own)."""
+        self.gathered = 0
+        for k in range(len(self.runs)):
+            yield k, None
+
+    def pack(self, k: int, _sources=None) -> torch.Tensor:
+        """Run bucket k's gathers and copies; its bytes.  The buffer must be free."""
+        for j, run in enumerate(self.runs[k]):
+            if callable(run):
+                run()
+                self.gathered += 1
+            elif not self._replayed(k, j, run):
+                _copy(run)
+        if not self.manifest.buckets:
+            return self.buffers[0][:0]
+        start, end = self.manifest.window(k)
+        return self.buffers[k % len(self.buffers)][: end - start]
+
+    def drain(self) -> None:
+        """After a failed send: the gathers this push did not run yet."""
+        self.source.drain(self.gathered)
+        self.gathered = len(self.source.gathers)
+
+    def _replayed(self, k: int, j: int, run: list) -> bool:
+        if not (self.capturable and self.enabled):
+            return False
+        graph = self.graphs[k][j]
+        if graph is None:
+            try:
+                graph = self.graphs[k][j] = self._capture(run)
+            except Exception as exc:  # noqa: BLE001 - copies that cannot be captured: copy from now on
+                self.capturable = False
+                log.warning("weight sync: the packed push's copies could not be captured as a CUDA graph "
+                            "(%s: %s); copying from now on", type(exc).__name__, str(exc).splitlines()[0])
+                return False
+        graph.replay()
+        return True
+
+    def _capture(self, run: list):
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
+        self.capture_stream.wait_stream(current)
+        with torch.cuda.stream(self.capture_stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                _copy(run)
+            finally:
+                graph.capture_end()
+        current.wait_stream(self.capture_stream)
+        return graph
+
+
+PHASES = ("copy", "carry", "out")  # shard copies into staging, then whole copies of split tensors, then buckets
+
+
+def _runs(ops: list) -> list:
+    """A bucket's operations as runs between its gathers: [call | run], a run being
+    its copies in three phases (each phase's destinations and sources by dtype): the
+    joins' shard copies, then the carries (which may read them), then the bucket
+    copies (which read both).  A fused copy orders nothing among its tensors, so a
+    copy never shares a call with one that writes its source."""
+    runs: list = []
+    for op in ops:
+        if op[0] == "gather":
+            runs.append(op[1])
+            continue
+        if not runs or callable(runs[-1]):
+            runs.append({phase: {} for phase in PHASES})
+        dsts, srcs = runs[-1][op[0]].setdefault(op[1].dtype, ([], []))
+        dsts.append(op[1])
+        srcs.append(op[2])
+    return [run if callable(run) else [group for phase in PHASES for group in run[phase].values()]
+            for run in runs]
+
+
+def _copy(run: list) -> None:
+    for dsts, srcs in run:
+        torch._foreach_copy_(dsts, srcs)
