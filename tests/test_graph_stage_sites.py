@@ -266,3 +266,23 @@ def test_dump_trace_and_routing_call_sites_in_a_plain_cuda_graph(dumper, tracer,
     for g, e, x in zip(graphed_routes, eager_routes, inputs):
         assert g.extra == {**e.extra, "cuda_graph": True} and g.num_tokens == len(x)
         assert all(torch.equal(g.indices[k], e.indices[k]) for k in (1, 2))
+
+
+def test_routing_replay_refuses_a_graph_built_with_only_dump_on(dumper):
+    """A Megatron graph built while only dumping staged (routing off) has no routing feeds:
+    replaying it with routing replay on would route as at its capture, so it raises."""
+    from source_patch.runtime.routing.megatron import RoutingReplayError
+
+    routing.configure(mode="off")
+    runner = Runner(7)
+    graph_stage.graph_build(runner)
+    graph_stage.graph_capture(runner)
+    graph_stage.graph_captured(runner)
+    assert graph_stage._stages[runner].users == frozenset({"dump"})
+    try:
+        routing.configure(mode="replay")
+        with pytest.raises(RoutingReplayError, match="MoETransformerLayer 7"):
+            graph_stage.graph_replay(runner)
+    finally:
+        routing.configure(mode="off")
+        routing.reset()
