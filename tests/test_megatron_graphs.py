@@ -21,15 +21,21 @@ Each scenario is its own process (this file run as a script; patching happens at
 - ``dump`` (patches/dump.yaml alone, its own copy of the graph hooks), graphed and eager,
   the same micro-batches at every step: the records of graph-replayed steps equal the
   eager step 0 of the same process and the eager process, bitwise, record for record;
-  those of the graphed parts (router and MoE postprocess graphs) tagged ``cuda_graph``.
+  those of the graphed parts (router and MoE postprocess graphs) tagged ``cuda_graph``;
+- ``trace`` (patches/trace.yaml alone, a client subscribed to everything in the process):
+  the frames of the graphed process equal those of the eager one, bitwise, those of the
+  graphed parts tagged ``cuda_graph`` from step 1 on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -154,6 +160,55 @@ def test_dumps_under_graphs_equal_a_process_without_graphs_bitwise(dumps):
     assert not differ, f"{len(differ)} of {len(eager)} records differ, e.g. {sorted(differ.items(), key=str)[:8]}"
 
 
+TRACED_IN_GRAPHS = {"router_logits", "mlp_output", "layer_output"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Megatron's graphs)")
+def test_traces_under_megatron_cuda_graphs_equal_eager(tmp_path):
+    pytest.importorskip("megatron.core")
+    res = _results({name: (tmp_path / name, _scenario(tmp_path / name, "trace", graphs, SEED, tmp_path))
+                    for name, graphs in (("eager", False), ("graphs", True))})
+    (eager, eager_t), (graphed, graphed_t) = res["eager"], res["graphs"]
+    assert graphed["router_graphs"] == 2 and graphed["trace_errors"] == 0 == eager["trace_errors"], graphed
+    assert sorted(graphed["frames"]) == sorted(eager["frames"]) and len(eager["frames"]) >= STEPS * 7
+    want = sorted(f"{s}/{n}/{layer}" for s in range(1, STEPS) for n in TRACED_IN_GRAPHS for layer in (1, 2))
+    assert sorted(graphed["cuda_graph"]) == want and eager["cuda_graph"] == []
+    differ = [k for k in eager_t if not torch.equal(eager_t[k], graphed_t[k])]
+    assert not differ, f"graphed frames differ from eager at {differ[:8]}"
+
+
+class _Frames:
+    """A client of this process's trace hub, in a thread: subscribed to every name (tiles)."""
+
+    def __init__(self, url: str):
+        self.url, self.frames, self.stop = url, [], False
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self.thread.start()
+        assert self.ready.wait(30), "the trace client did not subscribe"
+
+    async def _main(self):
+        from source_patch.runtime.trace.client import connect
+
+        async with connect(self.url) as client:
+            await client.subscribe(["*"], compressor={"kind": "tiles", "tiles": 4}, id="all")
+            self.ready.set()
+            while not self.stop:
+                try:
+                    self.frames.append(await client.next_frame(0.5))
+                except (asyncio.TimeoutError, TimeoutError):
+                    pass
+
+    def close(self, expected: int) -> list:
+        deadline = time.monotonic() + 30
+        while len(self.frames) < expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.stop = True
+        self.thread.join(5)
+        return self.frames
+
+
 # --------------------------------------------------------------------------- the scenario process
 
 
@@ -171,7 +226,7 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import graph_bench  # bench/graph_bench.py: the graphed model and the activation
 
-    graph_bench.activate(("dump",) if mode == "dump" else ("routing",))
+    graph_bench.activate((mode,) if mode in ("dump", "trace") else ("routing",))
     sys.path.insert(0, str(ROOT / "examples"))
     import train_moe
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -186,6 +241,15 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
         from source_patch.runtime.dump import api as dump
 
         dump.configure(enable=True, dir=folder, exp_name=Path(out).name)
+    elif mode == "trace":
+        from source_patch.runtime.core.endpoint import free_port
+
+        os.environ["SOURCE_PATCH_TRACE_PORT"] = "0"  # not the spec's 8765 at import: parallel scenarios
+        from source_patch.runtime.trace import api as tracer
+
+        tracer.configure(enable=True, port=free_port(), token="t", dir=out + "-trace", hub="thread", wait=0,
+                         client_queue=4096)
+        client = _Frames(tracer.url())
     else:
         routing.configure(mode=mode, **({"dir": folder} if mode == "replay" else {}))
     torch.manual_seed(args.seed)
@@ -195,7 +259,7 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
     data = train_moe.make_dataset(args, torch.device("cuda"))
     losses = []
     for step in range(STEPS):
-        first = 0 if mode == "dump" else step * args.micro_batches  # dump: the same forwards every step
+        first = 0 if mode in ("dump", "trace") else step * args.micro_batches  # the same forwards every step
         batches = [train_moe.make_batch(data, first + m, args) for m in range(args.micro_batches)]
         losses.append(train_moe.train_step(model, optimizer, batches, args)[0])
     torch.cuda.synchronize()
@@ -216,6 +280,15 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
         summary["dump_errors"] = dump.state()["errors"]
         summary["dump_last_error"] = dump.state()["last_error"]
         summary["dump_records"] = dump.state()["records"]
+    if mode == "trace":
+        tracer.flush()
+        frames = client.close(tracer.state()["results"])
+        summary["trace_errors"] = tracer.state()["errors"]
+        summary["frames"] = sorted(f"{f.step}/{f.meta['name']}/{f.layer}" for f in frames)
+        summary["cuda_graph"] = sorted(f"{f.step}/{f.meta['name']}/{f.layer}" for f in frames
+                                       if f.meta.get("cuda_graph"))
+        tensors.update({f"frame/{f.step}/{f.meta['name']}/{f.layer}": torch.from_numpy(f.array.copy()) for f in frames})
+        tracer.close()
     summary["warnings"] = sorted(routing._warned)
     summary["router_graphs"] = sum(r.fwd_graph is not None for m in model.modules()
                                    if hasattr(m, "cudagraph_manager_router") for r in m.cudagraph_manager_router.cudagraph_runners)
