@@ -23,6 +23,11 @@ device-to-host copy on a side stream).  Nothing stale is ever written: replaying
 graph whose staging was not drained raises :class:`GraphStageError`, and so does a
 drain with nothing replayed since the last one.
 
+Dump and trace call sites test one module flag, :data:`busy` (a capture or a Megatron
+graph build in progress on some thread), and only then :func:`site`, which skips a
+Megatron warm-up pass or stages under capture; with no graph being made their cost
+is that one test.
+
 The other direction (:func:`feed`): a call site that gives the graph a tensor (routing
 replay's recorded expert ids) returns a static buffer under capture; before every
 replay :meth:`GraphStage.replay` refills it for that forward (``fill``), so a replayed

@@ -32,7 +32,10 @@ def intercept(name: str, tensor, tags: dict) -> bool:
     """True when ``trace(name, tensor, **tags)`` must do nothing more now."""
     if not isinstance(tensor, torch.Tensor):
         return False  # the call site's error: api.trace raises it
-    return graph_stage.site(_drained, (name, tags.get("layer")), tensor, tags=tags)
+    try:
+        return graph_stage.site(_drained, (name, tags.get("layer")), tensor, tags=tags)
+    except graph_stage.GraphStageError:
+        return False  # a capture outside any GraphStage: the general path skips it (counted)
 
 
 def _drained(key: tuple, tensor: torch.Tensor, *, cuda_graph: bool, replay: int, tags: dict, **drain_tags) -> None:
