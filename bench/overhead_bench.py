@@ -142,6 +142,8 @@ def train(args, name: str, root: str, replay: dict) -> dict:
         replay["dir"] = train(args, "routing capture", root, replay)["routing_dir"]
     port = free_port()
     env = environment(name, folder, replay.get("dir", ""), args.steps, port)
+    if args.calls:
+        env["OVERHEAD_PROBE_CALLS"] = "1"
     report: dict = {}
     thread = None
     if VARIANTS[name][3]:
@@ -229,6 +231,18 @@ def process_line(i: int, run: dict) -> str:
     return line
 
 
+def calls_line(name: str, probe: dict, steps: int) -> str | None:
+    """``--calls``: the call sites' calls a step and the time a step spent in them."""
+    calls = probe.get("calls")
+    if not calls:
+        return None
+    n = sum(c["calls"] for c in calls.values())
+    us = sum(c["ns"] for c in calls.values()) / 1e3
+    top = ", ".join(f"{k} {c['calls'] / steps:.0f}" for k, c in sorted(calls.items(), key=lambda kv: -kv[1]["calls"])[:5])
+    return (f"{name}: {n / steps:.0f} call-site calls a step, {us / steps:.1f} us a step in them "
+            f"({us * 1e3 / n:.0f} ns a call, the wrapper's timer included); most: {top}")
+
+
 def first_run(runs: list[dict]) -> None:
     """The first dumping process against the later ones (the cliff: issue 34)."""
     dumping = [statistics.median(r["times"]) for r in runs if r["name"] == FIRST and r["times"]]
@@ -249,6 +263,8 @@ class Resident:
         total = args.resident * (args.rounds + 1)  # + the warm-up block
         env = {**environment(name, self.folder, "", total, port), "OVERHEAD_PROBE_BLOCK": str(args.resident),
                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # several processes share the GPU's memory
+        if args.calls:
+            env["OVERHEAD_PROBE_CALLS"] = "1"
         self.report: dict = {}
         if VARIANTS[name][3]:
             threading.Thread(target=lambda: asyncio.run(trace_client(port, self.report)), daemon=True).start()
@@ -361,6 +377,9 @@ def run_resident(args, names: list[str], root: str) -> None:
     for name, proc in procs.items():
         if proc.report.get("frames") is not None:
             print(f"{name}: trace frames {proc.report['frames']}")
+        line = calls_line(name, probes.get(name) or {}, args.resident * (args.rounds + 1))
+        if line:
+            print(line)
     if args.save:
         Path(args.save).write_text(json.dumps({"blocks": blocks, "probes": probes}))
 
@@ -374,6 +393,7 @@ def main() -> None:
     p.add_argument("--no-probes", action="store_true", help="skip the machine probes (memory, disk, pinned)")
     p.add_argument("--probe-gib", type=float, default=4.0, help="GiB each machine probe writes or touches")
     p.add_argument("--save", metavar="JSON", help="also write every process's times and probe report here")
+    p.add_argument("--calls", action="store_true", help="count and time every call site's calls (overhead_probe.py)")
     p.add_argument("--resident", type=int, default=0, metavar="K",
                    help="one process per variant kept alive, blocks of K steps alternated (see above)")
     args = p.parse_args()
@@ -402,6 +422,9 @@ def main() -> None:
             for name in names[r % len(names):] + names[:r % len(names)]:
                 runs.append(train(args, name, root, replay))
                 print(process_line(len(runs), runs[-1]), flush=True)
+                line = calls_line(name, runs[-1]["probe"], args.steps)
+                if line:
+                    print(f"     {line}", flush=True)
             print(f"\nafter round {r + 1}/{args.rounds}: {args.steps - args.warmup} timed steps a process")
             table(runs, args.steps)
             if args.save:  # each round: a run cut short by a time limit keeps what it measured

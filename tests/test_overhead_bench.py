@@ -29,3 +29,17 @@ def test_resident_mode_alternates_blocks_and_reports_an_aa_row(tmp_path):
         assert len(rows) == 3 and all(len(b) == 3 for b in rows), rows  # 3 rounds of a block of 3 steps
         # a step waits for its block before its clock starts: no step holds a block's wait (seconds)
         assert max(max(b) for b in rows) < 10 * min(min(b) for b in rows), rows
+
+
+def test_calls_counts_what_the_inert_call_sites_are_called_a_step():
+    out = subprocess.run([sys.executable, "bench/overhead_bench.py", "--quick", "--calls",
+                          "--variants", "plain;every spec inert"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    found = re.search(r"every spec inert: (\d+) call-site calls a step, ([\d.]+) us a step in them .*most: (.*)$",
+                      out.stdout, re.M)
+    assert found, out.stdout
+    # 4 layers: each layer's dump and trace sites, each router's entry, top-k and exit, the step hooks
+    assert int(found.group(1)) >= 4 * 3 and float(found.group(2)) > 0, found.group(0)
+    assert "dump" in found.group(3) and "trace" in found.group(3), found.group(0)
+    assert "plain: " not in out.stdout  # megatron_cpu alone inserts no call sites
