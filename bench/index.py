@@ -44,6 +44,8 @@ BENCHES = [
           "the Megatron example's step: no dump spec / spec disabled / dumping every site"),
     Bench("routing", "routing_bench.py", "GPU", "~8 min",
           "the Megatron example's step: no routing spec / spec off / capture / replay"),
+    Bench("routing-call", "routing_call_bench.py", "GPU (CPU: --quick)", "~15 s",
+          "routing capture's host time per router call (pooled copy vs the side stream it replaced) and save() a step"),
     Bench("graph", "graph_bench.py", "GPU", "~1 min",
           "routing capture on vs off in a step whose routers are Megatron's own CUDA graphs, one process, paired"),
     Bench("trace", "trace_bench.py", "GPU (CPU: --quick)", "~6 min",
