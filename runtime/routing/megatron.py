@@ -429,8 +429,13 @@ def _to_host(t: torch.Tensor):
     return host, event
 
 
+_POOL_SHAPES = 32  # more distinct (shape, dtype) than this (token counts that vary): start the pool afresh
+
+
 def _recycle(layers: dict) -> None:
     """A saved record's page-locked buffers back to the pool (their copies are done: read)."""
+    if len(_host_pool) > _POOL_SHAPES:
+        _host_pool.clear()  # bounded: a varying token count would otherwise keep every shape's buffers
     for idx, prob, _ in layers.values():
         for pending in (idx, prob):
             if isinstance(pending, _Pending) and pending.event is None and pending.host.is_pinned():
