@@ -6,11 +6,11 @@
 #           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
 #           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
 #           folders copied into .upstream/ (git-ignored): mkdir -p .upstream && cp -r ../shared/upstream/megatron-lm .upstream/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [bias] [overhead] [overhead_processes] [weights] [pushx2] [backends] [phases] [push] [newest] [upstream]
-#           (default: all; `overhead` first on a fresh machine to see the first-run cliff; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [bias] [overhead] [overhead_processes] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream]
+#           (default: all; `overhead_processes` first on a fresh machine to see the first-run cliff; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
 #            `upstream` installs each release of $UPSTREAM_RELEASES, default "0.16.1 0.19.2", in turn)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
-#  `weights`, `pushx2` and `backends` need two GPUs: the nvidia-h100-x2 kind; `phases` runs on one)
+#  `weights`, `pushx2`, `backends` and `wirespeed` need two GPUs: the nvidia-h100-x2 kind; `phases` runs on one)
 # The project's wheel goes into the interpreter's own environment, so its .pth start
 # hook runs and SOURCE_PATCH works in child processes as it does for users.
 set -uo pipefail
@@ -23,7 +23,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --force-reinstall .w
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import sys, torch, megatron.core, libcst, source_patch.patcher; print(sys.version.split()[0], torch.__version__)" | tee -a "$OUT/gpu.txt"
 
-parts=${*:-tests dump step routing graphs trace launch bias weights pushx2 backends phases push newest upstream}
+parts=${*:-tests dump step routing graphs trace launch bias weights pushx2 backends wirespeed phases push newest upstream}
 want() { [[ " $parts " == *" $1 "* ]]; }
 
 if want tests; then
@@ -133,6 +133,18 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_weigh
 timeout 90 python3 bench/weight_sync_backends_bench.py --ipc --gb 4 --rounds 9 2>&1 | tee "$OUT/backends_ipc.txt" | tail -12
 timeout 120 python3 bench/weight_sync_bench.py --gb 4 --rounds 7 2>&1 | grep -v "^USDT\|profiler" \
   | tee "$OUT/weight_sync_bench_split.txt" | tail -30
+fi
+if want wirespeed; then
+echo "== weight sync at wire speed (issue 32, item 2): gpu-marked tests (colocated TP 2 / EP 2 trainers over ipc, bitwise;"
+echo "   the NCCL transport), then the table in one run: nccl from buffers / packed at 7k tensors, the whole packed push, ipc"
+nvidia-smi topo -m 2>&1 | head -4 | tee "$OUT/topo.txt"
+timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_weight_sync_request_backends.py \
+  tests/test_weight_sync.py 2>&1 | tee "$OUT/pytest_wirespeed_gpu.log" | tail -4
+timeout 150 python3 bench/weight_sync_bench.py --gb 4 --rounds 9 2>&1 | grep -v "^USDT\|profiler" \
+  | tee "$OUT/weight_sync_bench_wirespeed.txt" | tail -34
+timeout 130 python3 bench/push_bench.py --engine --hidden 512 --rounds 9 2>&1 | grep -v "Warning\|warnings.warn" \
+  | tee "$OUT/push_engine_512_wirespeed.txt" | tail -16
+timeout 70 python3 bench/weight_sync_backends_bench.py --ipc --gb 4 --rounds 9 2>&1 | tee "$OUT/backends_ipc_wirespeed.txt" | tail -12
 fi
 if want phases; then
 echo "== weight sync phases (one GPU, one process): pack, checksum, receivers, load, d2d copy"
