@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         if specs:
             p.add_argument("specs", nargs="+", metavar="SPEC", help="spec file or bundled spec name")
         if against:
-            p.add_argument("--against", metavar="DIR",
+            p.add_argument("--against", metavar="DIR", type=_directory,
                            help="look for target modules only under DIR (e.g. an unpacked wheel)")
         p.set_defaults(func=func)
         return p
@@ -190,6 +190,16 @@ class _Plan(NamedTuple):
     by_module: dict  # module -> the patches that apply to it (on_drift: error, to see every problem)
     notes: list  # one line per spec or patch left out, with its reason
     unmet: bool  # a spec's own requires is unmet, or (strict) a module gets none of a spec's patches
+
+
+def _directory(path: str) -> str:
+    """--against: a folder (a wheel file is read by ``matrix``, or unpack it first)."""
+    if not os.path.isdir(path):
+        what = "does not exist" if not os.path.exists(path) else "is not a directory"
+        hint = (f"; unpack the wheel first (python -m zipfile -e {path} DIR) or give it to "
+                "`source-patch matrix`") if path.endswith(".whl") else ""
+        raise argparse.ArgumentTypeError(f"{path} {what}{hint}")
+    return path
 
 
 def _plan(specs: list[spec_mod.Spec], against: str | None) -> _Plan:

@@ -47,6 +47,15 @@ def test_dry_runs_do_not_import_the_target(write_spec, tmp_path):
         assert "imported!" not in result.stdout + result.stderr
 
 
+def test_against_names_a_folder_or_says_what_it_is_not(write_spec, tmp_path):
+    wheel = tmp_path / "megatron_core-0.19.2-py3-none-any.whl"
+    wheel.write_bytes(b"PK\x05\x06" + bytes(18))  # an empty zip
+    for target, said in ((wheel, "is not a directory; unpack the wheel first"), (tmp_path / "nope", "does not exist")):
+        result = cli("check", str(write_spec(SPEC)), "--against", str(target))
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert f"argument --against: {target} {said}" in result.stderr
+
+
 def test_check_exits_nonzero_with_the_report(write_spec):
     spec = write_spec(SPEC.replace("at: entry", "at: before, match: 'total = a * b'"))
     result = cli("check", str(spec))
