@@ -27,9 +27,10 @@ bitwise check: one push over a recording link, replayed to a receiver.
 Rank 0 trains on GPU 0 and pushes to rank 1, a receiver on GPU 1 (``receiver.receive``,
 the engine's protocol without SGLang's load), over NCCL groups of two.  Per round, in
 rotated order: one raw broadcast of the update's bytes, push() from DDP's buffers,
-push() packed (the program), push() packed tensor by tensor (before); rank 0's wall time from a barrier to the verdict, min / median / % of
-raw with a 90% interval.  Each push method has a group of its own (a receiver keeps
-one layout's buffer and views; alternating layouts on one group cost ~100 ms a push).
+push() packed (the program), push() packed tensor by tensor (before); rank 0's wall
+time from a barrier to the verdict, min / median / % of raw with a 90% interval.
+Each push method has a group of its own (a receiver keeps one layout's buffer and
+views; alternating layouts on one group cost ~100 ms a push).
 Ends with a bitwise check of each path (the receiver sends back what it got).
 
 --ep N / --tp N (CPU): N gloo processes, experts spread (expert parallelism) or every

@@ -183,8 +183,10 @@ TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or
 @pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=TWO_GPUS)], ids=["cpu-shm", "cuda-ipc"])
 def test_colocated_a_trainer_over_two_devices_feeds_an_engine_receiver_on_each_bitwise(tmp_path, parallel, cuda):
     """tests/e2e/weight_sync_colocated.py: Megatron with TP 2 or EP 2 over two devices
-    (real gathers: NCCL on GPUs, gloo on CPU), push() by ipc, an engine receiver
-    next to each trainer rank maps the export and checks every tensor bitwise."""
+    (real gathers: NCCL on GPUs, gloo on CPU), in DDP's buffers, push() by ipc through
+    the packed push's program (windows gathered into kept slots; on a GPU the third
+    push replays captured graphs, after every parameter changed in place), an engine
+    receiver next to each trainer rank maps the export and checks every tensor bitwise."""
     pytest.importorskip("megatron.core")
     from source_patch.runtime.core.endpoint import free_port
 
@@ -204,7 +206,9 @@ def test_colocated_a_trainer_over_two_devices_feeds_an_engine_receiver_on_each_b
     text = "\n".join((tmp_path / f"{n}.log").read_text()[-1500:] for n in ("rank0", "rank1", "engine0", "engine1"))
     assert codes == [0, 0, 0, 0], text
     trainer = json.loads(Path(f"{out}.trainer.json").read_text())
-    assert trainer["pushes"] == 1 and trainer["failures"] == 0 and trainer["gathers"] > 0, trainer
+    # three pushes (the last after every parameter changed in place), by the packed push's program
+    assert trainer["pushes"] == 3 and trainer["failures"] == 0 and trainer["gathers"] > 0, trainer
+    assert trainer["planned"] is True, trainer
     for d in range(2):
         engine = json.loads(Path(f"{out}.engine{d}.json").read_text())
         assert engine.get("version") == 7 and engine["names_match"] and engine["mismatched"] == [], engine

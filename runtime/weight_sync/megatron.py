@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import re
 import struct
 import weakref
@@ -202,6 +201,7 @@ class MegatronParams:
         push).  None where a parameter is gathered on its own (no buffer windows):
         then the push takes ``tensors()``.  Run after ``check_windows()``."""
         from .names import to_hf_views
+        from .program import Slots
 
         ops, current, slots = [], {False: None, True: None}, {}
         for name, param in self.params:
@@ -216,7 +216,7 @@ class MegatronParams:
                     return None
                 fulls, stable = [(names[0], param.detach())], True
             else:
-                memory = slots.get(expert) or slots.setdefault(expert, _Slots(windows))
+                memory = slots.get(expert) or slots.setdefault(expert, Slots(windows))
                 index = windows.where[id(param)][0]
                 if current[expert] != index:
                     current[expert] = index
@@ -473,44 +473,3 @@ class _Windows:
         self.gathers += 1
         return gathered
 
-
-class _Slots:
-    """Kept memory for the program's gathers (program.py): window i is gathered into
-    slot i % 2 and its joined tensors staged in staging slot i % 2, so a push's
-    sources are the same addresses every push; window i + 2 reuses the slot after
-    every read of window i (the program runs in walk order, on one stream)."""
-
-    def __init__(self, windows: "_Windows"):
-        self.windows = windows
-        self.size = dist.get_world_size(windows.group)
-        self.stride = -(-max(size for _, _, size in windows.spans) // 16) * 16
-        device = windows.spans[0][0].device
-        self.memory = [torch.empty((self.size, self.stride), dtype=torch.uint8, device=device) for _ in range(2)]
-        self.staged = [None, None]
-        self.cursor: dict = {}  # window -> next free byte of its staging slot
-        self.gathered: dict = {}  # window -> its gathered rows (views of its slot)
-
-    def rows(self, index: int) -> list:
-        """Window ``index``'s bytes as every rank of the group holds them (in its slot)."""
-        if index not in self.gathered:
-            size = self.windows.spans[index][2]
-            self.gathered[index] = [row[:size] for row in self.memory[index % 2]]
-        return self.gathered[index]
-
-    def parts(self, param) -> list:
-        index, start, nbytes = self.windows.where[id(param)]
-        offset = start - self.windows.spans[index][1]
-        return [row[offset: offset + nbytes].view(param.dtype).view(param.shape) for row in self.rows(index)]
-
-    def staging(self, index: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """A kept tensor of ``shape`` in window ``index``'s staging slot."""
-        slot = index % 2
-        if self.staged[slot] is None:  # a window's joined tensors fill at most its gathered bytes
-            self.staged[slot] = torch.empty(self.memory[slot].numel() + (1 << 20), dtype=torch.uint8,
-                                            device=self.memory[slot].device)
-        at = self.cursor.get(index, 0)
-        nbytes = math.prod(shape) * dtype.itemsize
-        self.cursor[index] = -(-(at + nbytes) // 16) * 16
-        if self.cursor[index] > self.staged[slot].numel():
-            raise ValueError("weight sync: a window's joined tensors outgrew its staging slot")
-        return self.staged[slot][at: at + nbytes].view(dtype).view(shape)

@@ -12,8 +12,9 @@ all of that is planned once here:
   *view* of a parameter or of a slot (the fused QKV as strided views: no copy);
 * ``Program``: those operations bound to the sender's bucket buffers (the two
   reused ones, or the ipc export): per bucket, runs of copies between gathers,
-  grouped by dtype into one ``torch._foreach_copy_`` each, on a GPU captured once
-  as a CUDA graph and replayed (one launch per run, nothing per tensor).
+  grouped by dtype into one ``torch._foreach_copy_`` each, on a GPU captured as a
+  CUDA graph at the second push (the first copies: a warm-up) and replayed from then
+  on (one launch per run, nothing per tensor).
 
 A push then costs per bucket: its gathers (collectives on the tensor/expert groups,
 issued from the host, ordered with the copies on the device: a gather for bucket
@@ -45,12 +46,14 @@ class Sources:
     def __init__(self, ops: list, anchors: list, windows: tuple):
         self.ops, self.anchors, self.windows = ops, anchors, windows
         self.gathers = [op[1] for op in ops if op[0] == "gather"]
+        self.done = 0  # gathers run in this push (a send sets 0 first)
 
-    def drain(self, done: int) -> None:
-        """Run the gathers after the first ``done`` (a failed send: the other
-        participants still wait in theirs)."""
-        for gather in self.gathers[done:]:
-            gather()
+    def drain(self) -> None:
+        """Run this push's gathers not run yet (a failed send: the other participants
+        still wait in theirs)."""
+        while self.done < len(self.gathers):
+            self.done += 1
+            self.gathers[self.done - 1]()
 
 
 class Program:
@@ -93,12 +96,12 @@ class Program:
         self.capturable = device.type == "cuda"  # off for good once a capture failed
         self.enabled = True  # the replay_packing setting, per send
         self.device = device
-        self.gathered = 0  # gathers run in this push (drain runs the rest after a failure)
         self.capture_stream = None
 
     def _place(self, e, src: torch.Tensor, stable: bool, steps: list, n: int) -> None:
         if src.dtype != e.dtype or src.numel() != math.prod(e.shape):
-            raise WeightSyncError(f"{e.name}: the program has {tuple(src.shape)} {src.dtype}, planned {e.shape} {e.dtype}")
+            raise WeightSyncError(f"{e.name}: the program has {tuple(src.shape)} {src.dtype}, "
+                                  f"planned {e.shape} {e.dtype}")
         size = self.manifest.bucket_bytes
         first, last = e.offset // size, max(e.offset + e.nbytes - 1, e.offset) // size
         if first == last or e.nbytes == 0:
@@ -128,7 +131,6 @@ class Program:
 
     def batches(self, _tensors=None) -> Iterator[tuple[int, None]]:
         """Every bucket, in order (the sources are the program's own)."""
-        self.gathered = 0
         for k in range(len(self.runs)):
             yield k, None
 
@@ -136,8 +138,8 @@ class Program:
         """Run bucket k's gathers and copies; its bytes.  The buffer must be free."""
         for j, run in enumerate(self.runs[k]):
             if callable(run):
+                self.source.done += 1
                 run()
-                self.gathered += 1
             elif not self._replayed(k, j, run):
                 _copy(run)
         if not self.manifest.buckets:
@@ -145,16 +147,14 @@ class Program:
         start, end = self.manifest.window(k)
         return self.buffers[k % len(self.buffers)][: end - start]
 
-    def drain(self) -> None:
-        """After a failed send: the gathers this push did not run yet."""
-        self.source.drain(self.gathered)
-        self.gathered = len(self.source.gathers)
-
     def _replayed(self, k: int, j: int, run: list) -> bool:
         if not (self.capturable and self.enabled):
             return False
         graph = self.graphs[k][j]
-        if graph is None:
+        if graph is None:  # the first time copied, as a warm-up (lazy kernel loading is not captured)
+            self.graphs[k][j] = False
+            return False
+        if graph is False:
             try:
                 graph = self.graphs[k][j] = self._capture(run)
             except Exception as exc:  # noqa: BLE001 - copies that cannot be captured: copy from now on
@@ -186,7 +186,8 @@ PHASES = ("copy", "carry", "out")  # shard copies into staging, then whole copie
 
 def _runs(ops: list) -> list:
     """A bucket's operations as runs between its gathers: [call | run], a run being
-    its copies in three phases (each phase's destinations and sources by dtype): the
+    its copies in three phases (each phase's destinations and sources by dtype and
+    contiguity): the
     joins' shard copies, then the carries (which may read them), then the bucket
     copies (which read both).  A fused copy orders nothing among its tensors, so a
     copy never shares a call with one that writes its source."""
@@ -197,7 +198,10 @@ def _runs(ops: list) -> list:
             continue
         if not runs or callable(runs[-1]):
             runs.append({phase: {} for phase in PHASES})
-        dsts, srcs = runs[-1][op[0]].setdefault(op[1].dtype, ([], []))
+        # by dtype, and strided copies (q, k, v) apart: one would send the whole fused
+        # call down its per-tensor path (a kernel per tensor, replayed or not)
+        key = (op[1].dtype, op[1].is_contiguous() and op[2].is_contiguous())
+        dsts, srcs = runs[-1][op[0]].setdefault(key, ([], []))
         dsts.append(op[1])
         srcs.append(op[2])
     return [run if callable(run) else [group for phase in PHASES for group in run[phase].values()]
@@ -207,3 +211,45 @@ def _runs(ops: list) -> list:
 def _copy(run: list) -> None:
     for dsts, srcs in run:
         torch._foreach_copy_(dsts, srcs)
+
+
+class Slots:
+    """Kept memory for the program's gathers: window i of a megatron._Windows is gathered into
+    slot i % 2 and its joined tensors staged in staging slot i % 2, so a push's
+    sources are the same addresses every push; window i + 2 reuses the slot after
+    every read of window i (the program runs in walk order, on one stream)."""
+
+    def __init__(self, windows):
+        self.windows = windows
+        self.size = torch.distributed.get_world_size(windows.group)
+        self.stride = -(-max(size for _, _, size in windows.spans) // 16) * 16
+        device = windows.spans[0][0].device
+        self.memory = [torch.empty((self.size, self.stride), dtype=torch.uint8, device=device) for _ in range(2)]
+        self.staged = [None, None]
+        self.cursor: dict = {}  # window -> next free byte of its staging slot
+        self.gathered: dict = {}  # window -> its gathered rows (views of its slot)
+
+    def rows(self, index: int) -> list:
+        """Window ``index``'s bytes as every rank of the group holds them (in its slot)."""
+        if index not in self.gathered:
+            size = self.windows.spans[index][2]
+            self.gathered[index] = [row[:size] for row in self.memory[index % 2]]
+        return self.gathered[index]
+
+    def parts(self, param) -> list:
+        index, start, nbytes = self.windows.where[id(param)]
+        offset = start - self.windows.spans[index][1]
+        return [row[offset: offset + nbytes].view(param.dtype).view(param.shape) for row in self.rows(index)]
+
+    def staging(self, index: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A kept tensor of ``shape`` in window ``index``'s staging slot."""
+        slot = index % 2
+        if self.staged[slot] is None:  # a window's joined tensors fill at most its gathered bytes
+            self.staged[slot] = torch.empty(self.memory[slot].numel() + (1 << 20), dtype=torch.uint8,
+                                            device=self.memory[slot].device)
+        at = self.cursor.get(index, 0)
+        nbytes = math.prod(shape) * dtype.itemsize
+        self.cursor[index] = -(-(at + nbytes) // 16) * 16
+        if self.cursor[index] > self.staged[slot].numel():
+            raise ValueError("weight sync: a window's joined tensors outgrew its staging slot")
+        return self.staged[slot][at: at + nbytes].view(dtype).view(shape)

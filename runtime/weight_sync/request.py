@@ -38,11 +38,13 @@ class RequestSender:
         WeightSyncError (ChecksumMismatch when an engine found one)."""
         planned = isinstance(tensors, (Buffers, program.Sources))
         source = iter(extra) if planned else iter(tensors)
+        if isinstance(tensors, program.Sources):
+            tensors.done = 0
         try:
             payload = self.stage(manifest, tensors, source, replay_packing)
         except Exception:
             if isinstance(tensors, program.Sources):  # peers' gathers still need rank 0
-                self.packing.drain() if isinstance(self.packing, program.Program) else tensors.drain(0)
+                tensors.drain()
             for _ in source if not planned else ():
                 pass
             raise

@@ -62,15 +62,11 @@ def send(link: Link, manifest: Manifest, tensors: Iterable[torch.Tensor] | Buffe
             raise WeightSyncError(f"the buffers are on {tensors.device}, the link on {link.device}")
         return _Sender(link, manifest, tensors).run(iter(extra))
     if isinstance(tensors, Sources):
-        sender = None
+        tensors.done = 0
         try:
-            sender = _Sender(link, manifest, sources=tensors, replay_packing=replay_packing)
-            sender.run(iter(()))
+            _Sender(link, manifest, sources=tensors, replay_packing=replay_packing).run(iter(()))
         except Exception:
-            if sender is not None and sender.packing is not None:
-                sender.packing.drain()
-            else:
-                tensors.drain(0)
+            tensors.drain()
             raise
         return None
     it = iter(tensors)

@@ -173,7 +173,8 @@ def push(model_chunks, version: int | None = None) -> None:
             backend = _connected()
         except Exception:
             if isinstance(tensors, program.Sources):  # the other participants' gathers still need rank 0
-                tensors.drain(0)
+                tensors.done = 0
+                tensors.drain()
             for _ in tensors if buffers is None and not isinstance(tensors, program.Sources) else ():
                 pass
             raise

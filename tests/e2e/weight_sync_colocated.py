@@ -12,6 +12,9 @@ request would go, the request's bytes are handed to the engine receivers through
 file (SGLang cannot run on the GPU machines): each maps the export on its device,
 copies, verifies every bucket's sum, and compares every tensor bitwise with
 OUT.reference.safetensors (rank 0's gathered, mapped weights, written before the push).
+The model lies in Megatron's DDP buffers, so push() gathers windows of them by its
+program; updates 5 and 6 go nowhere (the program is planned, then its copies
+captured on a GPU), then every parameter changes in place and update 7 is checked.
 Each engine writes OUT.engine<DEVICE>.json: {"version", "tensors", "mismatched"}.
 """
 
@@ -44,10 +47,24 @@ def trainer(out: str, tp: int, ep: int, cuda: bool) -> None:
     from source_patch.runtime.weight_sync import request
     from source_patch.runtime.weight_sync import sync as weight_sync
 
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     torch.manual_seed(0)
     model = models.megatron_model("llama" if tp > 1 else "qwen3_moe", ep=ep)
     if cuda:
         model.cuda()
+    # In Megatron's buffers, as a trainer holds them: push() gathers windows of them, by
+    # its program (runtime/weight_sync/program.py).
+    model = DistributedDataParallel(config=model.config, module=model,
+                                    ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True))
+    weight_sync.configure(backend="ipc", engines=["file"], bucket_bytes=64 << 10, timeout_s=120)
+    if rank == 0:
+        request.post_update = lambda *_: None  # updates 5 and 6 reach no engine
+    for version in (5, 6):  # the program planned, its copies run once, then (GPU) captured as graphs
+        weight_sync.push([model], version=version)
+    with torch.no_grad():  # new values in place: update 7 (replayed graphs on a GPU) must read them
+        for param in model.parameters():
+            param.add_(1)
     params = weight_megatron.MegatronParams([model])
     layout = weight_names.Layout.from_config(model.config)
     reference = {n: t.detach().cpu().contiguous() for name, full in params.tensors()
@@ -55,12 +72,12 @@ def trainer(out: str, tp: int, ep: int, cuda: bool) -> None:
     if rank == 0:
         save_file(reference, f"{out}.reference.safetensors")
         request.post_update = deliver(out)  # the engine request, through a file
-    weight_sync.configure(backend="ipc", engines=["file"], bucket_bytes=64 << 10, timeout_s=120)
     weight_sync.push([model], version=7)
     state = weight_sync.state()
     if rank == 0:
         Path(f"{out}.trainer.json").write_text(json.dumps({k: state[k] for k in ("pushes", "failures",
-                                                                                  "last_error", "gathers")}))
+                                                                                  "last_error", "gathers",
+                                                                                  "planned")}))
     dist.barrier()
     weight_sync.close()
 
