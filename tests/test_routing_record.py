@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from source_patch.runtime.routing import record as rr
+from source_patch.runtime.routing import record_file
 from source_patch.runtime.routing.record import (RoutingRecord, RoutingRecordError, gather_slices,
                                                  load, read_header, slice_for_rank)
 
@@ -197,7 +198,7 @@ def test_foreign_newer_and_inconsistent_files(tmp_path):
 
 
 def test_oversized_metadata_refused_on_save(tmp_path, monkeypatch):
-    monkeypatch.setattr(rr, "MAX_HEADER_BYTES", 4096)
+    monkeypatch.setattr(record_file, "MAX_HEADER_BYTES", 4096)
     with pytest.raises(RoutingRecordError, match="metadata is .* bytes: too large"):
         make_record(extra={"blob": "x" * 5000}).save(tmp_path / "big.st")
 

@@ -46,7 +46,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .record import RoutingRecord, RoutingRecordError, _is_int
+from .record import RoutingRecord, RoutingRecordError
+from .record_file import _is_int
 
 FILLERS = ("spread", "lowest")
 ALIGN_KEY = "aligned"
