@@ -30,6 +30,7 @@ import stats  # bench/
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from source_patch.runtime.routing import megatron as rm  # noqa: E402
+from source_patch.runtime.routing import megatron_capture  # noqa: E402
 
 
 def old_to_host(t, side):
@@ -74,7 +75,7 @@ def main() -> None:
     ids = torch.stack([torch.randperm(8)[:2] for _ in range(args.tokens)]).to(device)
     work = torch.randn(1024 if device == "cuda" else 64, 1024 if device == "cuda" else 64, device=device)
     side = torch.cuda.Stream() if device == "cuda" else None
-    new_to_host = rm._to_host
+    new_to_host = megatron_capture._to_host
     folder = tempfile.mkdtemp()
     times: dict = {"off": [], "capture": [], "side stream, pinned alloc": []}
     saves: list = []
@@ -82,7 +83,7 @@ def main() -> None:
         for name in list(times)[r % 3:] + list(times)[:r % 3]:
             if name == "side stream, pinned alloc" and side is None:
                 continue
-            rm._to_host = (lambda t: old_to_host(t.detach(), side)) if name.startswith("side") else new_to_host
+            megatron_capture._to_host = (lambda t: old_to_host(t.detach(), side)) if name.startswith("side") else new_to_host
             rm.configure(mode="off" if name == "off" else "capture", dir="")
             for _ in range(args.steps):
                 one_step(args.layers, ids, work, times[name])
@@ -91,7 +92,7 @@ def main() -> None:
                     rm.save(folder, index=False)
                     saves.append((time.perf_counter_ns() - start) / 1e3)
                 rm.routing_step(True)
-    rm._to_host = new_to_host
+    megatron_capture._to_host = new_to_host
     if device == "cuda":
         torch.cuda.synchronize()
     print(f"routing capture's host time per router call, us: {stats.HEADER} "

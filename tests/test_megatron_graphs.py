@@ -233,6 +233,7 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
     from safetensors.torch import save_file
 
     from source_patch.runtime.routing import megatron as routing
+    from source_patch.runtime.routing.megatron_replay import _used
 
     args = train_moe.parse_args(["--layers", "2", "--micro-batches", str(MICRO_BATCHES), "--seed", seed,
                                  "--lr", "0"])
@@ -265,7 +266,7 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
     torch.cuda.synchronize()
     tensors = {"loss": torch.tensor(losses, dtype=torch.float64)}
     tensors.update({f"used/{k}": v for k, v in _used_routes(model).items()})
-    summary = {"records": [], "used": sorted(routing._used), "used_layers": [len(v) for _, v in sorted(routing._used.items())]}
+    summary = {"records": [], "used": sorted(_used), "used_layers": [len(v) for _, v in sorted(_used.items())]}
     if mode == "capture":
         routing.flush()
         for rec in routing.records():

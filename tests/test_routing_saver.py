@@ -1,4 +1,4 @@
-"""Routing capture's saver (runtime/routing/megatron.py): the index is rewritten at most
+"""Routing capture's saver (runtime/routing/megatron_capture.py): the index is rewritten at most
 once a second by the background writer, and flush() / close() complete it; records()
 hands out copies, never the buffers a later save recycles.  The call sites are driven
 directly, as Megatron's patched router would call them."""
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from source_patch.runtime.routing import megatron as rm
+from source_patch.runtime.routing import megatron_capture
 from source_patch.runtime.routing.record import load
 
 LAYERS = (1, 2, 3)
@@ -64,8 +65,8 @@ def test_records_are_copies_of_what_is_pending(capture):
 
 def test_the_index_is_not_rewritten_at_every_step(capture, monkeypatch):
     writes = []
-    real = rm._write_index
-    monkeypatch.setattr(rm, "_write_index", lambda *a: (writes.append(time.monotonic()), real(*a)))
+    real = megatron_capture._write_index
+    monkeypatch.setattr(megatron_capture, "_write_index", lambda *a: (writes.append(time.monotonic()), real(*a)))
     ids = torch.tensor([[0, 1]] * 8)
     for _ in range(6):
         step(ids)

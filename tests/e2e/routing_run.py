@@ -24,6 +24,7 @@ from example import counting_forward_step, train_moe  # tests/e2e/example.py
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 from source_patch.runtime.routing import megatron as routing  # noqa: E402
+from source_patch.runtime.routing.megatron_replay import _replay  # noqa: E402
 
 
 def run(args, out, prefix, device):
@@ -81,7 +82,7 @@ def main():
         mode, _, folder = scenario.partition(":")
         routing.reset()
         routing.configure(mode="off")
-        routing._replay.clear()
+        _replay.clear()
         try:
             routing.configure(mode=mode, dir=folder)
             run(args, out, str(i), device)

@@ -1,0 +1,75 @@
+"""Where Megatron's captured routes live on disk, and which rank this process is.
+
+    <dir>/rank-<r>/step-<S>-mb-<M>.safetensors   one RoutingRecord (token_order megatron-sbh)
+    <dir>/rank-<r>/index.json                     {"format", "version", "rank", "records": [...]}
+
+Capture writes this layout (``megatron_capture.py``), replay reads it back
+(``load_dir``): the one place both sides agree on it.  ``RoutingReplayError`` is the
+error of both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .record import RoutingRecordError, load
+
+INDEX_FORMAT = "source-patch-routing-index"
+
+
+class RoutingReplayError(RuntimeError):
+    """Replay cannot route as recorded (names step, microbatch and layer)."""
+
+
+def parallel():
+    """(cp_size, cp_rank, tp_size, tp_rank, rank) from parallel_state when initialised."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
+                    ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+                    torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+    except ImportError:
+        pass
+    rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+    return 1, 0, 1, 0, rank
+
+
+def record_name(key) -> str:
+    """The file name of (step, microbatch) ``key``'s record."""
+    return f"step-{key[0]}-mb-{key[1]}.safetensors"
+
+
+def write_index(folder: Path, rank: int, entries: list) -> None:
+    """Rewrite ``folder/index.json`` whole and atomically.  Compact JSON: json's C encoder
+    (``indent`` takes the pure-Python one, 7x slower)."""
+    tmp = folder / "index.json.tmp"
+    tmp.write_text(json.dumps({"format": INDEX_FORMAT, "version": 1, "rank": rank, "records": entries},
+                              separators=(",", ":")))
+    os.replace(tmp, folder / "index.json")
+
+
+def load_dir(dir: str | os.PathLike) -> dict:
+    """``{(step, microbatch): RoutingRecord}`` from ``dir`` (its ``rank-<r>/index.json`` for this
+    rank, else ``rank-0``, else ``dir/index.json``)."""
+    root = Path(dir)
+    rank = parallel()[4]
+    for folder in (root / f"rank-{rank}", root / "rank-0", root):
+        if (folder / "index.json").is_file():
+            break
+    else:
+        raise RoutingReplayError(f"routing replay: no index.json under {root} (rank-{rank}/, rank-0/ or .)")
+    index = json.loads((folder / "index.json").read_text())
+    out = {}
+    for entry in index["records"]:
+        key = (int(entry["step"]), int(entry["microbatch"]))
+        try:
+            out[key] = load(folder / entry["file"])
+        except RoutingRecordError as exc:
+            raise RoutingReplayError(f"step {key[0]}, microbatch {key[1]}: bad record {entry['file']}: {exc}") from None
+    return out
