@@ -19,7 +19,7 @@ import libcst as cst
 import yaml
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from .engine import _qualnames, _ScopeCollector
+from .anchors import _qualnames, _ScopeCollector
 from .errors import SourcePatchError
 from .locate import find_source_hinted
 from .patterns import Pattern

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from source_patch.patcher import engine
+from source_patch.patcher import engine, regions
 from source_patch.patcher.engine import rewrite
 from source_patch.patcher.errors import AnchorError
 from source_patch.patcher.locate import NotFound, find_source
@@ -132,7 +132,7 @@ def test_fixture_specs_of_the_tests():
 def test_every_def_of_the_fixture_module_and_every_anchor():
     path = find_source("spfix.basic")
     source = path.read_text(encoding="utf-8")
-    defs = engine._ast_defs(ast.parse(source))
+    defs = regions._ast_defs(ast.parse(source))
     fast = 0
     for target, found in defs.items():
         edits = [ENTRY, RETURNS, Edit("before", match="return _", code="x = 0", count=None),
