@@ -146,6 +146,30 @@ def _first_indent(source: str) -> str | None:
 
 def rewrite_regions(source: str, patches: Sequence[Patch]) -> tuple[str, list[int], list] | None:
     """(patched source, line map, hits), or None: the whole-module path must run."""
+    checked = _checked(source, patches)
+    if checked is None:
+        return None
+    module_ast, pieces = checked
+    found = _regions(module_ast, pieces, patches)
+    default_indent = _first_indent(source) if found is not None else None
+    if not default_indent:
+        return None
+    ordered, region_of = found
+    parsed: dict[int, _Parsed] = {}
+    for r in ordered:
+        one = _parse_region(r, pieces, default_indent)
+        if one is None:
+            return None
+        parsed[id(r)] = one
+    plan = _plan(patches, region_of, parsed)
+    if plan is None or parsed[id(ordered[0])].locator.replace_conflicts(plan):
+        return None
+    spliced = _splice(source, pieces, ordered, parsed, plan, _unclaimed(module_ast, ordered, pieces))
+    return None if spliced is None else (*spliced, plan.hits)
+
+
+def _checked(source: str, patches: Sequence[Patch]) -> tuple[ast.Module, list[str]] | None:
+    """(the module's ast, its lines) where the region path may try it, else None."""
     if (not patches or any(c in source for c in "\r\f\v") or _handle_problems(source, patches)
             or any(p.target == MODULE_TARGET or not p.edits for p in patches)):
         return None
@@ -165,6 +189,12 @@ def rewrite_regions(source: str, patches: Sequence[Patch]) -> tuple[str, list[in
             # line above it (its code is then not the source), which only the whole
             # module's parse reproduces.
             return None
+    return module_ast, pieces
+
+
+def _regions(module_ast: ast.Module, pieces: list[str], patches: Sequence[Patch]):
+    """(the regions in file order, each patch's region and its def's name in it), or
+    None where a target or its region does not fit the region path."""
     defs = _ast_defs(module_ast)
     located = []
     for patch in patches:
@@ -184,48 +214,58 @@ def rewrite_regions(source: str, patches: Sequence[Patch]) -> tuple[str, list[in
             inner += "." + node.name
             node, chain = chain[outer], chain[:outer]
         if id(node) not in regions:
-            # Only classes and defs may enclose it, each with its header on one line:
-            # other lines of an enclosing statement (`try:`, `else:`, `):`) are lines
-            # the whole-module line map carries over from the line above.
-            if not all(isinstance(a, (ast.ClassDef, *_AST_DEFS)) and _one_line_header(pieces[a.lineno - 1])
-                       for a in chain):
+            region = _region(node, chain, pieces)
+            if region is None:
                 return None
-            start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-            first = pieces[start - 1]
-            indent = _indent(first)
-            keyword = "@" if node.decorator_list else ("async" if isinstance(node, ast.AsyncFunctionDef) else "def")
-            end = _footer_end(node, pieces)  # its blocks' trailing comments are its own
-            if not first[len(indent):].startswith(keyword) or end >= len(pieces):
-                return None
-            regions[id(node)] = _Region(node, chain, start, end, indent)
+            regions[id(node)] = region
         region_of.append((regions[id(node)], inner))
     ordered = sorted(regions.values(), key=lambda r: r.start)
     if any(b.start <= a.end for a, b in zip(ordered, ordered[1:])):
         return None
-    default_indent = _first_indent(source)
-    if not default_indent:
+    return ordered, region_of
+
+
+def _region(node: ast.AST, chain: tuple, pieces: list[str]) -> _Region | None:
+    """The lines of a target's def, or None where the region path cannot take it."""
+    # Only classes and defs may enclose it, each with its header on one line:
+    # other lines of an enclosing statement (`try:`, `else:`, `):`) are lines
+    # the whole-module line map carries over from the line above.
+    if not all(isinstance(a, (ast.ClassDef, *_AST_DEFS)) and _one_line_header(pieces[a.lineno - 1])
+               for a in chain):
         return None
+    start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+    first = pieces[start - 1]
+    indent = _indent(first)
+    keyword = "@" if node.decorator_list else ("async" if isinstance(node, ast.AsyncFunctionDef) else "def")
+    end = _footer_end(node, pieces)  # its blocks' trailing comments are its own
+    if not first[len(indent):].startswith(keyword) or end >= len(pieces):
+        return None
+    return _Region(node, chain, start, end, indent)
 
-    # Parse each region alone.  A scaffold puts the def at its own indentation (no text
-    # is re-indented, so strings spanning lines are untouched) and gives the region
-    # module the file's default indent, which inserted blocks are written with.
-    parsed: dict[int, _Parsed] = {}
-    for r in ordered:
-        prefix = f"if 1:\n{default_indent}pass\n" + ("if 1:\n" if r.indent else "")
-        try:
-            tree = cst.parse_module(prefix + "\n".join(pieces[r.start - 1:r.end]) + "\n")
-        except cst.ParserSyntaxError:
-            return None
-        fn = tree.body[-1] if len(tree.body) == 2 else None
-        if r.indent and isinstance(fn, cst.If) and fn.orelse is None and len(fn.body.body) == 1:
-            fn = fn.body.body[0]
-        if (not isinstance(fn, cst.FunctionDef) or fn.name.value != r.node.name
-                or tree.default_indent != default_indent or tree.default_newline != "\n"):
-            return None
-        positions = MetadataWrapper(tree, unsafe_skip_copy=True).resolve(PositionProvider)
-        offset = r.start - 1 - prefix.count("\n")
-        parsed[id(r)] = _Parsed(prefix, tree, fn, positions, offset, _Locator(tree, positions, offset, defs={}))
 
+def _parse_region(r: _Region, pieces: list[str], default_indent: str) -> _Parsed | None:
+    """Parse a region alone.  A scaffold puts the def at its own indentation (no text
+    is re-indented, so strings spanning lines are untouched) and gives the region
+    module the file's default indent, which inserted blocks are written with."""
+    prefix = f"if 1:\n{default_indent}pass\n" + ("if 1:\n" if r.indent else "")
+    try:
+        tree = cst.parse_module(prefix + "\n".join(pieces[r.start - 1:r.end]) + "\n")
+    except cst.ParserSyntaxError:
+        return None
+    fn = tree.body[-1] if len(tree.body) == 2 else None
+    if r.indent and isinstance(fn, cst.If) and fn.orelse is None and len(fn.body.body) == 1:
+        fn = fn.body.body[0]
+    if (not isinstance(fn, cst.FunctionDef) or fn.name.value != r.node.name
+            or tree.default_indent != default_indent or tree.default_newline != "\n"):
+        return None
+    positions = MetadataWrapper(tree, unsafe_skip_copy=True).resolve(PositionProvider)
+    offset = r.start - 1 - prefix.count("\n")
+    return _Parsed(prefix, tree, fn, positions, offset, _Locator(tree, positions, offset, defs={}))
+
+
+def _plan(patches: Sequence[Patch], region_of: list, parsed: dict[int, _Parsed]) -> _Plan | None:
+    """Every edit located in its region; None on drift or a statement replaced twice
+    (the whole-module path reports them)."""
     plan = _Plan()
     nested: dict[int, dict] = {}
     for patch, (r, inner) in zip(patches, region_of):
@@ -239,15 +279,16 @@ def rewrite_regions(source: str, patches: Sequence[Patch]) -> tuple[str, list[in
                 return None
             fn = found[0]
         if locator.plan_edits(fn, patch, own) or plan.merge(own):
-            return None  # drift, or a statement replaced twice: the whole path reports it
-    if parsed[id(ordered[0])].locator.replace_conflicts(plan):
-        return None
+            return None
+    return plan
 
-    # Lines the whole-module line map leaves unclaimed outside the regions (it carries
-    # the line above into them).  It maps an untouched statement by its range, which
-    # leaves out, of the statements in the blocks that enclose a region, the comments
-    # between the decorators of a def or class and its `def`/`class` line, and the
-    # comment lines after a compound statement that its blocks own.
+
+def _unclaimed(module_ast: ast.Module, ordered: list[_Region], pieces: list[str]) -> set[int]:
+    """Lines the whole-module line map leaves unclaimed outside the regions (it carries
+    the line above into them).  It maps an untouched statement by its range, which
+    leaves out, of the statements in the blocks that enclose a region, the comments
+    between the decorators of a def or class and its `def`/`class` line, and the
+    comment lines after a compound statement that its blocks own."""
     enclosing = {id(a): a for r in ordered for a in r.chain}
     targets = {id(r.node) for r in ordered}
     unclaimed = set()
@@ -258,7 +299,13 @@ def rewrite_regions(source: str, patches: Sequence[Patch]) -> tuple[str, list[in
             if isinstance(stmt, (ast.ClassDef, *_AST_DEFS)) and stmt.decorator_list:
                 unclaimed.update(range(stmt.decorator_list[-1].end_lineno + 1, stmt.lineno))
             unclaimed.update(range(stmt.end_lineno + 1, _footer_end(stmt, pieces) + 1))
+    return unclaimed
 
+
+def _splice(source: str, pieces: list[str], ordered: list[_Region], parsed: dict[int, _Parsed], plan: _Plan,
+            unclaimed: set[int]) -> tuple[str, list[int]] | None:
+    """(patched source, line map): each region transformed along the plan and put back
+    between the untouched lines; None where the result would not be the whole path's."""
     lines: list[str] = []
     mapping = [0]
     at = 1  # the next original line to copy
@@ -289,8 +336,7 @@ def rewrite_regions(source: str, patches: Sequence[Patch]) -> tuple[str, list[in
     if mapping[last] and not pieces[real - 1].lstrip(" \t")[:1].strip("#"):
         # A comment or blank last line is an EmptyLine, whose range ends on the next line.
         mapping[last + 1] = mapping[last] + 1
-    line_map = _carry(mapping)
-    return patched, line_map, plan.hits
+    return patched, _carry(mapping)
 
 
 _NOT_SIGNIFICANT = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
