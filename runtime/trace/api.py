@@ -23,16 +23,16 @@ Design (see docs/trace.md):
   process (forwarder.py) the result lands in a page-locked ring both processes map
   (ring.py): the fused kernel writes it there, other results are copied there
   asynchronously.  The training thread records one pooled CUDA event and queues
-  (slice or result, event, meta): it only launches.  A publisher thread waits for
-  the events (never the training thread) and sends the forwarder a header naming
-  the slices; the forwarder runs the host stage, encodes frames and serves them.
-  With the hub in a thread, the publisher copies the batch to pinned memory on its
-  own stream and does all of that itself.  Full queues drop and count; nothing blocks.
+  (slice or result, event, meta): it only launches.  The publisher thread
+  (publisher.py) takes the queue in batches and hands them to the hub.  Full queues
+  drop and count; nothing blocks.
 * Failures are counted, logged once per kind, and never raised into training, except
   a call site's own programming error (a value that is not a tensor).
 
-The hot path, the publisher thread and their shared queue and locks are one
-concurrency unit, so they live in one module.
+This module holds the call sites, the hot path and all the state the parts share:
+the control API (control.py, re-exported here), the hub lifecycle (lifecycle.py), the
+publisher thread (publisher.py), the device stage (device.py) and the planned due call
+(plan.py) read and write that state here.
 """
 
 from __future__ import annotations
@@ -47,19 +47,32 @@ from typing import Any
 
 import torch
 
-from ..core import graph_stage, ranks, settings, tags as ambient
+from ..core import graph_stage, ranks, tags as ambient
 from ..core.failures import Counters
-from . import graphs
-from .ring import ALIGN, Slice
+from . import control, device, graphs, lifecycle, plan, publisher
+from .control import (close, configure, configure_from_settings, enabled, flush, names, public_config, reset,
+                      state, url)
+from .device import (capturing as _capturing, current_stream as _current_stream, event_record as _event_record,
+                     stage as _device_stage, stage_failed as _compress_failed, stream_objects as _stream_objects,
+                     stream_of as _stream_of)
+from .plan import Plan as _Plan, make as _make_plan
+from .publisher import Result as _Result
+
+__all__ = ["SETTINGS", "trace", "trace_step", "trace_state", "enabled", "configure", "configure_from_settings",
+           "public_config", "url", "state", "names", "reset", "flush", "close", "set_subscriptions", "current_step"]
 
 SETTINGS = "trace"  # its settings component (the capability contract: core/capability.py)
+
+# -- The trace state, in one place.  The hot path reads it as globals of this module
+# (no attribute lookup); control.py, lifecycle.py, publisher.py, device.py and plan.py
+# read and write it here through this module (set as their ``api`` at the end), never
+# through a copy: reset, close and _after_fork_in_child rebind parts of it.
 
 # The one thing a disabled call site reads.
 _enabled = False
 
 _step = 0
 _config: dict = {}
-_config_lock = threading.RLock()
 MAX_NAMES = 1 << 14  # (name, layer) pairs remembered; more are traced but not listed
 BATCH = 64            # results that wake the publisher before the step ends
 FLUSH_SECONDS = 0.2   # ... or this long after the last publication (no trace_step, e.g. SGLang)
@@ -90,9 +103,10 @@ _pending: deque = deque()
 _busy = 0                    # results the publisher has taken but not yet handed over
 _publisher: threading.Thread | None = None
 _stop = False
-_hub = None                  # hub.Hub while serving
+_hub = None                  # hub.Hub (or forwarder.Forwarder) while serving: lifecycle.py
 _ring = None                 # ring.Ring the forwarder reads results from (hub: process)
 _hub_key: tuple | None = None
+_shared: tuple = ()          # what publisher.share_state last sent the forwarder
 
 _COUNTERS = ("results", "dropped", "skipped", "errors", "compress_errors", "too_large")
 _counters = Counters(_COUNTERS, "source_patch.trace", "trace", lock=_cond)
@@ -116,7 +130,7 @@ PER_BATCH_EVENTS = True
 _stepping = False            # trace_step has been called: batches end
 _unsealed: list = []         # results in _pending waiting for their batch's event
 _tracer: int | None = None   # the thread that traced them (the one that may record it)
-_streams: dict = {}  # device index -> the publisher's copy stream
+_streams: dict = {}  # device index -> the publisher's copy stream (publisher.fetch)
 
 
 # ---------------------------------------------------------------- call-site API
@@ -165,135 +179,6 @@ def trace_step(success: Any = True, *, step: int | None = None) -> Any:
     return success
 
 
-# ---------------------------------------------------------------- control API
-
-
-def enabled() -> bool:
-    return _enabled
-
-
-def configure(**changes) -> dict:
-    """Change settings (keys of the ``trace`` schema); all are validated before any
-    is applied (KeyError names the valid keys).  Returns the effective configuration."""
-    with _config_lock:
-        parsed = settings.check_all("trace", changes)
-        _apply({**_config, **parsed})
-        return public_config()
-
-
-def configure_from_settings(environ=None) -> dict:
-    """Re-read the settings (environment > active specs > defaults) and apply them."""
-    with _config_lock:
-        _apply(settings.resolve("trace", os.environ if environ is None else environ))
-        return public_config()
-
-
-def public_config() -> dict:
-    return settings.redacted(_config)
-
-
-def url() -> str | None:
-    """The page of this process's hub with its token in the fragment, or None."""
-    hub = _hub
-    return hub.page_url if hub is not None else None
-
-
-def state(with_hub: bool = True) -> dict:
-    """Counters, hub and configuration (also the hub's ``stats`` reply)."""
-    with _cond:
-        counts = dict(_counts)
-        queued = len(_pending) + _busy
-        cost = dict(_cost)
-        calls = list(_call_us)
-    hub = _hub
-    hub_stats = hub.stats() if hub is not None and with_hub else None
-    cost["hub_cpu"] = hub.cpu_seconds() if hub is not None else 0.0
-    return {
-        "enabled": _enabled,
-        "step": _step,
-        "rank": ranks.global_rank(),
-        **counts,
-        "counters": counts,
-        "queued": queued,
-        "last_error": _counters.last_error,
-        "series": len(_seen),
-        "subscriptions": len(_table.subs),
-        "cost_seconds": cost,
-        "due_call_us": calls,
-        "hub": hub_stats,
-        "ring": _ring.state() if _ring is not None else None,
-        "url": hub.url if hub is not None else None,
-        "config": public_config(),
-    }
-
-
-def names() -> list[dict]:
-    """The names traced so far: ``{"name", "layers", "shape", "dtype"}`` each."""
-    grouped: dict = {}
-    for (name, layer), (shape, dtype) in dict(_seen).items():
-        entry = grouped.setdefault(name, {"name": name, "layers": [], "shape": shape, "dtype": dtype})
-        if layer is not None:
-            entry["layers"].append(layer)
-    for entry in grouped.values():
-        entry["layers"] = sorted(entry["layers"], key=lambda v: (not isinstance(v, int), str(v)))
-    return sorted(grouped.values(), key=lambda e: e["name"])
-
-
-def reset() -> dict:
-    """Zero the counters, the step and the names seen (not the subscriptions)."""
-    global _step, _table
-    _counters.reset()
-    with _cond:
-        for key in _cost:
-            _cost[key] = 0.0
-        _call_us[:] = [0] * CALL_BUCKETS
-    _step = 0
-    _seen.clear()
-    _table = _Table(_table.subs)
-    return state()
-
-
-def flush(timeout: float = 5.0) -> bool:
-    """Wait until traced results have reached the clients' queues and those are sent."""
-    deadline = time.monotonic() + timeout
-    with _cond:
-        _seal()  # on the tracing thread; any other waits for that thread to seal them
-        _cond.notify_all()
-        while _pending or _busy:
-            if not (_publisher and _publisher.is_alive()):
-                break
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            _cond.wait(min(remaining, 0.1))
-    hub = _hub
-    return hub.drain(max(0.0, deadline - time.monotonic())) if hub is not None else True
-
-
-def close(timeout: float | None = None) -> bool:
-    """Send what is queued (up to ``timeout``, default 2 s), close the clients (1001) and
-    the hub, stop the publisher; True when everything queued went out.  Registered with
-    atexit; configuring again restarts them."""
-    global _enabled, _publisher, _stop, _unsealed
-    _enabled = False
-    sent = False
-    try:
-        sent = flush(2.0 if timeout is None else timeout)
-    except Exception as exc:  # noqa: BLE001
-        _fail("flush at close", exc)
-    _stop_hub()
-    with _cond:
-        publisher, _stop = _publisher, True
-        _cond.notify_all()
-    if publisher is not None and publisher is not threading.current_thread():
-        publisher.join(5)
-    with _cond:
-        _publisher, _stop = None, False
-        _pending.clear()
-        _unsealed = []
-    return sent
-
-
 # Names under which the handle exports these (runtime/facade.py).
 trace_state = state
 
@@ -313,43 +198,6 @@ def _first_sight(table: _Table, key: tuple, tensor) -> tuple:
     if len(table.routes) < MAX_NAMES:
         table.routes[key] = routes
     return routes
-
-
-class _Plan:
-    """The common due call worked out once per (name, layer) and tensor layout: one
-    subscription whose tiles go through the fused kernel straight into the forwarder's
-    ring (hub: process), launched through Triton's compiled launcher with the grid and
-    arguments fused.py computed for the layout.  ``_fast`` runs it in one frame (and
-    the launcher's) where the general path takes ~12; ``stale``: the tensor's layout
-    changed, plan again; ``failed``: its launch raised, the general path from now on."""
-
-    __slots__ = ("sub", "layout", "device", "launch", "nbytes", "padded", "stale", "failed", "fused", "compress")
-
-    def __init__(self, sub, tensor: torch.Tensor, launch, fused, compress):
-        self.sub, self.launch, self.stale, self.failed = sub, launch, False, False
-        self.fused, self.compress = fused, compress  # the modules (their settings are read at each call)
-        self.device = tensor.get_device()
-        self.layout = (tensor.shape, tensor.dtype, self.device, tensor.data_ptr() & 15 == 0)
-        self.nbytes = 4 * launch.shape[0] * launch.shape[1] * launch.shape[2]  # float32 [splits, stats, cols]
-        self.padded = -(-self.nbytes // ALIGN) * ALIGN  # what a slice of it takes in the ring
-
-
-def _make_plan(routes: tuple, tensor) -> "_Plan | bool | None":
-    """(after a general due call) A plan for this (name, layer), False where none can
-    apply (several subscriptions, another compressor, no ring the device writes to),
-    None where one may later (the kernel is not compiled yet)."""
-    ring = _ring
-    fused_spec = getattr(routes[0].compressor, "fused", None)
-    if len(routes) != 1 or fused_spec is None or ring is None or not isinstance(tensor, torch.Tensor) \
-            or not tensor.is_cuda:
-        return False
-    if not (ring.direct and ring.pinned and ring.device_address is not None):
-        return None
-    from . import compress
-
-    fused = compress.fused_kernel()
-    launch = fused.planned(tensor, *fused_spec) if fused is not None else None
-    return None if launch is None else _Plan(routes[0], tensor, launch, fused, compress)
 
 
 def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
@@ -512,11 +360,6 @@ def _by_compressor(due: list) -> tuple:
     return tuple(groups.values())
 
 
-# Whether the current CUDA stream is capturing a graph: torch's own test without its
-# Python wrapper (the public one where a build lacks it).
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
-
-
 def _defer(item) -> None:
     """(caller holds _lock) ``item`` waits for its batch's event (see _seal)."""
     global _tracer
@@ -560,30 +403,11 @@ def _wake_publisher() -> None:
     _cond.notify_all()
 
 
-def _device_stage(compressor, tensor: torch.Tensor, ring) -> tuple:
-    """(result, slot): the compressor's device stage and, with a forwarder's ring, the
-    slice of it the result goes to: written there by the kernel itself (fused tiles),
-    or copied there asynchronously; (None, None) when the ring is full."""
-    if ring is None:
-        return compressor.reduce(tensor), None
-    if ring.direct and tensor.is_cuda and (ring.pinned or ring.pin()):
-        head = ring.head
-        try:
-            result = compressor.reduce(tensor, ring.claim)
-        except Exception:  # noqa: BLE001
-            if ring.head == head:
-                raise  # nothing was claimed: the compressor's own error
-            ring.direct = False  # a kernel that cannot write host memory here: copy from now on
-            _fail("a trace kernel writing to the ring (copying instead)", sys.exc_info()[1])
-            result = compressor.reduce(tensor)
-        if type(result) is Slice:
-            return result, result.slot
-    else:
-        result = compressor.reduce(tensor)
-    if not ring.takes(result):
-        return result, None
-    slot = ring.put(result)
-    return (result, slot) if slot is not None else (None, None)
+def _start_publisher() -> None:
+    """(caller holds _cond)"""
+    global _publisher
+    _publisher = threading.Thread(target=publisher.loop, name="source-patch-trace-publisher", daemon=True)
+    _publisher.start()
 
 
 def _mark(result: torch.Tensor, timing: bool = False):
@@ -609,171 +433,6 @@ def _record(index: int, timing: bool, stream=None):
         event = torch.cuda.Event(enable_timing=timing, blocking=True)
     _event_record(event, stream or _current_stream(index))
     return event
-
-
-# torch.cuda.Event.record(stream) without its Python wrapper, where torch has the C method.
-_event_record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None) or torch.cuda.Event.record
-
-
-_stream_objects: dict = {}  # (device index, stream id) -> torch.cuda.Stream
-_stream_of = getattr(torch._C, "_cuda_getCurrentStream", None) or (
-    lambda index: (torch.cuda.current_stream(index).stream_id, index, 1))  # a torch without the C function
-
-
-def _current_stream(index: int):
-    """torch.cuda.current_stream(index) without its device-index resolution and a new
-    Stream object per call (most of an event record's host time, profiled on an H100)."""
-    try:
-        sid, device, kind = torch._C._cuda_getCurrentStream(index)
-    except AttributeError:  # a torch without it: the public way
-        return torch.cuda.current_stream(index)
-    stream = _stream_objects.get((device, sid))
-    if stream is None:
-        stream = _stream_objects[(device, sid)] = torch.cuda.Stream(stream_id=sid, device_index=device,
-                                                                    device_type=kind)
-    return stream
-
-
-class _Result:
-    __slots__ = ("subs", "name", "tags", "step", "time", "host", "event", "start", "shape", "dtype", "slot",
-                 "stream")
-
-    def __init__(self, subs, name, tags, step, stamp, result, event, start, tensor, slot=None):
-        self.subs, self.name, self.tags, self.step, self.time = subs, name, tags, step, stamp
-        self.host, self.event, self.start = result, event, start  # host: on the device until fetched
-        self.shape, self.dtype = tensor.shape, tensor.dtype  # (torch.Size, torch.dtype) the hub writes out
-        self.slot = slot  # (offset, end, dtype, shape) in the shared ring: the bytes are there, not in host
-        self.stream = None  # where the batch's event goes, while the result waits for it (_seal)
-
-
-def _fetch(items: list) -> None:
-    """(publisher) Replace the CUDA results by pinned host copies: on this thread's own
-    stream, behind each result's event, results of one device and dtype are joined on
-    the device and copied in one piece; one wait covers the batch.  The device results
-    stay referenced until the copies are done, so their memory is not reused under them."""
-    waiting = [item for item in items if item.event is not None]
-    groups: dict = {}
-    done: dict = {}  # events to wait for, each once (a batch's results share one)
-    for item in waiting:
-        if item.slot is None:
-            groups.setdefault((item.host.device.index, item.host.dtype), []).append(item)
-        else:
-            done[item.event] = None  # copied into the forwarder's ring already: only wait
-    for (index, dtype), group in groups.items():
-        stream = _streams.get(index)
-        if stream is None:
-            stream = _streams[index] = torch.cuda.Stream(device=index)
-        with torch.cuda.stream(stream):
-            for event in dict.fromkeys(item.event for item in group):
-                stream.wait_event(event)
-            flat = torch.cat([item.host.reshape(-1) for item in group]) if len(group) > 1 \
-                else group[0].host.reshape(-1)
-            host = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
-            event = torch.cuda.Event(blocking=True)  # sleep on it, do not spin
-            event.record(stream)
-        done[event] = None
-        offset = 0
-        for item in group:
-            n = item.host.numel()
-            item.host, offset = host[offset: offset + n].view(item.host.shape), offset + n
-    for event in done:
-        event.synchronize()
-    pooled = {}  # each event back to its pool once
-    for item in waiting:
-        if item.slot is not None:
-            item.host = None
-        if item.start is not None:
-            with _lock:
-                _cost["device_reduce"] += item.start.elapsed_time(item.event) / 1e3
-            _events[(item.event.device.index, True)].append(item.start)
-        pooled[item.event] = item.start is not None
-        item.event = item.start = None
-    for event, timing in pooled.items():
-        _events[(event.device.index, timing)].append(event)
-
-
-def _compress_failed(subs: list, name: str, exc: Exception) -> None:
-    from .compress import TooLarge
-
-    _count("too_large" if isinstance(exc, TooLarge) else "compress_errors")
-    message = f"{name}: {exc}" if isinstance(exc, (ValueError, TypeError, IndexError, RuntimeError)) \
-        else f"{name}: {type(exc).__name__}: {exc}"
-    for sub in subs:
-        if not sub.reported:  # once per subscription
-            sub.reported = True
-            hub = _hub
-            if hub is not None:
-                hub.report(sub, message)
-
-
-# ---------------------------------------------------------------- publisher
-
-
-def _start_publisher() -> None:
-    """(caller holds _cond)"""
-    global _publisher
-    _publisher = threading.Thread(target=_publish_loop, name="source-patch-trace-publisher", daemon=True)
-    _publisher.start()
-
-
-def _publish_loop() -> None:
-    """Publish in batches: at each step end (trace_step), when BATCH results wait, or
-    every FLUSH_SECONDS.  A wake-up per result would contend for the GIL with the
-    training thread at every layer, right when it returns from a device sync."""
-    global _busy
-    while True:
-        with _cond:
-            items = _take()
-            if not items:
-                if _stop:
-                    return
-                _cond.wait(FLUSH_SECONDS)
-                items = _take()
-            _busy += len(items)
-        if not items:
-            _share_state()
-            continue
-        cpu = time.thread_time()
-        try:
-            _fetch(items)  # this thread waits for the copies, never the trainer
-            _share_state()  # before the frames: a client that got them and asks sees them counted
-            hub = _hub
-            if hub is not None:
-                hub.publish(items, ranks.global_rank())  # frames here, or sent to the forwarder
-        except Exception as exc:  # noqa: BLE001 - the publisher must survive anything
-            _fail("publishing", exc)
-        finally:
-            items = None
-            with _cond:
-                _busy = 0
-                _cost["publisher_cpu"] += time.thread_time() - cpu
-                _cond.notify_all()
-
-
-_shared: tuple = ()
-
-
-def _share_state() -> None:
-    """(publisher thread) A hub in its own process answers stats, list and hello from a
-    snapshot of this process's counters: sent when they changed (the names only when
-    new ones were seen), at most once per wake-up."""
-    global _shared
-    hub = _hub
-    if hub is None or not hasattr(hub, "share_state"):
-        return
-    try:
-        with _cond:
-            snapshot = {**_counts, "cost_seconds": dict(_cost), "due_call_us": list(_call_us)}
-        snapshot.update(step=_step, rank=ranks.global_rank(), series=len(_seen),
-                        ring=_ring.state() if _ring is not None else None)
-        key = tuple(snapshot[k] for k in ("step", "series", *_COUNTERS))
-        if key != _shared:
-            series_changed = not _shared or _shared[1] != key[1]
-            _shared = key
-            hub.share_state(snapshot, names() if series_changed else None)
-    except Exception as exc:  # noqa: BLE001 - the publisher must survive anything
-        _fail("sharing state with the trace forwarder", exc)
 
 
 # ---------------------------------------------------------------- subscriptions (from the hub)
@@ -805,79 +464,7 @@ def _fail(where: str, exc: BaseException) -> None:
     _counters.fail(where, exc)
 
 
-# ---------------------------------------------------------------- configuration and hub
-
-
-def _apply(config: dict) -> None:
-    global _config, _enabled
-    _enabled = False
-    _config = dict(config, dir=os.path.abspath(os.path.expanduser(config["dir"])))
-    from . import compress
-
-    compress.USE_TRITON = _config["triton"]
-    compress.DIRECT_LAUNCH = _config["triton_launch"] == "direct"
-    serve = bool(_config["enable"] and _config["port"])
-    if serve and _config["ranks"] is not None:
-        serve = ranks.global_rank() in settings.IntSet(_config["ranks"])
-    started = _sync_hub(serve)
-    _enabled = _hub is not None
-    graphs.use(_enabled, trace, _fail)
-    if started and _config["wait"] and not _table.subs:
-        print(f"source-patch trace: waiting up to {_config['wait']:g} s for a client to subscribe",
-              file=sys.stderr, flush=True)
-        _subscribed.wait(_config["wait"])
-
-
-def _sync_hub(serve: bool) -> bool:
-    """Start, restart or stop the hub to match the configuration; True if one started."""
-    global _hub, _hub_key, _ring
-    key = (_config["host"], _config["port"], _config["token"], _config["max_message"], _config["dir"],
-           _config["hub"]) if serve else None
-    if key == _hub_key:
-        if _hub is not None:
-            _hub.config = _config  # queue sizes and timeouts apply at once
-        return False
-    _stop_hub()
-    if key is None:
-        return False
-    _hub_key = key
-    try:
-        _hub = _new_hub()
-    except Exception as exc:  # noqa: BLE001 - no hub: nothing traced, training goes on
-        _fail("starting the trace hub", exc)
-        return False
-    _ring = getattr(_hub, "ring", None)
-    if _publisher is None and hasattr(_hub, "share_state"):
-        with _cond:
-            _start_publisher()  # it sends the forwarder this process's state, traced or not
-    return True
-
-
-def _new_hub():
-    """A hub in a forwarder process (hub: process), or in a thread here (hub: thread,
-    or when the forwarder cannot start: said once, then served from a thread)."""
-    from . import hub
-
-    runtime = sys.modules[__name__]
-    if _config["hub"] == "process":
-        from .forwarder import Forwarder, ForwarderUnavailable
-
-        try:
-            return Forwarder(runtime, _config)
-        except ForwarderUnavailable as exc:
-            _fail("starting the trace forwarder (serving from a thread instead)", exc)
-    return hub.Hub(runtime, _config)
-
-
-def _stop_hub() -> None:
-    global _hub, _hub_key, _shared, _ring
-    hub, _hub, _hub_key, _shared, _ring = _hub, None, None, (), None
-    set_subscriptions(())
-    if hub is not None:
-        try:
-            hub.stop()
-        except Exception as exc:  # noqa: BLE001
-            _fail("stopping the trace hub", exc)
+# ---------------------------------------------------------------- fork and wiring
 
 
 def _after_fork_in_child() -> None:
@@ -912,6 +499,8 @@ for _api in (configure, configure_from_settings, public_config, url, state, name
              trace_step):
     setattr(trace, _api.__name__, _api)
 trace.trace, trace.trace_state = trace, state
+for _part in (control, device, lifecycle, plan, publisher):
+    _part.api = sys.modules[__name__]  # the state's one place (see above)
 configure_from_settings()
 atexit.register(close)
 if hasattr(os, "register_at_fork"):

@@ -316,7 +316,7 @@ class Hub:
     # -- from other threads
 
     def publish(self, items: list, rank: int) -> None:
-        """(publisher thread) Frames of fetched results (api._Result), to the clients."""
+        """(publisher thread) Frames of fetched results (publisher.Result), to the clients."""
         from ..core.tags import tag_value
 
         frames = []

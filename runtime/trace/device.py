@@ -1,0 +1,90 @@
+"""The device stage of a due trace() call, and the torch entry points the hot path uses.
+
+:func:`stage` runs a compressor's reduction on the tensor's device and puts the result
+where the hub reads it: into the forwarder's page-locked ring (written by the kernel
+itself, or copied there asynchronously) or nowhere (a thread hub copies it later).
+The rest are torch's C functions for streams and events, each with the public way as
+its fallback: a due call's host time grows with every Python frame it takes.
+
+Failures are counted in api.py's counters and said to clients through its hub: api.py
+is the one place the trace state lives; it hands itself over at import (``api``
+below), so this module never imports it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .ring import Slice
+
+api = None  # runtime/trace/api.py, set by it at import: the one place the trace state lives
+
+
+def stage(compressor, tensor: torch.Tensor, ring) -> tuple:
+    """(result, slot): the compressor's device stage and, with a forwarder's ring, the
+    slice of it the result goes to: written there by the kernel itself (fused tiles),
+    or copied there asynchronously; (None, None) when the ring is full."""
+    if ring is None:
+        return compressor.reduce(tensor), None
+    if ring.direct and tensor.is_cuda and (ring.pinned or ring.pin()):
+        head = ring.head
+        try:
+            result = compressor.reduce(tensor, ring.claim)
+        except Exception:  # noqa: BLE001
+            if ring.head == head:
+                raise  # nothing was claimed: the compressor's own error
+            ring.direct = False  # a kernel that cannot write host memory here: copy from now on
+            api._fail("a trace kernel writing to the ring (copying instead)", sys.exc_info()[1])
+            result = compressor.reduce(tensor)
+        if type(result) is Slice:
+            return result, result.slot
+    else:
+        result = compressor.reduce(tensor)
+    if not ring.takes(result):
+        return result, None
+    slot = ring.put(result)
+    return (result, slot) if slot is not None else (None, None)
+
+
+def stage_failed(subs: list, name: str, exc: Exception) -> None:
+    """A compressor's device stage raised (a client's parameters that do not fit, a
+    result too large): counted, and said once to each subscription it served."""
+    from .compress import TooLarge
+
+    api._count("too_large" if isinstance(exc, TooLarge) else "compress_errors")
+    message = f"{name}: {exc}" if isinstance(exc, (ValueError, TypeError, IndexError, RuntimeError)) \
+        else f"{name}: {type(exc).__name__}: {exc}"
+    for sub in subs:
+        if not sub.reported:  # once per subscription
+            sub.reported = True
+            hub = api._hub
+            if hub is not None:
+                hub.report(sub, message)
+
+
+# Whether the current CUDA stream is capturing a graph: torch's own test without its
+# Python wrapper (the public one where a build lacks it).
+capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+# torch.cuda.Event.record(stream) without its Python wrapper, where torch has the C method.
+event_record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None) or torch.cuda.Event.record
+
+stream_objects: dict = {}  # (device index, stream id) -> torch.cuda.Stream
+stream_of = getattr(torch._C, "_cuda_getCurrentStream", None) or (
+    lambda index: (torch.cuda.current_stream(index).stream_id, index, 1))  # a torch without the C function
+
+
+def current_stream(index: int):
+    """torch.cuda.current_stream(index) without its device-index resolution and a new
+    Stream object per call (most of an event record's host time, profiled on an H100)."""
+    try:
+        sid, device, kind = torch._C._cuda_getCurrentStream(index)
+    except AttributeError:  # a torch without it: the public way
+        return torch.cuda.current_stream(index)
+    stream = stream_objects.get((device, sid))
+    if stream is None:
+        stream = stream_objects[(device, sid)] = torch.cuda.Stream(stream_id=sid, device_index=device,
+                                                                   device_type=kind)
+    return stream

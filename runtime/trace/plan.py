@@ -1,0 +1,51 @@
+"""The planned due call: what a due trace() call of one (name, layer) and tensor
+layout needs, worked out once (:func:`make`), so that api._fast can run it in one
+frame: one subscription whose tiles go through the fused kernel straight into the
+forwarder's ring (hub: process), launched through Triton's compiled launcher with the
+grid and arguments fused.py computed for the layout.
+
+It reads the ring from api.py, the one place the trace state lives; api hands itself
+over at import (``api`` below), so this module never imports it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ring import ALIGN
+
+api = None  # runtime/trace/api.py, set by it at import: the one place the trace state lives
+
+
+class Plan:
+    """api._fast runs it in one frame (and the launcher's) where the general path takes
+    ~12; ``stale``: the tensor's layout changed, plan again; ``failed``: its launch
+    raised, the general path from now on."""
+
+    __slots__ = ("sub", "layout", "device", "launch", "nbytes", "padded", "stale", "failed", "fused", "compress")
+
+    def __init__(self, sub, tensor: torch.Tensor, launch, fused, compress):
+        self.sub, self.launch, self.stale, self.failed = sub, launch, False, False
+        self.fused, self.compress = fused, compress  # the modules (their settings are read at each call)
+        self.device = tensor.get_device()
+        self.layout = (tensor.shape, tensor.dtype, self.device, tensor.data_ptr() & 15 == 0)
+        self.nbytes = 4 * launch.shape[0] * launch.shape[1] * launch.shape[2]  # float32 [splits, stats, cols]
+        self.padded = -(-self.nbytes // ALIGN) * ALIGN  # what a slice of it takes in the ring
+
+
+def make(routes: tuple, tensor) -> "Plan | bool | None":
+    """(after a general due call) A plan for this (name, layer), False where none can
+    apply (several subscriptions, another compressor, no ring the device writes to),
+    None where one may later (the kernel is not compiled yet)."""
+    ring = api._ring
+    fused_spec = getattr(routes[0].compressor, "fused", None)
+    if len(routes) != 1 or fused_spec is None or ring is None or not isinstance(tensor, torch.Tensor) \
+            or not tensor.is_cuda:
+        return False
+    if not (ring.direct and ring.pinned and ring.device_address is not None):
+        return None
+    from . import compress
+
+    fused = compress.fused_kernel()
+    launch = fused.planned(tensor, *fused_spec) if fused is not None else None
+    return None if launch is None else Plan(routes[0], tensor, launch, fused, compress)
