@@ -509,6 +509,63 @@ def test_the_benchs_phase_breakdown_runs_on_cpu(capsys):
         assert label in out
 
 
+def _program_case():
+    """Sources over a parameter, a slot a gather fills, and strided q-like views of a
+    fused tensor: (manifest, sources, expected tensors, gather calls)."""
+    from source_patch.runtime.weight_sync import program
+
+    param = torch.arange(100, dtype=torch.float32)
+    fused = torch.arange(64, dtype=torch.float32).view(2, 4, 8) + 1000
+    slot, calls = torch.zeros(40), []
+
+    def gather():  # what a window gather does: new bytes in a kept slot
+        calls.append(len(calls))
+        slot.copy_(torch.arange(40, dtype=torch.float32) + 100 * len(calls))
+
+    ops = [("out", param, True), ("gather", gather), ("out", slot, False), ("out", fused[:, :2], True),
+           ("out", fused[:, 2], True)]
+    specs = [("p", (100,), torch.float32), ("s", (40,), torch.float32), ("q", (32,), torch.float32),
+             ("k", (16,), torch.float32)]
+    manifest = wt.plan(specs, 128, 0, True)  # 128-byte buckets: every tensor crosses bucket ends
+    return manifest, program.Sources(ops, [], (None, None)), calls, \
+        lambda: {"p": param, "s": slot, "q": fused[:, :2].reshape(-1), "k": fused[:, 2].reshape(-1)}
+
+
+def test_a_packed_program_copies_views_after_its_gathers_bitwise_and_drains_them_when_a_send_fails():
+    """program.py on CPU: a slot filled by a gather is read after it (in walk order,
+    also where its tensor crosses bucket ends: a carry), strided views are packed as
+    the engine's contiguous tensors, a second send with new values sends them (the
+    program is kept on the link), and a send the sender refuses still runs the push's
+    gathers, so a peer waiting in them does not hang."""
+    manifest, sources, calls, expected = _program_case()
+    for version in (1, 2):
+        tx = wt.LoopbackLink("cpu")
+        wt.send(tx, dataclasses.replace(manifest, version=version), sources)
+        got = dict(wt.receive(wt.LoopbackLink("cpu", replay=tx)).tensors)
+        assert set(got) == {"p", "s", "q", "k"} and all(torch.equal(got[n], t) for n, t in expected().items())
+        assert got["s"][0] == 100 * version  # this push's gather, not the last one's
+    assert calls == [0, 1]
+    huge = wt.plan([("p", (70000,), torch.float32)], 16, 3, True)  # more than 16,384 buckets: refused
+    with pytest.raises(wt.WeightSyncError, match="refused"):
+        wt.send(wt.LoopbackLink("cpu"), huge, type(sources)([("gather", lambda: calls.append("drained"))], [],
+                                                             (None, None)))
+    assert calls[-1] == "drained"
+
+
+def test_engine_views_hold_what_the_mapping_copies():
+    """names.to_hf_views: the same elements, in order, as to_hf, without copies."""
+    from source_patch.runtime.weight_sync import names
+
+    layout = names.Layout(num_attention_heads=4, num_query_groups=2, head_dim=8, gated=True)
+    fused = torch.randn(2 * (2 + 2) * 8, 16)
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    views = names.to_hf_views(name, fused, layout)
+    assert [n for n, _ in views] == [n for n, _ in names.to_hf(name, fused, layout)]
+    for (_, view), (_, copy) in zip(views, names.to_hf(name, fused, layout)):
+        assert view.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+        assert torch.equal(view.reshape(copy.shape), copy)
+
+
 @pytest.mark.parametrize("bucket", [[], ["--bucket-kib", "4"]])
 def test_the_push_bench_runs_a_real_megatron_model_on_cpu_and_checks_the_bytes(bucket):
     """bench/push_bench.py: push() from DDP's buffers over a loopback wire, bitwise
