@@ -53,8 +53,7 @@ from . import control, device, graphs, lifecycle, plan, publisher
 from .control import (close, configure, configure_from_settings, enabled, flush, names, public_config, reset,
                       state, url)
 from .device import (capturing as _capturing, current_stream as _current_stream, event_record as _event_record,
-                     stage as _device_stage, stage_failed as _compress_failed, stream_objects as _stream_objects,
-                     stream_of as _stream_of)
+                     stage as _device_stage, stage_failed as _compress_failed, stream_of as _stream_of)
 from .plan import Plan as _Plan, make as _make_plan
 from .publisher import Result as _Result
 
@@ -131,6 +130,9 @@ _stepping = False            # trace_step has been called: batches end
 _unsealed: list = []         # results in _pending waiting for their batch's event
 _tracer: int | None = None   # the thread that traced them (the one that may record it)
 _streams: dict = {}  # device index -> the publisher's copy stream (publisher.fetch)
+# device.current_stream's cache, read by _fast.  Assigned, not imported: CPython calls a
+# method of an imported name through a bound method (LOAD_ATTR), of any other through LOAD_METHOD.
+_stream_objects = device.stream_objects
 
 
 # ---------------------------------------------------------------- call-site API
