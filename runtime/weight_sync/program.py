@@ -63,13 +63,11 @@ class Program:
 
     def __init__(self, manifest: Manifest, sources: Sources, device: torch.device,
                  stream: Optional[torch.Tensor] = None):
-        from .sender import _slots
-
         self.manifest, self.source = manifest, sources
         self.key = (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
         self.tensors_json = manifest.tensors_to_json()
         self.tensors_digest = tensors_digest(self.tensors_json)
-        self.buffers = _slots(manifest, device, stream)
+        self.buffers = bucket_slots(manifest, device, stream)
         n = max(manifest.buckets, 1)
         self.sums = torch.zeros(n, dtype=torch.int64, device=device)
         self.carries: list = []  # kept whole copies of split tensors read from slots
@@ -179,6 +177,17 @@ class Program:
                 graph.capture_end()
         current.wait_stream(self.capture_stream)
         return graph
+
+
+def bucket_slots(manifest: Manifest, device: torch.device, stream: Optional[torch.Tensor]) -> list:
+    """Where bucket k is packed: ``slots[k % len(slots)]``, two reused buffers, or
+    with ``stream`` each bucket's own window of it."""
+    if stream is None:
+        size = min(manifest.bucket_bytes, manifest.total_bytes)
+        return [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2)]
+    if stream.dtype != torch.uint8 or stream.numel() < manifest.total_bytes:
+        raise WeightSyncError(f"the stream buffer holds {stream.numel()} bytes, the update {manifest.total_bytes}")
+    return [stream[slice(*manifest.window(k))] for k in range(manifest.buckets)] or [stream[:0]]
 
 
 PHASES = ("copy", "carry", "out")  # shard copies into staging, then whole copies of split tensors, then buckets

@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from .link import Link
-from .program import Program, Sources
+from .program import Program, Sources, bucket_slots as _slots
 from .wire import (CHECKSUM_MISMATCH, FORMAT, MAGIC, NEED_MANIFEST, OK, REJECTED, VERDICTS, Buffers,
                    ChecksumMismatch, Entry, Manifest, WeightSyncError, bucket_sum, first_line, layout_digest,
                    tensors_digest, too_many_buckets)
@@ -352,17 +352,6 @@ class _Spans:
         torch._foreach_copy_(dsts, [s if isinstance(s, torch.Tensor) else extra[s[0]][s[1]] for s in sources])
         start, end = self.manifest.window(k)
         return self.buffers[k % len(self.buffers)][: end - start]
-
-
-def _slots(manifest: Manifest, device: torch.device, stream: Optional[torch.Tensor]) -> list:
-    """Where bucket k is packed: ``slots[k % len(slots)]``, two reused buffers, or
-    with ``stream`` each bucket's own window of it."""
-    if stream is None:
-        size = min(manifest.bucket_bytes, manifest.total_bytes)
-        return [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2)]
-    if stream.dtype != torch.uint8 or stream.numel() < manifest.total_bytes:
-        raise WeightSyncError(f"the stream buffer holds {stream.numel()} bytes, the update {manifest.total_bytes}")
-    return [stream[slice(*manifest.window(k))] for k in range(manifest.buckets)] or [stream[:0]]
 
 
 class _Sender:
