@@ -11,7 +11,9 @@ WebSocket clients while a model trains or serves.
     graphs.py     trace() under CUDA graphs: staged at capture, offered after every replay
     compress.py   compressors: a device stage (torch, no sync) and a host stage (numpy)
     frame.py      the binary frame format and multi-frame messages
+    fused.py      the fused Triton tiles kernel (compress.py's tiles on a GPU)
     hub.py        the WebSocket hub (127.0.0.1 + token, per-client bounded queues)
+    forwarder.py  the hub in a process of its own; ring.py: the page-locked ring it reads
     client.py     Python client and the record/summary/show CLI
     view/         the browser page the hub serves
 """
