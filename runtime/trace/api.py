@@ -32,7 +32,8 @@ Design (see docs/trace.md):
 This module holds the call sites, the hot path and all the state the parts share:
 the control API (control.py, re-exported here), the hub lifecycle (lifecycle.py), the
 publisher thread (publisher.py), the device stage (device.py) and the planned due call
-(plan.py) read and write that state here.
+(plan.py) read and write that state here.  Why ~500 lines: what the hot path reads must
+be this module's globals (no attribute lookup on a call site's path).
 """
 
 from __future__ import annotations
