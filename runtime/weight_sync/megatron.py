@@ -170,11 +170,7 @@ class MegatronParams:
         without joining shards (no one reads them here)."""
         self.check_windows()
         current = {False: None, True: None}
-        for name, param in self.params:
-            expert = _expert(name) is not None
-            if not (self.in_expert if expert else self.in_dense):
-                continue
-            windows, _ = self._windows[expert] or (None, None)
+        for name, param, expert, windows, _ in self._walk():
             if windows is not None and id(param) in windows.where:
                 index = windows.where[id(param)][0]
                 if current[expert] != index:
@@ -204,12 +200,8 @@ class MegatronParams:
         from .program import Slots
 
         ops, current, slots = [], {False: None, True: None}, {}
-        for name, param in self.params:
-            expert = _expert(name) is not None
-            if not (self.in_expert if expert else self.in_dense):
-                continue
+        for name, param, expert, windows, mode in self._walk():
             names = self._global_names(name, expert)
-            windows, mode = self._windows[expert] or (None, None)
             if windows is None or id(param) not in windows.where:
                 if len(names) > 1 or ((self.etp if expert else self.tp)[1] > 1
                                       and getattr(param, "tensor_model_parallel", False)):
@@ -265,13 +257,17 @@ class MegatronParams:
             at += piece.shape[dim]
         return pairs
 
-    def _full_tensors(self):
+    def _walk(self):
+        """(name, param, expert, windows, mode) of each parameter this push sends, in
+        order; ``windows`` / ``mode``: its kind's buffer windows (None without)."""
         for name, param in self.params:
             expert = _expert(name) is not None
-            if not (self.in_expert if expert else self.in_dense):
-                continue
+            if self.in_expert if expert else self.in_dense:
+                yield (name, param, expert, *(self._windows[expert] or (None, None)))
+
+    def _full_tensors(self):
+        for name, param, expert, windows, mode in self._walk():
             names = self._global_names(name, expert)
-            windows, mode = self._windows[expert] or (None, None)
             if windows is not None and id(param) in windows.where:
                 parts = windows.parts(param)
                 if mode == "shards":  # tensor-parallel shards of one parameter
