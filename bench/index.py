@@ -10,7 +10,7 @@ helpers (``HELPERS``): ``stats.py`` (bootstrap intervals, ratios, and the
 the Megatron example as a timed subprocess), ``gc_probe.py`` (the collector's and a due
 call's time), ``overhead_probe.py`` (a training process's peak memory, CPU and
 capability counters), ``machine_probe.py`` (fresh memory, disk, pinned allocation),
-``import_table.py`` (import_bench.py's table), ``weight_sync_phases.py`` (weight_sync_bench.py's --phases).  ``upstream_tests.py`` (with its pytest plugin ``upstream_adapt.py``) is a
+``import_table.py`` (import_bench.py's table), ``weight_sync_phases.py`` (weight_sync_bench.py's --phases), ``push_engine.py`` (push_bench.py's --engine).  ``upstream_tests.py`` (with its pytest plugin ``upstream_adapt.py``) is a
 test harness, not a bench: docs/upstream_tests.md.
 """
 
@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 
 HELPERS = ("index.py", "stats.py", "training.py", "gc_probe.py", "upstream_tests.py", "upstream_adapt.py",
-           "overhead_probe.py", "machine_probe.py", "import_table.py", "weight_sync_phases.py")
+           "overhead_probe.py", "machine_probe.py", "import_table.py", "weight_sync_phases.py", "push_engine.py")
 
 
 class Bench(NamedTuple):
