@@ -177,3 +177,23 @@ def test_verify_passes_give_exactly_the_accepted_tokens_rows(sglang_topk, sglang
     assert rec.seq_lens == [7] and rec.extra["start_pos"] == 0
     for layer in (0, 1):
         assert torch.equal(rec.indices[layer].long(), torch.cat(want[layer]).long())
+
+
+def test_dumps_tag_a_draft_models_forward_as_draft(dumper, sglang_cpu):
+    """dump_sglang_forward (patches/dump.yaml's model-forward entry) with a draft
+    forward and then a target verify pass: the first's records say "draft", never a
+    target mode; the second's say the mode SGLang runs it in."""
+    from source_patch.runtime.dump import reader
+    from source_patch.runtime.dump import sglang as dump_sglang
+
+    model = torch.nn.Linear(2, 2)
+    for fb in (_forward_batch("DECODE", ["a"], [4], [3], _draft_input()),
+               _forward_batch("TARGET_VERIFY", ["a"], [4], [3, 4, 5], _verify_input(3))):
+        dump_sglang.dump_sglang_forward(model, fb.input_ids, fb.input_ids, fb)
+        dump_sglang.dump_sglang_forward_end()
+    dumper.flush(10)
+    modes = {(r.name, r.step): r.tags.get("forward_mode") for r in reader.load(dumper.state()["exp_dir"])}
+    assert dumper.state()["errors"] == 0
+    first, second = sorted({step for _, step in modes})
+    assert {mode for (_, step), mode in modes.items() if step == first} == {"draft"}
+    assert {mode for (_, step), mode in modes.items() if step == second} == {"target_verify"}
