@@ -56,20 +56,41 @@ class Sources:
             self.gathers[self.done - 1]()
 
 
-class Program:
+def _layout_key(manifest: Manifest) -> tuple:
+    return manifest.bucket_bytes, manifest.total_bytes, manifest.entries
+
+
+class Packed:
+    """What every way of packing an update's buckets keeps while its layout holds
+    (sender._Packing, sender._Spans, Program): the manifest's tensor list as JSON and
+    its digest, a checksum slot per bucket, and what it packs from (``source``)."""
+
+    def __init__(self, manifest: Manifest, source, device: torch.device):
+        self.manifest, self.source = manifest, source
+        self.key = _layout_key(manifest)
+        self.tensors_json = manifest.tensors_to_json()
+        self.tensors_digest = tensors_digest(self.tensors_json)
+        self.sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=device)
+
+    def matches(self, manifest: Manifest, source=None) -> bool:
+        """Whether it packs this update (same layout, same source) as it stands."""
+        return self.source is source and self.key == _layout_key(manifest)
+
+    def replay_copies(self, on: bool) -> None:
+        """The replay_packing setting, per send: may its copies replay as CUDA graphs
+        (a packing without copies to replay ignores it)."""
+
+
+class Program(Packed):
     """``Sources`` bound to the bucket buffers (``stream``: the ipc export, each bucket
     in its own window of it; else two reused buffers).  The sender drives it like
     sender._Packing: ``batches`` then ``pack(k, _)`` per bucket."""
 
     def __init__(self, manifest: Manifest, sources: Sources, device: torch.device,
                  stream: Optional[torch.Tensor] = None):
-        self.manifest, self.source = manifest, sources
-        self.key = (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
-        self.tensors_json = manifest.tensors_to_json()
-        self.tensors_digest = tensors_digest(self.tensors_json)
+        super().__init__(manifest, sources, device)
         self.buffers = bucket_slots(manifest, device, stream)
         n = max(manifest.buckets, 1)
-        self.sums = torch.zeros(n, dtype=torch.int64, device=device)
         self.carries: list = []  # kept whole copies of split tensors read from slots
         steps: list = [[] for _ in range(n)]  # per bucket: ("gather", call) | (phase, dst, src)
         pending: list = []
@@ -123,9 +144,8 @@ class Program:
                              flat[lo - e.offset: hi - e.offset]))
             lo = hi
 
-    def matches(self, manifest: Manifest, sources: Sources) -> bool:
-        return self.source is sources and self.key == (manifest.bucket_bytes, manifest.total_bytes,
-                                                       manifest.entries)
+    def replay_copies(self, on: bool) -> None:
+        self.enabled = on
 
     def batches(self, _tensors=None) -> Iterator[tuple[int, None]]:
         """Every bucket, in order (the sources are the program's own)."""

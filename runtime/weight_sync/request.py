@@ -57,12 +57,8 @@ class RequestSender:
         if refusal:
             raise WeightSyncError(f"update v{manifest.version} refused: {refusal}")
         packing = self._packing(manifest, tensors, self._stream_device(tensors))
-        if hasattr(packing, "replays"):
-            packing.replays.enabled = replay_packing
-        elif isinstance(packing, program.Program):
-            packing.enabled = replay_packing
-        device = self.memory.tensor.device
-        sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=device)
+        packing.replay_copies(replay_packing)
+        sums = packing.sums  # kept with the packing: bucket_sum overwrites each bucket's
         with torch.no_grad():
             for k, sources in packing.batches(source):
                 if k >= manifest.buckets:  # an update of 0 bytes has tensors but no bucket

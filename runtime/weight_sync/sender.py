@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 
 from .link import Link
-from .program import Program, Sources, bucket_slots as _slots
+from .program import Packed, Program, Sources, bucket_slots as _slots
 from .wire import (CHECKSUM_MISMATCH, FORMAT, MAGIC, NEED_MANIFEST, OK, REJECTED, VERDICTS, Buffers,
                    ChecksumMismatch, Entry, Manifest, WeightSyncError, bucket_sum, first_line, layout_digest,
                    tensors_digest, too_many_buckets)
@@ -85,7 +85,7 @@ def _indexed(device: torch.device) -> torch.device:
     return device
 
 
-class _Packing:
+class _Packing(Packed):
     """Where each tensor goes in the two bucket buffers, computed once per layout and
     kept on the link: packing bucket k is then one ``_foreach_copy_`` per dtype from
     its tensors into cached views, with no per-tensor view work in the hot loop; on a
@@ -99,12 +99,8 @@ class _Packing:
     memory) in which every bucket has its own window, instead of two reused buffers."""
 
     def __init__(self, manifest: Manifest, device: torch.device, stream: Optional[torch.Tensor] = None):
-        self.manifest = manifest
-        self.key = (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
-        self.tensors_json = manifest.tensors_to_json()
-        self.tensors_digest = tensors_digest(self.tensors_json)
+        super().__init__(manifest, None, device)
         self.buffers = _slots(manifest, device, stream)
-        self.sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=device)
         n = max(manifest.buckets, 1)
         self.new = [[] for _ in range(n)]      # entries that start in bucket k: its batch, in order
         self.shapes = [[] for _ in range(n)]   # their planned shapes and dtypes, to check the batch against
@@ -135,8 +131,8 @@ class _Packing:
         self.groups = [_by_dtype(c) for c in copies]
         self.replays = _Replays(n, device)
 
-    def matches(self, manifest: Manifest) -> bool:
-        return self.key == (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
+    def replay_copies(self, on: bool) -> None:
+        self.replays.enabled = on
 
     def batches(self, tensors: Iterator[torch.Tensor]) -> Iterator[tuple[int, list]]:
         """Per bucket k: take the tensors that start in it from ``tensors`` (manifest
@@ -280,19 +276,15 @@ def _sources(recipe: list, batch: list, held: dict) -> list:
     return sources
 
 
-class _Spans:
+class _Spans(Packed):
     """``_Packing`` for ``Buffers``: bucket k is a slice of the one buffer that holds
     its window (no copy, no per-tensor work), or its pieces (of buffers, of the extra
     tensors) copied into one of two bucket buffers with one ``_foreach_copy_``
     (``stream``: every bucket copied into its window of it, as for _Packing)."""
 
     def __init__(self, manifest: Manifest, buffers: Buffers, stream: Optional[torch.Tensor] = None):
-        self.manifest, self.source = manifest, buffers
-        self.key = (manifest.bucket_bytes, manifest.total_bytes, manifest.entries)
-        self.tensors_json = manifest.tensors_to_json()
-        self.tensors_digest = tensors_digest(self.tensors_json)
+        super().__init__(manifest, buffers, buffers.device)
         n = manifest.buckets
-        self.sums = torch.zeros(max(n, 1), dtype=torch.int64, device=buffers.device)
         sizes = [manifest.window(k)[1] - manifest.window(k)[0] for k in range(n)]
         pieces = [(base, view.numel(), view) for base, view in buffers.pieces] + \
             [(base, e.nbytes, i) for i, (base, e) in enumerate(buffers.extra)]  # i: the i-th extra tensor
@@ -318,10 +310,6 @@ class _Spans:
         # The first bucket that packs an extra tensor (they lie after the buffers).
         self.first_extra = next((k for k, parts in enumerate(self.parts) if parts is not None and any(
             not isinstance(s, torch.Tensor) for s in parts[1])), n)
-
-    def matches(self, manifest: Manifest, buffers: Buffers) -> bool:
-        return self.source is buffers and self.key == (manifest.bucket_bytes, manifest.total_bytes,
-                                                       manifest.entries)
 
     def batches(self, extra: Iterator[torch.Tensor]) -> Iterator[tuple[int, list]]:
         """Every bucket with the extra tensors as bytes (checked against the plan),
@@ -368,7 +356,7 @@ class _Sender:
             if packing is None or not packing.matches(manifest, sources):
                 link.program = None  # free the old buffers first
                 packing = link.program = Program(manifest, sources, link.device)
-            packing.enabled = replay_packing
+            packing.replay_copies(replay_packing)
         elif buffers is not None:
             packing = link.spans
             if packing is None or not packing.matches(manifest, buffers):
@@ -379,7 +367,7 @@ class _Sender:
             if packing is None or not packing.matches(manifest):
                 link.packing = None  # free the old buffers first
                 packing = link.packing = _Packing(manifest, link.device)
-            packing.replays.enabled = replay_packing
+            packing.replay_copies(replay_packing)
         self.packing = packing
         self.in_flight: list = [None, None]   # data work per buffer
         self.works: list = []
