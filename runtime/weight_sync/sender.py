@@ -342,6 +342,16 @@ class _Spans(Packed):
         return self.buffers[k % len(self.buffers)][: end - start]
 
 
+def _kept(link: Link, slot: str, manifest: Manifest, source, make) -> Packed:
+    """The packing the link keeps in ``slot`` while it matches this update, else ``make()``'s."""
+    packing = getattr(link, slot)
+    if packing is None or not packing.matches(manifest, source):
+        setattr(link, slot, None)  # free the old buffers first
+        packing = make()
+        setattr(link, slot, packing)
+    return packing
+
+
 class _Sender:
     def __init__(self, link: Link, manifest: Manifest, buffers: Optional[Buffers] = None,
                  replay_packing: bool = True, sources: Optional[Sources] = None):
@@ -352,21 +362,12 @@ class _Sender:
         if self.refusal:
             packing = None
         elif sources is not None:
-            packing = link.program
-            if packing is None or not packing.matches(manifest, sources):
-                link.program = None  # free the old buffers first
-                packing = link.program = Program(manifest, sources, link.device)
-            packing.replay_copies(replay_packing)
+            packing = _kept(link, "program", manifest, sources, lambda: Program(manifest, sources, link.device))
         elif buffers is not None:
-            packing = link.spans
-            if packing is None or not packing.matches(manifest, buffers):
-                link.spans = None
-                packing = link.spans = _Spans(manifest, buffers)
+            packing = _kept(link, "spans", manifest, buffers, lambda: _Spans(manifest, buffers))
         else:
-            packing = link.packing
-            if packing is None or not packing.matches(manifest):
-                link.packing = None  # free the old buffers first
-                packing = link.packing = _Packing(manifest, link.device)
+            packing = _kept(link, "packing", manifest, None, lambda: _Packing(manifest, link.device))
+        if packing is not None:
             packing.replay_copies(replay_packing)
         self.packing = packing
         self.in_flight: list = [None, None]   # data work per buffer
