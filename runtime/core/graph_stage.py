@@ -215,6 +215,21 @@ def use(name: str, on_unstaged=None, on: bool = True) -> None:
         _users.pop(name, None)
 
 
+def reported_once(activity: str, fail):
+    """An ``on_unstaged`` for :func:`use` (dump, trace): each graph built while
+    ``activity`` ("dumping") was off is reported once, through ``fail(where, exc)``."""
+    seen: set = set()
+
+    def report(name: str, runner) -> None:
+        what = describe(runner)
+        if what not in seen:
+            seen.add(what)
+            fail(f"{name} under CUDA graphs", GraphStageError(
+                f"{what}: its CUDA graph was built while {activity} was off, so its replays {name} nothing "
+                f"(turn {activity} on before the graphs are built: Megatron builds them after the first step)"))
+    return report
+
+
 def warming_up() -> bool:
     """Whether a Megatron graph is being built and this is one of its eager warm-up
     passes (their inputs are zeros and their results thrown away: not a forward to record)."""

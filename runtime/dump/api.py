@@ -267,18 +267,8 @@ def _drained(key: tuple, tensor: torch.Tensor, *, cuda_graph: bool, replay: int,
     _record(name, tensor, {**tags, **drain_tags, "cuda_graph": cuda_graph}, leaf)
 
 
-def _unstaged(capability: str, runner) -> None:
-    """A Megatron graph built while dumping was off is replayed: its call sites are not
-    dumped (said once per graph)."""
-    what = graph_stage.describe(runner)
-    if what not in _unstaged_seen:
-        _unstaged_seen.add(what)
-        _counters.fail("dump under CUDA graphs", graph_stage.GraphStageError(
-            f"{what}: its CUDA graph was built while dumping was off, so its replays dump nothing "
-            "(turn dumping on before the graphs are built: Megatron builds them after the first step)"))
-
-
-_unstaged_seen: set = set()
+# a Megatron graph built while dumping was off is replayed: its call sites are not dumped
+_unstaged = graph_stage.reported_once("dumping", lambda where, exc: _counters.fail(where, exc))
 
 
 def _leaves(name: str, value: Any, depth: int):

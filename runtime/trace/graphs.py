@@ -42,15 +42,5 @@ def _drained(key: tuple, tensor: torch.Tensor, *, cuda_graph: bool, replay: int,
     _offer(key[0], tensor, **{**tags, **drain_tags, "cuda_graph": cuda_graph})
 
 
-_unstaged_seen: set = set()
-
-
-def _unstaged(capability: str, runner) -> None:
-    """A Megatron graph built while tracing was off is replayed: its call sites are not
-    traced (said once per graph)."""
-    what = graph_stage.describe(runner)
-    if what not in _unstaged_seen:
-        _unstaged_seen.add(what)
-        _fail("trace under CUDA graphs", graph_stage.GraphStageError(
-            f"{what}: its CUDA graph was built while tracing was off, so its replays trace nothing "
-            "(turn tracing on before the graphs are built: Megatron builds them after the first step)"))
+# a Megatron graph built while tracing was off is replayed: its call sites are not traced
+_unstaged = graph_stage.reported_once("tracing", lambda where, exc: _fail(where, exc))
