@@ -25,7 +25,7 @@ _lock = threading.Lock()
 # (step, microbatch) -> {layer: (indices _Pending, probs _Pending or None, None)}
 _pending: dict = {}
 _meta: dict = {}     # (step, microbatch) -> {"batch", "num_experts", "sp", "cuda_graph"}
-_saved_index: list = []
+_saved: dict = {}   # (step, microbatch) -> its index.json entry, for every record written
 _index_written = 0.0  # time.monotonic() of the last index.json write
 _index_every = 1.0    # seconds until the background writer rewrites it again (see _write_index)
 _index_dirty = False  # records on disk the index does not list yet (flush() and close() write it)
@@ -142,6 +142,12 @@ def save(root, steps=None, index: bool = True) -> list:
     """Write pending records (of ``steps``, default all) under ``<root>/rank-<r>/`` and update
     ``index.json`` (``index=False``: later, by flush() or close()); returns the index
     entries written so far by this process."""
+    _save(root, steps, index)
+    with _lock:
+        return _index_entries()
+
+
+def _save(root, steps, index: bool) -> None:
     global _index_dirty
     if not root:
         raise RoutingReplayError("routing save: no directory (set routing dir or pass dir=)")
@@ -155,17 +161,19 @@ def save(root, steps=None, index: bool = True) -> list:
             name = record_name(key)
             rec.save(folder / name)
             _recycle(_pending[key])
-            _saved_index[:] = [e for e in _saved_index if (e["step"], e["microbatch"]) != key]
-            _saved_index.append({"step": key[0], "microbatch": key[1], "file": name, "layers": rec.layers,
-                                 "tokens": rec.num_tokens, "num_experts": rec.num_experts, "topk": rec.topk})
+            _saved[key] = {"step": key[0], "microbatch": key[1], "file": name, "layers": rec.layers,
+                           "tokens": rec.num_tokens, "num_experts": rec.num_experts, "topk": rec.topk}
             del _pending[key]
             _meta.pop(key, None)
-        _saved_index.sort(key=lambda e: (e["step"], e["microbatch"]))
         _index_dirty = True
         _index_folder[0] = folder
         if index:
             _write_index(folder, rank)
-    return list(_saved_index)
+
+
+def _index_entries() -> list:
+    """(caller holds _lock) The index's entries, sorted by (step, microbatch)."""
+    return [_saved[key] for key in sorted(_saved)]
 
 
 def _write_index(folder, rank: int) -> None:
@@ -175,7 +183,7 @@ def _write_index(folder, rank: int) -> None:
     260 ms at 10,000 (CPU, 2026-11-26)."""
     global _index_written, _index_dirty, _index_every
     start = time.monotonic()
-    write_index(folder, rank, _saved_index)
+    write_index(folder, rank, _index_entries())
     _index_written, _index_dirty = time.monotonic(), False
     _index_every = max(1.0, 50 * (_index_written - start))
 
@@ -201,7 +209,7 @@ def _save_reporting(root, steps) -> None:
     global _last_error
     try:
         # the index is rewritten whole, so not at every step (flush() and close() write it too)
-        save(root, steps=steps, index=time.monotonic() - _index_written >= _index_every)
+        _save(root, steps, index=time.monotonic() - _index_written >= _index_every)
     except Exception as exc:  # noqa: BLE001 - never raise into training
         _last_error = f"saving step(s) {sorted(steps)}: {type(exc).__name__}: {exc}"
         print(f"source-patch routing: could not save captured routes of step(s) {sorted(steps)}: {exc}",
@@ -237,7 +245,7 @@ def close(root) -> bool:
 def reset() -> None:
     """Forget what was captured and saved (the index's timing and folder are kept)."""
     global _last_error
-    _pending.clear(); _meta.clear(); _saved_index.clear(); _host_pool.clear()
+    _pending.clear(); _meta.clear(); _saved.clear(); _host_pool.clear()
     _last_error = None
 
 
@@ -246,7 +254,7 @@ def pending_keys() -> list:
 
 
 def saved_count() -> int:
-    return len(_saved_index)
+    return len(_saved)
 
 
 def last_error() -> str | None:
