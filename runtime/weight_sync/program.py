@@ -216,9 +216,8 @@ PHASES = ("copy", "carry", "out")  # shard copies into staging, then whole copie
 def _runs(ops: list) -> list:
     """A bucket's operations as runs between its gathers: [call | run], a run being
     its copies in three phases (each phase's destinations and sources by dtype and
-    contiguity): the
-    joins' shard copies, then the carries (which may read them), then the bucket
-    copies (which read both).  A fused copy orders nothing among its tensors, so a
+    contiguity): the joins' shard copies, then the carries (which may read them), then
+    the bucket copies (which read both).  A fused copy orders nothing among its tensors, so a
     copy never shares a call with one that writes its source."""
     runs: list = []
     for op in ops:
