@@ -19,6 +19,8 @@ _EXPORTS = {
     "dump_sglang_forward": "dump.sglang",
     "dump_sglang_forward_end": "dump.sglang",
     "dump_sglang_control": "dump.sglang",
+    "dump_sglang_replay": "dump.sglang",
+    "dump_sglang_graph_build": "dump.sglang",
     "features_forward": "features.capture",
     "features_layer": "features.capture",
     "features_final": "features.capture",
@@ -38,9 +40,13 @@ _EXPORTS = {
     "graph_captured": "core.graph_stage",
     "graph_replay": "core.graph_stage",
     "graph_replayed": "core.graph_stage",
+    "sglang_graph_built": "core.sglang_graphs",
+    "sglang_graph_replay": "core.sglang_graphs",
+    "sglang_graph_replayed": "core.sglang_graphs",
     "routing_sglang_topk": "routing.sglang",
     "routing_sglang_batch": "routing.sglang",
     "routing_sglang_release": "routing.sglang",
+    "routing_sglang_graph_build": "routing.sglang",
     "weight_sync_attach": "weight_sync.sync",
     "weight_sync_step": "weight_sync.sync",
     "weight_sync_receive": "weight_sync.sync",
@@ -50,6 +56,7 @@ _EXPORTS = {
     "trace": "trace.api",
     "trace_step": "trace.api",
     "trace_state": "trace.api",
+    "trace_sglang_graph_build": "trace.api",
 }
 
 # Names earlier specs called, which user specs and cached code may still call.

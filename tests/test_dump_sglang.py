@@ -14,7 +14,7 @@ from sglang_reference import request_records, wait_for
 
 def test_spec_checks_without_importing_sglang(check_sglang_spec):
     out = check_sglang_spec("dump")
-    assert out.count("ok   sglang.srt.") == 3 and "dumper-control: at entry" in out
+    assert out.count("ok   sglang.srt.") == 4 and "dumper-control: at entry" in out  # models x2, scheduler, decode graph runner
 
 
 def test_records_go_to_the_folder_the_rank_dir_setting_names(dumper):

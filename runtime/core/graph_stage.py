@@ -89,22 +89,29 @@ def stage(sink, key, tensor: torch.Tensor, **meta) -> bool:
     True (the call site must not write it itself); otherwise False."""
     if not tensor.is_cuda or not torch.cuda.is_current_stream_capturing():
         return False
+    _capturing_stage(key, "its rows could never be drained after a replay").put(sink, key, tensor, **meta)
+    return True
+
+
+def _capturing_stage(key, why: str) -> "GraphStage":
+    """The stage a call site under capture writes to: this thread's, or that of the graph
+    being built (an SGLang graph's capture begins inside its backend: the first call site
+    under it begins the stage)."""
     active = getattr(_local, "stage", None)
     if active is None:
-        raise GraphStageError(f"a call site ({key!r}) ran under CUDA graph capture outside GraphStage.capture(): "
-                              "its rows could never be drained after a replay")
-    active.put(sink, key, tensor, **meta)
-    return True
+        active = getattr(_local, "building", None)
+        if active is None:
+            raise GraphStageError(f"a call site ({key!r}) ran under CUDA graph capture outside "
+                                  f"GraphStage.capture(): {why}")
+        active.begin()
+    return active
 
 
 def feed(fill, key, like: torch.Tensor, **meta) -> torch.Tensor:
     """For a call site that gives the graph a tensor (routing replay's ids): under capture,
     a static buffer shaped like ``like`` that the graph reads, refilled before every
     replay by ``fill(key, buffer, replay=N, **meta, **tags)``; the call site returns it."""
-    active = getattr(_local, "stage", None)
-    if active is None:
-        raise GraphStageError(f"a call site ({key!r}) fed a CUDA graph being captured outside GraphStage.capture(): "
-                              "its replays would read the capture's values forever")
+    active = _capturing_stage(key, "its replays would read the capture's values forever")
     # allocation only: any kernel here (a clone of ``like``) would be part of the graph and
     # overwrite every fill with the live values at each replay
     buffer = torch.empty_like(like)
@@ -201,14 +208,15 @@ class GraphStage:
 # patches/dump.yaml and patches/trace.yaml carry the same hooks, so that each spec works
 # alone: with several active each hook runs once per spec, and the repeats do nothing.
 
-_users: dict = {}  # capability name -> on_unstaged(name, runner): a graph built while it was off
+_users: dict = {}  # capability name -> on_unstaged(name, what): a graph built while it was off
 _stages = None  # weakref.WeakKeyDictionary: _CudaGraphRunner -> GraphStage (made on first use)
 
 
 def use(name: str, on_unstaged=None, on: bool = True) -> None:
     """Register (``on``) or drop capability ``name`` as a user of graph staging.
-    ``on_unstaged(name, runner)`` is called at each replay of a graph built while this
-    capability was not registered: its call sites in that graph were never staged or fed."""
+    ``on_unstaged(name, what)`` is called at each replay of a graph built while this
+    capability was not registered (``what``: that graph, in words): its call sites in that
+    graph were never staged or fed."""
     if on:
         _users[name] = on_unstaged
     else:
@@ -220,20 +228,27 @@ def reported_once(activity: str, fail):
     ``activity`` ("dumping") was off is reported once, through ``fail(where, exc)``."""
     seen: set = set()
 
-    def report(name: str, runner) -> None:
-        what = describe(runner)
+    def report(name: str, what: str) -> None:
         if what not in seen:
             seen.add(what)
             fail(f"{name} under CUDA graphs", GraphStageError(
                 f"{what}: its CUDA graph was built while {activity} was off, so its replays {name} nothing "
-                f"(turn {activity} on before the graphs are built: Megatron builds them after the first step)"))
+                f"(turn {activity} on before the graphs are built: Megatron builds them after the first step, "
+                "SGLang at start-up)"))
     return report
 
 
 def warming_up() -> bool:
-    """Whether a Megatron graph is being built and this is one of its eager warm-up
-    passes (their inputs are zeros and their results thrown away: not a forward to record)."""
-    return getattr(_local, "building", None) is not None and getattr(_local, "stage", None) is None
+    """Whether a graph is being built (Megatron's, SGLang's) and this is one of its eager
+    warm-up passes (their inputs are placeholders and their results thrown away: not a
+    forward to record)."""
+    return getattr(_local, "building", None) is not None and getattr(_local, "stage", None) is None \
+        and not capturing()
+
+
+def building() -> bool:
+    """Whether this thread is building a graph: its warm-up passes or its capture."""
+    return getattr(_local, "building", None) is not None
 
 
 def graph_build(runner) -> None:
@@ -280,29 +295,36 @@ def graph_captured(runner) -> None:
 def graph_replay(runner) -> None:
     """Before ``runner.fwd_graph.replay()``: refill what the graph reads.  A capability
     registered now but not when the graph was built hears of it (``on_unstaged``)."""
-    if not _users:
-        return
-    stage = _stages.get(runner) if _stages is not None else None
-    if stage is not None and stage.hooked:
-        return  # another spec's copy of this hook ran first
-    for name, on_unstaged in list(_users.items()):
-        if on_unstaged is not None and (stage is None or name not in stage.users):
-            on_unstaged(name, runner)
-    if stage is not None:
-        stage.before_replay()
-        stage.hooked = True
+    if _users:
+        before_replay(_stages.get(runner) if _stages is not None else None, lambda: describe(runner))
 
 
 def graph_replayed(runner) -> None:
     """After the replay (its outputs ready on the current stream): drain the staged rows
     into their writers, tagged ``cuda_graph=True`` (Megatron's training graphs have no
     padding rows)."""
-    if not _users or _stages is None:
-        return
-    stage = _stages.get(runner)
+    if _users and _stages is not None:
+        after_replay(_stages.get(runner))
+
+
+def before_replay(stage: "GraphStage | None", what) -> None:
+    """A replay hook's first half, for any framework's runner (``stage``: its graph's, or
+    None when built with no user registered; ``what()``: that graph in words)."""
+    if stage is not None and stage.hooked:
+        return  # another spec's copy of this hook ran first
+    for name, on_unstaged in list(_users.items()):
+        if on_unstaged is not None and (stage is None or name not in stage.users):
+            on_unstaged(name, what())
+    if stage is not None:
+        stage.before_replay()
+        stage.hooked = True
+
+
+def after_replay(stage: "GraphStage | None", rows: int | None = None, **tags) -> None:
+    """A replay hook's second half: drain the first ``rows`` rows (the rest: padding)."""
     if stage is None or not stage.hooked:
-        return
+        return  # another spec's copy of this hook drained it already
     stage.hooked = False
     stage.after_replay()
     if stage.undrained:
-        stage.drain()
+        stage.drain(rows, **tags)

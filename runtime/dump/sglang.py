@@ -4,11 +4,14 @@ Call sites::
 
     __sp__.dump_sglang_forward(self, input_ids, positions, forward_batch)   # model forward entry
     __sp__.dump_sglang_forward_end()                                      # after the logits
+    __sp__.dump_sglang_replay(self, forward_batch)                        # decode graph replay
     if __sp__.dump_sglang_control(self, recv_req): return                 # Scheduler.handle_dumper_control
 
 Each forward pass of the model is one dump ``step`` (counted per process), tagged
-``phase=inference``, ``forward_mode`` (extend | decode | ...) and ``cuda_graph=false``
-(a CUDA-graph replay runs no Python: nothing is dumped for it, never stale data).
+``phase=inference``, ``forward_mode`` (extend | decode | ...) and ``cuda_graph``: a
+decode CUDA graph's replay runs no Python, so its start is recorded by
+:func:`dump_sglang_replay` and its layers' tensors, staged in the graph at capture,
+come from the drain after it (core/sglang_graphs.py), the real tokens' rows only.
 Per pass it records ``input_ids``, ``positions`` and ``row_request`` (for every row,
 the index of its request in the ``rids`` tag), so any dumped row maps back to a
 (request, token position).  Once per process it writes ``model.json`` (class,
@@ -25,11 +28,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-from ..core import ranks
+from ..core import graph_stage, ranks, sglang_graphs
 from ..core.sglang_batch import DRAFT, BatchRows, batch_rows
 from . import api, server
 
@@ -41,9 +43,12 @@ SGLANG_NAMES = {"enable": "enable", "dir": "dir", "exp_name": "exp_name"}
 UNSUPPORTED = {"filter": "a Python expression SGLang evaluates; use names/layers/steps/ranks/phases"}
 
 
-def dump_sglang_forward(model, input_ids, positions, forward_batch) -> None:
-    """Start of one forward pass: step, ambient tags, the row map, the model summary."""
+def dump_sglang_forward(model, input_ids, positions, forward_batch, cuda_graph: bool = False) -> None:
+    """Start of one forward pass: step, ambient tags, the row map, the model summary.
+    ``cuda_graph``: a decode graph's replay is starting (:func:`dump_sglang_replay`)."""
     global _forward_pass
+    if graph_stage.busy and graph_stage.building():
+        return  # a decode graph's warm-up or capture: placeholders, not a forward (its replays are)
     step, _forward_pass = _forward_pass, _forward_pass + 1
     if not api._enabled:
         return
@@ -51,7 +56,7 @@ def dump_sglang_forward(model, input_ids, positions, forward_batch) -> None:
         api.dump_step(step=step)
         rows = batch_rows(forward_batch)  # a draft model's forward (speculative decoding) is tagged "draft"
         mode = rows.mode if isinstance(rows, BatchRows) else "draft" if rows is DRAFT else _mode_name(forward_batch)
-        api.dump_context(forward_mode=mode, cuda_graph=False)
+        api.dump_context(forward_mode=mode, cuda_graph=cuda_graph)
         _write_summary(model)
         api.dump("input_ids", input_ids)
         api.dump("positions", positions)
@@ -61,6 +66,22 @@ def dump_sglang_forward(model, input_ids, positions, forward_batch) -> None:
             api.dump("row_request", index, rids=[str(r) for r in rows.rids], rows_per_request=rows.lens)
     except Exception as exc:  # noqa: BLE001 - a dump must never break serving
         api._counters.fail("dump_sglang_forward", exc)
+
+
+def dump_sglang_graph_build(runner, key) -> None:
+    """Before a decode graph's capture (``capture_one_shape``): with dumping on (this
+    module's import has read the settings: SGLang captures before its first forward),
+    the graph gets a stage (core/sglang_graphs.py)."""
+    sglang_graphs.sglang_graph_build(runner, key)
+
+
+def dump_sglang_replay(runner, forward_batch) -> None:
+    """Before a decode graph's replay (``DecodeCudaGraphRunner.execute``): the forward's
+    start as the model's own entry would record it, which a replay does not run; the
+    layers' staged tensors follow from the drain (core/sglang_graphs.py)."""
+    if api._enabled:
+        dump_sglang_forward(runner.model_runner.model, forward_batch.input_ids, forward_batch.positions,
+                            forward_batch, cuda_graph=True)
 
 
 def dump_sglang_forward_end(logits_output=None):

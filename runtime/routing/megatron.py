@@ -385,10 +385,10 @@ def _drained(key, indices, *, layer, cuda_graph, replay, **_):
         _layer, _draining = saved, False
 
 
-def _unstaged(name, runner) -> None:
+def _unstaged(name, what) -> None:
     """A Megatron CUDA graph built while routing was off is replayed (core/graph_stage.py)."""
     why = ("was built (at the end of the first step) while routing was off, so its routers are not "
-           f"{'captured' if _config['mode'] == 'capture' else 'replayed'} ({graph_stage.describe(runner)}); "
+           f"{'captured' if _config['mode'] == 'capture' else 'replayed'} ({what}); "
            "turn routing on "
            "before the first step")
     if _config["mode"] == "replay":

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from ..core import settings
+from ..core import graph_stage, settings, sglang_graphs
 from ..core.sglang_batch import DRAFT, BatchRows, Unattributed, batch_rows, is_probe
 from .record import RoutingRecord, RoutingRecordError, load
 from .slot_store import SlotStore
@@ -89,6 +89,7 @@ class _State:
         self.next_virtual = 0
         self.num_experts = None
         self.replay = None  # {rid: RoutingRecord}
+        self.graph_ids = self.graph_experts = None  # a drained graph's ids of a layer, awaiting its weights
         self.warned = set()
 
 
@@ -116,6 +117,7 @@ def configure(**changes) -> dict:
         src = _replay_source(objects if objects is not None else config["replay"])
     _S.mode, _S.replay, _S.rank, _S.config = config["mode"], src, rank, config
     _S.dir = config["dir"] or None
+    graph_stage.use(SETTINGS, _unstaged, on=_S.mode != "off")  # SGLang's decode graphs stage / feed for us
     return dict(config)
 
 
@@ -161,6 +163,7 @@ def reset() -> dict:
     state(), whose settings are read again on first use."""
     with _S.lock:
         _S.reset()
+    graph_stage.use(SETTINGS, on=False)  # until the settings are read again
     return state()
 
 
@@ -387,39 +390,133 @@ def routing_sglang_topk(topk_ids: torch.Tensor, topk_weights: torch.Tensor, rout
     place from the replay record. Rows past the ambient batch's tokens (padding)
     are left alone."""
     mode = _mode()
-    if mode == "off" or _S.skip or layer_id is None or not getattr(topk_config, "allow_routed_experts_capture", True):
+    if mode == "off" or layer_id is None or not getattr(topk_config, "allow_routed_experts_capture", True):
         return
-    num_experts = router_logits.shape[-1]
+    if graph_stage.busy and _in_graph(topk_ids, topk_weights, router_logits, topk_config, int(layer_id),
+                                      num_routed_topk, mode):
+        return
+    if _S.skip:
+        return
     routed = topk_ids[:, :num_routed_topk]
-    total = routed.shape[0]
-    if _S.batch is not None:
-        rows = sum(_S.batch[1])
-        if rows > total:
-            _warn_once(("rows", rows, total), f"ambient batch has {rows} tokens but the router sees {total} "
-                       "(attention-DP / sequence-sharded MoE input is not attributed): skipped")
-            return
-    else:
-        rows = total
     if mode == "capture":
-        if _S.batch_slots is None:
-            _warn_once("nobatch", "no ambient batch (ModelRunner._forward_raw not patched?): capture skipped")
-            return
-        with _S.lock:
-            if _S.current is None or _S.current["id"] != _S.forward_id:
-                _S.current = {"id": _S.forward_id, "layers": {}}
-                space, slots = _S.batch_slots
-                _S.stores[space].pending(slots, _S.current["layers"], (_S.forward_id, _S.batch))  # scattered when read
-            _S.current["layers"][int(layer_id)] = (  # ids and their combine weights, still on the device
-                routed[:rows].detach().clone(), topk_weights[:rows, :num_routed_topk].detach().clone())
-            _S.num_experts = num_experts
+        _capture(int(layer_id), routed, topk_weights[:, :num_routed_topk], router_logits.shape[-1])
+        return
+    rows = _rows(routed.shape[0])
+    if rows is None:
         return
     ids = _replay_rows(int(layer_id), routed[:rows])
     if ids is None:
         return
-    check_ids(ids, rows=rows, topk=num_routed_topk, num_experts=num_experts, what=f"layer {layer_id} replay ids")
+    check_ids(ids, rows=rows, topk=num_routed_topk, num_experts=router_logits.shape[-1],
+              what=f"layer {layer_id} replay ids")
     routed[:rows] = ids.to(routed.dtype)
     w = replay_weights(router_logits[:rows], ids, topk_config)
     topk_weights[:rows, :num_routed_topk] = w.to(topk_weights.dtype)
+
+
+def _rows(total: int) -> int | None:
+    """How many of the router's ``total`` rows are the ambient batch's tokens (the rest:
+    padding); None (warned) when the batch has more than the router sees."""
+    if _S.batch is None:
+        return total
+    rows = sum(_S.batch[1])
+    if rows > total:
+        _warn_once(("rows", rows, total), f"ambient batch has {rows} tokens but the router sees {total} "
+                   "(attention-DP / sequence-sharded MoE input is not attributed): skipped")
+        return None
+    return rows
+
+
+def _capture(layer: int, routed: torch.Tensor, weights: torch.Tensor, num_experts: int) -> None:
+    """Hold this forward's rows of ``layer`` (still on the device; scattered into the slot
+    store by KV slot when read)."""
+    rows = _rows(routed.shape[0])
+    if rows is None:
+        return
+    if _S.batch_slots is None:
+        _warn_once("nobatch", "no ambient batch (ModelRunner._forward_raw not patched?): capture skipped")
+        return
+    with _S.lock:
+        if _S.current is None or _S.current["id"] != _S.forward_id:
+            _S.current = {"id": _S.forward_id, "layers": {}}
+            space, slots = _S.batch_slots
+            _S.stores[space].pending(slots, _S.current["layers"], (_S.forward_id, _S.batch))  # scattered when read
+        _S.current["layers"][layer] = (routed[:rows].detach().clone(), weights[:rows].detach().clone())
+        _S.num_experts = num_experts
+
+
+# ---------------------------------------------------------------- under SGLang's decode CUDA graphs
+
+
+def _in_graph(topk_ids, topk_weights, router_logits, topk_config, layer: int, k: int, mode: str) -> bool:
+    """(a graph is being built: core/sglang_graphs.py) True when this call must do
+    nothing more now: a warm-up pass; or the capture, where capture stages the routed
+    columns in the graph (:func:`_drained` after each replay) and replay routes by ids
+    fed before each replay (:func:`_fill`): recorded rows replaced, the others (no
+    record, padding) keep the router's choice, as in an eager forward."""
+    if graph_stage.warming_up():
+        return True
+    if not graph_stage.capturing():
+        return False
+    routed, weights = topk_ids[:, :k], topk_weights[:, :k]
+    if mode == "capture":
+        graph_stage.stage(_drained, (layer, "ids"), routed, experts=int(router_logits.shape[-1]))
+        graph_stage.stage(_drained, (layer, "weights"), weights)
+        return True
+    # one static buffer the graph reads: k recorded ids and a keep flag per row
+    fed = graph_stage.feed(_fill, layer, routed.new_empty((routed.shape[0], k + 1)),
+                           experts=int(router_logits.shape[-1]))
+    ids, keep = fed[:, :k], fed[:, k:] != 0
+    w = replay_weights(router_logits, ids, topk_config)
+    routed.copy_(torch.where(keep, ids, routed))
+    weights.copy_(torch.where(keep, w.to(weights.dtype), weights))
+    return True
+
+
+def _drained(key, tensor, *, cuda_graph, replay, experts=None, **_) -> None:
+    """A replayed decode graph's staged rows (the real tokens' only): captured as the
+    eager call of this layer would have been (ids first, then their weights)."""
+    layer, part = key
+    if part == "ids":
+        _S.graph_ids, _S.graph_experts = tensor, experts
+        return
+    ids, _S.graph_ids = _S.graph_ids, None
+    if _S.mode == "capture" and not _S.skip and ids is not None:
+        _capture(layer, ids, tensor, _S.graph_experts)
+
+
+def _fill(layer, buffer, *, experts, **_) -> None:
+    """Before a decode graph's replay: each recorded row's ids and a keep flag into the
+    buffer its router reads (validated here, on the host); other rows keep theirs."""
+    k = buffer.shape[1] - 1
+    plan = torch.zeros(buffer.shape, dtype=buffer.dtype)
+    rows = _rows(buffer.shape[0]) if not _S.skip and _S.mode == "replay" else None
+    if rows is not None and _S.batch is None:
+        _warn_once("nobatch-graph", "no ambient batch under a CUDA graph replay: its rows keep the router's routes")
+    elif rows is not None:
+        row = 0
+        for rid, n, start in zip(*_S.batch):
+            recorded = _recorded(_S.replay.get(rid), rid, layer, start, n)
+            if recorded is not None:
+                check_ids(recorded, rows=n, topk=k, num_experts=experts, what=f"layer {layer} replay ids")
+                plan[row:row + n, :k], plan[row:row + n, k] = recorded, 1
+            row += n
+    buffer.copy_(plan)
+
+
+def routing_sglang_graph_build(runner, key) -> None:
+    """Before a decode graph's capture (``capture_one_shape``): the settings are read now
+    (SGLang captures before its first forward), so with routing on the graph gets a
+    stage (core/sglang_graphs.py)."""
+    _mode()
+    sglang_graphs.sglang_graph_build(runner, key)
+
+
+def _unstaged(name, what) -> None:
+    """A decode graph captured while routing was off is replayed: its routers are not in it."""
+    _warn_once(("unstaged", what), f"{what}: its CUDA graph was captured while routing was off, so its "
+               f"replays are not {'captured' if _S.mode == 'capture' else 'replayed'} (set the routing mode "
+               "before the engine starts)")
 
 
 # ---------------------------------------------------------------- records and files

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..core import graph_stage, ranks, tags as ambient
+from ..core import graph_stage, ranks, sglang_graphs, tags as ambient
 from ..core.failures import Counters
 from . import control, device, graphs, lifecycle, plan, publisher
 from .control import (close, configure, configure_from_settings, enabled, flush, names, public_config, reset,
@@ -184,6 +184,12 @@ def trace_step(success: Any = True, *, step: int | None = None) -> Any:
 
 # Names under which the handle exports these (runtime/facade.py).
 trace_state = state
+
+
+def trace_sglang_graph_build(runner, key) -> None:
+    """Before an SGLang decode graph's capture: with tracing on (this module's import has
+    read the settings: SGLang captures before its first forward) the graph gets a stage."""
+    sglang_graphs.sglang_graph_build(runner, key)
 
 
 # ---------------------------------------------------------------- hot path
