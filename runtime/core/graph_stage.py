@@ -110,13 +110,30 @@ def _capturing_stage(key, why: str) -> "GraphStage":
 def feed(fill, key, like: torch.Tensor, **meta) -> torch.Tensor:
     """For a call site that gives the graph a tensor (routing replay's ids): under capture,
     a static buffer shaped like ``like`` that the graph reads, refilled before every
-    replay by ``fill(key, buffer, replay=N, **meta, **tags)``; the call site returns it."""
+    replay by ``fill(key, buffer, replay=N, **meta, **tags)``; the call site returns it.
+
+    The buffer is the one :func:`reserve` made for ``key`` in the graph's warm-up pass,
+    outside the graph's memory pool.  One allocated under capture comes from that pool,
+    where it may share memory with a scratch tensor of an earlier kernel of the same
+    graph: each replay would then overwrite the fill before the call site reads it."""
     active = _capturing_stage(key, "its replays would read the capture's values forever")
-    # allocation only: any kernel here (a clone of ``like``) would be part of the graph and
-    # overwrite every fill with the live values at each replay
-    buffer = torch.empty_like(like)
+    buffer = active.reserved.pop(key, None)
+    if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype or buffer.device != like.device:
+        # no warm-up (a GraphStage.capture() of your own): allocation only, no kernel (a clone
+        # of ``like`` would be part of the graph and overwrite every fill with live values)
+        buffer = torch.empty_like(like)
     active.feeds.append((fill, key, buffer, meta))
     return buffer
+
+
+def reserve(key, like: torch.Tensor) -> None:
+    """For a feeding call site in a graph's warm-up pass (:func:`warming_up`): allocate now,
+    outside any graph's pool, the buffer :func:`feed` gives it under the capture."""
+    stage = getattr(_local, "building", None)
+    if stage is not None:
+        kept = stage.reserved.get(key)
+        if kept is None or kept.shape != like.shape or kept.dtype != like.dtype or kept.device != like.device:
+            stage.reserved[key] = torch.empty_like(like)
 
 
 class GraphStage:
@@ -128,6 +145,7 @@ class GraphStage:
         self.hooked = False  # Megatron's replay hooks: between graph_replay and graph_replayed
         self.entries = []  # (sink, key, static buffer, meta), in call order, fixed at capture
         self.feeds = []  # (fill, key, static buffer, meta): what the graph reads, refilled per replay
+        self.reserved = {}  # key -> a feed's buffer, allocated in a warm-up pass (reserve())
         self.replays = 0
         self.undrained = False
 

@@ -401,7 +401,10 @@ def _unstaged(name, what) -> None:
 
 def _replay_topk(scores, result):
     if graph_stage.warming_up():
-        return result  # an eager warm-up pass of a Megatron graph being built: its results are thrown away
+        # an eager warm-up pass of a Megatron graph being built: its results are thrown away;
+        # the buffer the capture will feed is allocated now, outside the graph's memory pool
+        graph_stage.reserve(("routing", _layer), result[1])
+        return result
     if _unaddressable("replay"):
         return result
     if scores.is_cuda and torch.cuda.is_current_stream_capturing() and graph_stage.active() is not None:

@@ -454,11 +454,13 @@ def _in_graph(topk_ids, topk_weights, router_logits, topk_config, layer: int, k:
     columns in the graph (:func:`_drained` after each replay) and replay routes by ids
     fed before each replay (:func:`_fill`): recorded rows replaced, the others (no
     record, padding) keep the router's choice, as in an eager forward."""
+    routed, weights = topk_ids[:, :k], topk_weights[:, :k]
     if graph_stage.warming_up():
+        if mode == "replay":  # the buffer the capture feeds, allocated now: outside the graph's pool
+            graph_stage.reserve(layer, routed.new_empty((routed.shape[0], k + 1)))
         return True
     if not graph_stage.capturing():
         return False
-    routed, weights = topk_ids[:, :k], topk_weights[:, :k]
     if mode == "capture":
         graph_stage.stage(_drained, (layer, "ids"), routed, experts=int(router_logits.shape[-1]))
         graph_stage.stage(_drained, (layer, "weights"), weights)
