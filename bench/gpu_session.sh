@@ -56,7 +56,7 @@ timeout ${GRAPH_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rs 
   tests/test_megatron_graphs.py -k capture_and_replay 2>&1 | tee "$OUT/pytest_megatron_graphs.log" | tail -12
 if [ "${GRAPH_BENCH:-1}" != 0 ]; then  # GRAPH_BENCH=0: the tests only
 echo "== routing capture on vs off in a graphed Megatron step (bench/graph_bench.py)"
-timeout ${GRAPH_BENCH_TIMEOUT:-150} python3 bench/graph_bench.py ${GRAPH_BENCH_ARGS:-} 2>&1 | grep -v "Warning\|warnings.warn" \
+timeout ${GRAPH_BENCH_TIMEOUT:-280} python3 bench/graph_bench.py ${GRAPH_BENCH_ARGS:---hidden 2048 --seq-len 1024 --cycles 20} 2>&1 | grep -v "Warning\|warnings.warn" \
   | tee "$OUT/graph_bench.txt" | tail -12
 fi
 fi
@@ -109,10 +109,12 @@ echo "== a C extension built at install time: does this machine have a compiler 
 (command -v gcc cc g++ || echo "no C compiler on PATH"; python3 -c "import sysconfig, os; \
 p = sysconfig.get_paths()['include']; print('Python.h', os.path.exists(os.path.join(p, 'Python.h')), p)"; \
 python3 -c "import triton; print('triton', triton.__version__)") 2>&1 | tee "$OUT/toolchain.txt"
-echo "== a larger, GPU-bound model (hidden 2048, 4 layers), the same way"
-(cd bench && timeout ${OVERHEAD_LARGE_S:-90} python3 overhead_bench.py --resident 5 --rounds ${OVERHEAD_LARGE_ROUNDS:-6} \
-  --no-probes --hidden 2048 --layers 4 --variants "plain;plain again;every spec inert;everything at once" \
-  --save "$OUT/overhead_large.json" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_large.txt" | tail -7)
+echo "== a larger, GPU-bound model (hidden 2048, 4 layers), the same way: two groups, 10 rounds (~90 s each)"
+for group in "plain;plain again;every spec inert;routing capture" "plain;trace, 1 client;everything at once;dump 1 layer / 10"; do
+  (cd bench && timeout ${OVERHEAD_LARGE_S:-130} python3 overhead_bench.py --resident 5 --rounds ${OVERHEAD_LARGE_ROUNDS:-10} \
+    --no-probes --hidden 2048 --layers 4 --variants "$group" 2>&1 | grep -v "Warning\|warnings.warn" \
+    | tee -a "$OUT/overhead_large.txt" | tail -7)
+done
 fi
 if want weights; then
 echo "== weight sync: bucketed vs per-tensor vs raw broadcast, 2 GPUs over NCCL"
