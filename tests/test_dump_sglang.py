@@ -15,6 +15,9 @@ from sglang_reference import request_records, wait_for
 def test_spec_checks_without_importing_sglang(check_sglang_spec):
     out = check_sglang_spec("dump")
     assert out.count("ok   sglang.srt.") == 4 and "dumper-control: at entry" in out  # models x2, scheduler, decode graph runner
+    assert "ok   sglang.srt.model_executor.runner.decode_cuda_graph_runner" in out  # decode graphs (test_sglang_graphs.py)
+    assert "decode-graph-build: at before 'self.backend.capture_one(...)'" in out
+    assert "decode-graph-replay: at after 'output = self.backend.replay(...)'" in out
 
 
 def test_records_go_to_the_folder_the_rank_dir_setting_names(dumper):

@@ -43,6 +43,9 @@ def test_spec_checks_without_importing_sglang(check_sglang_spec):
     out = check_sglang_spec("routing")
     assert "ok   sglang.srt.layers.moe.topk" in out and "ok   sglang.srt.model_executor.model_runner" in out
     assert "sglang 0.5.23" in out
+    assert "ok   sglang.srt.model_executor.runner.decode_cuda_graph_runner" in out  # decode graphs (test_sglang_graphs.py)
+    assert "decode-graph-build: at before 'self.backend.capture_one(...)'" in out
+    assert "decode-graph-replay: at after 'output = self.backend.replay(...)'" in out
 
 
 def test_off_by_default_changes_nothing(topk_mod):

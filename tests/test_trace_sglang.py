@@ -19,6 +19,9 @@ def test_spec_checks_without_importing_sglang(check_sglang_spec):
     out = check_sglang_spec("trace")
     assert "ok   sglang.srt.models.qwen3_moe" in out and "ok   sglang.srt.model_executor.model_runner" in out
     assert "qwen3-moe-layer: at after 'hidden_states = self.self_attn(...)'" in out
+    assert "ok   sglang.srt.model_executor.runner.decode_cuda_graph_runner" in out  # decode graphs (test_sglang_graphs.py)
+    assert "decode-graph-build: at before 'self.backend.capture_one(...)'" in out
+    assert "decode-graph-replay: at after 'output = self.backend.replay(...)'" in out
 
 
 @pytest.mark.slow
