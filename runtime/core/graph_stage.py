@@ -118,7 +118,7 @@ def feed(fill, key, like: torch.Tensor, **meta) -> torch.Tensor:
     graph: each replay would then overwrite the fill before the call site reads it."""
     active = _capturing_stage(key, "its replays would read the capture's values forever")
     buffer = active.reserved.pop(key, None)
-    if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype or buffer.device != like.device:
+    if not _fits(buffer, like):
         # no warm-up (a GraphStage.capture() of your own): allocation only, no kernel (a clone
         # of ``like`` would be part of the graph and overwrite every fill with live values)
         buffer = torch.empty_like(like)
@@ -130,10 +130,12 @@ def reserve(key, like: torch.Tensor) -> None:
     """For a feeding call site in a graph's warm-up pass (:func:`warming_up`): allocate now,
     outside any graph's pool, the buffer :func:`feed` gives it under the capture."""
     stage = getattr(_local, "building", None)
-    if stage is not None:
-        kept = stage.reserved.get(key)
-        if kept is None or kept.shape != like.shape or kept.dtype != like.dtype or kept.device != like.device:
-            stage.reserved[key] = torch.empty_like(like)
+    if stage is not None and not _fits(stage.reserved.get(key), like):
+        stage.reserved[key] = torch.empty_like(like)
+
+
+def _fits(buffer: "torch.Tensor | None", like: torch.Tensor) -> bool:
+    return buffer is not None and (buffer.shape, buffer.dtype, buffer.device) == (like.shape, like.dtype, like.device)
 
 
 class GraphStage:
