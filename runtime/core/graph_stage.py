@@ -280,13 +280,26 @@ def graph_build(runner) -> None:
         import weakref
 
         _stages = weakref.WeakKeyDictionary()
+    _stages[runner] = begin_build(_stages.get(runner), describe(runner))
+
+
+def begin_build(kept: "GraphStage | None", name: str) -> "GraphStage":
+    """A graph's build begins (its warm-up passes, then its capture): a new stage named
+    ``name``, which this thread's call sites use until :func:`end_build`.  ``kept``: the
+    stage the runner got from another spec's copy of the hook; while it is this build's,
+    untouched, it is the one returned.  A build that raised earlier leaves nothing behind."""
     building = getattr(_local, "building", None)
-    if building is not None and _stages.get(runner) is building and not building.entries and not building.feeds \
+    if building is not None and kept is building and not building.entries and not building.feeds \
             and getattr(_local, "stage", None) is None:
-        return  # the same build, from another spec's copy of this hook
-    # a build that raised earlier left nothing behind
-    _set_local(stage=None, building=GraphStage(describe(runner), frozenset(_users)))
-    _stages[runner] = _local.building
+        return building
+    _set_local(stage=None, building=GraphStage(name, frozenset(_users)))
+    return _local.building
+
+
+def end_build() -> None:
+    """The build is over (the graph keeps its stage)."""
+    if getattr(_local, "building", None) is not None:
+        _set_local(stage=None, building=None)
 
 
 def describe(runner) -> str:
@@ -308,8 +321,7 @@ def graph_capture(runner) -> None:
 
 def graph_captured(runner) -> None:
     """After the capture block: the build is over."""
-    if getattr(_local, "building", None) is not None:
-        _set_local(stage=None, building=None)
+    end_build()
 
 
 def graph_replay(runner) -> None:

@@ -40,18 +40,12 @@ def sglang_graph_build(runner, key) -> None:
     if not graph_stage._users:
         return
     stages = _stages.setdefault(runner, {})
-    building = getattr(graph_stage._local, "building", None)
-    if building is not None and stages.get(key) is building and not building.entries and not building.feeds:
-        return  # the same build, from another spec's copy of this hook
-    stage = graph_stage.GraphStage(_describe(runner, key), frozenset(graph_stage._users))
-    graph_stage._set_local(stage=None, building=stage)  # a build that raised earlier left nothing behind
-    stages[key] = stage
+    stages[key] = graph_stage.begin_build(stages.get(key), _describe(runner, key))
 
 
 def sglang_graph_built(runner, key) -> None:
     """After ``capture_one``: the build is over (the graph keeps its stage)."""
-    if graph_stage.building():
-        graph_stage._set_local(stage=None, building=None)
+    graph_stage.end_build()
 
 
 def _replayed_stage(runner):
