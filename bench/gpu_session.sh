@@ -6,11 +6,11 @@
 #           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
 #           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
 #           folders copied into .upstream/ (git-ignored): mkdir -p .upstream && cp -r ../shared/upstream/megatron-lm .upstream/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [bias] [overhead] [overhead_processes] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [bias] [overhead] [overhead_processes] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream]
 #           (default: all; `overhead_processes` first on a fresh machine to see the first-run cliff; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
 #            `upstream` installs each release of $UPSTREAM_RELEASES, default "0.16.1 0.19.2", in turn)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
-#  `weights`, `pushx2`, `backends` and `wirespeed` need two GPUs: the nvidia-h100-x2 kind; `phases` runs on one)
+#  `costs`, `weights`, `pushx2`, `backends` and `wirespeed` need two GPUs: the nvidia-h100-x2 kind; `phases` runs on one)
 # The project's wheel goes into the interpreter's own environment, so its .pth start
 # hook runs and SOURCE_PATCH works in child processes as it does for users.
 set -uo pipefail
@@ -114,6 +114,17 @@ for group in "plain;plain again;every spec inert;routing capture" "plain;trace, 
   (cd bench && timeout ${OVERHEAD_LARGE_S:-130} python3 overhead_bench.py --resident 5 --rounds ${OVERHEAD_LARGE_ROUNDS:-10} \
     --no-probes --hidden 2048 --layers 4 --variants "$group" 2>&1 | grep -v "Warning\|warnings.warn" \
     | tee -a "$OUT/overhead_large.txt" | tail -7)
+done
+fi
+if want costs; then
+echo "== what weight sync every step and Megatron's router CUDA graphs cost (issue 34), GPU-bound model, resident"
+echo "   processes: the trainer on GPU 0 pushes after every step to bench/sync_receiver.py on GPU 1 (NCCL);"
+echo "   the graphs group is compared with plain under the same graphs"
+for group in "plain;plain again;weight sync every step" \
+    "plain, graphs;routing capture, graphs;everything at once, graphs"; do
+  (cd bench && timeout ${COSTS_S:-270} python3 overhead_bench.py --resident 5 --rounds ${COSTS_ROUNDS:-10} \
+    --no-probes --hidden 2048 --layers 4 --variants "$group" 2>&1 | grep -v "Warning\|warnings.warn" \
+    | tee -a "$OUT/overhead_costs.txt" | tail -9)
 done
 fi
 if want weights; then

@@ -13,8 +13,13 @@ Core 0.16 needs without Transformer Engine):
     dump every layer       + dump, every site (every layer, the logits) every step
     dump 1 layer / 10      + dump, layer 1 only, every 10th step (the debugging setting)
     trace, 1 client        + trace, a client subscribed to every layer's output (tiles), reading every frame
+    weight sync every step + weight_sync pushing after every optimizer step over NCCL to
+                           sync_receiver.py on the second GPU (two GPUs)
     everything at once     + all of the above that a user turns on together: routing capture,
                            dump 1 layer / 10, trace with the client; weight_sync inert
+    plain, graphs          plain with Megatron's router CUDA graphs (graph_bench.py's model);
+    routing capture, graphs    the ", graphs" variants are compared with it, not with plain
+    everything at once, graphs
 
 Per variant: step time against plain (ratio of medians and of means, each with a
 bootstrap 90% interval over the timed steps of all its processes; the mean carries a
@@ -63,6 +68,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import stats  # bench/
 import training  # bench/
@@ -77,35 +83,107 @@ EVERY = f"{BASE},routing,dump,trace,weight_sync"
 TOKEN = "overhead-bench"
 PROBE = re.compile(r"^overhead-probe: (\{.*)$", re.M)
 PREFIXES = ("SOURCE_PATCH_DUMP", "SOURCE_PATCH_ROUTING", "SOURCE_PATCH_TRACE", "SOURCE_PATCH_WEIGHT_SYNC")
-# name -> what it turns on: spec, routing mode, dump ("all", "sparse" or None), trace client
+
+
+class Variant(NamedTuple):
+    """What a variant turns on: spec list, routing mode, dump ("all", "sparse" or None),
+    a trace client; a weight-sync receiver on a second GPU (the trainer pushes every
+    step); Megatron's router CUDA graphs (compared with ``plain, graphs``)."""
+    spec: str
+    routing: str = "off"
+    dump: str | None = None
+    client: bool = False
+    sync: bool = False
+    graphs: bool = False
+
+
 VARIANTS = {
-    "plain": (BASE, "off", None, False),
-    "plain again": (BASE, "off", None, False),  # the A/A control: a second plain process
-    "every spec inert": (EVERY, "off", None, False),
-    "routing capture": (f"{BASE},routing", "capture", None, False),
-    "routing replay": (f"{BASE},routing", "replay", None, False),
-    "dump every layer": (f"{BASE},dump", "off", "all", False),
-    "dump 1 layer / 10": (f"{BASE},dump", "off", "sparse", False),
-    "trace, 1 client": (f"{BASE},trace", "off", None, True),
-    "everything at once": (EVERY, "capture", "sparse", True),
+    "plain": Variant(BASE),
+    "plain again": Variant(BASE),  # the A/A control: a second plain process
+    "every spec inert": Variant(EVERY),
+    "routing capture": Variant(f"{BASE},routing", "capture"),
+    "routing replay": Variant(f"{BASE},routing", "replay"),
+    "dump every layer": Variant(f"{BASE},dump", dump="all"),
+    "dump 1 layer / 10": Variant(f"{BASE},dump", dump="sparse"),
+    "trace, 1 client": Variant(f"{BASE},trace", client=True),
+    "weight sync every step": Variant(f"{BASE},weight_sync", sync=True),
+    "everything at once": Variant(EVERY, "capture", "sparse", True),
+    "plain, graphs": Variant(BASE, graphs=True),
+    "routing capture, graphs": Variant(f"{BASE},routing", "capture", graphs=True),
+    "everything at once, graphs": Variant(EVERY, "capture", "sparse", True, graphs=True),
 }
 QUICK = ("plain", "everything at once")
 FIRST = "dump every layer"  # first in the first round: the fresh machine's first dumping process
 
 
-def environment(name: str, folder: str, replay_dir: str, steps: int, port: int) -> dict:
-    spec, mode, dump, client = VARIANTS[name]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIXES)}
-    env.update(SOURCE_PATCH=spec, SOURCE_PATCH_DUMP_ENABLE="1" if dump else "0",
-               SOURCE_PATCH_DUMP_DIR=os.path.join(folder, "dump"), SOURCE_PATCH_ROUTING_MODE=mode,
-               SOURCE_PATCH_ROUTING_DIR=replay_dir if mode == "replay" else os.path.join(folder, "routing"),
-               SOURCE_PATCH_TRACE_PORT=str(port if client else 0), SOURCE_PATCH_TRACE_TOKEN=TOKEN,
-               SOURCE_PATCH_TRACE_DIR=os.path.join(folder, "trace"))
-    if dump == "sparse":  # Megatron numbers layers from 1; the dumper counts steps from 0
+def environment(name: str, folder: str, replay_dir: str, steps: int, port: int, sync_port: int = 0) -> dict:
+    v = VARIANTS[name]
+    env = {key: value for key, value in os.environ.items() if not key.startswith(PREFIXES)}
+    env.update(SOURCE_PATCH=v.spec, SOURCE_PATCH_DUMP_ENABLE="1" if v.dump else "0",
+               SOURCE_PATCH_DUMP_DIR=os.path.join(folder, "dump"), SOURCE_PATCH_ROUTING_MODE=v.routing,
+               SOURCE_PATCH_ROUTING_DIR=replay_dir if v.routing == "replay" else os.path.join(folder, "routing"),
+               SOURCE_PATCH_TRACE_PORT=str(port if v.client else 0), SOURCE_PATCH_TRACE_TOKEN=TOKEN,
+               SOURCE_PATCH_TRACE_DIR=os.path.join(folder, "trace"), OVERHEAD_PROBE_GRAPHS="1" if v.graphs else "0")
+    if v.dump == "sparse":  # Megatron numbers layers from 1; the dumper counts steps from 0
         env.update(SOURCE_PATCH_DUMP_LAYERS="1", SOURCE_PATCH_DUMP_STEPS=",".join(map(str, range(0, steps, 10))))
-    if client:
+    if v.client:
         env["SOURCE_PATCH_TRACE_WAIT"] = "120"  # every step has the client: training starts once it subscribed
+    if v.graphs:  # Megatron refuses graphs under expandable segments (resident mode) without it
+        env["NCCL_GRAPH_REGISTER"] = "0"
+    if v.sync:  # every step pushes to sync_receiver.py (rank 1 on the second GPU); a failed push raises
+        env.update(SOURCE_PATCH_WEIGHT_SYNC_ENABLE="1", SOURCE_PATCH_WEIGHT_SYNC_PORT=str(sync_port),
+                   SOURCE_PATCH_WEIGHT_SYNC_BACKEND="nccl", SOURCE_PATCH_WEIGHT_SYNC_ON_ERROR="raise")
     return env
+
+
+def baseline(name: str) -> str:
+    """What a variant is compared with: plain with the same graphs setting."""
+    return "plain, graphs" if VARIANTS[name].graphs else "plain"
+
+
+def sync_receiver(port: int) -> subprocess.Popen:
+    """The receiving end of "weight sync every step": its own process on GPU 1."""
+    script = str(Path(__file__).with_name("sync_receiver.py"))
+    return subprocess.Popen([sys.executable, script, "--port", str(port), "--device", "cuda:1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def stop_receiver(proc: subprocess.Popen) -> str:
+    """Stop a receiver once its trainer is gone; its last line (updates received)."""
+    proc.terminate()
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    lines = [line for line in (out or "").splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit {proc.returncode}, no output"
+
+
+def runnable(name: str) -> str | None:
+    """Why this machine cannot run variant ``name`` (None: it can)."""
+    import torch
+
+    if VARIANTS[name].sync and torch.cuda.device_count() < 2:
+        return "needs two GPUs (its receiver runs on the second)"
+    if VARIANTS[name].graphs and not torch.cuda.is_available():
+        return "needs a GPU (CUDA graphs)"
+    return None
+
+
+def choose(text: str, quick: bool) -> list[str]:
+    """The variants named in ``text`` (all this machine can run if none)."""
+    sep = ";" if ";" in text else ","  # ";" where a name has a comma ("trace, 1 client")
+    names = [n.strip() for n in text.split(sep) if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}; valid: {', '.join(VARIANTS)}")
+    if not names:
+        return [n for n in (QUICK if quick else VARIANTS) if runnable(n) is None]
+    cannot = [f"{n!r} {runnable(n)}" for n in names if runnable(n)]
+    if cannot:
+        raise SystemExit("; ".join(cannot))
+    return names
 
 
 async def trace_client(port: int, report: dict) -> None:
@@ -138,21 +216,24 @@ def size_args(args, steps: int) -> list[str]:
 def train(args, name: str, root: str, replay: dict) -> dict:
     """One process of variant ``name``: its step times and its probe's report."""
     folder = tempfile.mkdtemp(dir=root)
-    if VARIANTS[name][1] == "replay" and "dir" not in replay:
+    if VARIANTS[name].routing == "replay" and "dir" not in replay:
         replay["dir"] = train(args, "routing capture", root, replay)["routing_dir"]
-    port = free_port()
-    env = environment(name, folder, replay.get("dir", ""), args.steps, port)
+    port, sync_port = free_port(), free_port()
+    env = environment(name, folder, replay.get("dir", ""), args.steps, port, sync_port)
     if args.calls:
         env["OVERHEAD_PROBE_CALLS"] = "1"
     report: dict = {}
     thread = None
-    if VARIANTS[name][3]:
+    receiver = sync_receiver(sync_port) if VARIANTS[name].sync else None
+    if VARIANTS[name].client:
         thread = threading.Thread(target=lambda: asyncio.run(trace_client(port, report)), daemon=True)
         thread.start()
     started = time.perf_counter()
     probe = str(Path(__file__).with_name("overhead_probe.py"))
     out = subprocess.run([sys.executable, probe, str(training.EXAMPLE), *size_args(args, args.steps)], env=env,
                          capture_output=True, text=True, timeout=900)
+    if receiver is not None:
+        report["receiver"] = stop_receiver(receiver)
     if out.returncode != 0 or "write error" in out.stdout:
         raise SystemExit(f"{name} failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
     if thread is not None:
@@ -161,9 +242,9 @@ def train(args, name: str, root: str, replay: dict) -> dict:
     written = {part: folder_bytes(os.path.join(folder, part)) for part in ("dump", "routing")
                if os.path.isdir(os.path.join(folder, part))}
     result = {"name": name, "times": times[args.warmup:], "probe": json.loads(PROBE.search(out.stdout).group(1)),
-              "written": written, "frames": report.get("frames"), "wall_s": time.perf_counter() - started,
-              "routing_dir": os.path.join(folder, "routing")}
-    if VARIANTS[name][1] == "capture" and "dir" not in replay:
+              "written": written, "frames": report.get("frames"), "receiver": report.get("receiver"),
+              "wall_s": time.perf_counter() - started, "routing_dir": os.path.join(folder, "routing")}
+    if VARIANTS[name].routing == "capture" and "dir" not in replay:
         replay["dir"] = result["routing_dir"]  # kept: the replay variant replays it
     else:
         shutil.rmtree(folder, ignore_errors=True)
@@ -182,28 +263,26 @@ def ratio_text(stat, x: list, y: list) -> str:
 
 
 def table(runs: list[dict], steps: int) -> None:
-    """The overhead table: every variant against plain."""
+    """The overhead table: every variant against its plain (baseline())."""
     by_name: dict = {}
     for run in runs:
         by_name.setdefault(run["name"], []).append(run)
-    base = by_name.get("plain")
-    if not base:
-        return
-    plain_times = [t for run in base for t in run["times"]]
-    plain_dev = statistics.median(r["probe"]["device_peak_allocated"] for r in base)
-    plain_rss = statistics.median(r["probe"]["host_peak_rss"] for r in base)
-    plain_pinned = statistics.median(r["probe"].get("pinned_peak", 0) for r in base)
-    print(f"{'variant':22}{'procs':>6}{'median ms':>10}  {'vs plain, medians [90%]':26}{'vs plain, means [90%]':26}"
+
+    def peak(group: list, key: str) -> float:
+        return statistics.median(r["probe"].get(key, 0) for r in group)
+
+    print(f"{'variant':28}{'procs':>6}{'median ms':>10}  {'vs plain, medians [90%]':26}{'vs plain, means [90%]':26}"
           f"{'device peak':>12}{'host RSS':>10}{'pinned':>9}{'written/step':>13}")
     for name, group in by_name.items():
         times = [t for run in group for t in run["times"]]
-        if not times:
+        base = by_name.get(baseline(name))
+        if not times or not base:
             continue
-        dev = statistics.median(r["probe"]["device_peak_allocated"] for r in group) - plain_dev
-        rss = statistics.median(r["probe"]["host_peak_rss"] for r in group) - plain_rss
-        pinned = statistics.median(r["probe"].get("pinned_peak", 0) for r in group) - plain_pinned
+        plain_times = [t for run in base for t in run["times"]]
+        dev, rss, pinned = (peak(group, key) - peak(base, key)
+                            for key in ("device_peak_allocated", "host_peak_rss", "pinned_peak"))
         written = statistics.median(sum(r["written"].values()) for r in group) / steps
-        print(f"{name:22}{len(group):>6}{statistics.median(times):>10.1f}  "
+        print(f"{name:28}{len(group):>6}{statistics.median(times):>10.1f}  "
               f"{ratio_text(stats.ratio_of_medians, times, plain_times):26}"
               f"{ratio_text(mean_ratio, times, plain_times):26}"
               f"{dev / 2**20:>+10.0f}Mi{rss / 2**20:>+8.0f}Mi{pinned / 2**20:>+7.0f}Mi{written / 2**20:>11.1f}Mi")
@@ -218,7 +297,7 @@ PROCESS_LOG = ("process (in the order they ran): median ms of its timed steps; d
 def process_line(i: int, run: dict) -> str:
     """One process: its median and what its writer said."""
     probe, times = run["probe"], run["times"]
-    line = f"{i:3}. {run['name']:22}{statistics.median(times) if times else 0:9.1f} ms"
+    line = f"{i:3}. {run['name']:28}{statistics.median(times) if times else 0:9.1f} ms"
     dump = probe["states"].get("dump") or {}
     if dump.get("bytes"):
         gib, write_s = dump["bytes"] / 2**30, dump.get("write_s") or 0
@@ -228,6 +307,8 @@ def process_line(i: int, run: dict) -> str:
                  f"pinned {probe.get('pinned_peak', 0) / 2**30:.2f} GiB; vmstat {probe['vmstat']}")
     if run.get("frames") is not None:
         line += f"  trace frames {run['frames']}"
+    if run.get("receiver"):
+        line += f"  {run['receiver']}"
     return line
 
 
@@ -259,14 +340,15 @@ class Resident:
         import queue
 
         self.name, self.folder, self.lines = name, tempfile.mkdtemp(dir=root), queue.Queue()
-        port = free_port()
+        port, sync_port = free_port(), free_port()
         total = args.resident * (args.rounds + 1)  # + the warm-up block
-        env = {**environment(name, self.folder, "", total, port), "OVERHEAD_PROBE_BLOCK": str(args.resident),
+        env = {**environment(name, self.folder, "", total, port, sync_port), "OVERHEAD_PROBE_BLOCK": str(args.resident),
                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # several processes share the GPU's memory
         if args.calls:
             env["OVERHEAD_PROBE_CALLS"] = "1"
         self.report: dict = {}
-        if VARIANTS[name][3]:
+        self.receiver = sync_receiver(sync_port) if VARIANTS[name].sync else None
+        if VARIANTS[name].client:
             threading.Thread(target=lambda: asyncio.run(trace_client(port, self.report)), daemon=True).start()
         probe = str(Path(__file__).with_name("overhead_probe.py"))
         self.err = open(os.path.join(self.folder, "stderr.txt"), "w+")
@@ -282,11 +364,11 @@ class Resident:
             self.lines.put(line)
         self.lines.put(None)
 
-    def wait_ready(self) -> list[float]:
+    def wait_ready(self, timeout: float = 900) -> list[float]:
         """Step times until the process waits for its next block (or ends)."""
         times = []
         while not self.ended:
-            line = self.lines.get(timeout=900)
+            line = self.lines.get(timeout=timeout)
             if line is None:
                 self.ended = True
                 break
@@ -311,8 +393,16 @@ class Resident:
         return self.wait_ready()[discard:]
 
     def finish(self) -> dict:
-        self.wait_ready()  # the last block's end: the example's own end, then the probe's report
-        code = self.proc.wait(timeout=300)
+        import queue
+
+        try:  # the last block's end: the example's own end, then the probe's report
+            self.wait_ready(timeout=120)
+            code = self.proc.wait(timeout=60)
+        except (queue.Empty, subprocess.TimeoutExpired):  # its teardown hangs: the others still report
+            self.proc.kill()
+            code = "killed: it did not exit within 3 minutes of its last block"
+        if self.receiver is not None:
+            self.report["receiver"] = stop_receiver(self.receiver)
         self.err.seek(0)
         if code != 0 or self.probe is None:
             print(f"{self.name}: exit {code}:\n{self.err.read()[-3000:]}", flush=True)
@@ -322,52 +412,52 @@ class Resident:
 
 
 def resident_table(blocks: dict, probes: dict) -> None:
-    """Per variant: block medians, and against plain round by round (paired over rounds)."""
-    base = blocks.get("plain")
-    print(f"{'variant':22}{'rounds':>7}  {'block medians, ms: ' + stats.HEADER:44}"
+    """Per variant: block medians, and against its plain (baseline()) round by round
+    (paired over rounds)."""
+    print(f"{'variant':28}{'rounds':>7}  {'block medians, ms: ' + stats.HEADER:44}"
           f"{'vs plain, per round [90%]':28}{'vs plain, means [90%]':26}{'device peak':>12}{'pinned':>9}")
     for name, rows in blocks.items():
-        pairs = [(b, a) for b, a in zip(rows, base) if b and a] if base else []
+        base = baseline(name)
+        pairs = [(b, a) for b, a in zip(rows, blocks.get(base, [])) if b and a] if name != base else []
         meds = [statistics.median(b) for b in rows if b]
         if not meds:
-            print(f"{name:22}{0:>7}  (no steps: see its exit above)")
+            print(f"{name:28}{0:>7}  (no steps: see its exit above)")
             continue
-        per_round = "-"
-        if name != "plain" and len(pairs) >= 3:
+        per_round = means = "-"
+        if len(pairs) >= 3:
             value, low, high = stats.bootstrap(statistics.median, [statistics.median(b) / statistics.median(a)
                                                                    for b, a in pairs])
             per_round = f"{(value - 1) * 100:+.2f}% ({(low - 1) * 100:+.2f}..{(high - 1) * 100:+.2f})"
-        means = "-"
-        if name != "plain" and len(pairs) >= 3:
             value, low, high = stats.bootstrap(
                 lambda bs, as_: sum(map(sum, bs)) / sum(map(len, bs)) / (sum(map(sum, as_)) / sum(map(len, as_))),
                 [b for b, _ in pairs], [a for _, a in pairs], paired=True)
             means = f"{(value - 1) * 100:+.2f}% ({(low - 1) * 100:+.2f}..{(high - 1) * 100:+.2f})"
-        probe, plain_probe = probes.get(name) or {}, probes.get("plain") or {}
+        probe, plain_probe = probes.get(name) or {}, probes.get(base) or {}
         dev = (probe.get("device_peak_allocated", 0) - plain_probe.get("device_peak_allocated", 0)) / 2**20
         pinned = (probe.get("pinned_peak", 0) - plain_probe.get("pinned_peak", 0)) / 2**20
-        print(f"{name:22}{len(meds):>7}  {stats.cells(meds):44}{per_round:28}{means:26}{dev:>+10.0f}Mi{pinned:>+7.0f}Mi")
+        print(f"{name:28}{len(meds):>7}  {stats.cells(meds):44}{per_round:28}{means:26}{dev:>+10.0f}Mi{pinned:>+7.0f}Mi")
     print(flush=True)
 
 
 def run_resident(args, names: list[str], root: str) -> None:
-    names = [n for n in names if VARIANTS[n][1] != "replay"]
-    if "plain" in names:  # plain first: every round's ratios need its block
-        names.remove("plain")
-    names.insert(0, "plain")
+    names = [n for n in names if VARIANTS[n].routing != "replay"]
+    for base in sorted({baseline(n) for n in names}, reverse=True):  # plain first: every round's ratios need it
+        if base in names:
+            names.remove(base)
+        names.insert(0, base)
     procs = {name: Resident(args, name, root) for name in names}  # started together: one start-up wait
     for proc in procs.values():
         proc.wait_ready()
     for proc in procs.values():  # the warm-up block, not timed
         proc.block(0)
-    print(f"resident: {len(procs)} processes warm (a first block of {args.resident} steps each, left out); "
+    print(f"{time.strftime('%H:%M:%S')} resident: {len(procs)} processes warm (a first block of {args.resident} steps each, left out); "
           f"{args.rounds} rounds of a block of {args.resident} steps per variant", flush=True)
     blocks: dict = {name: [] for name in names}
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             blocks[name].append(procs[name].block(0))
         if (r + 1) % max(1, args.rounds // 3) == 0 or r + 1 == args.rounds:
-            print(f"after round {r + 1}/{args.rounds}")
+            print(f"after round {r + 1}/{args.rounds} ({time.strftime('%H:%M:%S')})")
             resident_table(blocks, {})
             if args.save:  # a run cut short by a time limit keeps what it measured
                 Path(args.save).write_text(json.dumps({"blocks": blocks}))
@@ -377,6 +467,8 @@ def run_resident(args, names: list[str], root: str) -> None:
     for name, proc in procs.items():
         if proc.report.get("frames") is not None:
             print(f"{name}: trace frames {proc.report['frames']}")
+        if proc.report.get("receiver"):
+            print(f"{name}: {proc.report['receiver']}")
         line = calls_line(name, probes.get(name) or {}, args.resident * (args.rounds + 1))
         if line:
             print(line)
@@ -388,7 +480,7 @@ def main() -> None:
     p = training.parser(__doc__)
     p.set_defaults(vocab=32000 if training.CUDA else 128, rounds=2 if training.CUDA else 1,
                    steps=40 if training.CUDA else 6, warmup=8 if training.CUDA else 2)
-    p.add_argument("--variants", default="", help="variant names, separated by ',' or ';' (default: all; --quick: "
+    p.add_argument("--variants", default="", help="variant names, separated by ',' or ';' (default: all this machine can run; --quick: "
                    + ", ".join(QUICK) + ")")
     p.add_argument("--no-probes", action="store_true", help="skip the machine probes (memory, disk, pinned)")
     p.add_argument("--probe-gib", type=float, default=4.0, help="GiB each machine probe writes or touches")
@@ -399,11 +491,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.rounds, args.steps, args.warmup, args.no_probes = 1, 5, 2, True
-    sep = ";" if ";" in args.variants else ","  # ";" where a name has a comma ("trace, 1 client")
-    names = [n.strip() for n in args.variants.split(sep) if n.strip()] or list(QUICK if args.quick else VARIANTS)
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variant(s) {unknown}; valid: {', '.join(VARIANTS)}")
+    names = choose(args.variants, args.quick)
     if FIRST in names:
         names.remove(FIRST)
         names.insert(0, FIRST)

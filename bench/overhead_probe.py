@@ -16,6 +16,9 @@ prints ``overhead-probe: ready`` and waits for a line on stdin (overhead_bench.p
 resident mode keeps one process per variant alive and alternates their blocks, so a
 round costs no process start and the variants share the machine's drift).
 
+With ``OVERHEAD_PROBE_GRAPHS=1`` the model's routers run as Megatron's own CUDA graphs
+(graph_bench.graphed_model).
+
 With ``OVERHEAD_PROBE_CALLS=1`` every ``__sp__`` name is wrapped before the example
 imports anything patched: the report gains ``calls``, per name the number of calls and
 the nanoseconds spent in them over the run (timed inside the wrapper: what the call
@@ -99,9 +102,21 @@ def count_calls() -> dict:
     return counts
 
 
+def graphed(example) -> None:
+    """The example's model with Megatron's router CUDA graphs (graph_bench.py's), and
+    the graph-safe RNG Megatron's graphs need."""
+    import graph_bench  # bench/
+
+    seed = example.model_parallel_cuda_manual_seed
+    example.model_parallel_cuda_manual_seed = lambda s: seed(s, use_cudagraphable_rng=True)
+    example.build_model = lambda args, device: graph_bench.graphed_model(example, args)
+
+
 def main() -> None:
     counts = count_calls() if os.environ.get("OVERHEAD_PROBE_CALLS") == "1" else None
     example = training.load_example(sys.argv)  # the example parses its own flags
+    if os.environ.get("OVERHEAD_PROBE_GRAPHS") == "1":
+        graphed(example)
     marks = {"first_step": None, "flush_s": 0.0}
     train_step = example.train_step
     block = int(os.environ.get("OVERHEAD_PROBE_BLOCK", "0"))

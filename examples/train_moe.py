@@ -288,8 +288,18 @@ def main(argv=None) -> None:
               f"{sum(steady) / len(steady) * 1e3:.0f} ms/step after the first", flush=True)
     if dump_run:
         report_dumps(rank0)
+    close_weight_sync()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+
+
+def close_weight_sync() -> None:
+    """Leave the weight-update group, if the weight_sync spec opened one, before the
+    default group goes: torch's destroy of every group would wait for receivers that
+    wait for the next update (source_patch.runtime.weight_sync.sync.close)."""
+    sync = sys.modules.get("source_patch.runtime.weight_sync.sync")
+    if sync is not None:
+        sync.close()
 
 
 def dumping() -> bool:

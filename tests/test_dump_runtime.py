@@ -333,7 +333,7 @@ def test_settings_from_environment_and_spec(dumper, write_spec, tmp_path):
             "    on_full: drop\npatches:\n  - id: p\n    module: spfix.basic\n    target: add\n"
             "    edits:\n      - {at: entry, code: \"pass\"}\n")
     assert loads(spec, "s.yaml").runtime == {"dump": {"enable": True, "layers": ["0-3"], "on_full": "drop"}}
-    with pytest.raises(SpecError, match=r"runtime.dump.layer: unknown key 'layer'.*valid keys: dir, enable"):
+    with pytest.raises(SpecError, match=r"runtime.dump.layer: unknown key 'layer'.*valid keys: dir, drop_behind, enable"):
         loads(spec.replace("layers:", "layer:"), "s.yaml")
 
 
@@ -423,6 +423,68 @@ def test_record_larger_than_queue_passes_alone(dumper):
     dumper.dump("big", torch.zeros(100))
     dumper.flush(10)
     assert dumper.state()["records"] == 1 and dumper.state()["dropped"] == 0
+
+
+def _fs_type(path) -> str:
+    """The type of the filesystem ``path`` is on (the longest mount point above it)."""
+    best, kind = "", "?"
+    with open("/proc/mounts") as f:
+        for line in f:
+            point, fs = line.split()[1:3]
+            if str(path).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+                best, kind = point, fs
+    return kind
+
+
+def _resident_pages(path) -> int:
+    """Pages of ``path`` in the page cache (mincore over a mapping that touches none)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size, page = os.path.getsize(path), mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        vec = ctypes.create_string_buffer((size + page - 1) // page)
+        try:
+            assert libc.mincore(address, size, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec.raw)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this platform")
+def test_drop_behind_leaves_written_files_out_of_the_page_cache(tmp_path):
+    path = tmp_path / "written.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    os.sync()  # written back: clean pages, still cached
+    before = _resident_pages(path)
+    files.DropBehind().written(path)
+    after = _resident_pages(path)
+    if before == 0 or _fs_type(path) in ("tmpfs", "ramfs"):
+        pytest.skip(f"a {_fs_type(path)} folder keeps no page cache to drop (resident pages: {before})")
+    assert after < before // 10, (before, after)
+
+
+def test_the_writer_drops_each_file_behind_it_unless_told_not_to(dumper, monkeypatch):
+    dropped = []
+    monkeypatch.setattr(files.DropBehind, "written", lambda self, path: dropped.append(path))
+    dumper.configure(file_bytes=1)  # a file per record
+    for i in range(3):
+        dumper.dump("x", torch.zeros(100))
+        assert dumper.flush(10)
+    assert len(dropped) == 3 and all(p.exists() and p.suffix == ".safetensors" for p in dropped), dropped
+    dumper.configure(drop_behind=False)
+    dumper.dump("x", torch.zeros(100))
+    assert dumper.flush(10) and len(dropped) == 3
 
 
 def test_close_then_dump_again(dumper):

@@ -43,3 +43,11 @@ def test_calls_counts_what_the_inert_call_sites_are_called_a_step():
     assert int(found.group(1)) >= 4 * 3 and float(found.group(2)) > 0, found.group(0)
     assert "dump" in found.group(3) and "trace" in found.group(3), found.group(0)
     assert "plain: " not in out.stdout  # megatron_cpu alone inserts no call sites
+
+
+def test_variants_this_machine_cannot_run_are_refused_by_name():
+    out = subprocess.run([sys.executable, "bench/overhead_bench.py", "--quick", "--variants",
+                          "plain;weight sync every step"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode != 0
+    assert "'weight sync every step' needs two GPUs" in out.stderr, out.stderr[-2000:]

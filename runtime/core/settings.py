@@ -294,6 +294,9 @@ SCHEMAS["dump"] = {
                         "clone: device copy on the current stream, then async D2H (safe against in-place reuse); "
                         "direct: async D2H from the tensor itself (no device memory, not safe if it is overwritten)"),
     "fsync": Setting(False, boolean, "fsync each file and manifest append (durable across a machine crash; slower)"),
+    "drop_behind": Setting(True, boolean, "written files leave the page cache once written back (the writer "
+                           "advises them away): dumps neither evict what training reads nor fill memory "
+                           "the machine never used"),
     "port": Setting(0, _port, "HTTP control endpoint: 0 = off, else listen on port + LOCAL_RANK"),
     "host": Setting("127.0.0.1", _nonempty_text, "address the control endpoint binds"),
     "token": Setting("", text, "bearer token of the control endpoint; empty = generate one per process"),

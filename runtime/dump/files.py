@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import struct
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -109,6 +110,39 @@ def append_manifest(path: Path, data: bytes, fsync: bool = False) -> None:
             except OSError:
                 pass
             raise
+    finally:
+        os.close(fd)
+
+
+class DropBehind:
+    """The last ``keep`` files written leave the page cache behind the writer: each is
+    advised away when written (the kernel starts writing it back now) and again after
+    each later file (its pages written back by then are dropped; dirty ones are left).
+    The page cache then holds what is still being written instead of every byte of the
+    dump: dumps do not evict what training reads, and the cache does not grow into
+    memory the machine never used (on a VM that first touch is the first-run cliff).
+    ``posix_fadvise`` only advises: where it is missing or refused nothing changes."""
+
+    def __init__(self, keep: int = 8):
+        self.recent: deque = deque(maxlen=keep)
+
+    def written(self, path: Path) -> None:
+        self.recent.append(path)
+        for old in self.recent:
+            _advise_dontneed(old)
+
+
+def _advise_dontneed(path: Path) -> None:
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # deleted or moved meanwhile: nothing of it to drop
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
     finally:
         os.close(fd)
 

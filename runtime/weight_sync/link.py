@@ -38,9 +38,18 @@ def open_group(host: str, port: int, rank: int, world_size: int, group_name: str
     store = rendezvous_store(host, port, rank, world_size, timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
                                          PrefixStore(group_name, store), group_name=group_name,
-                                         backend_options=None, timeout=timeout)
+                                         backend_options=_options(backend), timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def _options(backend: str):
+    """NCCL's kernels go on a high-priority stream: the block scheduler then gives the
+    next broadcast SMs ahead of a bucket checksum or packing copy still running (each
+    of those takes every SM it can get, and the broadcast waited for them)."""
+    if backend != "nccl" or not hasattr(dist, "ProcessGroupNCCL"):
+        return None
+    return dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
 
 
 def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta):
@@ -62,7 +71,14 @@ def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: 
 
 
 def close_group(group) -> None:
-    """Destroy a group made by open_group (best effort: its peers may be gone)."""
+    """Destroy a group made by open_group (best effort: its peers may be gone).  NCCL's
+    communicator is aborted first: its graceful shutdown waits for the peers, and one
+    blocked in its next receive (a receive() loop) held the trainer there for good."""
+    try:
+        if dist.get_backend(group) == "nccl":
+            group._get_backend(torch.device("cuda")).abort()
+    except Exception:  # noqa: BLE001
+        pass
     try:
         dist.destroy_process_group(group)
     except Exception:  # noqa: BLE001

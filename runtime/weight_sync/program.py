@@ -80,6 +80,11 @@ class Packed:
         """The replay_packing setting, per send: may its copies replay as CUDA graphs
         (a packing without copies to replay ignores it)."""
 
+    def staged(self, k: int) -> bool:
+        """Whether bucket k is packed into one of the reused bucket buffers (else it is
+        sent from memory nothing else writes during the update)."""
+        return True
+
 
 class Program(Packed):
     """``Sources`` bound to the bucket buffers (``stream``: the ipc export, each bucket

@@ -333,6 +333,9 @@ class _Spans(Packed):
             _as_planned(tensor, e)
         return [t.reshape(-1).view(torch.uint8) for t in tensors]
 
+    def staged(self, k: int) -> bool:
+        return self.whole[k] is None
+
     def pack(self, k: int, extra: list) -> torch.Tensor:
         if self.whole[k] is not None:
             return self.whole[k]
@@ -370,7 +373,7 @@ class _Sender:
         if packing is not None:
             packing.replay_copies(replay_packing)
         self.packing = packing
-        self.in_flight: list = [None, None]   # data work per buffer
+        self.in_flight: list = [None, None]   # per buffer: (bucket, its data work)
         self.works: list = []
 
     def run(self, tensors: Iterator[torch.Tensor]) -> None:
@@ -405,14 +408,19 @@ class _Sender:
                 "(see its log)")
 
     def _flush(self, k: int, sources: list) -> None:
-        link, slot = self.link, k % 2
-        if self.in_flight[slot] is not None:  # the buffer's previous bucket must be out
+        link, slot, staged = self.link, k % 2, self.packing.staged(k)
+        if staged and self.in_flight[slot] is not None:  # the buffer's previous bucket must be out
             # On NCCL the device orders it (no host wait: the host runs ahead and every
-            # work's deadline is checked after the last bucket); gloo waits here.
-            link.after(self.in_flight[slot], f"bucket {k - 2}")
+            # work's deadline is checked after the last bucket); gloo waits here.  A
+            # bucket sent from its own memory waits for nothing: its checksum may run
+            # ahead of the buckets still on the wire.
+            before, work = self.in_flight[slot]
+            link.after(work, f"bucket {before}")
         data = self.packing.pack(k, sources)
-        self.in_flight[slot] = link.broadcast(data)
-        self.works.append(self.in_flight[slot])
+        work = link.broadcast(data)
+        if staged:
+            self.in_flight[slot] = (k, work)
+        self.works.append(work)
         if self.manifest.checksum:
             bucket_sum(data, self.packing.sums[k])
             if before_sum_send is not None:

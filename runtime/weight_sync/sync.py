@@ -237,7 +237,10 @@ def reset() -> dict:
 
 
 def close(timeout: float | None = None) -> bool:
-    """Close the trainer's backend (the next push opens a new one)."""
+    """Close the trainer's backend (the next push opens a new one).  Call it before
+    ``torch.distributed.destroy_process_group()`` where receivers wait for the next
+    update (a ``receive()`` loop): torch's destroy of every group waits for them, this
+    aborts the update group instead (examples/train_moe.py does)."""
     disconnect()
     return True
 
