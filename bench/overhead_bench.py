@@ -11,6 +11,7 @@ Core 0.16 needs without Transformer Engine):
     routing capture        + routing, capture of every microbatch and layer, written each step
     routing replay         + routing, replay of a capture of the same run
     dump every layer       + dump, every site (every layer, the logits) every step
+    dump every layer, cache kept   the same with drop_behind off (written files stay in the page cache)
     dump 1 layer / 10      + dump, layer 1 only, every 10th step (the debugging setting)
     trace, 1 client        + trace, a client subscribed to every layer's output (tiles), reading every frame
     weight sync every step + weight_sync pushing after every optimizer step over NCCL to
@@ -95,6 +96,7 @@ class Variant(NamedTuple):
     client: bool = False
     sync: bool = False
     graphs: bool = False
+    env: tuple = ()  # more (name, value) settings
 
 
 VARIANTS = {
@@ -104,6 +106,7 @@ VARIANTS = {
     "routing capture": Variant(f"{BASE},routing", "capture"),
     "routing replay": Variant(f"{BASE},routing", "replay"),
     "dump every layer": Variant(f"{BASE},dump", dump="all"),
+    "dump every layer, cache kept": Variant(f"{BASE},dump", dump="all", env=(("SOURCE_PATCH_DUMP_DROP_BEHIND", "0"),)),
     "dump 1 layer / 10": Variant(f"{BASE},dump", dump="sparse"),
     "trace, 1 client": Variant(f"{BASE},trace", client=True),
     "weight sync every step": Variant(f"{BASE},weight_sync", sync=True),
@@ -128,6 +131,7 @@ def environment(name: str, folder: str, replay_dir: str, steps: int, port: int, 
         env.update(SOURCE_PATCH_DUMP_LAYERS="1", SOURCE_PATCH_DUMP_STEPS=",".join(map(str, range(0, steps, 10))))
     if v.client:
         env["SOURCE_PATCH_TRACE_WAIT"] = "120"  # every step has the client: training starts once it subscribed
+    env.update(v.env)
     if v.graphs:  # Megatron refuses graphs under expandable segments (resident mode) without it
         env["NCCL_GRAPH_REGISTER"] = "0"
     if v.sync:  # every step pushes to sync_receiver.py (rank 1 on the second GPU); a failed push raises

@@ -30,6 +30,8 @@ Each configuration is a fresh pytest process with a JUnit XML report:
     replay       ... routing replay of capture's records (same tests, same order)
     trace        ... trace on, a client subscribed to every name
     weight_sync  ... weight sync on, no engine joined
+    all          ... dump, capture, trace (with a client) and weight_sync on at once
+                     (--configs only; CI runs plain, inert, all and replay of all's records)
 
 ``--cpu`` adds ``megatron_cpu`` (SGLang: ``sglang_cpu``) to every configuration (plain
 included), hides the GPUs (Megatron) and runs a smaller file list. The output: outcomes
@@ -155,7 +157,7 @@ def configurations(work: Path, cpu: bool, framework: str = "megatron") -> dict:
     # Megatron's routing settings and SGLang's (per request, written when it finishes): each
     # framework reads only its own
     routes, sglang_routes = str(work / "routes"), str(work / "sglang-routes")
-    return {
+    configs = {
         "plain": {"SOURCE_PATCH": base.rstrip(",")},
         "inert": inert,
         "dump": {**inert, "SOURCE_PATCH_DUMP_ENABLE": "1"},
@@ -170,6 +172,9 @@ def configurations(work: Path, cpu: bool, framework: str = "megatron") -> dict:
                         str(free_port()), "SOURCE_PATCH_WEIGHT_SYNC_WORLD_SIZE": "2",
                         "SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "20"},
     }
+    # every capability on at once (what CI runs, with plain, inert and replay of its capture)
+    configs["all"] = {k: v for name in ("dump", "capture", "trace", "weight_sync") for k, v in configs[name].items()}
+    return configs
 
 
 def free_port() -> int:
@@ -280,13 +285,13 @@ def run_all(folder: Path, files: list, cpu: bool, names: list, timeout: float, w
         if name == "replay":  # SGLang's replay reads capture's folder, records or none
             (work / "sglang-routes").mkdir(exist_ok=True)
         env["SP_UPSTREAM_APPLIED"] = str(work / f"{name}.applied")
-        client = TraceClient(env, work) if name == "trace" else None
+        client = TraceClient(env, work) if name in ("trace", "all") else None
         res = run_pytest(folder, files, env, work / f"{name}.xml", min(timeout, left))
         applied = work / f"{name}.applied"
         res["applied"] = applied.read_text().split() if applied.exists() else []
         if client is not None:
             res["client"] = client.stop()
-        if name == "capture":
+        if name in ("capture", "all"):
             res["records"] = count_records(work / "routes") + len(list((work / "sglang-routes").rglob("*.safetensors")))
         counts = Counter(o for o, _ in res["outcomes"].values())
         print(f"-- {name} (SOURCE_PATCH={env.get('SOURCE_PATCH', '')!r}): {res['status']}, {res['seconds']:.0f} s: "
@@ -361,8 +366,9 @@ def report(folder: Path, results: dict, names: list, cpu: bool, framework: str =
                      + f" | {'-' if name == 'plain' else n} | {res['seconds']:.0f} |")
     notes = [f"{name}: {res['status']}" for name, res in results.items() if not res["status"].startswith("exit")]
     notes += [f"{name}: not run (--deadline)" for name in names if name not in results]
-    if "capture" in results:
-        notes.append(f"capture wrote {results['capture'].get('records', 0)} records; replay replays them")
+    for name in ("capture", "all"):
+        if name in results:
+            notes.append(f"{name} wrote {results[name].get('records', 0)} records; replay replays them")
     if "trace" in results:
         notes.append(f"trace client: {results['trace'].get('client', '')}")
     lines += [""] + [f"- {n}" for n in notes]
@@ -406,7 +412,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="CPU: megatron_cpu (sglang_cpu) everywhere, CPU files")
     p.add_argument("--engine", action="store_true", help="SGLang: also start a real server in the focused runs")
     p.add_argument("--files", nargs="+", help="test files or folders, relative to the release folder")
-    p.add_argument("--configs", nargs="+", help="configurations to run (plain always runs first)")
+    p.add_argument("--configs", nargs="+", help="configurations to run (plain always runs first; default: all but 'all')")
     p.add_argument("--timeout", type=float, default=600, help="seconds per pytest process")
     p.add_argument("--deadline", type=float, default=3600, help="seconds for all of them: later ones are not run")
     p.add_argument("--jobs", type=int, default=1, help="configurations run at once (replay always after capture)")
@@ -424,10 +430,13 @@ def main(argv=None) -> int:
         return 2
     default = SGLANG_FILES + [str(FOCUS)] if framework == "sglang" else CPU_FILES if args.cpu else GPU_FILES
     files = [f for f in (args.files or default) if (folder / f).exists()]
-    names = list(configurations(Path("."), args.cpu, framework))
+    every = list(configurations(Path("."), args.cpu, framework))
+    names = [n for n in every if n != "all"]  # each capability alone; "all" on request (it shares capture's folder)
     if args.configs:
-        names = ["plain"] + [n for n in names if n in args.configs and n != "plain"]
-        if "replay" in names and "capture" not in names:
+        names = ["plain"] + [n for n in every if n in args.configs and n != "plain"]
+        if {"capture", "all"} <= set(names):
+            p.error("--configs: 'capture' and 'all' both write the records replay reads; name one of them")
+        if "replay" in names and not {"capture", "all"} & set(names):
             names.insert(names.index("replay"), "capture")
     work = Path(args.work or tempfile.mkdtemp(prefix="sp-upstream-"))
     work.mkdir(parents=True, exist_ok=True)

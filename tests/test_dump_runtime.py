@@ -474,10 +474,12 @@ def test_drop_behind_leaves_written_files_out_of_the_page_cache(tmp_path):
     assert after < before // 10, (before, after)
 
 
-def test_the_writer_drops_each_file_behind_it_unless_told_not_to(dumper, monkeypatch):
+def test_the_writer_drops_each_file_behind_it_when_told_to(dumper, monkeypatch):
     dropped = []
     monkeypatch.setattr(files.DropBehind, "written", lambda self, path: dropped.append(path))
-    dumper.configure(file_bytes=1)  # a file per record
+    dumper.dump("x", torch.zeros(100))
+    assert dumper.flush(10) and dropped == []  # off by default
+    dumper.configure(file_bytes=1, drop_behind=True)  # a file per record
     for i in range(3):
         dumper.dump("x", torch.zeros(100))
         assert dumper.flush(10)

@@ -603,14 +603,13 @@ def test_the_push_bench_pushes_to_a_receiver_process_and_gets_the_bytes_back(sta
     # EP 2: a layout check and one window of the expert buffer, against 8 expert parameters.
     (["--ep", "2"], {"gathers per parameter (before)": 8, "buffer windows": 2}),
     # TP 2 (expert TP 2): a layout check and one window each for the dense shards and the
-    # experts', against the 22 tensor-parallel parameters (6 dense, 16 expert).
-    (["--tp", "2"], {"gathers per parameter (before)": 22, "buffer windows": 4}),
+    # experts', against the 22 tensor-parallel parameters (6 dense, 16 expert); 4 KiB buckets
+    # (109 of them): the windows' gathers fall between buckets, shards joined in kept staging
+    # and tensors read from it cut over bucket ends.  (The default bucket, all in one, is
+    # the simpler case of the same walk: left out for CI's time.)
+    (["--tp", "2", "--bucket-kib", "4"], {"gathers per parameter (before)": 22, "buffer windows": 4}),
     # TP 2 and EP 2 (expert TP 2), four processes: the experts' windows gathered over the
     # EP x expert-TP group at once, against a gather over expert TP and one over EP each.
-    (["--tp", "2", "--ep", "2"], {"gathers per parameter (before)": 22, "buffer windows": 4}),
-    # The same with 4 KiB buckets (109 of them): the windows' gathers fall between buckets,
-    # shards joined in kept staging and tensors read from it cut over bucket ends.
-    (["--tp", "2", "--bucket-kib", "4"], {"gathers per parameter (before)": 22, "buffer windows": 4}),
     (["--tp", "2", "--ep", "2", "--bucket-kib", "4"], {"gathers per parameter (before)": 22, "buffer windows": 4}),
 ])
 def test_the_push_bench_gathers_buffer_windows_and_checks_them_against_per_parameter_gathers(parallel, collectives):

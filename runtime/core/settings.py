@@ -294,9 +294,9 @@ SCHEMAS["dump"] = {
                         "clone: device copy on the current stream, then async D2H (safe against in-place reuse); "
                         "direct: async D2H from the tensor itself (no device memory, not safe if it is overwritten)"),
     "fsync": Setting(False, boolean, "fsync each file and manifest append (durable across a machine crash; slower)"),
-    "drop_behind": Setting(True, boolean, "written files leave the page cache once written back (the writer "
-                           "advises them away): dumps neither evict what training reads nor fill memory "
-                           "the machine never used"),
+    "drop_behind": Setting(False, boolean, "written files leave the page cache (the writer advises them away): "
+                           "dumps neither evict what training reads nor fill memory the machine never used "
+                           "(no first-run cliff on a VM), but the writer then runs at the disk's speed"),
     "port": Setting(0, _port, "HTTP control endpoint: 0 = off, else listen on port + LOCAL_RANK"),
     "host": Setting("127.0.0.1", _nonempty_text, "address the control endpoint binds"),
     "token": Setting("", text, "bearer token of the control endpoint; empty = generate one per process"),
