@@ -14,6 +14,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FIXTURES), os.envir
 # Session fixtures that start a real SGLang server: the files that use one run on the same
 # pytest-xdist worker, so it starts once (make test: -n 2 --dist loadgroup).
 _SHARED_SERVERS = {"instrumented_sglang", "hf_qwen3"}
+# Files whose module fixtures start sglang_server with equal arguments: one worker, one start.
+_SAME_SERVER = {"test_hardening_weights.py": "sglang-weight-sync-server",
+                "test_weight_sync_engine.py": "sglang-weight-sync-server"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,7 +24,8 @@ def pytest_collection_modifyitems(config, items):
     files that share a session server into one group."""
     shared = {item.path for item in items if _SHARED_SERVERS & set(getattr(item, "fixturenames", ()))}
     for item in items:
-        group = "sglang-session-servers" if item.path in shared else item.path.name
+        group = "sglang-session-servers" if item.path in shared else \
+            _SAME_SERVER.get(item.path.name, item.path.name)
         item.add_marker(pytest.mark.xdist_group(group))
 
 

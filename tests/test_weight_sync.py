@@ -1051,3 +1051,26 @@ def test_tensor_parallel_shards_gather_into_what_megatrons_modules_compute(runs)
     assert result["o_proj"] < 1e-5 and result["mlp"] < 1e-5  # a sum over TP ranks: rounding only
     assert result["shapes_planned_as_gathered"]
     assert "model.layers.1.mlp.gate_proj.weight" in result["names"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_trainer_leaves_while_its_receiver_waits_for_the_next_update(tmp_path):
+    """The example pushes after every step to a receiver on GPU 1 that loops on receive():
+    at its end the receiver waits for the next update.  Before close() aborted the NCCL
+    group, torch's destroy_process_group() of every group waited for that receiver for good."""
+    port = models.free_port()
+    receiver = subprocess.Popen([sys.executable, ROOT / "bench" / "sync_receiver.py", "--port", str(port),
+                                 "--device", "cuda:1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        env = {**os.environ, "SOURCE_PATCH": "megatron_cpu,weight_sync", "SOURCE_PATCH_WEIGHT_SYNC_ENABLE": "1",
+               "SOURCE_PATCH_WEIGHT_SYNC_PORT": str(port), "SOURCE_PATCH_WEIGHT_SYNC_ON_ERROR": "raise",
+               "SOURCE_PATCH_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "ignore"}
+        trainer = subprocess.run([sys.executable, ROOT / "examples" / "train_moe.py", "--steps", "3", "--hidden", "64"],
+                                 env=env, capture_output=True, text=True, timeout=180)
+        assert trainer.returncode == 0, trainer.stdout[-2000:] + trainer.stderr[-3000:]
+        assert "done: 3 steps" in trainer.stdout
+    finally:
+        receiver.terminate()
+        out, _ = receiver.communicate(timeout=60)
+    assert "sync receiver: 3 updates" in out, out[-2000:]
