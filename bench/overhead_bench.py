@@ -18,6 +18,7 @@ Core 0.16 needs without Transformer Engine):
                            sync_receiver.py on the second GPU (two GPUs)
     everything at once     + all of the above that a user turns on together: routing capture,
                            dump 1 layer / 10, trace with the client; weight_sync inert
+    everything + weight sync   the same with weight sync pushing every step (two GPUs)
     plain, graphs          plain with Megatron's router CUDA graphs (graph_bench.py's model);
     routing capture, graphs    the ", graphs" variants are compared with it, not with plain
     everything at once, graphs
@@ -111,6 +112,7 @@ VARIANTS = {
     "trace, 1 client": Variant(f"{BASE},trace", client=True),
     "weight sync every step": Variant(f"{BASE},weight_sync", sync=True),
     "everything at once": Variant(EVERY, "capture", "sparse", True),
+    "everything + weight sync": Variant(EVERY, "capture", "sparse", True, sync=True),
     "plain, graphs": Variant(BASE, graphs=True),
     "routing capture, graphs": Variant(f"{BASE},routing", "capture", graphs=True),
     "everything at once, graphs": Variant(EVERY, "capture", "sparse", True, graphs=True),

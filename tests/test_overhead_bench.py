@@ -31,11 +31,19 @@ def test_resident_mode_alternates_blocks_and_reports_an_aa_row(tmp_path):
         assert max(max(b) for b in rows) < 10 * min(min(b) for b in rows), rows
 
 
-def test_calls_counts_what_the_inert_call_sites_are_called_a_step():
+def test_calls_counts_what_the_inert_call_sites_are_called_a_step_and_everything_at_once_works():
     out = subprocess.run([sys.executable, "bench/overhead_bench.py", "--quick", "--calls",
-                          "--variants", "plain;every spec inert"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          "--variants", "plain;every spec inert;everything at once"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^(plain|everything at once)\s+1\s+[\d.]+\s+[+-].*$",
+                                                          out.stdout, re.M)}
+    assert set(rows) == {"plain", "everything at once"}, out.stdout
+    # the everything-at-once process dumped (layer 1, every 10th step), captured routes and got trace frames
+    line = next(line for line in out.stdout.splitlines() if re.match(r"\s*\d+\. everything at once", line))
+    frames = int(re.search(r"trace frames (\d+)", line).group(1))
+    assert frames >= 4 and "dump 0.00 GiB" in line, line  # 4 layers, 5 steps; a small model's layer: KiB
+    assert float(rows["everything at once"].split()[-1].removesuffix("Mi")) > 0, rows
     found = re.search(r"every spec inert: (\d+) call-site calls a step, ([\d.]+) us a step in them .*most: (.*)$",
                       out.stdout, re.M)
     assert found, out.stdout

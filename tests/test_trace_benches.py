@@ -1,6 +1,7 @@
 """The trace benches' CPU smoke runs: they run, and what they print holds together
-(bench/compressor_bench.py, bench/trace_bench.py --calls with bench/gc_probe.py), and
-bench/overhead_bench.py, whose `everything at once` traces with a client too."""
+(bench/compressor_bench.py, bench/trace_bench.py --calls with bench/gc_probe.py).
+overhead_bench.py's `everything at once`, which traces with a client too, is checked in
+tests/test_overhead_bench.py."""
 
 import os
 import re
@@ -34,15 +35,3 @@ def test_trace_bench_calls_times_the_parts_of_each_due_call_in_training():
              re.finditer(r"^toggling client, \s*(.+?): first [\d.]+ ms, then mean ([\d.]+) us; (\d+) calls", out, re.M)}
     calls = parts["due call (_compress)"]
     assert calls > 0 and parts["device stage (launch, ring)"] == calls, parts  # one device stage per due call
-
-
-def test_the_overhead_bench_compares_everything_at_once_with_plain():
-    out = run("bench/overhead_bench.py", "--quick")
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^(plain|everything at once)\s+1\s+[\d.]+\s+[+-].*$", out, re.M)}
-    assert set(rows) == {"plain", "everything at once"}, out
-    # the everything-at-once process dumped (layer 1, every 10th step), captured routes and got trace frames
-    line = next(line for line in out.splitlines() if re.match(r"\s*\d+\. everything at once", line))
-    frames = int(re.search(r"trace frames (\d+)", line).group(1))
-    assert frames >= 4 and "dump 0.00 GiB" in line, line  # 4 layers, 5 steps; a small model's layer: KiB
-    written = float(rows["everything at once"].split()[-1].removesuffix("Mi"))
-    assert written > 0, rows
