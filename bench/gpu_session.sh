@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project runs on a lent GPU machine, in one call:
 #   here:   pip download the cp312 wheels of megatron-core, libcst, packaging and websockets into
-#           .whl/ (see ../shared/gpu.md) and `pip wheel --no-deps --no-build-isolation . -w .whl`
+#           .whl/ (see ../shared/gpu.md) and `rm -rf build; pip wheel --no-deps --no-build-isolation . -w .whl` (a stale build/ ships deleted files)
 #           and for `newest`: the cp312 wheel of megatron-core 0.19.2 into .whl/next/
 #           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
 #           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
