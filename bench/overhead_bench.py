@@ -147,6 +147,17 @@ def baseline(name: str) -> str:
     return "plain, graphs" if VARIANTS[name].graphs else "plain"
 
 
+def companions(name: str, port: int, sync_port: int, report: dict) -> tuple:
+    """What variant ``name``'s training process needs beside it, started: its weight-sync
+    receiver (or None) and its trace client's thread (or None; it counts frames in ``report``)."""
+    receiver = sync_receiver(sync_port) if VARIANTS[name].sync else None
+    thread = None
+    if VARIANTS[name].client:
+        thread = threading.Thread(target=lambda: asyncio.run(trace_client(port, report)), daemon=True)
+        thread.start()
+    return receiver, thread
+
+
 def sync_receiver(port: int) -> subprocess.Popen:
     """The receiving end of "weight sync every step": its own process on GPU 1."""
     script = str(Path(__file__).with_name("sync_receiver.py"))
@@ -186,9 +197,9 @@ def choose(text: str, quick: bool) -> list[str]:
         raise SystemExit(f"unknown variant(s) {unknown}; valid: {', '.join(VARIANTS)}")
     if not names:
         return [n for n in (QUICK if quick else VARIANTS) if runnable(n) is None]
-    cannot = [f"{n!r} {runnable(n)}" for n in names if runnable(n)]
-    if cannot:
-        raise SystemExit("; ".join(cannot))
+    why = {n: runnable(n) for n in names}
+    if any(why.values()):
+        raise SystemExit("; ".join(f"{n!r} {reason}" for n, reason in why.items() if reason))
     return names
 
 
@@ -229,11 +240,7 @@ def train(args, name: str, root: str, replay: dict) -> dict:
     if args.calls:
         env["OVERHEAD_PROBE_CALLS"] = "1"
     report: dict = {}
-    thread = None
-    receiver = sync_receiver(sync_port) if VARIANTS[name].sync else None
-    if VARIANTS[name].client:
-        thread = threading.Thread(target=lambda: asyncio.run(trace_client(port, report)), daemon=True)
-        thread.start()
+    receiver, thread = companions(name, port, sync_port, report)
     started = time.perf_counter()
     probe = str(Path(__file__).with_name("overhead_probe.py"))
     out = subprocess.run([sys.executable, probe, str(training.EXAMPLE), *size_args(args, args.steps)], env=env,
@@ -353,9 +360,7 @@ class Resident:
         if args.calls:
             env["OVERHEAD_PROBE_CALLS"] = "1"
         self.report: dict = {}
-        self.receiver = sync_receiver(sync_port) if VARIANTS[name].sync else None
-        if VARIANTS[name].client:
-            threading.Thread(target=lambda: asyncio.run(trace_client(port, self.report)), daemon=True).start()
+        self.receiver, _ = companions(name, port, sync_port, self.report)
         probe = str(Path(__file__).with_name("overhead_probe.py"))
         self.err = open(os.path.join(self.folder, "stderr.txt"), "w+")
         self.proc = subprocess.Popen([sys.executable, probe, str(training.EXAMPLE), *size_args(args, total)],
@@ -447,7 +452,8 @@ def resident_table(blocks: dict, probes: dict) -> None:
 
 def run_resident(args, names: list[str], root: str) -> None:
     names = [n for n in names if VARIANTS[n].routing != "replay"]
-    for base in sorted({baseline(n) for n in names}, reverse=True):  # plain first: every round's ratios need it
+    # the baselines first ("plain" before "plain, graphs"): every round's ratios need their blocks
+    for base in sorted({baseline(n) for n in names}, reverse=True):
         if base in names:
             names.remove(base)
         names.insert(0, base)

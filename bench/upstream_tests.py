@@ -177,6 +177,10 @@ def configurations(work: Path, cpu: bool, framework: str = "megatron") -> dict:
     return configs
 
 
+CAPTURING = ("capture", "all")  # the configurations that write the records replay reads
+TRACING = ("trace", "all")       # those with a trace client subscribed
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -285,13 +289,13 @@ def run_all(folder: Path, files: list, cpu: bool, names: list, timeout: float, w
         if name == "replay":  # SGLang's replay reads capture's folder, records or none
             (work / "sglang-routes").mkdir(exist_ok=True)
         env["SP_UPSTREAM_APPLIED"] = str(work / f"{name}.applied")
-        client = TraceClient(env, work) if name in ("trace", "all") else None
+        client = TraceClient(env, work) if name in TRACING else None
         res = run_pytest(folder, files, env, work / f"{name}.xml", min(timeout, left))
         applied = work / f"{name}.applied"
         res["applied"] = applied.read_text().split() if applied.exists() else []
         if client is not None:
             res["client"] = client.stop()
-        if name in ("capture", "all"):
+        if name in CAPTURING:
             res["records"] = count_records(work / "routes") + len(list((work / "sglang-routes").rglob("*.safetensors")))
         counts = Counter(o for o, _ in res["outcomes"].values())
         print(f"-- {name} (SOURCE_PATCH={env.get('SOURCE_PATCH', '')!r}): {res['status']}, {res['seconds']:.0f} s: "
@@ -366,7 +370,7 @@ def report(folder: Path, results: dict, names: list, cpu: bool, framework: str =
                      + f" | {'-' if name == 'plain' else n} | {res['seconds']:.0f} |")
     notes = [f"{name}: {res['status']}" for name, res in results.items() if not res["status"].startswith("exit")]
     notes += [f"{name}: not run (--deadline)" for name in names if name not in results]
-    for name in ("capture", "all"):
+    for name in CAPTURING:
         if name in results:
             notes.append(f"{name} wrote {results[name].get('records', 0)} records; replay replays them")
     if "trace" in results:
@@ -434,9 +438,9 @@ def main(argv=None) -> int:
     names = [n for n in every if n != "all"]  # each capability alone; "all" on request (it shares capture's folder)
     if args.configs:
         names = ["plain"] + [n for n in every if n in args.configs and n != "plain"]
-        if {"capture", "all"} <= set(names):
+        if set(CAPTURING) <= set(names):
             p.error("--configs: 'capture' and 'all' both write the records replay reads; name one of them")
-        if "replay" in names and not {"capture", "all"} & set(names):
+        if "replay" in names and not set(CAPTURING) & set(names):
             names.insert(names.index("replay"), "capture")
     work = Path(args.work or tempfile.mkdtemp(prefix="sp-upstream-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -70,15 +70,21 @@ def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: 
                          use_libuv=True)
 
 
-def close_group(group) -> None:
-    """Destroy a group made by open_group (best effort: its peers may be gone).  NCCL's
-    communicator is aborted first: its graceful shutdown waits for the peers, and one
-    blocked in its next receive (a receive() loop) held the trainer there for good."""
+def abort_group(group) -> None:
+    """Abort an NCCL group's communicator at once, waiting for no peer (best effort: the
+    group is given up either way; other backends are left to their destroy)."""
     try:
         if dist.get_backend(group) == "nccl":
             group._get_backend(torch.device("cuda")).abort()
     except Exception:  # noqa: BLE001
         pass
+
+
+def close_group(group) -> None:
+    """Destroy a group made by open_group (best effort: its peers may be gone).  NCCL's
+    communicator is aborted first: its graceful shutdown waits for the peers, and one
+    blocked in its next receive (a receive() loop) held the trainer there for good."""
+    abort_group(group)
     try:
         dist.destroy_process_group(group)
     except Exception:  # noqa: BLE001
@@ -149,17 +155,11 @@ class Link:
         while not work.is_completed():
             now = time.monotonic()
             if now > deadline:
-                self._abort()
+                abort_group(self.group)
                 raise WeightSyncTimeout(f"{what}: no peer answered within {self.timeout_s:g} s")
             if now > spin:
                 time.sleep(pause)
                 pause = min(pause * 2, 5e-5)  # a late wake-up would leave the wire idle
-
-    def _abort(self) -> None:
-        try:
-            self.group._get_backend(self.device).abort()
-        except Exception:  # noqa: BLE001 - best effort; the link is broken either way
-            pass
 
     def vote(self, status, what: str) -> int:
         """All-reduce MAX of every rank's status: an int, or an int64 tensor of one
