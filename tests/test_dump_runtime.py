@@ -333,7 +333,7 @@ def test_settings_from_environment_and_spec(dumper, write_spec, tmp_path):
             "    on_full: drop\npatches:\n  - id: p\n    module: spfix.basic\n    target: add\n"
             "    edits:\n      - {at: entry, code: \"pass\"}\n")
     assert loads(spec, "s.yaml").runtime == {"dump": {"enable": True, "layers": ["0-3"], "on_full": "drop"}}
-    with pytest.raises(SpecError, match=r"runtime.dump.layer: unknown key 'layer'.*valid keys: dir, drop_behind, enable"):
+    with pytest.raises(SpecError, match=r"runtime.dump.layer: unknown key 'layer'.*valid keys: dir, drop_behind, drop_behind_bytes, enable"):
         loads(spec.replace("layers:", "layer:"), "s.yaml")
 
 
@@ -474,19 +474,40 @@ def test_drop_behind_leaves_written_files_out_of_the_page_cache(tmp_path):
     assert after < before // 10, (before, after)
 
 
-def test_the_writer_drops_each_file_behind_it_when_told_to(dumper, monkeypatch):
-    dropped = []
-    monkeypatch.setattr(files.DropBehind, "written", lambda self, path: dropped.append(path))
-    dumper.dump("x", torch.zeros(100))
-    assert dumper.flush(10) and dropped == []  # off by default
-    dumper.configure(file_bytes=1, drop_behind=True)  # a file per record
+def test_files_leave_the_page_cache_once_the_window_of_newer_bytes_is_full(monkeypatch):
+    advised = []
+    monkeypatch.setattr(files, "_advise_dontneed", advised.append)
+    behind = files.DropBehind(window=10, again=2)
+    behind.written(Path("a"), 6)
+    behind.written(Path("b"), 4)
+    assert advised == []  # 10 bytes: all within the window
+    behind.written(Path("c"), 3)
+    assert advised == [Path("a")]  # a is older than the newest 10 bytes (b, c: 7)
+    behind.written(Path("d"), 9)
+    assert advised == [Path("a"), Path("b"), Path("c")]  # b and c leave; a (of `again` = 2) is forgotten
+    advised.clear()
+    behind.written(Path("e"), 1)
+    assert advised == [Path("b"), Path("c")]  # advised again after each later file, `again` of them
+
+
+def test_the_writer_drops_files_behind_its_window_by_default(dumper, monkeypatch):
+    advised = []
+    monkeypatch.setattr(files, "_advise_dontneed", advised.append)
     for i in range(3):
         dumper.dump("x", torch.zeros(100))
         assert dumper.flush(10)
-    assert len(dropped) == 3 and all(p.exists() and p.suffix == ".safetensors" for p in dropped), dropped
+    assert advised == []  # a dump smaller than drop_behind_bytes (2 GiB) stays cached
+    dumper.configure(file_bytes=1, drop_behind_bytes=0)  # a file per record, each advised away at once
+    for i in range(3):
+        dumper.dump("x", torch.zeros(100))
+        assert dumper.flush(10)
+    # the window shrank to 0: the files it held leave too (earlier tests' of this process among them)
+    mine = {p for p in advised if p.is_relative_to(exp_dir(dumper))}
+    assert len(mine) == 6 and all(p.exists() and p.suffix == ".safetensors" for p in mine), advised
     dumper.configure(drop_behind=False)
+    advised.clear()
     dumper.dump("x", torch.zeros(100))
-    assert dumper.flush(10) and len(dropped) == 3
+    assert dumper.flush(10) and advised == []
 
 
 def test_close_then_dump_again(dumper):

@@ -294,9 +294,13 @@ SCHEMAS["dump"] = {
                         "clone: device copy on the current stream, then async D2H (safe against in-place reuse); "
                         "direct: async D2H from the tensor itself (no device memory, not safe if it is overwritten)"),
     "fsync": Setting(False, boolean, "fsync each file and manifest append (durable across a machine crash; slower)"),
-    "drop_behind": Setting(False, boolean, "written files leave the page cache (the writer advises them away): "
-                           "dumps neither evict what training reads nor fill memory the machine never used "
-                           "(no first-run cliff on a VM), but the writer then runs at the disk's speed"),
+    "drop_behind": Setting(True, boolean, "files older than the dump's newest drop_behind_bytes leave the page "
+                           "cache (the writer advises them away): a large dump neither evicts what training reads "
+                           "nor fills memory the machine never used (no first-run cliff on a VM); it then runs at "
+                           "the disk's speed"),
+    "drop_behind_bytes": Setting(2 << 30, size(), "bytes of the newest dump files left in the page cache with "
+                                 "drop_behind (a dump smaller than this is never advised away; 0: every file as "
+                                 "soon as written)"),
     "port": Setting(0, _port, "HTTP control endpoint: 0 = off, else listen on port + LOCAL_RANK"),
     "host": Setting("127.0.0.1", _nonempty_text, "address the control endpoint binds"),
     "token": Setting("", text, "bearer token of the control endpoint; empty = generate one per process"),

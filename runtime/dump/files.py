@@ -115,20 +115,30 @@ def append_manifest(path: Path, data: bytes, fsync: bool = False) -> None:
 
 
 class DropBehind:
-    """The last ``keep`` files written leave the page cache behind the writer: each is
-    advised away when written (the kernel starts writing it back now) and again after
-    each later file (its pages written back by then are dropped; dirty ones are left).
-    The page cache then holds what is still being written instead of every byte of the
-    dump: dumps do not evict what training reads, and the cache does not grow into
-    memory the machine never used (on a VM that first touch is the first-run cliff).
+    """Files older than the newest ``window`` bytes of the dump leave the page cache
+    behind the writer: each is advised away once that much was written after it (the
+    kernel starts writing it back now) and again after each of the next ``again``
+    files (its pages written back by then are dropped; dirty ones are left).  The page
+    cache then holds the dump's last ``window`` bytes and what is still being written,
+    not every byte of it: a dump smaller than the window is never touched, a large one
+    does not evict what training reads, and the cache does not grow into memory the
+    machine never used (on a VM that first touch is the first-run cliff).
     ``posix_fadvise`` only advises: where it is missing or refused nothing changes."""
 
-    def __init__(self, keep: int = 8):
-        self.recent: deque = deque(maxlen=keep)
+    def __init__(self, window: int = 0, again: int = 8):
+        self.window = window
+        self.kept: deque = deque()  # (path, bytes) of the newest files, within the window
+        self.kept_bytes = 0
+        self.leaving: deque = deque(maxlen=again)  # advised away, and again after each later file
 
-    def written(self, path: Path) -> None:
-        self.recent.append(path)
-        for old in self.recent:
+    def written(self, path: Path, nbytes: int = 0) -> None:
+        self.kept.append((path, nbytes))
+        self.kept_bytes += nbytes
+        while self.kept and (self.kept_bytes > self.window or not self.window):
+            old, size = self.kept.popleft()
+            self.kept_bytes -= size
+            self.leaving.append(old)
+        for old in self.leaving:
             _advise_dontneed(old)
 
 

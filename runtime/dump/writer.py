@@ -36,7 +36,7 @@ class Pipeline:
 
     def __init__(self, counters: Counters, session: str):
         self.counters, self.session = counters, session
-        self.config: dict = {}        # queue_bytes, on_full, file_bytes, fsync, drop_behind, gpu_copy
+        self.config: dict = {}        # queue_bytes, on_full, file_bytes, fsync, drop_behind(_bytes), gpu_copy
         self.behind = files.DropBehind()
         self.keep_buffers = False     # pool written records' buffers (only while enabled)
         self.cond = threading.Condition()
@@ -313,7 +313,8 @@ class Pipeline:
             started = time.perf_counter()
             files.write_records(rank_dir, file_name, items, self.session, bool(self.config.get("fsync")))
             if self.config.get("drop_behind"):
-                self.behind.written(rank_dir / file_name)
+                self.behind.window = self.config.get("drop_behind_bytes", 0)
+                self.behind.written(rank_dir / file_name, sum(item.nbytes for item in items))
             write_s = time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001
             self.counters.fail(f"writing {len(items)} record(s) to {rank_dir}", exc, lost=len(items))
