@@ -296,7 +296,7 @@ def test_direct_launches_compute_what_tritons_own_launches_do_in_every_layout(mo
                 assert torch.equal(got.cpu(), want), (tuple(x.shape), x.dtype, x.data_ptr() % 16, where)
                 ring.reset()
         assert len(launches) == before, (tuple(x.shape), x.dtype)  # every one of them went direct
-    kernels = {id(launch.compiled[1]) for launch in fused._launches.values() if launch.compiled}
+    kernels = {id(launch.function) for launch in fused._launches.values() if launch.compiled}
     assert len(kernels) >= 4  # aligned / not, rows == 1, width 130, bf16: not all one kernel
     hook = lambda metadata: None  # noqa: E731 - a profiler's launch hook: Triton's dispatch again
     triton_hooks = fused._hooks
@@ -359,3 +359,56 @@ def test_planned_due_calls_write_into_the_ring_what_the_general_path_does(monkey
         api.set_subscriptions(())
         api._pending.clear()
         ring.reset()
+
+
+class _FlatLauncher:
+    """The shape of Triton 3.6's CudaLauncher (its __call__ passes every argument
+    through to its C launch, the kernel's arguments last and flat)."""
+
+    def __init__(self, scratch: int = 0):
+        self.launch = lambda *arguments: self.calls.append(arguments)
+        self.calls: list = []
+        self.global_scratch_size = self.profile_scratch_size = scratch
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        scratch = (lambda size: None if size == 0 else "scratch")  # stand-in for the allocator
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    scratch(self.global_scratch_size), scratch(self.profile_scratch_size), *args)
+
+
+class _NestedLauncher(_FlatLauncher):
+    """The shape of Triton 3.9's: the kernel's arguments in one tuple."""
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, metadata, launch_metadata, enter, leave, *args):
+        self.launch(gridX, gridY, gridZ, stream, function, False, True, metadata, launch_metadata, enter, leave,
+                    None, None, "annotations", "signature", args)
+
+
+class _Kernel:
+    def __init__(self, launcher):
+        self.run, self.function, self.packed_metadata = launcher, 0xF00, ("meta",)
+
+    def _init_handles(self):
+        pass
+
+
+@pytest.mark.parametrize("launcher, direct", [(_FlatLauncher(), True), (_NestedLauncher(), False),
+                                              (_FlatLauncher(scratch=64), False)],
+                         ids=["flat", "nested", "scratch"])
+def test_a_planned_launch_hands_the_c_launch_what_the_launchers_call_would(launcher, direct):
+    """fused._launcher skips the launcher's Python __call__ only where it passes its
+    arguments through unchanged (recorded once with stand-ins); either way, the planned
+    call hands the C launch exactly what the __call__ hands it."""
+    fused = tc.fused_kernel()
+    if fused is None:
+        pytest.skip("Triton is not importable here")
+    launch = fused._Launch(torch.empty(64, 256), ("mean", "max"))
+    call, before, middle, after = fused._launcher(_Kernel(launcher), launch)
+    assert (call is not launcher) == direct and launch.function == 0xF00
+    if direct:
+        assert not launcher.calls  # recorded without launching
+    launcher.calls.clear()
+    launcher(*launch.grid, 1, 77, 0xF00, ("meta",), None, None, None, 1024, 2048, *launch.args)
+    call(*before, 77, *middle, 1024, 2048, *after)
+    assert len(launcher.calls) == 2 and launcher.calls[0] == launcher.calls[1], launcher.calls

@@ -263,9 +263,8 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
             if offset is None:
                 _count("dropped")  # the forwarder is behind: its ring is full
             else:
-                run, function, metadata = launch.compiled
-                run(*launch.grid, 1, fused._current_raw_stream(device), function, metadata, None, None, None,
-                    address, base + offset, *launch.args)
+                call, before, middle, after = launch.compiled
+                call(*before, fused._current_raw_stream(device), *middle, address, base + offset, *after)
                 item = _Result([sub], key[0], tags, step, stamp, None, None, None, tensor,
                                (offset, end, "<f4", list(launch.shape)))
                 sid, index, _ = _stream_of(device)  # its batch's event goes on this stream (_seal)

@@ -97,10 +97,11 @@ def _column_stats(x_ptr, out_ptr, rows, cols, rows_per_split, K: tl.constexpr, B
 
 class _Launch:
     """The fused kernel's launch for one input layout: grid, arguments and result
-    shape, worked out once; ``compiled``: (launcher, function, packed metadata) of the
-    kernel Triton compiled for it, once Triton launched it."""
+    shape, worked out once; once Triton launched it, ``compiled``: ``(call, before,
+    middle, after)``, its launch as ``call(*before, stream, *middle, x address, output
+    address, *after)`` (``_launcher``), and ``function``: the kernel's handle."""
 
-    __slots__ = ("grid", "args", "shape", "compiled")
+    __slots__ = ("grid", "args", "shape", "compiled", "function")
 
     def __init__(self, x: torch.Tensor, stats: tuple):
         cols = x.shape[-1]
@@ -117,7 +118,7 @@ class _Launch:
         self.grid = (col_blocks, splits)
         self.args = (rows, cols, per_split, len(stats), block_r, block_c, *(rows_of[s] for s in STATS))
         self.shape = (splits, len(stats), cols)
-        self.compiled = None
+        self.compiled = self.function = None
 
 
 _launches: dict = {}  # (shape, dtype, device, 16-byte aligned, stats) -> _Launch
@@ -153,18 +154,17 @@ def column_stats(x: torch.Tensor, stats: tuple, into=None, direct: bool = True):
         out = torch.empty(launch.shape, dtype=torch.float32, device=x.device)
     compiled = launch.compiled
     if compiled is not None and direct and _direct_ok and _no_hooks() and _current_device() == device:
-        run, function, metadata = compiled
+        call, before, middle, after = compiled
         target = out.device_address or out if type(out) is Slice else out  # a ring slice: its device address
         try:
-            run(*launch.grid, 1, _current_raw_stream(device), function, metadata, None, None, None, address, target,
-                *launch.args)
+            call(*before, _current_raw_stream(device), *middle, address, target, *after)
             return out
         except TypeError:  # a launcher that takes other arguments (refused before launching): Triton's dispatch
             _launches.clear()
             _direct_ok = False
     kernel = _column_stats[launch.grid](x, out.tensor() if type(out) is Slice else out, *launch.args, num_warps=8)
     if compiled is None and kernel is not None and _current_device() == device:
-        launch.compiled = _launcher(kernel)  # None under Triton's interpreter (kernel None)
+        launch.compiled = _launcher(kernel, launch)  # None under Triton's interpreter (kernel None)
     return out
 
 
@@ -180,14 +180,39 @@ def planned(x: torch.Tensor, stats: tuple, dim: int) -> "_Launch | None":
     return launch if launch is not None and launch.compiled is not None and _direct_ok else None
 
 
-def _launcher(kernel) -> tuple | None:
-    """What JITFunction.run hands the compiled kernel's launcher, or None for a Triton
-    whose compiled kernels differ (its own dispatch only)."""
+def _launcher(kernel, launch: _Launch) -> tuple | None:
+    """``launch``'s ``(call, before, middle, after)`` (see _Launch) for the compiled
+    ``kernel``, or None for a Triton whose compiled kernels differ (its own dispatch
+    only).  ``call`` is the launcher's C launch itself where its Python ``__call__``
+    only passes arguments through (no scratch memory to allocate per launch): what the
+    ``__call__`` hands it is recorded once, with stand-ins for the three arguments that
+    change between launches, and replayed; else ``call`` is that ``__call__``."""
     try:
         kernel._init_handles()
-        return kernel.run, kernel.function, kernel.packed_metadata
+        run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
     except AttributeError:
         return None
+    launch.function = function
+    through = (run, (*launch.grid, 1), (function, metadata, None, None, None), launch.args)
+    c_launch = getattr(run, "launch", None)
+    if c_launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1) \
+            or getattr(run, "gsan_enabled", False):
+        return through
+    stream, x, out, seen = object(), object(), object(), []
+    run.launch = lambda *arguments: seen.append(arguments)
+    try:
+        run(*through[1], stream, *through[2], x, out, *launch.args)
+    except Exception:  # noqa: BLE001 - a __call__ that uses the arguments: it stays in the path
+        return through
+    finally:
+        run.launch = c_launch
+    passed = seen[0] if len(seen) == 1 else ()
+    at = [i for i, value in enumerate(passed) if value is stream]
+    at_x = [i for i, value in enumerate(passed) if value is x]
+    if len(at) != 1 or len(at_x) != 1 or at_x[0] < at[0] or passed[at_x[0] + 1: at_x[0] + 2] != (out,) \
+            or passed[at_x[0] + 2:] != launch.args:
+        return through  # another shape of call (this Triton nests the kernel's arguments)
+    return c_launch, passed[: at[0]], passed[at[0] + 1: at_x[0]], launch.args
 
 
 def _no_hooks() -> bool:
