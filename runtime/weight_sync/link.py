@@ -16,7 +16,7 @@ from __future__ import annotations
 import socket
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -161,17 +161,21 @@ class Link:
                 time.sleep(pause)
                 pause = min(pause * 2, 5e-5)  # a late wake-up would leave the wire idle
 
-    def vote(self, status, what: str) -> int:
+    def vote(self, status, what: str, meanwhile: Optional[Callable[[], None]] = None) -> int:
         """All-reduce MAX of every rank's status: an int, or an int64 tensor of one
-        element on the link's device (computed there: no host sync before the vote)."""
+        element on the link's device (computed there: no host sync before the vote).
+        ``meanwhile()`` runs while the vote travels."""
         flag = status if isinstance(status, torch.Tensor) else \
             torch.tensor([status], dtype=torch.int64, device=self.device)
         self._check()
-        self.wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), what)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if meanwhile is not None:
+            meanwhile()
+        self.wait(work, what)
         return int(flag.item())
 
-    def layout_vote(self, status: int) -> int:
-        return self.vote(status, "layout vote")
+    def layout_vote(self, status: int, meanwhile: Optional[Callable[[], None]] = None) -> int:
+        return self.vote(status, "layout vote", meanwhile)
 
     def _check(self) -> None:
         if self.broken:
@@ -221,7 +225,9 @@ class LoopbackLink(Link):
         self._check()
         return int(status.item()) if isinstance(status, torch.Tensor) else status
 
-    def layout_vote(self, status: int) -> int:
+    def layout_vote(self, status: int, meanwhile: Optional[Callable[[], None]] = None) -> int:
         # A recorded wire cannot hear its receivers: the manifest always travels.
         self._check()
+        if meanwhile is not None:
+            meanwhile()
         return NEED_MANIFEST
