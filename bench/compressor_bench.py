@@ -229,7 +229,7 @@ def print_variants(samples: dict, hub: str, layers: int) -> None:
         print(line)
 
 
-def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int) -> list[tuple[str, float]]:
+def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int, other=None) -> list[tuple[str, float]]:
     """Host microseconds of each call a due trace() makes on a CUDA tensor with the
     forwarder's ring (hub: process), timed alone the way host_loop times trace(): where
     a due call's time goes, without a profiler's own cost per call (~1 us, as much as
@@ -240,12 +240,15 @@ def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int) -> list[tuple[str
     pool = rt._events.setdefault((index, False), collections.deque())
     fused.column_stats(x, stats)  # the layout's first launch (Triton's): the direct ones follow
     launch = next(v for k, v in fused._launches.items() if k[0] == x.shape and k[4] == stats)
-    call, before, middle, after = launch.compiled
+    call, head, middle, tail = launch.compiled
     out = torch.empty(launch.shape, device=x.device)
     raw_stream = torch._C._cuda_getCurrentRawStream(index)
 
-    def timed(fn, between=None) -> float:
-        return host_loop(lambda _: fn(), "cuda", reps, calls, between)
+    def timed(fn, between=None, before=None) -> float:
+        return host_loop(lambda _: fn(), "cuda", reps, calls, between, before)
+
+    def launch_alone() -> None:
+        call(*head, raw_stream, *middle, x.data_ptr(), out.data_ptr(), *tail)
 
     def event() -> None:
         event = pool.pop() if pool else torch.cuda.Event()
@@ -259,8 +262,11 @@ def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int) -> list[tuple[str
         ("api._current_stream(i)", timed(lambda: rt._current_stream(index))),
         ("pooled event.record(stream)", timed(event)),
         ("ring.claim(shape)", timed(lambda: ring.claim(launch.shape), ring.reset)),
-        ("the launch alone (arguments ready)",
-         timed(lambda: call(*before, raw_stream, *middle, x.data_ptr(), out.data_ptr(), *after))),
+        ("the launch alone (arguments ready)", timed(launch_alone)),
+        # what no Python on our side can remove: the launch's own cost, cold (item 3's floor)
+        *([("the launch alone, after other work", timed(launch_alone, before=other)),
+           ("torch.cuda.current_stream(), after other work", timed(torch.cuda.current_stream, before=other))]
+          if other is not None else []),
         ("fused.column_stats(x) into device memory", timed(lambda: fused.column_stats(x, stats))),
         ("fused.column_stats(x, ring.claim)", timed(lambda: fused.column_stats(x, stats, ring.claim), ring.reset)),
         ("TILES.reduce(x, ring.claim)", timed(lambda: TILES.reduce(x, ring.claim), ring.reset)),
@@ -304,12 +310,13 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: i
         rows = [("disabled", per_call("traced", False)),
                 ("enabled, name not subscribed", per_call("idle", True))]
         before = rt.state()
-        samples = due_variants(rt, x, device, reps, layers, step_end, OtherWork(device, other_elements))
+        other = OtherWork(device, other_elements)
+        samples = due_variants(rt, x, device, reps, layers, step_end, other)
         print_variants(samples, hub, layers)
         rows += [(v.row, statistics.median(values)) for v, values in samples.items()]
         if profile and x.is_cuda and hub == "process" and tc.fused_kernel() is not None:
             print(f"\n-- the parts of a due call, timed alone (hub: {hub}), us")
-            for label, micros in due_call_parts(rt, x, reps, layers):
+            for label, micros in due_call_parts(rt, x, reps, layers, other):
                 print(f"{label:44}{micros:8.2f}")
         if profile:  # where a due call's time goes, by function (own time)
             import cProfile
