@@ -119,32 +119,6 @@ def test_packed_buckets_are_the_bytes_the_receiver_reconstructs():
         assert torch.equal(stream[e.offset: e.offset + e.nbytes], t.reshape(-1).view(torch.uint8)), e.name
 
 
-def test_bucket_0_is_packed_while_the_layout_vote_travels(monkeypatch):
-    """The sender packs the first bucket between casting its layout vote and reading
-    the result (the packing then no longer holds back the first broadcast); the
-    receiver still gets every tensor."""
-    events = []
-
-    class Recording(wt.LoopbackLink):
-        def layout_vote(self, status, meanwhile=None):
-            events.append("vote cast")
-            result = super().layout_vote(status, meanwhile)
-            events.append("vote read")
-            return result
-
-    pack = wt._Packing.pack
-    monkeypatch.setattr(wt._Packing, "pack", lambda self, k, sources: events.append(f"pack {k}") or
-                        pack(self, k, sources))
-    data = mixed_tensors()
-    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
-    tx = Recording("cpu")
-    rx = wt.LoopbackLink("cpu", replay=tx)
-    wt.send(tx, m, (t for _, t in data))
-    assert events[:4] == ["vote cast", "pack 0", "vote read", "pack 1"], events[:6]
-    received = wt.receive(rx).tensors
-    assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, data))
-
-
 def test_the_same_link_delivers_update_after_update_in_both_stages():
     data = mixed_tensors()
     m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import socket
 import time
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -161,21 +161,17 @@ class Link:
                 time.sleep(pause)
                 pause = min(pause * 2, 5e-5)  # a late wake-up would leave the wire idle
 
-    def vote(self, status, what: str, meanwhile: Optional[Callable[[], None]] = None) -> int:
+    def vote(self, status, what: str) -> int:
         """All-reduce MAX of every rank's status: an int, or an int64 tensor of one
-        element on the link's device (computed there: no host sync before the vote).
-        ``meanwhile()`` runs while the vote travels."""
+        element on the link's device (computed there: no host sync before the vote)."""
         flag = status if isinstance(status, torch.Tensor) else \
             torch.tensor([status], dtype=torch.int64, device=self.device)
         self._check()
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        if meanwhile is not None:
-            meanwhile()
-        self.wait(work, what)
+        self.wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), what)
         return int(flag.item())
 
-    def layout_vote(self, status: int, meanwhile: Optional[Callable[[], None]] = None) -> int:
-        return self.vote(status, "layout vote", meanwhile)
+    def layout_vote(self, status: int) -> int:
+        return self.vote(status, "layout vote")
 
     def _check(self) -> None:
         if self.broken:
@@ -225,9 +221,7 @@ class LoopbackLink(Link):
         self._check()
         return int(status.item()) if isinstance(status, torch.Tensor) else status
 
-    def layout_vote(self, status: int, meanwhile: Optional[Callable[[], None]] = None) -> int:
+    def layout_vote(self, status: int) -> int:
         # A recorded wire cannot hear its receivers: the manifest always travels.
         self._check()
-        if meanwhile is not None:
-            meanwhile()
         return NEED_MANIFEST

@@ -375,7 +375,6 @@ class _Sender:
         self.packing = packing
         self.in_flight: list = [None, None]   # per buffer: (bucket, its data work)
         self.works: list = []
-        self.first = None  # (0, its sources, its bytes) packed during the layout vote, or what that raised
 
     def run(self, tensors: Iterator[torch.Tensor]) -> None:
         link, manifest, packing = self.link, self.manifest, self.packing
@@ -384,8 +383,7 @@ class _Sender:
         header = torch.tensor([MAGIC, FORMAT, manifest.version, digest], dtype=torch.int64)
         link.wait(link.broadcast(header.to(link.device)), "header")
         mine = REJECTED if self.refusal else OK
-        batches = self.packing.batches(tensors) if self.packing is not None else iter(())
-        status = link.layout_vote(mine, lambda: self._pack_first(batches))
+        status = link.layout_vote(mine)
         if status == NEED_MANIFEST:  # a receiver does not hold this layout yet
             text = manifest.to_json(tensors_json)
             link.wait(link.broadcast(torch.tensor([len(text)], dtype=torch.int64).to(link.device)), "manifest")
@@ -397,13 +395,10 @@ class _Sender:
         if status:
             raise WeightSyncError(f"update v{manifest.version} was refused by an engine rank (a bad manifest, "
                                   "one that does not match its model, or not enough memory; see its log)")
-        first = self.first
-        if isinstance(first, Exception):
-            raise first
         with torch.no_grad():
-            for k, sources, data in itertools.chain([first] if first else [], ((*b, None) for b in batches)):
+            for k, sources in self.packing.batches(tensors):
                 if k < manifest.buckets:  # an update of 0 bytes has tensors but no bucket
-                    self._flush(k, sources, data)
+                    self._flush(k, sources)
         for work in self.works:
             link.wait(work, "bucket")
         verdict = link.vote(OK, "verdict")
@@ -412,20 +407,7 @@ class _Sender:
                 f"update v{manifest.version} failed on an engine rank with {VERDICTS[verdict]} "
                 "(see its log)")
 
-    def _pack_first(self, batches: Iterator) -> None:
-        """Bucket 0 packed (its gathers and copies queued) while the layout vote
-        travels, so the packing no longer holds back the first broadcast; what it
-        raises is raised where bucket 0 would have been packed, after the votes."""
-        try:
-            with torch.no_grad():
-                k, sources = next(batches)
-                self.first = (k, sources, self.packing.pack(k, sources) if k < self.manifest.buckets else None)
-        except StopIteration:
-            self.first = None
-        except Exception as exc:  # noqa: BLE001 - raised by run() after the votes
-            self.first = exc
-
-    def _flush(self, k: int, sources: list, data: Optional[torch.Tensor] = None) -> None:
+    def _flush(self, k: int, sources: list) -> None:
         link, slot, staged = self.link, k % 2, self.packing.staged(k)
         if staged and self.in_flight[slot] is not None:  # the buffer's previous bucket must be out
             # On NCCL the device orders it (no host wait: the host runs ahead and every
@@ -434,8 +416,7 @@ class _Sender:
             # ahead of the buckets still on the wire.
             before, work = self.in_flight[slot]
             link.after(work, f"bucket {before}")
-        if data is None:
-            data = self.packing.pack(k, sources)
+        data = self.packing.pack(k, sources)
         work = link.broadcast(data)
         if staged:
             self.in_flight[slot] = (k, work)
