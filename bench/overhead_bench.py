@@ -19,6 +19,7 @@ Core 0.16 needs without Transformer Engine):
     everything at once     + all of the above that a user turns on together: routing capture,
                            dump 1 layer / 10, trace with the client; weight_sync inert
     everything + weight sync   the same with weight sync pushing every step (two GPUs)
+    weight sync every step, 32 CTAs   with weight_sync.nccl_ctas 32 on both ends
     plain, graphs          plain with Megatron's router CUDA graphs (graph_bench.py's model);
     routing capture, graphs    the ", graphs" variants are compared with it, not with plain
     everything at once, graphs
@@ -82,6 +83,7 @@ from source_patch.runtime.core.endpoint import free_port  # noqa: E402
 
 BASE = "megatron_cpu"
 EVERY = f"{BASE},routing,dump,trace,weight_sync"
+CTAS = "SOURCE_PATCH_WEIGHT_SYNC_NCCL_CTAS"  # weight_sync.nccl_ctas: the receiver takes it as --nccl-ctas
 TOKEN = "overhead-bench"
 PROBE = re.compile(r"^overhead-probe: (\{.*)$", re.M)
 PREFIXES = ("SOURCE_PATCH_DUMP", "SOURCE_PATCH_ROUTING", "SOURCE_PATCH_TRACE", "SOURCE_PATCH_WEIGHT_SYNC")
@@ -113,6 +115,7 @@ VARIANTS = {
     "weight sync every step": Variant(f"{BASE},weight_sync", sync=True),
     "everything at once": Variant(EVERY, "capture", "sparse", True),
     "everything + weight sync": Variant(EVERY, "capture", "sparse", True, sync=True),
+    "weight sync every step, 32 CTAs": Variant(f"{BASE},weight_sync", sync=True, env=((CTAS, "32"),)),
     "plain, graphs": Variant(BASE, graphs=True),
     "routing capture, graphs": Variant(f"{BASE},routing", "capture", graphs=True),
     "everything at once, graphs": Variant(EVERY, "capture", "sparse", True, graphs=True),
@@ -150,18 +153,19 @@ def baseline(name: str) -> str:
 def companions(name: str, port: int, sync_port: int, report: dict) -> tuple:
     """What variant ``name``'s training process needs beside it, started: its weight-sync
     receiver (or None) and its trace client's thread (or None; it counts frames in ``report``)."""
-    receiver = sync_receiver(sync_port) if VARIANTS[name].sync else None
+    v = VARIANTS[name]
+    receiver = sync_receiver(sync_port, dict(v.env).get(CTAS, "0")) if v.sync else None
     thread = None
-    if VARIANTS[name].client:
+    if v.client:
         thread = threading.Thread(target=lambda: asyncio.run(trace_client(port, report)), daemon=True)
         thread.start()
     return receiver, thread
 
 
-def sync_receiver(port: int) -> subprocess.Popen:
+def sync_receiver(port: int, ctas: str = "0") -> subprocess.Popen:
     """The receiving end of "weight sync every step": its own process on GPU 1."""
     script = str(Path(__file__).with_name("sync_receiver.py"))
-    return subprocess.Popen([sys.executable, script, "--port", str(port), "--device", "cuda:1"],
+    return subprocess.Popen([sys.executable, script, "--port", str(port), "--device", "cuda:1", "--nccl-ctas", ctas],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

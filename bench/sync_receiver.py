@@ -22,6 +22,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda:1")
     p.add_argument("--group", default="source_patch_weights", help="SOURCE_PATCH_WEIGHT_SYNC_GROUP_NAME")
     p.add_argument("--timeout", type=float, default=900.0, help="longest wait for the next update, seconds")
+    p.add_argument("--nccl-ctas", type=int, default=0, help="the trainer's SOURCE_PATCH_WEIGHT_SYNC_NCCL_CTAS")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -37,7 +38,8 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, report)
     link = wt.Link(wt.open_group("127.0.0.1", args.port, 1, 2, args.group,
-                                 "nccl" if device.type == "cuda" else "gloo", args.timeout), args.timeout)
+                                 "nccl" if device.type == "cuda" else "gloo", args.timeout, args.nccl_ctas),
+                   args.timeout)
     while not link.broken:
         try:
             update = wt.receive(link)

@@ -98,6 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (a smoke test)")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--nccl-ctas", type=int, default=0, help="the update group's thread blocks per collective "
+                   "(weight_sync.nccl_ctas; 0: NCCL's choice)")
     p.add_argument("--profile", action="store_true", help="then profile the host side of bucketed updates")
     p.add_argument("--phases", action="store_true", help="one process: time each phase of an update alone")
     p.add_argument("--gc-off", action="store_true", help="the collector disabled during the timed rounds")
@@ -150,7 +152,8 @@ class Run:
 
     def setup(self, port: int):
         backend = "gloo" if self.device.type == "cpu" else "nccl"
-        group = self.wt.open_group("127.0.0.1", port, self.rank, 2, "bench", backend, self.args.timeout)
+        group = self.wt.open_group("127.0.0.1", port, self.rank, 2, "bench", backend, self.args.timeout,
+                                   self.args.nccl_ctas)
         self.link = self.wt.Link(group, self.args.timeout)
         if self.args.milestones:
             watch(self)

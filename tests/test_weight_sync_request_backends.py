@@ -119,6 +119,28 @@ def test_a_sender_without_engines_says_which_setting_is_missing():
         backend.open_backend("rdma")
 
 
+def test_the_nccl_ctas_setting_reaches_the_update_groups_options(monkeypatch):
+    """weight_sync.nccl_ctas goes from the settings to the group the trainer opens (its
+    NCCL options are made from it: link._options, run on GPUs by the benches)."""
+    from source_patch.runtime.core import settings
+    from source_patch.runtime.weight_sync import link, sync
+
+    opened = []
+    monkeypatch.setattr(link, "open_group", lambda *args: opened.append(args) or object())
+    monkeypatch.setattr(link, "Link", lambda group, timeout_s: type("L", (), {"broken": None, "group": None})())
+    config = settings.resolve("weight_sync", {"SOURCE_PATCH_WEIGHT_SYNC_NCCL_CTAS": "32",
+                                              "SOURCE_PATCH_WEIGHT_SYNC_PORT": "29999",
+                                              "SOURCE_PATCH_WEIGHT_SYNC_BACKEND": "nccl"})
+    monkeypatch.setattr(sync, "_config", config)
+    monkeypatch.setattr(sync, "_backend", None)
+    sync._connected()
+    monkeypatch.setattr(sync, "_backend", None)
+    assert opened and opened[0][5] == "nccl" and opened[0][-1] == 32, opened
+    assert settings.resolve("weight_sync", {})["nccl_ctas"] == 0  # NCCL's own choice by default
+    with pytest.raises(ValueError):
+        settings.resolve("weight_sync", {"SOURCE_PATCH_WEIGHT_SYNC_NCCL_CTAS": "-1"})
+
+
 def test_mooncake_moves_every_tensor_bitwise_and_registers_once():
     pytest.importorskip("mooncake.engine")
     from source_patch.runtime.weight_sync import mooncake

@@ -402,6 +402,9 @@ SCHEMAS["weight_sync"] = {
     # At least 4 KiB (receivers also refuse more than 16,384 buckets: wire.MAX_BUCKETS).
     "bucket_bytes": Setting(512 << 20, size(low=4 << 10), "bytes per bucket; the sender double-buffers two of them "
                             "(512 MiB: the fastest of 128 MiB-1 GiB on two H100, docs/benchmarks.md)"),
+    "nccl_ctas": Setting(0, integer(low=0), "trainer, nccl: thread blocks per collective of the update group "
+                         "(NCCL's minimum and maximum; 0: NCCL's choice); every rank must use the same (engines: "
+                         "NCCL_MIN_CTAS and NCCL_MAX_CTAS in their environment)"),
     "checksum": Setting(True, boolean, "per-bucket checksum (int64 word sum on the device), checked by receivers"),
     "from_buffers": Setting(True, boolean, "trainer: send the parameters that lie in Megatron's contiguous "
                             "parameter buffers (distributed optimizer, no tensor- or expert-parallel "

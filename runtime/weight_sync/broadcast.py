@@ -21,11 +21,11 @@ class Broadcast:
 
     @classmethod
     def open(cls, name: str, *, host: str, port: int, world_size: int, group_name: str, timeout_s: float,
-             **_) -> "Broadcast":
+             nccl_ctas: int = 0, **_) -> "Broadcast":
         """Open (rank 0: serve) the update group the engines join."""
         if not port:
             raise WeightSyncError("weight_sync.port is not set (SOURCE_PATCH_WEIGHT_SYNC_PORT)")
-        group = weight_link.open_group(host, port, 0, world_size, group_name, name, timeout_s)
+        group = weight_link.open_group(host, port, 0, world_size, group_name, name, timeout_s, nccl_ctas)
         return cls(weight_link.Link(group, timeout_s), name)
 
     @property

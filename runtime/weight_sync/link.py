@@ -25,7 +25,7 @@ from .wire import NEED_MANIFEST, WeightSyncError, WeightSyncTimeout, first_line
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, group_name: str,
-               backend: str, timeout_s: float):
+               backend: str, timeout_s: float, nccl_ctas: int = 0):
     """Join (rank 0: create) a process group of its own for weight updates: a
     TCPStore at host:port (rank 0 serves it, listening on host only) under a
     PrefixStore(group_name).  The same construction as SGLang's
@@ -38,18 +38,23 @@ def open_group(host: str, port: int, rank: int, world_size: int, group_name: str
     store = rendezvous_store(host, port, rank, world_size, timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
                                          PrefixStore(group_name, store), group_name=group_name,
-                                         backend_options=_options(backend), timeout=timeout)
+                                         backend_options=_options(backend, nccl_ctas), timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 
 
-def _options(backend: str):
+def _options(backend: str, ctas: int = 0):
     """NCCL's kernels go on a high-priority stream: the block scheduler then gives the
     next broadcast SMs ahead of a bucket checksum or packing copy still running (each
-    of those takes every SM it can get, and the broadcast waited for them)."""
+    of those takes every SM it can get, and the broadcast waited for them).  ``ctas``:
+    thread blocks per collective (NCCL's minimum and maximum; 0: NCCL's choice), the
+    setting weight_sync.nccl_ctas; every rank of the group must use the same."""
     if backend != "nccl" or not hasattr(dist, "ProcessGroupNCCL"):
         return None
-    return dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    if ctas:
+        options.config.min_ctas = options.config.max_ctas = ctas  # NCCL refuses a minimum without a maximum
+    return options
 
 
 def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta):

@@ -199,7 +199,7 @@ def _connected() -> weight_backend.Backend:
         return _backend
     disconnect()
     options = {key: value for key, value in _config.items() if key.startswith("mooncake_") or key in (
-        "host", "port", "world_size", "group_name", "timeout_s")}
+        "host", "port", "world_size", "group_name", "timeout_s", "nccl_ctas")}
     _backend = weight_backend.open_backend(_config["backend"], engines=_config["engines"], **options)
     return _backend
 
