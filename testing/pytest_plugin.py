@@ -17,8 +17,9 @@ skipped when SGLang is not installed; ``sglang_cpu`` is always added):
 ``sglang_server(specs, args, env, model)`` starts ``python -m sglang.launch_server``,
 ``sglang_engine(specs, engine_args, env, model)`` the offline ``sglang.Engine`` in a
 driver process; equal arguments share one engine for the whole test session (start-up
-costs ~20-30 s on 2 cores).  ``sglang_checkpoint`` is the tiny Qwen3-MoE they serve by
-default (cached in $SOURCE_PATCH_SGLANG_CACHE or ~/.cache/source-patch/sglang).
+costs ~20-30 s on 2 cores; ``sglang_server.close_all()`` ends those started so far).
+``sglang_checkpoint`` is the tiny Qwen3-MoE they serve by default (cached in
+$SOURCE_PATCH_SGLANG_CACHE or ~/.cache/source-patch/sglang).
 """
 
 from __future__ import annotations
@@ -121,7 +122,31 @@ def _shared(kind: str, checkpoint, tmp_path_factory):
             started[key] = cls(model or checkpoint, specs=specs, env=env, workdir=workdir, **extra, **options)
         return started[key]
 
+    def close_all(background: bool = False):
+        """Close every engine started so far (a later call starts a new one); with
+        ``background``, in a thread, which this returns."""
+        engines = list(started.values())
+        started.clear()
+        if not background:
+            return _close_all(engines)
+        import threading
+
+        thread = threading.Thread(target=_close_all, args=(engines,), name=f"close-sglang-{kind}s")
+        thread.start()
+        return thread
+
+    start.close_all = close_all
     return started, start
+
+
+def _close_all(engines) -> None:
+    """Close every engine at once: each waits seconds for SGLang's own shutdown."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engines = list(engines)
+    with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
+        for future in [pool.submit(engine.close) for engine in engines]:
+            future.result()
 
 
 @pytest.fixture(scope="session")
@@ -130,8 +155,7 @@ def sglang_server(sglang_checkpoint, tmp_path_factory):
     server on 127.0.0.1 (SGLangServer), shared by equal arguments for the session."""
     started, start = _shared("server", sglang_checkpoint, tmp_path_factory)
     yield start
-    for server in started.values():
-        server.close()
+    _close_all(started.values())
 
 
 @pytest.fixture(scope="session")
@@ -140,5 +164,4 @@ def sglang_engine(sglang_checkpoint, tmp_path_factory):
     sglang.Engine in a driver process (SGLangEngine), shared by equal arguments."""
     started, start = _shared("engine", sglang_checkpoint, tmp_path_factory)
     yield start
-    for engine in started.values():
-        engine.close()
+    _close_all(started.values())

@@ -9,6 +9,10 @@ REPO = Path(__file__).parent.parent
 sys.path.insert(0, str(FIXTURES))
 # Child processes started by tests find the fixture package the same way.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")]))
+# As the session began (_isolated_cache sets one a test): see shared_code_cache.
+from source_patch.patcher.boot import cache_dir  # noqa: E402  (light: the start hook's module)
+
+_SESSION_CODE_CACHE = Path(cache_dir())
 
 
 # Session fixtures that start a real SGLang server: the files that use one run on the same
@@ -16,17 +20,96 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FIXTURES), os.envir
 _SHARED_SERVERS = {"instrumented_sglang", "hf_qwen3"}
 # Files whose module fixtures start sglang_server with equal arguments: one worker, one start.
 _SAME_SERVER = {"test_hardening_weights.py": "sglang-weight-sync-server",
+                "test_weight_sync_backends.py": "sglang-weight-sync-server",
                 "test_weight_sync_engine.py": "sglang-weight-sync-server"}
+# Work units (groups, or files of single tests) that take a minute or more on CI's 2 cores,
+# longest first: a worker takes the next unit when it runs out, so these start first and
+# the short ones fill in at the end (a long unit handed out last leaves the other worker
+# idle). Units not named here keep their order, after these.
+# The two upstream runs wait for seconds at a time (pushes to no engine time out, say): they
+# run apart, each beside busy units.
+_LONGEST_FIRST = ("sglang-session-servers", "test_weight_sync.py", "test_upstream_tests.py::sglang",
+                  "sglang-weight-sync-server", "test_ray_example.py", "test_rl_loop.py",
+                  "test_routing_prefix_cache.py", "test_upstream_tests.py::megatron",
+                  "test_replay_cli.py", "test_features_e2e.py", "test_dump_e2e.py", "test_megatron_cpu.py",
+                  "test_engine_regions.py", "test_overhead_bench.py", "test_weight_sync_request_backends.py",
+                  "test_trace_e2e.py", "test_trace_view.py", "test_trace_benches.py")
 
 
+_UNIT_OF: dict = {}  # under loadgroup: node id -> its work unit (group, else its own id)
+_ENGINE_FACTORIES: list = []  # this worker's sglang_server and sglang_engine
+_CLOSING: list = []  # threads closing the engines of units that are done
+
+
+def _group(item, shared) -> str | None:
+    """The xdist group of a test: its file's when a module (or class) fixture of the file would
+    otherwise be built on both workers, else None (the test is a unit of its own)."""
+    if item.path in shared:
+        return "sglang-session-servers"
+    if item.path.name in _SAME_SERVER:
+        return _SAME_SERVER[item.path.name]
+    if item.path.name == "test_upstream_tests.py":  # two long harness runs: one on each worker
+        return "test_upstream_tests.py::" + ("sglang" if "sglang" in item.name else "megatron")
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:  # pytest without it: group by file, as a module fixture needs
+        return item.path.name
+    scopes = {d.scope for defs in info.name2fixturedefs.values() for d in defs}
+    return item.path.name if scopes & {"module", "class", "package"} else None
+
+
+def _loadgroup(config) -> bool:
+    """Under pytest-xdist --dist loadgroup (the controller's option; its workers' flag)."""
+    return config.getoption("dist", "no") == "loadgroup" or bool(getattr(config.option, "loadgroup", False))
+
+
+def pytest_configure(config):
+    if _loadgroup(config):
+        config.option.loadscopereorder = False  # the controller's scheduler: keep _LONGEST_FIRST's order
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """Group tests by file for pytest-xdist (module fixtures are built once), and the
-    files that share a session server into one group."""
+    """For pytest-xdist --dist loadgroup: tests that share a module fixture, or a session
+    SGLang server, form one group (one worker, one start); the longest groups come first."""
     shared = {item.path for item in items if _SHARED_SERVERS & set(getattr(item, "fixturenames", ()))}
-    for item in items:
-        group = "sglang-session-servers" if item.path in shared else \
-            _SAME_SERVER.get(item.path.name, item.path.name)
-        item.add_marker(pytest.mark.xdist_group(group))
+    groups = {item: _group(item, shared) for item in items}
+    for item, group in groups.items():
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    result = yield
+    if _loadgroup(config):
+        for item in items:
+            group = groups.get(item)
+            if group and "@" not in item.nodeid.rpartition("]")[2]:
+                # xdist names the group in the node id by setting item._nodeid, which pytest
+                # 9.2 no longer reads: without this every test would be a unit of its own.
+                from _pytest.nodeid import NodeId
+
+                item._id = NodeId.parse(f"{item.nodeid}@{group}")
+        _UNIT_OF.update((item.nodeid, groups[item] or item.nodeid) for item in items)
+        rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+        order = {item: i for i, item in enumerate(items)}
+        items.sort(key=lambda item: (rank.get(groups[item], rank.get(item.path.name, len(rank))),
+                                     groups[item] is None, order[item]))
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Under loadgroup a unit's tests run one after another on one worker, and the SGLang
+    engines a unit starts serve only it: after its last test they are closed (idle, one
+    still takes ~2% of a core; a worker would keep ten of them to the end)."""
+    result = yield
+    unit = _UNIT_OF.get(item.nodeid)
+    if unit is not None and (nextitem is None or _UNIT_OF.get(nextitem.nodeid) != unit):
+        for factory in _ENGINE_FACTORIES:  # SGLang takes seconds to shut down: the next unit need not wait
+            _CLOSING.append(factory.close_all(background=True))
+    return result
+
+
+def pytest_sessionfinish(session):
+    for thread in _CLOSING:
+        thread.join()
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +130,81 @@ def write_spec(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def shared_code_cache():
+    """The code cache (SOURCE_PATCH_CACHE) the session began with, else the default one: what
+    the processes of session and module fixtures use already (they start before a test's own
+    cache is set). The SGLang engines and the end-to-end tests whose subject is not the cache
+    use it too: each test's own cache is empty, so every process it starts compiles its
+    patched modules anew (5-25 s a test on 2 cores). The cache's own tests keep their own."""
+    return _SESSION_CODE_CACHE
+
+
+@pytest.fixture
+def in_shared_code_cache(shared_code_cache, monkeypatch):
+    """The processes this test starts compile into shared_code_cache (see there)."""
+    monkeypatch.setenv("SOURCE_PATCH_CACHE", str(shared_code_cache))
+    return shared_code_cache
+
+
+def _with_code_cache(start, cache):
+    from source_patch.testing.pytest_plugin import near_caller
+
+    def start_with_cache(specs=(), args=(), env=None, model=None, **options):
+        return start(near_caller(specs), args, {"SOURCE_PATCH_CACHE": str(cache), **(env or {})}, model, **options)
+
+    start_with_cache.close_all = start.close_all
+    _ENGINE_FACTORIES.append(start)
+    return start_with_cache
+
+
+@pytest.fixture(scope="session")
+def sglang_server(sglang_server, shared_code_cache):
+    """The plugin's sglang_server, its servers compiling into shared_code_cache."""
+    return _with_code_cache(sglang_server, shared_code_cache)
+
+
+@pytest.fixture(scope="session")
+def sglang_engine(sglang_engine, shared_code_cache):
+    """The plugin's sglang_engine, its engines compiling into shared_code_cache."""
+    return _with_code_cache(sglang_engine, shared_code_cache)
+
+
+@pytest.fixture(scope="session")
+def mooncake_metadata(tmp_path_factory):
+    """(URL, None) of a real mooncake_master on 127.0.0.1 serving TransferEngines' metadata
+    for the session (the weight-sync mooncake backend's), else (None, why there is none)."""
+    import importlib
+
+    from source_patch.runtime.core.endpoint import free_port
+
+    try:
+        importlib.import_module("mooncake.engine")
+    except ImportError as exc:
+        yield None, f"could not import 'mooncake.engine': {exc}"
+        return
+    if not (Path(sys.executable).parent / "mooncake_master").exists():
+        yield None, f"no mooncake_master next to {sys.executable}"
+        return
+    from source_patch.runtime.features import mooncake as feature_mooncake
+
+    port = free_port()
+    with feature_mooncake.master(tmp_path_factory.mktemp("mooncake") / "master.log", timeout=30,
+                                 metadata_port=port):
+        yield f"http://127.0.0.1:{port}/metadata", None
+
+
+@pytest.fixture(scope="session")
+def weight_sync_server_env(mooncake_metadata):
+    """The environment of the real SGLang server (patches/weight_sync.yaml) that
+    test_hardening_weights, test_weight_sync_backends and test_weight_sync_engine push
+    weights into: equal arguments in one group, so it starts once; the mooncake backend's
+    metadata URL where there is one (the other backends never read it)."""
+    url, _ = mooncake_metadata
+    return {"SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "60",
+            **({"SOURCE_PATCH_WEIGHT_SYNC_MOONCAKE_METADATA": url} if url else {})}
 
 
 @pytest.fixture(scope="session")

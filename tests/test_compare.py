@@ -13,6 +13,7 @@ import torch
 from source_patch.runtime.dump import compare
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.usefixtures("in_shared_code_cache")  # the twin's replays: tests/conftest.py
 REPLAY = Path(__file__).parent / "e2e" / "twin_replay.py"
 
 

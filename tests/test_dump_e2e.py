@@ -24,10 +24,10 @@ LAYER_NAMES = ("layer_input", "attention_output", "pre_mlp_residual", "mlp_outpu
 MODEL_NAMES = ("embedding_output", "final_hidden", "logits")
 
 
-def train(tmp: Path, tag: str, specs: str, *args, **env) -> dict:
+def train(tmp: Path, cache: Path, tag: str, specs: str, *args, **env) -> dict:
     out = tmp / f"{tag}.safetensors"
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH_DUMP")}
-    environ.update(SOURCE_PATCH=specs, SOURCE_PATCH_CACHE=str(tmp / "cache"),
+    environ.update(SOURCE_PATCH=specs, SOURCE_PATCH_CACHE=str(cache),
                    SOURCE_PATCH_DUMP_DIR=str(tmp / "dumps"), SOURCE_PATCH_DUMP_EXP_NAME=tag, **env)
     result = subprocess.run([sys.executable, str(RUN), str(out), "--steps", str(STEPS),
                              "--micro-batches", str(MICROBATCHES), *args],
@@ -37,12 +37,12 @@ def train(tmp: Path, tag: str, specs: str, *args, **env) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, shared_code_cache):
     tmp = tmp_path_factory.mktemp("e2e")
     return tmp, {
-        "dumped": train(tmp, "dumped", "megatron_cpu,dump"),
-        "reference": train(tmp, "reference", "megatron_cpu", "--hooks"),
-        "disabled": train(tmp, "disabled", "megatron_cpu,dump", SOURCE_PATCH_DUMP_ENABLE="0"),
+        "dumped": train(tmp, shared_code_cache, "dumped", "megatron_cpu,dump"),
+        "reference": train(tmp, shared_code_cache, "reference", "megatron_cpu", "--hooks"),
+        "disabled": train(tmp, shared_code_cache, "disabled", "megatron_cpu,dump", SOURCE_PATCH_DUMP_ENABLE="0"),
     }
 
 
@@ -98,12 +98,12 @@ def test_disabled_at_run_time_is_bitwise_identical_and_writes_nothing(runs):
     assert not (tmp / "dumps" / "disabled").exists()
 
 
-def test_an_unwritable_dump_directory_never_stops_training(tmp_path):
+def test_an_unwritable_dump_directory_never_stops_training(tmp_path, shared_code_cache):
     """The example under megatron_cpu + dump, dumping into a path that cannot exist."""
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH_DUMP")}
-    environ.update(SOURCE_PATCH="megatron_cpu,dump", SOURCE_PATCH_CACHE=str(tmp_path / "cache"),
+    environ.update(SOURCE_PATCH="megatron_cpu,dump", SOURCE_PATCH_CACHE=str(shared_code_cache),
                    SOURCE_PATCH_DUMP_DIR=str(blocker / "dumps"))
     example = Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
     result = subprocess.run([sys.executable, str(example), "--steps", "3"], env=environ,

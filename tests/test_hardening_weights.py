@@ -241,16 +241,17 @@ def test_names_another_pipeline_stage_loads_are_left_to_it(sglang_models, monkey
 
 
 @pytest.fixture(scope="module")
-def engine(sglang_server):
-    """The server test_weight_sync_engine.py uses (same arguments: shared in a session),
-    joined to a group of this test process as the trainer, and the checkpoint it serves."""
+def engine(sglang_server, weight_sync_server_env):
+    """The server test_weight_sync_engine.py and test_weight_sync_backends.py use (same
+    arguments: shared in a session), joined to a group of this test process as the
+    trainer, and the checkpoint it serves."""
     from safetensors.torch import load_file
 
     from source_patch.testing.sglang import tiny_checkpoint
 
     checkpoint = tiny_checkpoint(**models.checkpoint_config())
     server = sglang_server(specs=["weight_sync"], args=["--skip-server-warmup", "--disable-radix-cache"],
-                           env={"SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "60"}, model=checkpoint)
+                           env=weight_sync_server_env, model=checkpoint)
     port, joined = models.free_port(), {}
     joiner = threading.Thread(target=lambda: joined.update(reply=server.post("/init_weights_update_group", {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,

@@ -40,8 +40,8 @@ CUDA_HIDDEN_ERROR = "RuntimeError: No CUDA GPUs are available"
 
 
 @pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("spcache")
+def shared_cache(shared_code_cache):
+    return shared_code_cache  # tests/conftest.py
 
 
 def run(args, *, spec: str | None, cache: Path, timeout: int = TIMEOUT):

@@ -62,6 +62,7 @@ def run_example(out: Path) -> tuple:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("in_shared_code_cache")
 def test_the_ray_rl_loop_patches_every_actor_replays_routes_and_serves_the_pushed_weights(tmp_path):
     code, out, err, left = run_example(tmp_path)
     assert code == 0, out[-4000:] + err[-4000:]

@@ -22,6 +22,7 @@ from source_patch.runtime.dump import compare
 
 REPO = Path(__file__).resolve().parent.parent
 PERTURBED = REPO / "tests" / "e2e" / "twin_replay.py"
+pytestmark = pytest.mark.usefixtures("in_shared_code_cache")  # its replays: tests/conftest.py
 
 
 def source_patch(*args, timeout=600):

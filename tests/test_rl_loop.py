@@ -19,6 +19,7 @@ def max_dlogp(lines, label: str) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("in_shared_code_cache")
 def test_three_iterations_serve_weight_versions_1_2_3_and_replay_removes_the_mismatch(tmp_path):
     out = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(tmp_path), "--router-noise", "0.3"],
                          capture_output=True, text=True, timeout=900)

@@ -50,7 +50,7 @@ def rollout(sglang_topk, rids):
 
 
 
-def test_sglang_routes_replayed_in_megatron(sglang_topk, tmp_path):
+def test_sglang_routes_replayed_in_megatron(sglang_topk, tmp_path, shared_code_cache):
     torch.manual_seed(0)
     folder = tmp_path / "replay" / "rank-0"
     folder.mkdir(parents=True)
@@ -71,7 +71,7 @@ def test_sglang_routes_replayed_in_megatron(sglang_topk, tmp_path):
     (folder / "index.json").write_text(json.dumps(
         {"format": "source-patch-routing-index", "version": 1, "rank": 0, "records": index}))
 
-    env = {**os.environ, "SOURCE_PATCH": "megatron_cpu,routing", "SOURCE_PATCH_CACHE": str(tmp_path / "c")}
+    env = {**os.environ, "SOURCE_PATCH": "megatron_cpu,routing", "SOURCE_PATCH_CACHE": str(shared_code_cache)}
     result = subprocess.run([sys.executable, str(RUN), str(tmp_path / "out"), "off",
                              f"replay:{tmp_path / 'replay'}"], env=env, capture_output=True,
                             text=True, timeout=300)

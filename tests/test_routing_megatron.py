@@ -88,6 +88,7 @@ def test_capture_matches_router_and_replay_is_identical(captured):
     # replay slices the full-length record for this rank (cp=1, tp=1)
 
 
+@pytest.mark.usefixtures("in_shared_code_cache")
 def test_replay_permuted_and_error_cases(captured):
     tmp, cap, ref = captured
     perm = torch.tensor([3, 7, 0, 5, 1, 6, 2, 4])

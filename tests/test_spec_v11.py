@@ -109,6 +109,7 @@ def test_a_two_framework_spec_applies_the_installed_side_only(write_spec):
             assert applied(basic) == ["trainer"]
 
 
+@pytest.mark.usefixtures("in_shared_code_cache")
 def test_the_bundled_moe_spec_patches_megatron_and_sglang_each_with_its_own_side():
     """One file, both frameworks: real modules, a fresh interpreter (SOURCE_PATCH set)."""
     code = (

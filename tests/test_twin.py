@@ -17,6 +17,7 @@ TOKENS = [[1, 2, 3, 4, 5, 6, 7], [900, 17, 4, 250, 31, 8, 8, 8, 2]]
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("in_shared_code_cache")
 def test_the_twin_computes_transformers_logits(sglang_checkpoint, hf_qwen3, tmp_path):
     from safetensors.torch import load_file
 

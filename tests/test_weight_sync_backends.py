@@ -45,18 +45,13 @@ def trainer_ranks(tmp: Path, backend: str, url: str, extra_env: dict) -> list:
 
 
 @pytest.fixture(scope="module")
-def metadata(tmp_path_factory):
-    """A real mooncake_master on 127.0.0.1 serving the TransferEngines' metadata, started as
-    the feature store starts its master; the metadata URL."""
-    pytest.importorskip("mooncake.engine")
-    from source_patch.runtime.features import mooncake as feature_mooncake
-
-    if not (Path(sys.executable).parent / "mooncake_master").exists():
-        pytest.skip(f"no mooncake_master next to {sys.executable}")
-    port = models.free_port()
-    with feature_mooncake.master(tmp_path_factory.mktemp("mooncake") / "master.log", timeout=30,
-                                 metadata_port=port):
-        yield f"http://127.0.0.1:{port}/metadata"
+def metadata(mooncake_metadata):
+    """The URL of a real mooncake_master on 127.0.0.1 serving the TransferEngines' metadata,
+    started as the feature store starts its master (tests/conftest.py)."""
+    url, why = mooncake_metadata
+    if url is None:
+        pytest.skip(why)
+    return url
 
 
 def _logs(tmp: Path) -> str:
@@ -64,7 +59,7 @@ def _logs(tmp: Path) -> str:
 
 
 @pytest.fixture(scope="module", params=["ipc", "mooncake"])
-def pushed(request, sglang_server, metadata, tmp_path_factory):
+def pushed(request, sglang_server, weight_sync_server_env, metadata, tmp_path_factory):
     """A trainer run that pushes by ``backend`` to a real server; what the server
     generated after each update (recorded by the trainer), and after the run."""
     from source_patch.testing.sglang import tiny_checkpoint
@@ -73,8 +68,10 @@ def pushed(request, sglang_server, metadata, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"weight-sync-{backend}")
     model = tiny_checkpoint(**models.checkpoint_config())
     mooncake = {"SOURCE_PATCH_WEIGHT_SYNC_MOONCAKE_METADATA": metadata}  # both ends find segments there
+    # the server test_hardening_weights.py and test_weight_sync_engine.py push into too (one start)
     server = sglang_server(specs=["weight_sync"], args=["--skip-server-warmup", "--disable-radix-cache"],
-                           env={"SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "60", **mooncake}, model=model)
+                           env=weight_sync_server_env, model=model)
+    assert weight_sync_server_env["SOURCE_PATCH_WEIGHT_SYNC_MOONCAKE_METADATA"] == metadata
     before = server.generate(input_ids=models.PROMPTS, max_new_tokens=models.NEW, sampling={"ignore_eos": True})
     procs = trainer_ranks(tmp, backend, server.url, mooncake)
     try:

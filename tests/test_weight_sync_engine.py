@@ -46,7 +46,7 @@ def trainer_ranks(tmp: Path, port: int) -> list:
 
 
 @pytest.fixture(scope="module")
-def synced(sglang_server, tmp_path_factory):
+def synced(sglang_server, weight_sync_server_env, tmp_path_factory):
     """The orchestration an RL framework does over HTTP, step after step; what the
     server generated and served after each update."""
     from source_patch.testing.sglang import tiny_checkpoint
@@ -54,7 +54,7 @@ def synced(sglang_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("weight-sync-engine")
     model = tiny_checkpoint(**models.checkpoint_config())
     server = sglang_server(specs=["weight_sync"], args=["--skip-server-warmup", "--disable-radix-cache"],
-                           env={"SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "60"}, model=model)
+                           env=weight_sync_server_env, model=model)  # shared: tests/conftest.py
     port = models.free_port()
     seen = {"before": server.generate(input_ids=PROMPTS, max_new_tokens=NEW, sampling={"ignore_eos": True})}
     init = {}
