@@ -18,23 +18,38 @@ REPLAY = Path(__file__).parent / "e2e" / "twin_replay.py"
 
 
 @pytest.fixture(scope="module")
-def rollout(instrumented_sglang, tmp_path_factory):
-    """Dumps of two requests, prefill and decode, from the real server (alone in their experiment)."""
+def served(instrumented_sglang, tmp_path_factory):
+    """Two requests, prefill and decode, from the real server: their dumps (alone in their
+    experiment) and the server's reply, with the log-probs of the generated tokens."""
     server = instrumented_sglang.server
     root = tmp_path_factory.mktemp("rollout")
     server.post("/dumper/configure", {"dir": str(root), "exp_name": "r", "names": []})
     try:
-        server.generate(input_ids=[[5, 9, 2, 7, 7, 1], [300, 4, 8]], max_new_tokens=4, rid=["cmp-a", "cmp-b"],
-                        sampling={"ignore_eos": True})
+        reply = server.generate(input_ids=[[5, 9, 2, 7, 7, 1], [300, 4, 8]], max_new_tokens=4,
+                                rid=["cmp-a", "cmp-b"], return_logprob=True, sampling={"ignore_eos": True})
         server.post("/flush_cache")
     finally:
         server.post("/dumper/configure", {"dir": str(instrumented_sglang.dumps.parent), "exp_name": "serve"})
-    return root / "r"
+    return root / "r", reply
 
 
-def replay(checkpoint, rollout, out, *extra):
+@pytest.fixture(scope="module")
+def rollout(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def replayed(sglang_checkpoint, rollout, tmp_path_factory, shared_code_cache):
+    """The Megatron twin's replay of the rollout: its dumps, and its log-probs of every token."""
+    tmp = tmp_path_factory.mktemp("replayed")
+    train = replay(sglang_checkpoint, rollout, tmp / "train", "--logprobs", str(tmp / "twin.json"),
+                   cache=shared_code_cache)
+    return train, json.loads((tmp / "twin.json").read_text())
+
+
+def replay(checkpoint, rollout, out, *extra, cache=None):
     env = {**os.environ, "SOURCE_PATCH": "megatron_cpu,dump", "SOURCE_PATCH_DUMP_DIR": str(out),
-           "SOURCE_PATCH_DUMP_EXP_NAME": "t"}
+           "SOURCE_PATCH_DUMP_EXP_NAME": "t", **({"SOURCE_PATCH_CACHE": str(cache)} if cache else {})}
     result = subprocess.run([sys.executable, str(REPLAY), str(checkpoint), str(rollout), *extra], env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -42,8 +57,8 @@ def replay(checkpoint, rollout, out, *extra):
 
 
 @pytest.mark.slow
-def test_the_twin_and_the_engine_agree_on_every_layer(sglang_checkpoint, rollout, tmp_path):
-    train = replay(sglang_checkpoint, rollout, tmp_path / "train")
+def test_the_twin_and_the_engine_agree_on_every_layer(rollout, replayed, tmp_path):
+    train, _ = replayed
     report = compare.compare(rollout, train)
     assert report.requests == 2 and report.tokens == (6 + 4 - 1) + (3 + 4 - 1)  # the last token is never fed
     assert report.first_divergent is None, report.table()
@@ -74,25 +89,14 @@ def test_a_perturbed_layer_is_the_first_divergent_one(sglang_checkpoint, rollout
 
 
 @pytest.mark.slow
-def test_the_engines_log_probs_equal_the_twins(instrumented_sglang, sglang_checkpoint, tmp_path):
+def test_the_engines_log_probs_equal_the_twins(served, replayed):
     """SGLang's returned log-probs of its generated tokens against the Megatron twin's on the
     same tokens: the figures RL users track (|dlogp|, k3 KL, TIS) show no mismatch."""
     from source_patch.runtime.dump import logprobs
 
-    server = instrumented_sglang.server
-    root = tmp_path / "rollout"
-    server.post("/dumper/configure", {"dir": str(root), "exp_name": "lp", "names": []})
-    try:
-        reply = server.generate(input_ids=[[5, 9, 2, 7, 7, 1], [300, 4, 8]], max_new_tokens=4,
-                                rid=["lp-a", "lp-b"], return_logprob=True, sampling={"ignore_eos": True})
-        server.post("/flush_cache")
-    finally:
-        server.post("/dumper/configure", {"dir": str(instrumented_sglang.dumps.parent), "exp_name": "serve"})
-    out = tmp_path / "twin.json"
-    replay(sglang_checkpoint, root / "lp", tmp_path / "train", "--logprobs", str(out))
-    twin = json.loads(out.read_text())
+    (_, reply), (_, twin) = served, replayed
     engine, train = [], []
-    for request, (rid, prompt) in zip(reply, (("lp-a", 6), ("lp-b", 3))):
+    for request, (rid, prompt) in zip(reply, (("cmp-a", 6), ("cmp-b", 3))):
         # Generated token i sits at position prompt + i; the twin's list starts at position 1.
         # The last generated token is never fed back, so the rollout's dumps (what the twin
         # replays) stop before it: 3 of the 4 generated tokens per request are compared.
