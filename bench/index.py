@@ -61,6 +61,8 @@ BENCHES = [
           "how noisy the example's steps are under process settings (what a comparison can resolve)"),
     Bench("weight-sync", "weight_sync_bench.py", "2 GPUs (CPU: --cpu)", "~2 min",
           "bucketed trainer-to-engine transfer vs per-tensor vs one raw broadcast, % of raw per round"),
+    Bench("contention", "contention_bench.py", "2 GPUs", "~15 s",
+          "a 512 MiB broadcast while the sender's GPU copies or sums beside it (torch's kernels, throttled ones)"),
     Bench("weight-sync-backends", "weight_sync_backends_bench.py", "2 GPUs with --ipc (CPU: --mooncake)", "~1 min",
           "ipc and mooncake: an engine's whole receive vs a raw copy / read of the same bytes, % of raw"),
     Bench("push", "push_bench.py", "GPU, 2 GPUs with --engine (CPU: --cpu)", "~1 min",

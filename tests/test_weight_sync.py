@@ -119,6 +119,34 @@ def test_packed_buckets_are_the_bytes_the_receiver_reconstructs():
         assert torch.equal(stream[e.offset: e.offset + e.nbytes], t.reshape(-1).view(torch.uint8)), e.name
 
 
+def test_bucket_0_is_packed_before_the_header_goes_out(monkeypatch):
+    """The sender packs the first bucket before it broadcasts the header (its copies
+    then run while header and votes travel, instead of holding back the first
+    broadcast); the receiver still gets every tensor, and an error packing it is raised
+    after the votes, with the link still usable."""
+    events = []
+
+    class Recording(wt.LoopbackLink):
+        def broadcast(self, tensor):
+            events.append("broadcast")
+            return super().broadcast(tensor)
+
+    pack = wt._Packing.pack
+    monkeypatch.setattr(wt._Packing, "pack", lambda self, k, sources: events.append(f"pack {k}") or
+                        pack(self, k, sources))
+    data = mixed_tensors()
+    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
+    tx = Recording("cpu")
+    wt.send(tx, m, (t for _, t in data))
+    assert events[:2] == ["pack 0", "broadcast"] and events.count("pack 0") == 1, events[:6]
+    received = wt.receive(wt.LoopbackLink("cpu", replay=tx)).tensors
+    assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, data))
+    wrong = [t.double() if i == 0 else t for i, (_, t) in enumerate(data)]  # bucket 0's first tensor
+    with pytest.raises(wt.WeightSyncError, match=data[0][0]):
+        wt.send(tx, m, iter(wrong))
+    wt.send(tx, m, (t for _, t in data))
+
+
 def test_the_same_link_delivers_update_after_update_in_both_stages():
     data = mixed_tensors()
     m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
@@ -550,6 +578,63 @@ def test_a_packed_program_copies_views_after_its_gathers_bitwise_and_drains_them
         wt.send(wt.LoopbackLink("cpu"), huge, type(sources)([("gather", lambda: calls.append("drained"))], [],
                                                              (None, None)))
     assert calls[-1] == "drained"
+
+
+PROGRAM_TABLES = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import test_weight_sync as t
+from source_patch.runtime.weight_sync import program, transport as wt
+buckets, sums = [], []
+for tables in (False, True):
+    manifest, sources, _, _ = t._program_case()
+    packing = program.Program(manifest, sources, torch.device("cpu"), tables=tables)
+    buckets.append([packing.pack(k).clone() for k, _ in packing.batches()])
+    if tables:
+        kinds = [type(group).__name__ for runs in packing.runs for run in runs if not callable(run) for group in run]
+        summed = sorted(packing.summing)
+        sums = [[int(packing.sums[k]), int(b.view(torch.int64).sum())] for k, b in enumerate(buckets[1]) if k in summed]
+# A Table whose rows are longer than a block: whole blocks, then the tail.
+from source_patch.runtime.weight_sync import copysum
+g = torch.Generator().manual_seed(1)
+src = torch.randint(-2**62, 2**62, (5000,), dtype=torch.int64, generator=g)
+dst = torch.randint(-2**62, 2**62, (8000,), dtype=torch.int64, generator=g)
+big = copysum.Table([(dst[:5000], src)], torch.device("cpu"), 3, (dst[5000:],))
+big.into = torch.zeros(1, dtype=torch.int64)
+big()
+big_ok = torch.equal(dst[:5000], src) and int(big.into) == int(dst.sum())
+# A whole send with the summing program (the link keeps it): the receiver checks every bucket's sum.
+manifest, sources, _, expected = t._program_case()
+tx = wt.LoopbackLink("cpu")
+tx.program = program.Program(manifest, sources, torch.device("cpu"), tables=True)
+for _ in range(2):  # the second send sums into the same slots again
+    tx.rewind()
+    wt.send(tx, manifest, sources)
+    got = dict(wt.receive(wt.LoopbackLink("cpu", replay=tx)).tensors)
+print(json.dumps({"equal": len(buckets[0]) == len(buckets[1]) and all(map(torch.equal, *buckets)),
+                  "buckets": len(buckets[0]), "tables": kinds.count("Table"), "torch": kinds.count("tuple"),
+                  "summed": summed, "sums": sums, "kept": tx.program.summing == set(summed), "big": big_ok,
+                  "received": sorted(got) == sorted(expected()) and all(torch.equal(got[n], v) for n, v in expected().items())}))
+"""
+
+
+def test_a_program_packs_and_sums_in_tables_as_torch_would_under_tritons_interpreter():
+    """program.py's copysum.Table (the bucket copies in one launch on half the
+    multiprocessors, leaving NCCL room; a GPU's default) run by Triton's interpreter
+    on CPU: every bucket holds the bytes torch's copies put there, the strided views
+    that cross no bucket end stay torch's copies; every bucket after the first gets its
+    checksum in the same pass (the words the Tables copy, then the rest read where it
+    lies), equal to the sum of its words, and a receiver that checks them takes the
+    update whole."""
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "-c", PROGRAM_TABLES, str(Path(__file__).parent)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["equal"] and result["buckets"] > 4 and result["tables"] > 0 and result["torch"] > 0, result
+    assert result["summed"] == list(range(1, result["buckets"])) and result["kept"], result
+    assert all(mine == words for mine, words in result["sums"]) and result["big"], result
+    assert result["received"], result
 
 
 def test_engine_views_hold_what_the_mapping_copies():

@@ -14,7 +14,9 @@ all of that is planned once here:
   reused ones, or the ipc export): per bucket, runs of copies between gathers,
   grouped by dtype into one ``torch._foreach_copy_`` each, on a GPU captured as a
   CUDA graph at the second push (the first copies: a warm-up) and replayed from then
-  on (one launch per run, nothing per tensor).
+  on (one launch per run, nothing per tensor).  On a GPU a bucket's copies go
+  through copysum.Table, on half the multiprocessors (NCCL keeps the rest), and
+  buckets after the first get their checksums in the same pass (_sum_in_tables).
 
 A push then costs per bucket: its gathers (collectives on the tensor/expert groups,
 issued from the host, ordered with the copies on the device: a gather for bucket
@@ -34,6 +36,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from . import copysum
 from .wire import Manifest, WeightSyncError, tensors_digest
 
 log = logging.getLogger("source_patch.weight_sync")
@@ -85,6 +88,10 @@ class Packed:
         sent from memory nothing else writes during the update)."""
         return True
 
+    def summed(self, k: int) -> bool:
+        """Whether packing bucket k also wrote its checksum into ``sums[k]``."""
+        return False
+
 
 class Program(Packed):
     """``Sources`` bound to the bucket buffers (``stream``: the ipc export, each bucket
@@ -92,7 +99,9 @@ class Program(Packed):
     sender._Packing: ``batches`` then ``pack(k, _)`` per bucket."""
 
     def __init__(self, manifest: Manifest, sources: Sources, device: torch.device,
-                 stream: Optional[torch.Tensor] = None):
+                 stream: Optional[torch.Tensor] = None, tables: Optional[bool] = None):
+        """``tables``: copy into the buckets by copysum.Table where it can (default: on
+        a GPU with Triton)."""
         super().__init__(manifest, sources, device)
         self.buffers = bucket_slots(manifest, device, stream)
         n = max(manifest.buckets, 1)
@@ -115,7 +124,15 @@ class Program(Packed):
         if i != len(entries):
             raise WeightSyncError(f"the program has {i} tensors, the manifest {len(entries)}")
         steps[-1] += pending
-        self.runs = [_runs(ops) for ops in steps]  # per bucket: [call | (copies by dtype)]
+        if tables is None:
+            tables = device.type == "cuda" and copysum.available()
+        table = _table_maker(device) if tables else None
+        # (bucket 0 is packed before anything is on the wire: torch's copies, on every multiprocessor)
+        self.runs = [_runs(ops, table if k else None) for k, ops in enumerate(steps)]  # per bucket: [call | run]
+        self.summing: set = set()  # buckets whose checksum the packing computes (summed)
+        if table is not None and manifest.checksum and stream is None:
+            for k in range(1, manifest.buckets):
+                self._sum_in_tables(k, table)
         self.graphs: list = [[None] * len(runs) for runs in self.runs]
         self.capturable = device.type == "cuda"  # off for good once a capture failed
         self.enabled = True  # the replay_packing setting, per send
@@ -148,6 +165,39 @@ class Program(Packed):
             steps[k].append(("out", self.buffers[k % len(self.buffers)][lo - start: hi - start],
                              flat[lo - e.offset: hi - e.offset]))
             lo = hi
+
+    def _sum_in_tables(self, k: int, table) -> None:
+        """Bucket k's checksum in the pass that packs it: its Tables add what they copy
+        into sums[k] (zeroed first), and one more, after every copy into the bucket, reads
+        the words no Table copies (torch's copies, padding).  One pass over the bucket
+        instead of two, so less work beside its broadcast."""
+        start, end = self.manifest.window(k)
+        bucket = self.buffers[k % len(self.buffers)][: end - start]
+        base, runs = bucket.data_ptr(), self.runs[k]
+        if base % 16 or bucket.numel() % 16:
+            return
+        tables = [group for run in runs if not callable(run) for group in run if isinstance(group, copysum.Table)]
+        gaps, at = [], base
+        for lo, hi in sorted(span for t in tables for span in t.spans) + [(base + bucket.numel(),) * 2]:
+            if lo > at:
+                gaps.append(bucket[at - base: lo - base])
+            at = max(at, hi)
+        rest = table([], gaps)
+        into = self.sums[k: k + 1]
+        for t in (*tables, rest):
+            t.into = into
+        if runs and not callable(runs[0]):
+            runs[0].insert(0, into.zero_)
+        else:
+            runs.insert(0, [into.zero_])
+        if runs and not callable(runs[-1]):
+            runs[-1].append(rest)
+        else:
+            runs.append([rest])
+        self.summing.add(k)
+
+    def summed(self, k: int) -> bool:
+        return k in self.summing
 
     def replay_copies(self, on: bool) -> None:
         self.enabled = on
@@ -218,12 +268,19 @@ def bucket_slots(manifest: Manifest, device: torch.device, stream: Optional[torc
 PHASES = ("copy", "carry", "out")  # shard copies into staging, then whole copies of split tensors, then buckets
 
 
-def _runs(ops: list) -> list:
+def _table_maker(device: torch.device):
+    programs = copysum.programs(device) if device.type == "cuda" else 4
+    return lambda pieces, reads=(): copysum.Table(pieces, device, programs, reads)
+
+
+def _runs(ops: list, table=None) -> list:
     """A bucket's operations as runs between its gathers: [call | run], a run being
     its copies in three phases (each phase's destinations and sources by dtype and
     contiguity): the joins' shard copies, then the carries (which may read them), then
     the bucket copies (which read both).  A fused copy orders nothing among its tensors, so a
-    copy never shares a call with one that writes its source."""
+    copy never shares a call with one that writes its source.  With ``table``
+    (pieces -> copysum.Table), the bucket copies it can take go into one Table, last:
+    it leaves NCCL room where torch's copy would not (copysum's module doc)."""
     runs: list = []
     for op in ops:
         if op[0] == "gather":
@@ -237,13 +294,29 @@ def _runs(ops: list) -> list:
         dsts, srcs = runs[-1][op[0]].setdefault(key, ([], []))
         dsts.append(op[1])
         srcs.append(op[2])
-    return [run if callable(run) else [group for phase in PHASES for group in run[phase].values()]
-            for run in runs]
+    return [run if callable(run) else _groups(run, table) for run in runs]
+
+
+def _groups(run: dict, table) -> list:
+    groups = [group for phase in PHASES for group in run[phase].values()]
+    if table is None:
+        return groups
+    pieces, rest = [], []
+    for dsts, srcs in run["out"].values():
+        fit = [copysum.Table.fits(d, s) for d, s in zip(dsts, srcs)]
+        pieces += [(d, s) for d, s, ok in zip(dsts, srcs, fit) if ok]
+        if not all(fit):
+            rest.append(([d for d, ok in zip(dsts, fit) if not ok], [s for s, ok in zip(srcs, fit) if not ok]))
+    before = [group for phase in PHASES[:-1] for group in run[phase].values()]
+    return before + rest + ([table(pieces)] if pieces else [])
 
 
 def _copy(run: list) -> None:
-    for dsts, srcs in run:
-        torch._foreach_copy_(dsts, srcs)
+    for group in run:
+        if callable(group):  # a copysum.Table, or a checksum slot's zero_
+            group()
+        else:
+            torch._foreach_copy_(*group)
 
 
 class Slots:

@@ -143,8 +143,8 @@ class _Receiver:
             (self.link.wait if wait else self.link.after)(work, f"bucket {k} of {self.manifest.buckets}")
         if before_verify is not None:
             before_verify(k, data)
-        if self.manifest.checksum:
-            bucket_sum(data, self.sums[k])
+        if self.manifest.checksum:  # the last bucket's sum: nothing left to receive beside it
+            bucket_sum(data, self.sums[k], wide=k == self.manifest.buckets - 1)
 
     def _bad_buckets(self, ks) -> list:
         if not self.manifest.checksum:

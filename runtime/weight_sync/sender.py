@@ -375,11 +375,14 @@ class _Sender:
         self.packing = packing
         self.in_flight: list = [None, None]   # per buffer: (bucket, its data work)
         self.works: list = []
+        self.first = None  # (0, its sources, its bytes) packed before the header, or what that raised
 
     def run(self, tensors: Iterator[torch.Tensor]) -> None:
         link, manifest, packing = self.link, self.manifest, self.packing
         tensors_json = packing.tensors_json if packing else manifest.tensors_to_json()
         digest = layout_digest(manifest, packing.tensors_digest if packing else tensors_digest(tensors_json))
+        batches = packing.batches(tensors) if packing is not None else iter(())
+        self._pack_first(batches)
         header = torch.tensor([MAGIC, FORMAT, manifest.version, digest], dtype=torch.int64)
         link.wait(link.broadcast(header.to(link.device)), "header")
         mine = REJECTED if self.refusal else OK
@@ -395,10 +398,13 @@ class _Sender:
         if status:
             raise WeightSyncError(f"update v{manifest.version} was refused by an engine rank (a bad manifest, "
                                   "one that does not match its model, or not enough memory; see its log)")
+        first = self.first
+        if isinstance(first, Exception):
+            raise first
         with torch.no_grad():
-            for k, sources in self.packing.batches(tensors):
+            for k, sources, data in itertools.chain([first] if first else [], ((*b, None) for b in batches)):
                 if k < manifest.buckets:  # an update of 0 bytes has tensors but no bucket
-                    self._flush(k, sources)
+                    self._flush(k, sources, data)
         for work in self.works:
             link.wait(work, "bucket")
         verdict = link.vote(OK, "verdict")
@@ -407,7 +413,21 @@ class _Sender:
                 f"update v{manifest.version} failed on an engine rank with {VERDICTS[verdict]} "
                 "(see its log)")
 
-    def _flush(self, k: int, sources: list) -> None:
+    def _pack_first(self, batches: Iterator) -> None:
+        """Bucket 0 packed (its gathers and copies queued) before the header, so its
+        copies run while the header and the votes travel instead of holding back the
+        first broadcast; what that raises is raised after the votes, where bucket 0
+        would have been packed."""
+        try:
+            with torch.no_grad():
+                k, sources = next(batches)
+                self.first = (k, sources, self.packing.pack(k, sources) if k < self.manifest.buckets else None)
+        except StopIteration:
+            self.first = None
+        except Exception as exc:  # noqa: BLE001 - raised by run() after the votes
+            self.first = exc
+
+    def _flush(self, k: int, sources: list, data: Optional[torch.Tensor] = None) -> None:
         link, slot, staged = self.link, k % 2, self.packing.staged(k)
         if staged and self.in_flight[slot] is not None:  # the buffer's previous bucket must be out
             # On NCCL the device orders it (no host wait: the host runs ahead and every
@@ -416,13 +436,15 @@ class _Sender:
             # ahead of the buckets still on the wire.
             before, work = self.in_flight[slot]
             link.after(work, f"bucket {before}")
-        data = self.packing.pack(k, sources)
+        if data is None:
+            data = self.packing.pack(k, sources)
         work = link.broadcast(data)
         if staged:
             self.in_flight[slot] = (k, work)
         self.works.append(work)
         if self.manifest.checksum:
-            bucket_sum(data, self.packing.sums[k])
+            if not self.packing.summed(k):
+                bucket_sum(data, self.packing.sums[k])
             if before_sum_send is not None:
                 before_sum_send(k, self.packing.sums[k: k + 1])
             self.works.append(link.broadcast(self.packing.sums[k: k + 1]))
