@@ -6,7 +6,8 @@ GPU 0 runs, on another stream, nothing or one of: torch's copy of 512 MiB, torch
 of 512 MiB of int64 words, both, a copy by a Triton kernel limited to P programs
 (a copy that takes longer but leaves the memory system room), or what the sender
 runs (runtime/weight_sync/copysum.py: the packing's Table of 1 MiB pieces and the
-checksum's word_sum, on half the multiprocessors).  Per variant: the
+checksum's word_sum, on half the multiprocessors, apart or in one pass as a packed
+bucket's are).  Per variant: the
 broadcast's time (median and 90% interval over rounds, CUDA events around it on the
 sender) and the side work's time alone.  Needs two GPUs.
 
@@ -42,7 +43,8 @@ def throttled_copy():
 
 PROGRAMS = (16, 32, 64, 132)
 VARIANTS = ("none", "torch copy", "torch.sum", "copy + sum", *(f"Triton copy, {p} programs" for p in PROGRAMS),
-            "copysum.Table (the packing)", "copysum.word_sum (the checksum)", "Table + word_sum")
+            "copysum.Table (the packing)", "copysum.word_sum (the checksum)", "Table + word_sum",
+            "Table summing as it copies (kept)")
 
 
 def side_work(mib: int, device: torch.device) -> dict:
@@ -63,6 +65,9 @@ def side_work(mib: int, device: torch.device) -> dict:
     work["copysum.Table (the packing)"] = table
     work["copysum.word_sum (the checksum)"] = lambda: copysum.word_sum(dst, total, half)
     work["Table + word_sum"] = lambda: (table(), copysum.word_sum(dst, total, half))
+    summing = copysum.Table(list(zip(dst.split(cut), src.split(cut))), device, half)
+    summing.into = total.view(1)
+    work["Table summing as it copies (kept)"] = lambda: (total.zero_(), summing())
     return work
 
 

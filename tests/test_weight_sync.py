@@ -603,6 +603,11 @@ big = copysum.Table([(dst[:5000], src)], torch.device("cpu"), 3, (dst[5000:],))
 big.into = torch.zeros(1, dtype=torch.int64)
 big()
 big_ok = torch.equal(dst[:5000], src) and int(big.into) == int(dst.sum())
+# A strided view (as the fused QKV's k) cut into its contiguous runs; one of single elements is not.
+fused = torch.arange(64, dtype=torch.float32).view(2, 4, 8)
+k_pieces = copysum.Table.split(torch.empty(2, 8), fused[:, 2])
+split = [[tuple(f.shape) for _, f in k_pieces], torch.equal(torch.cat([f for _, f in k_pieces]), fused[:, 2].reshape(-1)),
+         copysum.Table.split(torch.empty(2, 8, 4), fused.transpose(1, 2)) is None]
 # A whole send with the summing program (the link keeps it): the receiver checks every bucket's sum.
 manifest, sources, _, expected = t._program_case()
 tx = wt.LoopbackLink("cpu")
@@ -613,7 +618,7 @@ for _ in range(2):  # the second send sums into the same slots again
     got = dict(wt.receive(wt.LoopbackLink("cpu", replay=tx)).tensors)
 print(json.dumps({"equal": len(buckets[0]) == len(buckets[1]) and all(map(torch.equal, *buckets)),
                   "buckets": len(buckets[0]), "tables": kinds.count("Table"), "torch": kinds.count("tuple"),
-                  "summed": summed, "sums": sums, "kept": tx.program.summing == set(summed), "big": big_ok,
+                  "summed": summed, "sums": sums, "kept": tx.program.summing == set(summed), "big": big_ok, "split": split,
                   "received": sorted(got) == sorted(expected()) and all(torch.equal(got[n], v) for n, v in expected().items())}))
 """
 
@@ -621,8 +626,9 @@ print(json.dumps({"equal": len(buckets[0]) == len(buckets[1]) and all(map(torch.
 def test_a_program_packs_and_sums_in_tables_as_torch_would_under_tritons_interpreter():
     """program.py's copysum.Table (the bucket copies in one launch on half the
     multiprocessors, leaving NCCL room; a GPU's default) run by Triton's interpreter
-    on CPU: every bucket holds the bytes torch's copies put there, the strided views
-    that cross no bucket end stay torch's copies; every bucket after the first gets its
+    on CPU: every bucket holds the bytes torch's copies put there, a strided view that
+    crosses no bucket end goes in as its contiguous runs (the carries of those that do
+    stay torch's copies); every bucket after the first gets its
     checksum in the same pass (the words the Tables copy, then the rest read where it
     lies), equal to the sum of its words, and a receiver that checks them takes the
     update whole."""
@@ -634,7 +640,7 @@ def test_a_program_packs_and_sums_in_tables_as_torch_would_under_tritons_interpr
     assert result["equal"] and result["buckets"] > 4 and result["tables"] > 0 and result["torch"] > 0, result
     assert result["summed"] == list(range(1, result["buckets"])) and result["kept"], result
     assert all(mine == words for mine, words in result["sums"]) and result["big"], result
-    assert result["received"], result
+    assert result["split"] == [[[8], [8]], True, True] and result["received"], result
 
 
 def test_engine_views_hold_what_the_mapping_copies():

@@ -20,6 +20,8 @@ adds what it copies into the bucket's checksum, so the sender reads the bucket o
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from typing import Optional
 
 import torch
@@ -29,6 +31,7 @@ MIN_BLOCK = 128
 ROW_WORDS = 32768  # a Table's longest row (256 KiB): a few rows per program balance the work
 BLOCK = 2048       # int64 words a Table program moves per step (16 KiB)
 SUM_BLOCK = 4096   # int64 words a word_sum program adds per step (32 KiB)
+SEGMENTS = 64      # contiguous runs a strided source may be cut into for a Table
 
 
 def block_for(bucket_bytes: int) -> int:
@@ -123,6 +126,26 @@ class Table:
         nbytes = dst.numel() * dst.element_size()
         return (dst.is_contiguous() and src.is_contiguous() and nbytes % 16 == 0 and dst.dtype == src.dtype
                 and dst.numel() == src.numel() and dst.data_ptr() % 16 == 0 and src.data_ptr() % 16 == 0)
+
+    @staticmethod
+    def split(dst: torch.Tensor, src: torch.Tensor) -> Optional[list]:
+        """``dst[:] = src`` as pieces that ``fit``: itself, or where ``src`` is a strided
+        view (the fused QKV's q, k and v) one piece per contiguous run of it, at most
+        SEGMENTS; None where neither fits."""
+        if Table.fits(dst, src):
+            return [(dst, src)]
+        if not dst.is_contiguous() or dst.dtype != src.dtype or dst.numel() != src.numel() or not src.numel():
+            return None
+        d, run = src.dim(), 1  # the inner dims laid out contiguously: ``run`` elements
+        while d and (src.shape[d - 1] == 1 or src.stride(d - 1) == run):
+            run *= src.shape[d - 1]
+            d -= 1
+        outer = src.shape[:d]
+        if math.prod(outer) > SEGMENTS:
+            return None
+        pieces = [(to, src[index].reshape(-1))
+                  for to, index in zip(dst.reshape(-1).split(run), itertools.product(*map(range, outer)))]
+        return pieces if all(Table.fits(to, frm) for to, frm in pieces) else None
 
     def __call__(self) -> None:
         if len(self.rows):

@@ -303,10 +303,16 @@ def _groups(run: dict, table) -> list:
         return groups
     pieces, rest = [], []
     for dsts, srcs in run["out"].values():
-        fit = [copysum.Table.fits(d, s) for d, s in zip(dsts, srcs)]
-        pieces += [(d, s) for d, s, ok in zip(dsts, srcs, fit) if ok]
-        if not all(fit):
-            rest.append(([d for d, ok in zip(dsts, fit) if not ok], [s for s, ok in zip(srcs, fit) if not ok]))
+        left = ([], [])
+        for dst, src in zip(dsts, srcs):
+            split = copysum.Table.split(dst, src)
+            if split is None:
+                left[0].append(dst)
+                left[1].append(src)
+            else:
+                pieces += split
+        if left[0]:
+            rest.append(left)
     before = [group for phase in PHASES[:-1] for group in run[phase].values()]
     return before + rest + ([table(pieces)] if pieces else [])
 
