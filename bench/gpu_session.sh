@@ -155,7 +155,8 @@ timeout 120 python3 bench/weight_sync_bench.py --gb 4 --rounds 7 2>&1 | grep -v 
 fi
 if want wirespeed; then
 echo "== weight sync at wire speed (issue 32, item 2): gpu-marked tests (colocated TP 2 / EP 2 trainers over ipc, bitwise;"
-echo "   the NCCL transport), then the table in one run: nccl from buffers / packed at 7k tensors, the whole packed push, ipc"
+echo "   the NCCL transport), then the table in one run: nccl from buffers / packed at 7k tensors, the whole packed push, ipc,"
+echo "   and what the sender's kernels cost a broadcast beside them"
 nvidia-smi topo -m 2>&1 | head -4 | tee "$OUT/topo.txt"
 timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_weight_sync_request_backends.py \
   tests/test_weight_sync.py 2>&1 | tee "$OUT/pytest_wirespeed_gpu.log" | tail -4
@@ -164,6 +165,9 @@ timeout 150 python3 bench/weight_sync_bench.py --gb 4 --rounds 9 2>&1 | grep -v 
 timeout 130 python3 bench/push_bench.py --engine --hidden 512 --rounds 9 2>&1 | grep -v "Warning\|warnings.warn" \
   | tee "$OUT/push_engine_512_wirespeed.txt" | tail -16
 timeout 70 python3 bench/weight_sync_backends_bench.py --ipc --gb 4 --rounds 9 2>&1 | tee "$OUT/backends_ipc_wirespeed.txt" | tail -12
+echo "== the sender's kernels beside a broadcast (bench/contention_bench.py)"
+timeout 60 python3 bench/contention_bench.py --rounds 16 2>&1 | grep -v "Warning\|warnings.warn" \
+  | tee "$OUT/contention_bench.txt" | tail -14
 fi
 if want phases; then
 echo "== weight sync phases (one GPU, one process): pack, checksum, receivers, load, d2d copy"
