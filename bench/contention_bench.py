@@ -71,11 +71,11 @@ def side_work(mib: int, device: torch.device) -> dict:
     return work
 
 
-def timed(fn, stream=None) -> float:
+def timed(fn) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(stream)
+    start.record()
     fn()
-    end.record(stream)
+    end.record()
     end.synchronize()
     return start.elapsed_time(end)
 

@@ -186,11 +186,11 @@ class Program(Packed):
         into = self.sums[k: k + 1]
         for t in (*tables, rest):
             t.into = into
-        if runs and not callable(runs[0]):
+        if not callable(runs[0]):  # (a bucket has a run: it holds some tensor's bytes)
             runs[0].insert(0, into.zero_)
         else:
             runs.insert(0, [into.zero_])
-        if runs and not callable(runs[-1]):
+        if not callable(runs[-1]):
             runs[-1].append(rest)
         else:
             runs.append([rest])
@@ -298,9 +298,9 @@ def _runs(ops: list, table=None) -> list:
 
 
 def _groups(run: dict, table) -> list:
-    groups = [group for phase in PHASES for group in run[phase].values()]
+    before = [group for phase in PHASES[:-1] for group in run[phase].values()]
     if table is None:
-        return groups
+        return before + list(run["out"].values())
     pieces, rest = [], []
     for dsts, srcs in run["out"].values():
         left = ([], [])
@@ -313,7 +313,6 @@ def _groups(run: dict, table) -> list:
                 pieces += split
         if left[0]:
             rest.append(left)
-    before = [group for phase in PHASES[:-1] for group in run[phase].values()]
     return before + rest + ([table(pieces)] if pieces else [])
 
 

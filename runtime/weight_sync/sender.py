@@ -375,14 +375,13 @@ class _Sender:
         self.packing = packing
         self.in_flight: list = [None, None]   # per buffer: (bucket, its data work)
         self.works: list = []
-        self.first = None  # (0, its sources, its bytes) packed before the header, or what that raised
 
     def run(self, tensors: Iterator[torch.Tensor]) -> None:
         link, manifest, packing = self.link, self.manifest, self.packing
         tensors_json = packing.tensors_json if packing else manifest.tensors_to_json()
         digest = layout_digest(manifest, packing.tensors_digest if packing else tensors_digest(tensors_json))
         batches = packing.batches(tensors) if packing is not None else iter(())
-        self._pack_first(batches)
+        first = self._pack_first(batches)
         header = torch.tensor([MAGIC, FORMAT, manifest.version, digest], dtype=torch.int64)
         link.wait(link.broadcast(header.to(link.device)), "header")
         mine = REJECTED if self.refusal else OK
@@ -398,7 +397,6 @@ class _Sender:
         if status:
             raise WeightSyncError(f"update v{manifest.version} was refused by an engine rank (a bad manifest, "
                                   "one that does not match its model, or not enough memory; see its log)")
-        first = self.first
         if isinstance(first, Exception):
             raise first
         with torch.no_grad():
@@ -413,19 +411,20 @@ class _Sender:
                 f"update v{manifest.version} failed on an engine rank with {VERDICTS[verdict]} "
                 "(see its log)")
 
-    def _pack_first(self, batches: Iterator) -> None:
+    def _pack_first(self, batches: Iterator):
         """Bucket 0 packed (its gathers and copies queued) before the header, so its
         copies run while the header and the votes travel instead of holding back the
-        first broadcast; what that raises is raised after the votes, where bucket 0
-        would have been packed."""
+        first broadcast: (0, its sources, its bytes), None without a bucket, or what
+        packing it raised (run() raises it after the votes, where bucket 0 would have
+        been packed)."""
         try:
             with torch.no_grad():
                 k, sources = next(batches)
-                self.first = (k, sources, self.packing.pack(k, sources) if k < self.manifest.buckets else None)
+                return k, sources, self.packing.pack(k, sources) if k < self.manifest.buckets else None
         except StopIteration:
-            self.first = None
+            return None
         except Exception as exc:  # noqa: BLE001 - raised by run() after the votes
-            self.first = exc
+            return exc
 
     def _flush(self, k: int, sources: list, data: Optional[torch.Tensor] = None) -> None:
         link, slot, staged = self.link, k % 2, self.packing.staged(k)
