@@ -7,9 +7,11 @@ of 512 MiB of int64 words, both, a copy by a Triton kernel limited to P programs
 (a copy that takes longer but leaves the memory system room), or what the sender
 runs (runtime/weight_sync/copysum.py: the packing's Table of 1 MiB pieces and the
 checksum's word_sum, on half the multiprocessors, apart or in one pass as a packed
-bucket's are).  Per variant: the
+bucket's are; the one pass also on a quarter and an eighth of them).  Per variant: the
 broadcast's time (median and 90% interval over rounds, CUDA events around it on the
-sender) and the side work's time alone.  Needs two GPUs.
+sender) and the side work's time alone.  Both are queued behind a ~1 ms sleep before
+the device starts them (since 2026-11-27 06:00 UTC; before, the side work's host launch
+time, tens of us for a Triton launch from Python, was counted as the broadcast's).  Needs two GPUs.
 
     python bench/contention_bench.py [--mib 512] [--rounds 30]
 """
@@ -44,7 +46,7 @@ def throttled_copy():
 PROGRAMS = (16, 32, 64, 132)
 VARIANTS = ("none", "torch copy", "torch.sum", "copy + sum", *(f"Triton copy, {p} programs" for p in PROGRAMS),
             "copysum.Table (the packing)", "copysum.word_sum (the checksum)", "Table + word_sum",
-            "Table summing as it copies (kept)")
+            "Table summing as it copies (kept)", "the same, 1/4 of the SMs", "the same, 1/8 of the SMs")
 
 
 def side_work(mib: int, device: torch.device) -> dict:
@@ -68,11 +70,24 @@ def side_work(mib: int, device: torch.device) -> dict:
     summing = copysum.Table(list(zip(dst.split(cut), src.split(cut))), device, half)
     summing.into = total.view(1)
     work["Table summing as it copies (kept)"] = lambda: (total.zero_(), summing())
+    for share in (4, 8):
+        fewer = copysum.Table(list(zip(dst.split(cut), src.split(cut))), device,
+                              torch.cuda.get_device_properties(device).multi_processor_count // share)
+        fewer.into = total.view(1)
+        work[f"the same, 1/{share} of the SMs"] = lambda t=fewer: (total.zero_(), t())
     return work
 
 
-def timed(fn) -> float:
+QUEUE_CYCLES = 2_000_000  # ~1 ms of GPU clock: the host queues the side work and the broadcast meanwhile
+
+
+def timed(fn, queued: bool = True) -> float:
+    """Device ms of what ``fn`` queues; ``queued``: behind a ~1 ms sleep, so that both
+    start together on the device and the host's launch time (a Triton launch from
+    Python: tens of us) is not counted as the broadcast's."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if queued:
+        torch.cuda._sleep(QUEUE_CYCLES)
     start.record()
     fn()
     end.record()
@@ -102,15 +117,14 @@ def rank_main(rank: int, args) -> None:
             dist.barrier(device_ids=[rank])
             torch.cuda.synchronize()
             if rank == 0:
-                side.wait_stream(torch.cuda.current_stream())
-
                 def both():
+                    side.wait_stream(torch.cuda.current_stream())  # after the sleep
                     with torch.cuda.stream(side):
                         work[v]()
                     dist.broadcast(data, 0, async_op=True).wait()
                 ms = timed(both)
             else:
-                ms = timed(lambda: dist.broadcast(data, 0, async_op=True).wait())
+                ms = timed(lambda: dist.broadcast(data, 0, async_op=True).wait(), queued=False)  # (waits for rank 0)
             torch.cuda.synchronize()
             if r >= args.warmup:
                 results[v].append(ms)
@@ -118,11 +132,11 @@ def rank_main(rank: int, args) -> None:
         from stats import bootstrap
         base = statistics.median(results["none"])
         print(f"{args.mib} MiB broadcast GPU 0 -> GPU 1 while GPU 0 runs side work; {args.rounds} rounds, ms")
-        print(f"{'side work':28}{'alone':>8}{'bcast min':>11}{'median':>9}{'90% interval':>17}{'x none':>8}")
+        print(f"{'side work':34}{'alone':>8}{'bcast min':>11}{'median':>9}{'90% interval':>17}{'x none':>8}")
         for v in variants:
             values = results[v]
             _, low, high = bootstrap(statistics.median, values)
-            print(f"{v:28}{alone[v]:8.3f}{min(values):11.3f}{statistics.median(values):9.3f}"
+            print(f"{v:34}{alone[v]:8.3f}{min(values):11.3f}{statistics.median(values):9.3f}"
                   f"{low:9.3f}..{high:6.3f}{statistics.median(values) / base:8.3f}")
     dist.destroy_process_group()
 

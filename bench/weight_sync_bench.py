@@ -31,8 +31,8 @@ runs them all in a rotating order, per-tensor in rounds of its own after the oth
   buffers -c   the same without checksums
   buffers streamed  from the buffers, the receiver in stage "bucket"
 
---timeline N (two GPUs) then records N checksummed and N unchecked bucketed updates
-per side with torch.profiler and prints, per update, what the GPU did: time to the
+--timeline N (two GPUs) then records N checksummed and N unchecked bucketed updates,
+N planned and N from the buffers per side with torch.profiler and prints, per update, what the GPU did: time to the
 first bucket's broadcast, NCCL busy time, its largest idle gap and what came before
 it, checksum and copy kernel time (to find where a slow round loses its time).
 
@@ -358,7 +358,7 @@ def timeline(run: Run, rank: int, n: int):
 
     rows = []
     for label, fn in (("bucketed", METHODS["bucketed"]), ("bucketed -c", METHODS["bucketed -c"]),
-                      ("buffers", METHODS["buffers"])):
+                      ("planned", METHODS["planned"]), ("buffers", METHODS["buffers"])):
         for _ in range(n):
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
             with torch_profile(activities=activities) as prof:

@@ -10,10 +10,11 @@ so the order of the additions does not matter: per block, then atomically per bu
 The sender's device work beside NCCL (``Table``, ``word_sum``): a sender packs bucket
 k + 1 and sums bucket k while bucket k is on the wire.  A kernel that spreads over
 every multiprocessor slows that broadcast: a 512 MiB broadcast between two H100 took
-1.50 ms alone, 1.91 ms beside torch's copy of 512 MiB and 1.76 ms beside torch.sum
-of it, but 1.55 ms beside the same copy by 64 programs (bench/contention_bench.py;
-docs/bench-notes/weight_sync.md).  So these kernels run on half the multiprocessors
-(``programs``), each program looping over its share; and a Table packing a bucket
+1.46 ms alone, 1.70 ms beside torch's copy of 512 MiB, but 1.47 ms beside the same
+copy by 64 programs, and 1.47 ms beside this module's Table copying and summing it on
+half the multiprocessors (bench/contention_bench.py; docs/bench-notes/weight_sync.md).
+So these kernels run on 1 / ``SHARE`` of the multiprocessors (``programs``; a
+quarter or an eighth measured the same), each program looping over its share; and a Table packing a bucket
 adds what it copies into the bucket's checksum, so the sender reads the bucket once.
 """
 
@@ -32,6 +33,7 @@ ROW_WORDS = 32768  # a Table's longest row (256 KiB): a few rows per program bal
 BLOCK = 2048       # int64 words a Table program moves per step (16 KiB)
 SUM_BLOCK = 4096   # int64 words a word_sum program adds per step (32 KiB)
 SEGMENTS = 64      # contiguous runs a strided source may be cut into for a Table
+SHARE = 2          # the kernels beside NCCL run on 1 / SHARE of the multiprocessors
 
 
 def block_for(bucket_bytes: int) -> int:
@@ -63,14 +65,14 @@ def copy_and_sum(source: torch.Tensor, dst: torch.Tensor, bucket_bytes: int, sum
 
 
 def programs(device: torch.device) -> int:
-    """How many programs the kernels beside NCCL run: half the multiprocessors (see
-    the module doc)."""
+    """How many programs the kernels beside NCCL run: 1 / SHARE of the multiprocessors
+    (see the module doc)."""
     return _programs(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
 def _programs(index: int) -> int:
-    return max(1, torch.cuda.get_device_properties(index).multi_processor_count // 2)
+    return max(1, torch.cuda.get_device_properties(index).multi_processor_count // SHARE)
 
 
 def available() -> bool:

@@ -138,6 +138,7 @@ class Program(Packed):
         self.enabled = True  # the replay_packing setting, per send
         self.device = device
         self.capture_stream = None
+        self.first_stream = None  # where the sender packs bucket 0 (sender._Sender._aside)
 
     def _place(self, e, src: torch.Tensor, stable: bool, steps: list, n: int) -> None:
         if src.dtype != e.dtype or src.numel() != math.prod(e.shape):

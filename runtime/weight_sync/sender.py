@@ -25,6 +25,7 @@ sender are read together; the packing is what the ipc backend reuses.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import operator
@@ -375,6 +376,7 @@ class _Sender:
         self.packing = packing
         self.in_flight: list = [None, None]   # per buffer: (bucket, its data work)
         self.works: list = []
+        self.aside: Optional[torch.cuda.Stream] = None  # where bucket 0 was packed (_aside)
 
     def run(self, tensors: Iterator[torch.Tensor]) -> None:
         link, manifest, packing = self.link, self.manifest, self.packing
@@ -382,6 +384,29 @@ class _Sender:
         digest = layout_digest(manifest, packing.tensors_digest if packing else tensors_digest(tensors_json))
         batches = packing.batches(tensors) if packing is not None else iter(())
         first = self._pack_first(batches)
+        try:
+            self._agree(manifest, digest, tensors_json)
+        finally:
+            if self.aside is not None:  # bucket 0's copies ran on a stream of their own
+                torch.cuda.current_stream(link.device).wait_stream(self.aside)
+        if isinstance(first, Exception):
+            raise first
+        with torch.no_grad():
+            for k, sources, data in itertools.chain([first] if first else [], ((*b, None) for b in batches)):
+                if k < manifest.buckets:  # an update of 0 bytes has tensors but no bucket
+                    self._flush(k, sources, data)
+        for work in self.works:
+            link.wait(work, "bucket")
+        verdict = link.vote(OK, "verdict")
+        if verdict:
+            raise (ChecksumMismatch if verdict == CHECKSUM_MISMATCH else WeightSyncError)(
+                f"update v{manifest.version} failed on an engine rank with {VERDICTS[verdict]} "
+                "(see its log)")
+
+    def _agree(self, manifest: Manifest, digest: int, tensors_json: bytes) -> None:
+        """The header, the layout vote and, where a receiver lacks the layout, the
+        manifest and its vote: raises unless every rank accepts the update."""
+        link = self.link
         header = torch.tensor([MAGIC, FORMAT, manifest.version, digest], dtype=torch.int64)
         link.wait(link.broadcast(header.to(link.device)), "header")
         mine = REJECTED if self.refusal else OK
@@ -397,34 +422,34 @@ class _Sender:
         if status:
             raise WeightSyncError(f"update v{manifest.version} was refused by an engine rank (a bad manifest, "
                                   "one that does not match its model, or not enough memory; see its log)")
-        if isinstance(first, Exception):
-            raise first
-        with torch.no_grad():
-            for k, sources, data in itertools.chain([first] if first else [], ((*b, None) for b in batches)):
-                if k < manifest.buckets:  # an update of 0 bytes has tensors but no bucket
-                    self._flush(k, sources, data)
-        for work in self.works:
-            link.wait(work, "bucket")
-        verdict = link.vote(OK, "verdict")
-        if verdict:
-            raise (ChecksumMismatch if verdict == CHECKSUM_MISMATCH else WeightSyncError)(
-                f"update v{manifest.version} failed on an engine rank with {VERDICTS[verdict]} "
-                "(see its log)")
 
     def _pack_first(self, batches: Iterator):
-        """Bucket 0 packed (its gathers and copies queued) before the header, so its
-        copies run while the header and the votes travel instead of holding back the
-        first broadcast: (0, its sources, its bytes), None without a bucket, or what
-        packing it raised (run() raises it after the votes, where bucket 0 would have
-        been packed)."""
+        """Bucket 0 packed (its gathers and copies queued, on a GPU on a stream of
+        their own: ``_aside``) before the header, so its copies run while the header and
+        the votes travel instead of holding back the first broadcast: (0, its sources,
+        its bytes), None without a bucket, or what packing it raised (run() raises it
+        after the votes, where bucket 0 would have been packed)."""
+        self.aside = self._aside()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.cuda.stream(self.aside) if self.aside is not None else contextlib.nullcontext():
                 k, sources = next(batches)
                 return k, sources, self.packing.pack(k, sources) if k < self.manifest.buckets else None
         except StopIteration:
             return None
         except Exception as exc:  # noqa: BLE001 - raised by run() after the votes
             return exc
+
+    def _aside(self) -> Optional[torch.cuda.Stream]:
+        """The stream a Program packs bucket 0 on, on a GPU: the header and the votes go
+        through NCCL, whose stream waits for the current one, so they would wait for
+        bucket 0's copies there (run() joins it before bucket 0 goes out)."""
+        packing = self.packing
+        if not isinstance(packing, Program) or packing.device.type != "cuda":
+            return None
+        if packing.first_stream is None:
+            packing.first_stream = torch.cuda.Stream(packing.device)
+        packing.first_stream.wait_stream(torch.cuda.current_stream(packing.device))  # the sources' writes
+        return packing.first_stream
 
     def _flush(self, k: int, sources: list, data: Optional[torch.Tensor] = None) -> None:
         link, slot, staged = self.link, k % 2, self.packing.staged(k)
