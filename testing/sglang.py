@@ -24,10 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -187,7 +189,7 @@ class SGLangServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path),
+        argv = [sys.executable, "-m", __name__, "serve", "sglang.launch_server", "--model-path", str(self.model_path),
                 "--host", "127.0.0.1", "--port", str(self.port), *_flags(ENGINE_ARGS), *map(str, args)]
         self._process = _Process(argv, _environment(specs, env, self.workdir), self.workdir, "server")
         try:
@@ -378,15 +380,33 @@ def _drive_engine(kwargs: dict, reply_path: str) -> None:
         engine.shutdown()
 
 
+def _serve(module: str, args: list) -> None:
+    """``python -m MODULE ARGS`` in this process, and its whole process group ended once
+    stdin closes: the test process that started it died without closing it (a killed
+    pytest worker runs no teardown), so no server outlives its test run.  (The engine
+    driver ends at stdin's end by itself.)"""
+    def watch() -> None:
+        sys.stdin.buffer.read()
+        os.killpg(0, signal.SIGTERM)
+        time.sleep(10.0)  # (only reached if SIGTERM spared this process)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["checkpoint"]:
         _build_checkpoint(json.loads(argv[1]))
     elif argv[:1] == ["engine"]:
         _drive_engine(json.loads(argv[1]), argv[2])
+    elif argv[:1] == ["serve"] and len(argv) > 1:
+        _serve(argv[1], argv[2:])
     else:
-        print("usage: python -m source_patch.testing.sglang checkpoint JSON | engine KWARGS REPLIES",
-              file=sys.stderr)
+        print("usage: python -m source_patch.testing.sglang checkpoint JSON | engine KWARGS REPLIES"
+              " | serve MODULE ARGS...", file=sys.stderr)
         return 2
     return 0
 

@@ -14,8 +14,9 @@ every multiprocessor slows that broadcast: a 512 MiB broadcast between two H100 
 copy by 64 programs, and 1.47 ms beside this module's Table copying and summing it on
 half the multiprocessors (bench/contention_bench.py; docs/bench-notes/weight_sync.md).
 So these kernels run on 1 / ``SHARE`` of the multiprocessors (``programs``; a
-quarter or an eighth measured the same), each program looping over its share; and a Table packing a bucket
-adds what it copies into the bucket's checksum, so the sender reads the bucket once.
+quarter or an eighth measured the same), each program looping over its share; and a
+Table packing a bucket adds what it copies into the bucket's checksum, so the sender
+reads the bucket once.
 """
 
 from __future__ import annotations
