@@ -63,18 +63,19 @@ def side_work(mib: int, device: torch.device) -> dict:
 
     half = copysum.programs(device)
     cut = 1 << 17  # 1 MiB pieces, as a bucket of many tensors
-    table = copysum.Table(list(zip(dst.split(cut), src.split(cut))), device, half)
+    pieces = list(zip(dst.split(cut), src.split(cut)))
+    table = copysum.Table(pieces, device, half)
     work["copysum.Table (the packing)"] = table
     work["copysum.word_sum (the checksum)"] = lambda: copysum.word_sum(dst, total, half)
     work["Table + word_sum"] = lambda: (table(), copysum.word_sum(dst, total, half))
-    summing = copysum.Table(list(zip(dst.split(cut), src.split(cut))), device, half)
-    summing.into = total.view(1)
-    work["Table summing as it copies (kept)"] = lambda: (total.zero_(), summing())
+
+    def summing(share: int):  # the packing's Table adding what it copies into one checksum
+        t = copysum.Table(pieces, device, copysum.programs(device, share))
+        t.into = total.view(1)
+        return lambda: (total.zero_(), t())
+    work["Table summing as it copies (kept)"] = summing(copysum.SHARE)
     for share in (4, 8):
-        fewer = copysum.Table(list(zip(dst.split(cut), src.split(cut))), device,
-                              torch.cuda.get_device_properties(device).multi_processor_count // share)
-        fewer.into = total.view(1)
-        work[f"the same, 1/{share} of the SMs"] = lambda t=fewer: (total.zero_(), t())
+        work[f"the same, 1/{share} of the SMs"] = summing(share)
     return work
 
 

@@ -32,9 +32,10 @@ runs them all in a rotating order, per-tensor in rounds of its own after the oth
   buffers streamed  from the buffers, the receiver in stage "bucket"
 
 --timeline N (two GPUs) then records N checksummed and N unchecked bucketed updates,
-N planned and N from the buffers per side with torch.profiler and prints, per update, what the GPU did: time to the
-first bucket's broadcast, NCCL busy time, its largest idle gap and what came before
-it, checksum and copy kernel time (to find where a slow round loses its time).
+N planned and N from the buffers per side with torch.profiler and prints, per update,
+what the GPU did: time to the first bucket's broadcast, NCCL busy time, its largest
+idle gap and what came before it, checksum and copy kernel time (to find where a slow
+round loses its time).
 
 --phases (one process, one GPU or --cpu; no process group: the sender's broadcasts
 are recorded and replayed to the receivers in the same process, transport.LoopbackLink)

@@ -65,15 +65,15 @@ def copy_and_sum(source: torch.Tensor, dst: torch.Tensor, bucket_bytes: int, sum
         kernel[grid](source.view(torch.int64), dst.view(torch.int64), sums, words, bucket_bytes // 8, BLOCK=block)
 
 
-def programs(device: torch.device) -> int:
-    """How many programs the kernels beside NCCL run: 1 / SHARE of the multiprocessors
-    (see the module doc)."""
-    return _programs(device.index if device.index is not None else torch.cuda.current_device())
+def programs(device: torch.device, share: int = SHARE) -> int:
+    """How many programs the kernels beside NCCL run: 1 / ``share`` of the
+    multiprocessors (see the module doc)."""
+    return _programs(device.index if device.index is not None else torch.cuda.current_device(), share)
 
 
 @functools.lru_cache(maxsize=None)
-def _programs(index: int) -> int:
-    return max(1, torch.cuda.get_device_properties(index).multi_processor_count // SHARE)
+def _programs(index: int, share: int) -> int:
+    return max(1, torch.cuda.get_device_properties(index).multi_processor_count // share)
 
 
 def available() -> bool:
