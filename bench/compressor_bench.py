@@ -20,7 +20,10 @@ copy, queueing).  On a GPU nothing waits for the device there, so this is the la
 cost the training thread pays; "after other work" times each due call alone after
 work like a training layer's between two calls (other torch ops on the host and the
 device, a pass over 32 MiB), which leaves the call's code and data out of the caches:
-in training a due call reads ~4x its back-to-back time.  Then the CPU time per frame
+in training a due call reads ~4x its back-to-back time.  Two variants tell the parts
+of that apart: the same work on one host thread (torch's intra-op threads idle, not
+spinning beside the call), and a layer's host side as a GPU step runs it (the ops
+launched on device tensors, nothing computed on the host).  Then the CPU time per frame
 of the publisher thread
 (host stage, encoding) and of the hub thread (sending), with a real hub and a
 recording client (trace_client record) in another process: in a training process
@@ -133,21 +136,36 @@ def host_loop(fn, device: str, reps: int, calls: int, between=None, before=None)
 
 
 class OtherWork:
-    """What runs between two due calls in training, untimed: other torch ops (their
-    dispatch code), a few small device kernels, and a pass over 32 MiB of memory."""
+    """What runs between two due calls in training, untimed.  ``host`` (the bench's
+    first measure): other torch ops on the host (their dispatch code, on torch's
+    intra-op threads), a few small device kernels, and a pass over 32 MiB of memory;
+    ``one thread``: the same on one host thread (torch's other threads idle, not
+    spinning beside the call); ``gpu``: a layer's host side as a GPU step runs it, the
+    ops launched on device tensors (norm, matmul, softmax, gelu, reductions, a sort)
+    and nothing computed on the host."""
 
-    def __init__(self, device: str, elements: int = 8 << 20):
-        self.memory = torch.ones(elements)
-        self.small = torch.randn(64, 64)
+    def __init__(self, device: str, elements: int = 8 << 20, kind: str = "host"):
+        self.kind = kind
+        self.memory = torch.ones(elements) if kind != "gpu" else None
+        on = device if kind == "gpu" else "cpu"
+        self.small = torch.randn(64, 64, device=on)
         self.device = torch.randn(4096, device=device) if device == "cuda" else None
 
     def __call__(self) -> None:
-        self.memory.sum()
-        x = torch.nn.functional.layer_norm(self.small, (64,))
-        x = torch.nn.functional.gelu(torch.softmax(x @ self.small, -1)).sum(0)
-        torch.sort(torch.cumsum(x, 0))
-        if self.device is not None:
-            torch.nn.functional.relu_((self.device * 2).add_(1))
+        threads = torch.get_num_threads()
+        if self.kind == "one thread":
+            torch.set_num_threads(1)
+        try:
+            if self.memory is not None:
+                self.memory.sum()
+            x = torch.nn.functional.layer_norm(self.small, (64,))
+            x = torch.nn.functional.gelu(torch.softmax(x @ self.small, -1)).sum(0)
+            torch.sort(torch.cumsum(x, 0))
+            if self.device is not None:
+                torch.nn.functional.relu_((self.device * 2).add_(1))
+        finally:
+            if self.kind == "one thread":
+                torch.set_num_threads(threads)
 
 
 def triton_launch(direct: bool):
@@ -164,7 +182,7 @@ class Variant(NamedTuple):
     row: str  # its row in the host-time table
     per_batch: bool = True
     direct: bool = True
-    after_other_work: bool = False
+    after_other_work: bool | str = False  # True: OtherWork "host"; else its kind
     against: str | None = None
     gpu_only: bool = False
     planned: bool = True  # the runtime's planned due call (api._fast) where it applies; False: the general path
@@ -182,6 +200,10 @@ VARIANTS = (
             planned=False, against="after other work", gpu_only=True),
     Variant("after other work, an event per result", "  after other work, an event per result", per_batch=False,
             after_other_work=True, against="after other work"),
+    Variant("after other work, one host thread", "  after other work on one host thread",
+            after_other_work="one thread", against="after other work"),
+    Variant("after a layer's GPU launches", "  after a layer's GPU launches (no host compute)",
+            after_other_work="gpu", against="after other work", gpu_only=True),
 )
 
 
@@ -196,7 +218,7 @@ def path(rt, planned: bool):
     return stack
 
 
-def due_variants(rt, x: torch.Tensor, device: str, reps: int, layers: int, step_end, other) -> dict:
+def due_variants(rt, x: torch.Tensor, device: str, reps: int, layers: int, step_end, others: dict) -> dict:
     """{Variant: microseconds per due trace() call, one sample per round of ``layers``
     calls (then trace_step)}, the variants alternated round by round so that drift
     hits them alike (Triton's dispatch and the general path on a GPU only)."""
@@ -207,7 +229,7 @@ def due_variants(rt, x: torch.Tensor, device: str, reps: int, layers: int, step_
             with mock.patch.object(rt, "PER_BATCH_EVENTS", v.per_batch), triton_launch(v.direct), \
                     path(rt, v.planned):
                 samples[v].append(host_loop(lambda layer: rt.trace("traced", x, layer=layer), device, 1, layers,
-                                            step_end, before=other if v.after_other_work else None))
+                                            step_end, before=others.get(v.after_other_work)))
     return samples
 
 
@@ -229,7 +251,7 @@ def print_variants(samples: dict, hub: str, layers: int) -> None:
         print(line)
 
 
-def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int, other=None) -> list[tuple[str, float]]:
+def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int, others: dict | None = None) -> list[tuple[str, float]]:
     """Host microseconds of each call a due trace() makes on a CUDA tensor with the
     forwarder's ring (hub: process), timed alone the way host_loop times trace(): where
     a due call's time goes, without a profiler's own cost per call (~1 us, as much as
@@ -264,9 +286,12 @@ def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int, other=None) -> li
         ("ring.claim(shape)", timed(lambda: ring.claim(launch.shape), ring.reset)),
         ("the launch alone (arguments ready)", timed(launch_alone)),
         # what no Python on our side can remove: the launch's own cost, cold (item 3's floor)
-        *([("the launch alone, after other work", timed(launch_alone, before=other)),
-           ("torch.cuda.current_stream(), after other work", timed(torch.cuda.current_stream, before=other))]
-          if other is not None else []),
+        *([row for kind, after in (("", others[True]), (", one host thread", others["one thread"]),
+                                   (", GPU launches", others["gpu"]))
+           for row in ((f"the launch alone, after other work{kind}", timed(launch_alone, before=after)),
+                       (f"torch.cuda.current_stream(), after other work{kind}",
+                        timed(torch.cuda.current_stream, before=after)))]
+          if others else []),
         ("fused.column_stats(x) into device memory", timed(lambda: fused.column_stats(x, stats))),
         ("fused.column_stats(x, ring.claim)", timed(lambda: fused.column_stats(x, stats, ring.claim), ring.reset)),
         ("TILES.reduce(x, ring.claim)", timed(lambda: TILES.reduce(x, ring.claim), ring.reset)),
@@ -310,13 +335,14 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: i
         rows = [("disabled", per_call("traced", False)),
                 ("enabled, name not subscribed", per_call("idle", True))]
         before = rt.state()
-        other = OtherWork(device, other_elements)
-        samples = due_variants(rt, x, device, reps, layers, step_end, other)
+        others = {True: OtherWork(device, other_elements),
+                  **{kind: OtherWork(device, other_elements, kind) for kind in ("one thread", "gpu")}}
+        samples = due_variants(rt, x, device, reps, layers, step_end, others)
         print_variants(samples, hub, layers)
         rows += [(v.row, statistics.median(values)) for v, values in samples.items()]
         if profile and x.is_cuda and hub == "process" and tc.fused_kernel() is not None:
             print(f"\n-- the parts of a due call, timed alone (hub: {hub}), us")
-            for label, micros in due_call_parts(rt, x, reps, layers, other):
+            for label, micros in due_call_parts(rt, x, reps, layers, others):
                 print(f"{label:44}{micros:8.2f}")
         if profile:  # where a due call's time goes, by function (own time)
             import cProfile

@@ -37,6 +37,13 @@ what the GPU did: time to the first bucket's broadcast, NCCL busy time, its larg
 idle gap and what came before it, checksum and copy kernel time (to find where a slow
 round loses its time).
 
+--events N (two GPUs) then times N updates of raw, buffers, buffers -c, planned and
+bucketed per side by CUDA events, without a profiler, and prints where the device
+time goes: the first bucket's start, the buckets' and the small collectives' NCCL
+time, the NCCL stream's idle time between buckets, the tail after the last bucket,
+and the first calls' host and device times (bench/weight_sync_events.py; sets
+TORCH_NCCL_ENABLE_TIMING=1 for the whole run, the table's rounds too).
+
 --phases (one process, one GPU or --cpu; no process group: the sender's broadcasts
 are recorded and replayed to the receivers in the same process, transport.LoopbackLink)
 times each phase of an update alone, min and median over rounds: host time
@@ -63,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import socket
 import statistics
 import sys
@@ -108,6 +116,9 @@ def parse_args(argv=None):
                    help="print each round's host timeline per side (protocol steps, buckets, GC pauses)")
     p.add_argument("--timeline", type=int, default=0, metavar="N",
                    help="then profile N updates per variant on the GPUs and print each one's timeline summary")
+    p.add_argument("--events", type=int, default=0, metavar="N",
+                   help="then time N updates per variant by CUDA events (no profiler): where the device "
+                   "time goes (bench/weight_sync_events.py)")
     args = p.parse_args(argv)
     cpu = args.cpu
     args.small_fracs = [args.small_frac] if args.small_frac is not None else [0.1, 0.5] if args.phases else [0.1]
@@ -330,6 +341,8 @@ def worker(rank: int, args, port: int):
         profile(run, rank)
     if args.timeline:
         timeline(run, rank, args.timeline)
+    if args.events:
+        device_events(run, rank, args.events)
     run.sync()
     run.wt.close_group(run.link.group)
 
@@ -377,6 +390,29 @@ def timeline(run: Run, rank: int, n: int):
                 print(f"{label:<12} {1e3 * wall:>7.2f} {k['first']:>12.2f} {k['nccl']:>9.2f} {k['n_nccl']:>6} "
                       f"{k['gap']:>7.2f}  {k['gap_after'][:28]:<28} {k['sum']:>6.2f} {k['copy']:>6.2f} "
                       f"{k['other']:>6.2f}", flush=True)
+
+
+def device_events(run: Run, rank: int, n: int):
+    """--events N: each variant's device timeline from CUDA events, rounds alternated."""
+    import weight_sync_events
+
+    if run.device.type != "cuda":
+        print("--events: GPUs only (CUDA events)", flush=True)
+        return
+    recorder = weight_sync_events.Recorder(run.device)
+    labels = ("raw", "buffers", "buffers -c", "planned", "bucketed")
+    rows = {label: [] for label in labels}
+    for r in range(n + 1):
+        for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+            run.sync()
+            summary = recorder.round(lambda: METHODS[label](run))
+            if r:  # the first round warms the probe stream and the events up
+                rows[label].append(summary)
+    text = weight_sync_events.report(rows, "sender" if rank == 0 else "receiver")
+    for r in range(2):
+        run.sync()
+        if r == rank:
+            print(text, flush=True)
 
 
 def kernel_summary(prof) -> dict:
@@ -455,6 +491,8 @@ def main(argv=None):
         return
     if not args.cpu and torch.cuda.device_count() < 2:
         sys.exit("needs two GPUs (or --cpu for the gloo smoke test)")
+    if args.events:  # NCCL's own start events, for each collective's duration (before any group)
+        os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
