@@ -56,8 +56,7 @@ FLOODING = dict(tensors=b'[["w","uint8",[%d],0]]' % FLOOD["total_bytes"], **FLOO
 def raw_send(link, body: bytes, digest: int, version: int = 1) -> None:
     """The sender's side of the protocol up to the manifest vote, with ``body`` as the
     manifest; WeightSyncError if refused, as a sender's."""
-    link.wait(link.broadcast(torch.tensor([wt.MAGIC, wt.FORMAT, version, digest]).to(link.device)), "header")
-    assert link.layout_vote(wt.OK) == wt.NEED_MANIFEST
+    assert wt.layout_verdict(link.handshake(wt.handshake_row(version, digest), "handshake")) == wt.NEED_MANIFEST
     link.wait(link.broadcast(torch.tensor([len(body)]).to(link.device)), "manifest")
     link.wait(link.broadcast(torch.frombuffer(bytearray(body), dtype=torch.uint8).to(link.device)), "manifest")
     if link.vote(wt.OK, "manifest vote"):
@@ -80,7 +79,7 @@ class Voting(wt.LoopbackLink):
 def recorded(body: bytes, digest: int, version: int = 1) -> wt.LoopbackLink:
     """A sender's recording of one update whose manifest is ``body``."""
     tx = wt.LoopbackLink("cpu")
-    tx.messages = [torch.tensor([wt.MAGIC, wt.FORMAT, version, digest]), torch.tensor([len(body)]),
+    tx.messages = [torch.tensor(wt.handshake_row(version, digest)), torch.tensor([len(body)]),
                    torch.frombuffer(bytearray(body), dtype=torch.uint8)]
     return tx
 

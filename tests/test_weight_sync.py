@@ -119,17 +119,21 @@ def test_packed_buckets_are_the_bytes_the_receiver_reconstructs():
         assert torch.equal(stream[e.offset: e.offset + e.nbytes], t.reshape(-1).view(torch.uint8)), e.name
 
 
-def test_bucket_0_is_packed_before_the_header_goes_out(monkeypatch):
-    """The sender packs the first bucket before it broadcasts the header (its copies
-    then run while header and votes travel, instead of holding back the first
-    broadcast); the receiver still gets every tensor, and an error packing it is raised
-    after the votes, with the link still usable."""
+def test_bucket_0_is_packed_before_the_handshake_goes_out(monkeypatch):
+    """The sender packs the first bucket before the handshake (its copies then run
+    while the handshake travels, instead of holding back the first broadcast); the
+    receiver still gets every tensor, and an error packing it is raised after the
+    votes, with the link still usable."""
     events = []
 
     class Recording(wt.LoopbackLink):
         def broadcast(self, tensor):
             events.append("broadcast")
             return super().broadcast(tensor)
+
+        def handshake(self, row, what):
+            events.append("handshake")
+            return super().handshake(row, what)
 
     pack = wt._Packing.pack
     monkeypatch.setattr(wt._Packing, "pack", lambda self, k, sources: events.append(f"pack {k}") or
@@ -138,13 +142,79 @@ def test_bucket_0_is_packed_before_the_header_goes_out(monkeypatch):
     m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
     tx = Recording("cpu")
     wt.send(tx, m, (t for _, t in data))
-    assert events[:2] == ["pack 0", "broadcast"] and events.count("pack 0") == 1, events[:6]
+    assert events[:3] == ["pack 0", "handshake", "broadcast"] and events.count("pack 0") == 1, events[:6]
     received = wt.receive(wt.LoopbackLink("cpu", replay=tx)).tensors
     assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, data))
     wrong = [t.double() if i == 0 else t for i, (_, t) in enumerate(data)]  # bucket 0's first tensor
     with pytest.raises(wt.WeightSyncError, match=data[0][0]):
         wt.send(tx, m, iter(wrong))
     wt.send(tx, m, (t for _, t in data))
+
+
+class AllHold(wt.LoopbackLink):
+    """A loopback link whose handshake holds only the sender's and this end's rows:
+    no receiver that never accepted the layout, so no manifest travels once it is
+    known (as on a group after the first update)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.votes = []
+
+    def handshake(self, row, what):
+        return super().handshake(row, what)[:-1]
+
+    def vote(self, status, what):
+        self.votes.append((what, int(status)))
+        return super().vote(status, what)
+
+
+def test_a_known_layout_that_cannot_be_prepared_is_received_and_dropped(monkeypatch):
+    """A receiver offers the layouts it accepted before in the handshake, before it
+    knows the update's.  Where preparing one then fails (no memory for its buffers),
+    it still takes every bucket and its checksum, drops them and votes REJECTED: the
+    sender fails at once instead of timing out, and the next update loads."""
+    data = mixed_tensors()
+    m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
+    tx = wt.LoopbackLink("cpu")
+    wt.send(tx, m, (t for _, t in data))
+    rx = AllHold("cpu", replay=tx)  # the first update: the manifest travels, the layout is accepted
+    assert wt.receive(rx).version == 1 and len(rx.layouts) == 1
+    held = AllHold("cpu")  # the next ones: every receiver holds the layout, no manifest
+    wt.send(held, dataclasses.replace(m, version=2), (t for _, t in data))
+    assert len(held.messages) == 1 + 2 * m.buckets  # the handshake row, then each bucket and its sum
+    rx.source, rx.votes, rx.staged = held, [], None  # its buffers gone (another layout took the memory)
+    rx.rewind()
+
+    def no_memory(*args):
+        raise torch.OutOfMemoryError("out of memory (test)")
+
+    monkeypatch.setattr(wt_receiver._Staged, "__init__", no_memory)
+    with pytest.raises(wt.WeightSyncError, match="refused here: OutOfMemoryError"):
+        wt.receive(rx)
+    assert rx.position == len(held.messages) and rx.votes == [("verdict", wt.REJECTED)]
+    monkeypatch.undo()
+    rx.rewind()
+    update = wt.receive(rx)
+    assert update.version == 2 and all(torch.equal(got, want) for (_, got), (_, want) in zip(update.tensors, data))
+
+
+def test_the_handshake_names_a_peer_of_another_format():
+    """A row of another protocol format in the handshake fails the update on every
+    rank at once, saying what to do, and the receiver's link is done."""
+    row = wt.handshake_row(1, 42)
+    assert len(row) == wt.ROW and wt.layout_verdict([row, wt.handshake_row(take=[42])]) == wt.OK
+    assert wt.layout_verdict([row, wt.handshake_row(refuse=[42])]) == wt.REJECTED
+    assert wt.layout_verdict([row, wt.handshake_row(take=[42]), wt.handshake_row()]) == wt.NEED_MANIFEST
+    old = [wt.MAGIC, 2, 0, 0] + [0] * (wt.ROW - 4)
+    with pytest.raises(wt.WeightSyncError, match="rank 1 .* format 3 .*same source-patch"):
+        wt.layout_verdict([row, old])
+    tx = wt.LoopbackLink("cpu")
+    tx.messages = [torch.tensor(old)]
+    rx = wt.LoopbackLink("cpu", replay=tx)
+    with pytest.raises(wt.WeightSyncError, match="rank 0 .* format 3"):
+        wt.receive(rx)
+    with pytest.raises(wt.WeightSyncError, match="broken"):
+        wt.receive(rx)
 
 
 def test_the_same_link_delivers_update_after_update_in_both_stages():
@@ -625,10 +695,10 @@ print(json.dumps({"equal": len(buckets[0]) == len(buckets[1]) and all(map(torch.
 
 def test_a_program_packs_and_sums_in_tables_as_torch_would_under_tritons_interpreter():
     """program.py's copysum.Table (the bucket copies in one launch on half the
-    multiprocessors, leaving NCCL room; a GPU's default) run by Triton's interpreter
-    on CPU: every bucket holds the bytes torch's copies put there, a strided view that
-    crosses no bucket end goes in as its contiguous runs (the carries of those that do
-    stay torch's copies); every bucket after the first gets its
+    multiprocessors, leaving NCCL room, bucket 0's on all of them; a GPU's default)
+    run by Triton's interpreter on CPU: every bucket holds the bytes torch's copies
+    put there, a strided view that crosses no bucket end goes in as its contiguous runs
+    (the carries of those that do stay torch's copies); every bucket gets its
     checksum in the same pass (the words the Tables copy, then the rest read where it
     lies), equal to the sum of its words, and a receiver that checks them takes the
     update whole."""
@@ -638,7 +708,7 @@ def test_a_program_packs_and_sums_in_tables_as_torch_would_under_tritons_interpr
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["equal"] and result["buckets"] > 4 and result["tables"] > 0 and result["torch"] > 0, result
-    assert result["summed"] == list(range(1, result["buckets"])) and result["kept"], result
+    assert result["summed"] == list(range(result["buckets"])) and result["kept"], result
     assert all(mine == words for mine, words in result["sums"]) and result["big"], result
     assert result["split"] == [[[8], [8]], True, True] and result["received"], result
 

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .wire import NEED_MANIFEST, WeightSyncError, WeightSyncTimeout, first_line
+from .wire import WeightSyncError, WeightSyncTimeout, first_line, handshake_row
 
 
 def open_group(host: str, port: int, rank: int, world_size: int, group_name: str,
@@ -166,6 +166,16 @@ class Link:
                 time.sleep(pause)
                 pause = min(pause * 2, 5e-5)  # a late wake-up would leave the wire idle
 
+    def handshake(self, row: list, what: str) -> list:
+        """Every rank's ``row`` (wire.handshake_row), gathered: one collective and one
+        wait where a header and a layout vote took two of each, on the path to the
+        first bucket."""
+        mine = torch.tensor(row, dtype=torch.int64).to(self.device)
+        rows = torch.empty((self.size, len(row)), dtype=torch.int64, device=self.device)
+        self._check()
+        self.wait(dist.all_gather(list(rows.unbind(0)), mine, group=self.group, async_op=True), what)
+        return rows.tolist()
+
     def vote(self, status, what: str) -> int:
         """All-reduce MAX of every rank's status: an int, or an int64 tensor of one
         element on the link's device (computed there: no host sync before the vote)."""
@@ -175,8 +185,6 @@ class Link:
         self.wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), what)
         return int(flag.item())
 
-    def layout_vote(self, status: int) -> int:
-        return self.vote(status, "layout vote")
 
     def _check(self) -> None:
         if self.broken:
@@ -226,7 +234,14 @@ class LoopbackLink(Link):
         self._check()
         return int(status.item()) if isinstance(status, torch.Tensor) else status
 
-    def layout_vote(self, status: int) -> int:
-        # A recorded wire cannot hear its receivers: the manifest always travels.
+    def handshake(self, row: list, what: str) -> list:
+        # A recorded wire cannot hear its receivers: the manifest always travels (a
+        # receiver that never accepted a layout is in every handshake).
         self._check()
-        return NEED_MANIFEST
+        if self.source is None:
+            if self.record:
+                self.messages.append(torch.tensor(row, dtype=torch.int64))
+            return [row, handshake_row()]
+        sender = self.source.messages[self.position].tolist()
+        self.position += 1
+        return [sender, row, handshake_row()]

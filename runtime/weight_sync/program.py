@@ -15,8 +15,9 @@ all of that is planned once here:
   grouped by dtype into one ``torch._foreach_copy_`` each, on a GPU captured as a
   CUDA graph at the second push (the first copies: a warm-up) and replayed from then
   on (one launch per run, nothing per tensor).  On a GPU a bucket's copies go
-  through copysum.Table, on half the multiprocessors (NCCL keeps the rest), and
-  buckets after the first get their checksums in the same pass (_sum_in_tables).
+  through copysum.Table, on half the multiprocessors (NCCL keeps the rest; bucket
+  0, packed while only the handshake travels, on all of them), and every
+  bucket gets its checksum in the same pass (_sum_in_tables).
 
 A push then costs per bucket: its gathers (collectives on the tensor/expert groups,
 issued from the host, ordered with the copies on the device: a gather for bucket
@@ -127,12 +128,14 @@ class Program(Packed):
         if tables is None:
             tables = device.type == "cuda" and copysum.available()
         table = _table_maker(device) if tables else None
-        # (bucket 0 is packed before anything is on the wire: torch's copies, on every multiprocessor)
-        self.runs = [_runs(ops, table if k else None) for k, ops in enumerate(steps)]  # per bucket: [call | run]
+        # Bucket 0 is packed while only the handshake is on the wire, and
+        # the first broadcast waits for it: its Table runs on every multiprocessor.
+        first = _table_maker(device, share=1) if tables else None
+        self.runs = [_runs(ops, table if k else first) for k, ops in enumerate(steps)]  # per bucket: [call | run]
         self.summing: set = set()  # buckets whose checksum the packing computes (summed)
         if table is not None and manifest.checksum and stream is None:
-            for k in range(1, manifest.buckets):
-                self._sum_in_tables(k, table)
+            for k in range(manifest.buckets):
+                self._sum_in_tables(k, table if k else first)
         self.graphs: list = [[None] * len(runs) for runs in self.runs]
         self.capturable = device.type == "cuda"  # off for good once a capture failed
         self.enabled = True  # the replay_packing setting, per send
@@ -269,8 +272,8 @@ def bucket_slots(manifest: Manifest, device: torch.device, stream: Optional[torc
 PHASES = ("copy", "carry", "out")  # shard copies into staging, then whole copies of split tensors, then buckets
 
 
-def _table_maker(device: torch.device):
-    programs = copysum.programs(device) if device.type == "cuda" else 4
+def _table_maker(device: torch.device, share: int = copysum.SHARE):
+    programs = copysum.programs(device, share) if device.type == "cuda" else 4
     return lambda pieces, reads=(): copysum.Table(pieces, device, programs, reads)
 
 

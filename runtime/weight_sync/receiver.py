@@ -1,5 +1,5 @@
-"""The receiving end of a broadcast update (``nccl`` / ``gloo``): header, layout and
-manifest votes, buckets verified by their checksums, the verdict (the protocol:
+"""The receiving end of a broadcast update (``nccl`` / ``gloo``): the handshake, the
+manifest and its vote, buckets verified by their checksums, the verdict (the protocol:
 sender.py's docstring).  Stage "update" receives and verifies the whole update
 before handing it out; stage "bucket" verifies and hands out bucket by bucket.
 A receiver that refuses keeps nothing of the update: the engine serves its old
@@ -14,9 +14,11 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from .link import Link
-from .wire import (CHECKSUM_MISMATCH, FORMAT, MAGIC, MAX_LAYOUTS, NEED_MANIFEST, OK, REJECTED, VERDICTS,
-                   ChecksumMismatch, Manifest, WeightSyncError, bucket_sum, first_line, layout_digest,
-                   split_tensors, tensors_digest)
+from .wire import (CHECKSUM_MISMATCH, MAX_LAYOUTS, NEED_MANIFEST, OK, REJECTED, VERDICTS, ChecksumMismatch,
+                   Manifest, WeightSyncError, bucket_sum, first_line, handshake_row, layout_digest,
+                   layout_verdict, split_tensors, tensors_digest)
+
+STAGES = ("update", "bucket")
 
 # Test hook (tests/e2e/weight_sync_*.py): called with (bucket index, its bytes)
 # after a bucket was received, before the receiver checks it.
@@ -41,19 +43,22 @@ def receive(link: Link, *, stage: str = "update", max_metadata_bytes: int = 64 <
     """Receive one update from group rank 0 (see the module doc for the protocol).
     ``check(manifest)`` vets a new layout before the manifest vote (an exception
     refuses it; an accepted layout is not checked again)."""
-    header = torch.zeros(4, dtype=torch.int64, device=link.device)
-    link.wait(link.broadcast(header), "waiting for an update")
-    magic, fmt, version, digest = header.tolist()
-    if magic != MAGIC or fmt != FORMAT:
-        # Not our protocol (or another format of it): the peers' next steps cannot
-        # be matched, so this group is done.
-        link.broken = f"bad header {header.tolist()} (expected magic {MAGIC:#x}, format {FORMAT})"
-        raise WeightSyncError(f"received {link.broken}")
+    # The handshake: this receiver's row (the layouts it accepted before) does not wait
+    # for the sender's, so the first bucket waits for one collective, not for a host
+    # round trip between a header and a vote.
+    take = [d for d, m in link.layouts.items() if stage in STAGES and m.total_bytes <= max_update_bytes]
+    refuse = [d for d in link.layouts if d not in take]
+    rows = link.handshake(handshake_row(take=take, refuse=refuse), "waiting for an update")
+    try:
+        verdict = layout_verdict(rows)
+    except WeightSyncError as exc:  # not our protocol or format: the peers' next steps cannot be matched
+        link.broken = first_line(exc)
+        raise
+    version, digest = rows[0][2], rows[0][3]
     status, receiver, refusal = NEED_MANIFEST, None, None
-    if digest in link.layouts:  # the layout of an earlier update
+    if digest in link.layouts:  # the layout of an earlier update: in ``take`` (OK) or ``refuse``
         status, receiver, refusal = _prepared(link, replace(link.layouts[digest], version=version), stage,
                                               max_update_bytes)
-    verdict = link.layout_vote(status)
     if verdict == NEED_MANIFEST:  # a receiver needs the manifest: every rank takes part
         manifest, why = _manifest(link, digest, version, max_metadata_bytes, max_update_bytes, check)
         if status == NEED_MANIFEST:
@@ -64,11 +69,32 @@ def receive(link: Link, *, stage: str = "update", max_metadata_bytes: int = 64 <
                     link.layouts.clear()  # a bound, not an LRU: layouts rarely change
                 link.layouts[digest] = replace(manifest, version=0)
         verdict = link.vote(status, "manifest vote")
+    elif verdict == OK and status != OK:  # offered, then not prepared (no memory): the buckets come
+        _discard(link, link.layouts[digest])
     if status != OK:
         raise WeightSyncError(f"update v{version} refused here: {refusal}")
     if verdict:
         raise WeightSyncError(f"update v{version} refused by another rank (an engine rank or the sender)")
     return Update(version, receiver.manifest, receiver.tensors(), receiver.close)
+
+
+def _discard(link: Link, manifest: Manifest) -> None:
+    """Take part in an update this receiver offered to take but could not prepare (no
+    memory for a layout it accepted before): every bucket received into one scratch
+    bucket and dropped, then a REJECTED verdict, so that every rank stays in step and
+    the sender fails at once.  Without memory even for that, the group is done."""
+    try:
+        scratch = torch.empty(max(manifest.bucket_bytes, 1), dtype=torch.uint8, device=link.device)
+        sums = torch.zeros(1, dtype=torch.int64, device=link.device)
+    except RuntimeError as exc:
+        link.broken = f"no memory to drop an update it could not prepare ({first_line(exc)})"
+        raise WeightSyncError(link.broken) from exc
+    for k in range(manifest.buckets):
+        start, end = manifest.window(k)
+        link.wait(link.broadcast(scratch[: end - start]), f"bucket {k} of {manifest.buckets}")
+        if manifest.checksum:
+            link.wait(link.broadcast(sums), f"bucket {k} of {manifest.buckets}")
+    link.vote(REJECTED, "verdict")
 
 
 def _manifest(link: Link, digest: int, version: int, max_metadata_bytes: int, max_update_bytes: int,
@@ -104,7 +130,7 @@ def _prepared(link: Link, manifest: Manifest, stage: str, max_update_bytes: int)
     """(status, receiver, refusal): a receiver for ``manifest`` in ``stage``, its
     buffers allocated (or reused), or why not."""
     try:
-        if stage not in ("update", "bucket"):
+        if stage not in STAGES:
             raise ValueError(f"stage must be 'update' or 'bucket', got {stage!r}")
         if manifest.total_bytes > max_update_bytes:
             raise ValueError(f"update of {manifest.total_bytes} bytes exceeds max_update_bytes={max_update_bytes}")

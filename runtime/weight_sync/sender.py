@@ -5,10 +5,15 @@ broadcast backends, the protocol's sender side over a ``Link``.
 
 One update on the group, in order (docs/weight_sync.md, "Wire format"):
 
-1. header: int64[4] ``[MAGIC, FORMAT, version, layout digest]``
-2. layout vote (all-reduce MAX of int64[1]): 0 from a receiver that holds this
-   layout (its manifest, buffers and views from an earlier update), 3 from one that
-   needs the manifest, 2 from one that cannot take it
+1. handshake (all-gather of int64[ROW] per rank, wire.handshake_row): the sender's
+   ``[MAGIC, FORMAT, version, layout digest, its status]``, each receiver's digests of
+   the layouts it accepted before (those it takes again, those it would refuse).
+   Every rank reads the same verdict from the rows (wire.layout_verdict): 0 when every
+   receiver takes this layout, 3 when one never accepted it (it needs the manifest),
+   2 when one refuses it.  One collective, and no host round trip between a header
+   and the receivers' votes: a receiver's row does not wait for the sender's.  A
+   receiver that cannot prepare a layout it offered takes the buckets and drops them
+   (2 in the verdict)
 3. only when some receiver needs it: int64[1] length, then the manifest:
    uint8[length], UTF-8 JSON (never pickle); then the manifest vote (2: rejected)
 4. per bucket: the bytes, then (with checksums) int64[1], the sum of the
@@ -35,7 +40,7 @@ import torch
 
 from .link import Link
 from .program import Packed, Program, Sources, bucket_slots as _slots
-from .wire import (CHECKSUM_MISMATCH, FORMAT, MAGIC, NEED_MANIFEST, OK, REJECTED, VERDICTS, Buffers,
+from .wire import (CHECKSUM_MISMATCH, NEED_MANIFEST, OK, REJECTED, VERDICTS, Buffers, handshake_row, layout_verdict,
                    ChecksumMismatch, Entry, Manifest, WeightSyncError, bucket_sum, first_line, layout_digest,
                    tensors_digest, too_many_buckets)
 
@@ -404,13 +409,11 @@ class _Sender:
                 "(see its log)")
 
     def _agree(self, manifest: Manifest, digest: int, tensors_json: bytes) -> None:
-        """The header, the layout vote and, where a receiver lacks the layout, the
-        manifest and its vote: raises unless every rank accepts the update."""
+        """The handshake and, where a receiver lacks the layout, the manifest and its
+        vote: raises unless every rank accepts the update."""
         link = self.link
-        header = torch.tensor([MAGIC, FORMAT, manifest.version, digest], dtype=torch.int64)
-        link.wait(link.broadcast(header.to(link.device)), "header")
         mine = REJECTED if self.refusal else OK
-        status = link.layout_vote(mine)
+        status = layout_verdict(link.handshake(handshake_row(manifest.version, digest, mine), "handshake"))
         if status == NEED_MANIFEST:  # a receiver does not hold this layout yet
             text = manifest.to_json(tensors_json)
             link.wait(link.broadcast(torch.tensor([len(text)], dtype=torch.int64).to(link.device)), "manifest")

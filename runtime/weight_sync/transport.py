@@ -24,9 +24,9 @@ from __future__ import annotations
 from .link import Link, LoopbackLink, close_group, open_group, rendezvous_store  # noqa: F401
 from .receiver import Update, _BucketPlan, _manifest, _Staged, _Streamed, receive  # noqa: F401
 from .sender import _Packing, _Replays, _Spans, send  # noqa: F401
-from .wire import (ALIGN, CHECKSUM_MISMATCH, DTYPES, FORMAT, MAGIC, MAX_BUCKETS, MAX_LAYOUTS,  # noqa: F401
-                   MAX_TENSORS, NEED_MANIFEST, OK, REJECTED, Buffers, ChecksumMismatch, Entry, Manifest,
-                   ManifestError, WeightSyncError, WeightSyncTimeout, layout_digest, plan, plan_buffers,
-                   tensors_digest, too_many_buckets)
+from .wire import (ALIGN, CHECKSUM_MISMATCH, DTYPES, FORMAT, MAGIC, MANIFEST_FORMAT, MAX_BUCKETS,  # noqa: F401
+                   MAX_LAYOUTS, MAX_TENSORS, NEED_MANIFEST, OK, REJECTED, ROW, Buffers, ChecksumMismatch, Entry,
+                   Manifest, ManifestError, WeightSyncError, WeightSyncTimeout, handshake_row, layout_digest,
+                   layout_verdict, plan, plan_buffers, tensors_digest, too_many_buckets)
 from .wire import bucket_sum as _bucket_sum  # noqa: F401
 from .wire import split_tensors as _split_tensors  # noqa: F401

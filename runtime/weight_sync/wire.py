@@ -31,7 +31,10 @@ from ..core import bounded
 from . import copysum
 
 MAGIC = 0x53505753  # "SPWS"
-FORMAT = 2  # 1: the manifest travelled with every update (header: its length)
+# The protocol's format: 1, the manifest travelled with every update (header: its
+# length); 2, a header broadcast, then a layout vote; 3, the two as one handshake.
+FORMAT = 3
+MANIFEST_FORMAT = 2  # the manifest's JSON "format" (unchanged by the protocol's 3)
 ALIGN = 16          # stream offsets and bucket sizes: multiples of this
 
 OK, CHECKSUM_MISMATCH, REJECTED, NEED_MANIFEST = 0, 1, 2, 3
@@ -43,6 +46,7 @@ MAX_BUCKETS = 1 << 14
 MAX_TENSORS = 1 << 20
 MANIFEST_DEPTH = 4  # {manifest: [tensors: [entry: [shape]]]}
 VERDICTS = {CHECKSUM_MISMATCH: "a checksum mismatch", REJECTED: "a receive error"}
+ROW = 7 + 2 * MAX_LAYOUTS  # int64s each rank puts in the handshake (handshake_row)
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -54,6 +58,36 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
 # Test hooks (tests/e2e/weight_sync_*.py): called with (bucket index, its bytes)
 # after a bucket was sent / received, before the receiver checks it; and with
 # (bucket index, its checksum) before the sender sends the checksum.
+
+
+def handshake_row(version: int = 0, digest: int = 0, status: int = OK, take=(), refuse=()) -> list:
+    """One rank's int64[ROW] in an update's handshake (an all-gather, so every rank
+    reads every row): ``[MAGIC, FORMAT, version, layout digest, status, len(take),
+    len(refuse), *take, *refuse, 0...]``.  The sender (group rank 0) fills in the
+    update's version and digest and its own status (OK, or REJECTED for an update it
+    refuses itself); a receiver, the digests of the layouts it accepted before: those
+    it takes again (``take``) and those it would refuse now (``refuse``)."""
+    row = [MAGIC, FORMAT, version, digest, status, len(take), len(refuse), *take, *refuse]
+    if len(take) + len(refuse) > MAX_LAYOUTS:
+        raise ValueError(f"a handshake row holds at most {MAX_LAYOUTS} layouts")
+    return row + [0] * (ROW - len(row))
+
+
+def layout_verdict(rows: list) -> int:
+    """What every rank reads from the gathered rows, the same on all: the sender's
+    status and each receiver's for the sender's layout (OK where it takes it,
+    REJECTED where it refuses it, NEED_MANIFEST where it never accepted it), MAX.
+    WeightSyncError for a row of another protocol or format: the group is done."""
+    for rank, row in enumerate(rows):
+        if len(row) != ROW or row[0] != MAGIC or row[1] != FORMAT:
+            raise WeightSyncError(f"rank {rank} of the update group does not speak this protocol's format "
+                                  f"{FORMAT} (its first words: {row[:2]}; expected [{MAGIC:#x}, {FORMAT}]): "
+                                  "run the same source-patch on the trainer and the engines")
+    digest, verdict = rows[0][3], rows[0][4]
+    for row in rows[1:]:
+        take, refuse = row[7: 7 + row[5]], row[7 + row[5]: 7 + row[5] + row[6]]
+        verdict = max(verdict, OK if digest in take else REJECTED if digest in refuse else NEED_MANIFEST)
+    return verdict
 
 
 class WeightSyncError(RuntimeError):
@@ -109,7 +143,7 @@ class Manifest:
 
     def to_json(self, tensors_json: bytes | None = None) -> bytes:
         """The manifest as JSON; ``tensors_json`` (tensors_to_json()) when already known."""
-        head = json.dumps({"format": FORMAT, "version": self.version, "bucket_bytes": self.bucket_bytes,
+        head = json.dumps({"format": MANIFEST_FORMAT, "version": self.version, "bucket_bytes": self.bucket_bytes,
                            "total_bytes": self.total_bytes, "checksum": self.checksum},
                           separators=(",", ":")).encode()
         return head[:-1] + b',"tensors":' + (tensors_json or self.tensors_to_json()) + b"}"
@@ -125,8 +159,8 @@ class Manifest:
         same tensors (every step but the first) are not parsed again."""
         head, tensors_json = split_tensors(data)
         doc = _load(head + b"}" if tensors_json else data, "the manifest")
-        if not tensors_json or not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ManifestError(f"not a format-{FORMAT} manifest")
+        if not tensors_json or not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+            raise ManifestError(f"not a format-{MANIFEST_FORMAT} manifest")
         version, bucket, total = (_int(doc.get(k), k) for k in ("version", "bucket_bytes", "total_bytes"))
         if bucket <= 0 or bucket % ALIGN or total % ALIGN:
             raise ManifestError(f"bucket_bytes {bucket} / total_bytes {total} not positive multiples of {ALIGN}")
