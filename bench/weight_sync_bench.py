@@ -54,7 +54,7 @@ models of the 2-GPU runs, --small-frac 0.1 and 0.5.
   (a) sender: take + check the tensors of each bucket (_Packing.batches), pack them
       (_Packing.pack: one _foreach_copy_ per dtype), per bucket and per update
   (b) checksum of each bucket (_bucket_sum)
-      send() over a wire that costs nothing: (a) + (b) + header, manifest, votes
+      send() over a wire that costs nothing: (a) + (b) + handshake, manifest, votes
       send() of the same tensors as views of one buffer (plan_buffers): no (a)
   (c) receivers over the replayed wire (its copies included: about (d)): stage
       "update" (receive() returns views of the staged buffer), stage "bucket"
@@ -257,12 +257,12 @@ def watch(run: Run) -> None:
     run.unwatch = lambda: gc.callbacks.remove(collected)
 
 
-STEPS = {"header": "hdr", "waiting for an update": "hdr", "layout vote": "layout", "manifest": "manifest",
+STEPS = {"handshake": "hdr", "waiting for an update": "hdr", "manifest": "manifest",
          "manifest vote": "vote", "verdict": "verdict"}
 
 
 def milestones(run: Run, rank: int, names: list) -> None:
-    """Per method and round, ms from the start when each wait returned: header,
+    """Per method and round, ms from the start when each wait returned: handshake,
     manifest, vote, each bucket's data and checksum (b ...), verdict; the round's
     time first; gc: the collector's pauses in the round."""
     lines = []

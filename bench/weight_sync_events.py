@@ -5,9 +5,9 @@ made to wait for it (the sender's and receiver's own streams untouched), its dev
 duration NCCL's own (TORCH_NCCL_ENABLE_TIMING), and each bucket's packing ends at an
 event on the stream that packed it.  From them, per update, ms from the round's start:
 
-  first     the first bucket's broadcast starts (header, votes and bucket 0's packing before it)
+  first     the first bucket's broadcast starts (the handshake and bucket 0's packing before it)
   data      the buckets' broadcasts, summed (raw: the one broadcast)
-  small     the header, the votes and the checksums' broadcasts, summed
+  small     the handshake, the votes and the checksums' broadcasts, summed
   idle      the NCCL stream idle between the first bucket's start and the last's end
   tail      from the last bucket's end to the side's last event (checksum, verdict)
 
@@ -27,14 +27,14 @@ BUCKET_BYTES = 1 << 20  # a collective this large or larger carries a bucket's d
 
 
 class Recorder:
-    """Patches torch.distributed's broadcast and all_reduce (link.py looks them up at
-    each call) and the packings' pack() to note an event after each."""
+    """Patches torch.distributed's broadcast, all_reduce and all_gather (link.py looks
+    them up at each call) and the packings' pack() to note an event after each."""
 
     def __init__(self, device: torch.device):
         self.probe = torch.cuda.Stream(device)
         self.marks: list = []  # (kind, bytes or bucket, end event, work or None, host perf_counter at call and return)
         self.on = False
-        for name in ("broadcast", "all_reduce"):
+        for name in ("broadcast", "all_reduce", "all_gather"):
             setattr(dist, name, self._collective(getattr(dist, name), name))
         from source_patch.runtime.weight_sync import program, sender
 
@@ -47,9 +47,11 @@ class Recorder:
         return event
 
     def _collective(self, call, kind: str):
-        def noted(tensor, *args, **kwargs):
+        def noted(tensor, *args, **kwargs):  # (all_gather: the list of outputs first, then the input)
             posted = time.perf_counter()
             work = call(tensor, *args, **kwargs)
+            if isinstance(tensor, list):
+                tensor = args[0]
             if self.on:
                 if work is not None:  # its end, without ordering the caller's stream after it
                     with torch.cuda.stream(self.probe):

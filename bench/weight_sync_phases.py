@@ -157,7 +157,7 @@ def phases_check(wt, manifest, packing, tensors, tx, rx) -> None:
     """What is timed is what a real update does: each packed bucket equals the bytes
     send() broadcast for it, and both receivers hand out the sent tensors."""
     step = 2 if manifest.checksum else 1  # per bucket: the bytes, then the checksum
-    # (the loopback wire always carries the manifest: header, its length, the manifest, then the buckets)
+    # (the loopback wire always carries the manifest: the handshake row, its length, the manifest, then the buckets)
     for k, sources in packing.batches(iter(tensors)):
         if k < manifest.buckets and not torch.equal(packing.pack(k, sources), tx.messages[3 + step * k]):
             raise SystemExit(f"bucket {k}: packed bytes differ from the bytes send() broadcast")

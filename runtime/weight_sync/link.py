@@ -152,7 +152,7 @@ class Link:
     def _poll(self, work, what: str) -> None:
         # NCCL work cannot be waited on with a deadline; poll its completion
         # (an event query, no device sync) and give the communicator up on expiry.
-        # The first 0.2 ms spin: a header or a vote completes in tens of us, and a
+        # The first 0.2 ms spin: a handshake or a vote completes in tens of us, and a
         # sleep rounds up to the timer's slack (~60 us) at each of the update's steps.
         now = time.monotonic()
         spin, deadline = now + 2e-4, now + self.timeout_s

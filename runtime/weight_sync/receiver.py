@@ -116,9 +116,9 @@ def _manifest(link: Link, digest: int, version: int, max_metadata_bytes: int, ma
         tensors_json = split_tensors(text)[1]
         link.known_manifest = (tensors_json, manifest.entries)
         if manifest.version != version:
-            raise ValueError(f"header says v{version}, manifest v{manifest.version}")
+            raise ValueError(f"the handshake says v{version}, the manifest v{manifest.version}")
         if layout_digest(manifest, tensors_digest(tensors_json)) != digest:
-            raise ValueError("the manifest does not match the header's layout digest")
+            raise ValueError("the manifest does not match the handshake's layout digest")
         if check is not None:
             check(manifest)
         return manifest, None

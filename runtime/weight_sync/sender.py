@@ -428,7 +428,7 @@ class _Sender:
 
     def _pack_first(self, batches: Iterator):
         """Bucket 0 packed (its gathers and copies queued, on a GPU on a stream of
-        their own: ``_aside``) before the header, so its copies run while the header and
+        their own: ``_aside``) before the handshake, so its copies run while the handshake and
         the votes travel instead of holding back the first broadcast: (0, its sources,
         its bytes), None without a bucket, or what packing it raised (run() raises it
         after the votes, where bucket 0 would have been packed)."""
@@ -443,7 +443,7 @@ class _Sender:
             return exc
 
     def _aside(self) -> Optional[torch.cuda.Stream]:
-        """The stream a Program packs bucket 0 on, on a GPU: the header and the votes go
+        """The stream a Program packs bucket 0 on, on a GPU: the handshake and the votes go
         through NCCL, whose stream waits for the current one, so they would wait for
         bucket 0's copies there (run() joins it before bucket 0 goes out)."""
         packing = self.packing

@@ -201,7 +201,7 @@ def tensors_digest(tensors_json: bytes) -> bytes:
 
 
 def layout_digest(manifest: Manifest, tensors: bytes) -> int:
-    """The layout (everything but the version) as a signed int64, for the header:
+    """The layout (everything but the version) as a signed int64, for the handshake:
     ``tensors`` is tensors_digest() of the manifest's tensors JSON, computed once."""
     head = b"%d,%d,%d," % (manifest.bucket_bytes, manifest.total_bytes, manifest.checksum)
     return int.from_bytes(hashlib.blake2b(head + tensors, digest_size=8).digest(), "little", signed=True)
