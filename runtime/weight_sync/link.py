@@ -185,7 +185,6 @@ class Link:
         self.wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), what)
         return int(flag.item())
 
-
     def _check(self) -> None:
         if self.broken:
             raise WeightSyncError(f"the weight-update group is broken ({self.broken}); "

@@ -14,11 +14,11 @@ One update on the group, in order (docs/weight_sync.md, "Wire format"):
    and the receivers' votes: a receiver's row does not wait for the sender's.  A
    receiver that cannot prepare a layout it offered takes the buckets and drops them
    (2 in the verdict)
-3. only when some receiver needs it: int64[1] length, then the manifest:
+2. only when some receiver needs it: int64[1] length, then the manifest:
    uint8[length], UTF-8 JSON (never pickle); then the manifest vote (2: rejected)
-4. per bucket: the bytes, then (with checksums) int64[1], the sum of the
+3. per bucket: the bytes, then (with checksums) int64[1], the sum of the
    bucket's int64 words computed on the sender's device
-5. verdict (all-reduce MAX): 0 when every receiver verified every bucket
+4. verdict (all-reduce MAX): 0 when every receiver verified every bucket
 
 The sender packs bucket k+1 into the idle one of two buffers while bucket k is on the
 wire.  A checksum mismatch or a rejected manifest leaves the link usable: all ranks

@@ -60,6 +60,23 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
 # (bucket index, its checksum) before the sender sends the checksum.
 
 
+class WeightSyncError(RuntimeError):
+    """An update failed (docs/weight_sync.md, "Failure behaviour", says what the engine then serves)."""
+
+
+class WeightSyncTimeout(WeightSyncError):
+    """A peer did not take part in the update within the timeout."""
+
+
+class ChecksumMismatch(WeightSyncError):
+    """Received bytes differ from the sent ones."""
+
+
+class ManifestError(WeightSyncError, ValueError):
+    """A received manifest is malformed or over a limit: refused (by a vote) before
+    anything is allocated.  A ValueError too, as Manifest.from_json always raised."""
+
+
 def handshake_row(version: int = 0, digest: int = 0, status: int = OK, take=(), refuse=()) -> list:
     """One rank's int64[ROW] in an update's handshake (an all-gather, so every rank
     reads every row): ``[MAGIC, FORMAT, version, layout digest, status, len(take),
@@ -88,24 +105,6 @@ def layout_verdict(rows: list) -> int:
         take, refuse = row[7: 7 + row[5]], row[7 + row[5]: 7 + row[5] + row[6]]
         verdict = max(verdict, OK if digest in take else REJECTED if digest in refuse else NEED_MANIFEST)
     return verdict
-
-
-class WeightSyncError(RuntimeError):
-    """An update failed (docs/weight_sync.md, "Failure behaviour", says what the engine then serves)."""
-
-
-class WeightSyncTimeout(WeightSyncError):
-    """A peer did not take part in the update within the timeout."""
-
-
-class ChecksumMismatch(WeightSyncError):
-    """Received bytes differ from the sent ones."""
-
-
-class ManifestError(WeightSyncError, ValueError):
-    """A received manifest is malformed or over a limit: refused (by a vote) before
-    anything is allocated.  A ValueError too, as Manifest.from_json always raised."""
-
 
 
 def first_line(exc: BaseException) -> str:
