@@ -284,11 +284,24 @@ def milestones(run: Run, rank: int, names: list) -> None:
         lines.append(f"  {name:<16} {1e3 * (end - start):6.1f} | {' '.join(before)} | b {' '.join(buckets)} | "
                      f"{' '.join(after)} | gc {gc_ms:.1f}")
     run.unwatch()
+    in_turn(run, rank, f"\n== milestones, {side(rank)} (rank {rank}); ms from the round's start\n" + "\n".join(lines))
+
+
+def side(rank: int) -> str:
+    return "sender" if rank == 0 else "receiver"
+
+
+def in_turn(run: Run, rank: int, text: str) -> None:
+    """Print ``text`` from each side in turn, the sender first (not interleaved)."""
     for r in range(2):
         run.sync()
         if r == rank:
-            side = "sender" if rank == 0 else "receiver"
-            print(f"\n== milestones, {side} (rank {rank}); ms from the round's start\n" + "\n".join(lines), flush=True)
+            print(text, flush=True)
+
+
+def rotation(names, r: int) -> list:
+    """``names`` from the r-th on, then the rest: the order of round r."""
+    return [*names[r % len(names):], *names[: r % len(names)]]
 
 
 METHODS = {
@@ -327,7 +340,7 @@ def worker(rank: int, args, port: int):
         gc.disable()
     for names in (rotated, ["per-tensor"]):
         for r in range(args.warmup + args.rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order
+            for name in rotation(names, r):
                 seconds = run.timed(lambda: METHODS[name](run))
                 order.append(name)
                 if r >= args.warmup:
@@ -358,11 +371,7 @@ def profile(run: Run, rank: int, rounds: int = 3):
         profiler.runcall(run.timed, lambda: METHODS["bucketed"](run))
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(12)
-    side = "sender" if rank == 0 else "receiver"
-    for r in range(2):
-        run.sync()
-        if r == rank:
-            print(f"\n== profile, {side} (rank {rank}), {rounds} bucketed updates\n{out.getvalue()}", flush=True)
+    in_turn(run, rank, f"\n== profile, {side(rank)} (rank {rank}), {rounds} bucketed updates\n{out.getvalue()}")
 
 
 def timeline(run: Run, rank: int, n: int):
@@ -378,18 +387,14 @@ def timeline(run: Run, rank: int, n: int):
             with torch_profile(activities=activities) as prof:
                 wall = run.timed(lambda: fn(run))
             rows.append((label, wall, kernel_summary(prof)))
-    side = "sender" if rank == 0 else "receiver"
-    for r in range(2):
-        run.sync()
-        if r == rank:
-            print(f"\n== timeline, {side} (rank {rank}); ms; gap: the NCCL stream's largest idle time "
-                  "between its first and last kernel, and the kernel that ended before it")
-            print(f"{'variant':<12} {'wall':>7} {'to 1st bcast':>12} {'nccl busy':>9} {'n nccl':>6} "
-                  f"{'gap':>7}  {'after':<28} {'sum':>6} {'copy':>6} {'other':>6}")
-            for label, wall, k in rows:
-                print(f"{label:<12} {1e3 * wall:>7.2f} {k['first']:>12.2f} {k['nccl']:>9.2f} {k['n_nccl']:>6} "
-                      f"{k['gap']:>7.2f}  {k['gap_after'][:28]:<28} {k['sum']:>6.2f} {k['copy']:>6.2f} "
-                      f"{k['other']:>6.2f}", flush=True)
+    lines = [f"\n== timeline, {side(rank)} (rank {rank}); ms; gap: the NCCL stream's largest idle time "
+             "between its first and last kernel, and the kernel that ended before it",
+             f"{'variant':<12} {'wall':>7} {'to 1st bcast':>12} {'nccl busy':>9} {'n nccl':>6} "
+             f"{'gap':>7}  {'after':<28} {'sum':>6} {'copy':>6} {'other':>6}"]
+    lines += [f"{label:<12} {1e3 * wall:>7.2f} {k['first']:>12.2f} {k['nccl']:>9.2f} {k['n_nccl']:>6} "
+              f"{k['gap']:>7.2f}  {k['gap_after'][:28]:<28} {k['sum']:>6.2f} {k['copy']:>6.2f} {k['other']:>6.2f}"
+              for label, wall, k in rows]
+    in_turn(run, rank, "\n".join(lines))
 
 
 def device_events(run: Run, rank: int, n: int):
@@ -403,16 +408,12 @@ def device_events(run: Run, rank: int, n: int):
     labels = ("raw", "buffers", "buffers -c", "planned", "bucketed")
     rows = {label: [] for label in labels}
     for r in range(n + 1):
-        for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+        for label in rotation(labels, r):
             run.sync()
             summary = recorder.round(lambda: METHODS[label](run))
             if r:  # the first round warms the probe stream and the events up
                 rows[label].append(summary)
-    text = weight_sync_events.report(rows, "sender" if rank == 0 else "receiver")
-    for r in range(2):
-        run.sync()
-        if r == rank:
-            print(text, flush=True)
+    in_turn(run, rank, weight_sync_events.report(rows, side(rank)))
 
 
 def kernel_summary(prof) -> dict:

@@ -46,7 +46,7 @@ def receive(link: Link, *, stage: str = "update", max_metadata_bytes: int = 64 <
     # The handshake: this receiver's row (the layouts it accepted before) does not wait
     # for the sender's, so the first bucket waits for one collective, not for a host
     # round trip between a header and a vote.
-    take = [d for d, m in link.layouts.items() if stage in STAGES and m.total_bytes <= max_update_bytes]
+    take = [d for d, m in link.layouts.items() if m.total_bytes <= max_update_bytes] if stage in STAGES else []
     refuse = [d for d in link.layouts if d not in take]
     rows = link.handshake(handshake_row(take=take, refuse=refuse), "waiting for an update")
     try:
@@ -85,15 +85,14 @@ def _discard(link: Link, manifest: Manifest) -> None:
     the sender fails at once.  Without memory even for that, the group is done."""
     try:
         scratch = torch.empty(max(manifest.bucket_bytes, 1), dtype=torch.uint8, device=link.device)
-        sums = torch.zeros(1, dtype=torch.int64, device=link.device)
+        taking = _Receiver(link, manifest)  # (its checksum slots; _post: a bucket's messages)
     except RuntimeError as exc:
         link.broken = f"no memory to drop an update it could not prepare ({first_line(exc)})"
         raise WeightSyncError(link.broken) from exc
     for k in range(manifest.buckets):
         start, end = manifest.window(k)
-        link.wait(link.broadcast(scratch[: end - start]), f"bucket {k} of {manifest.buckets}")
-        if manifest.checksum:
-            link.wait(link.broadcast(sums), f"bucket {k} of {manifest.buckets}")
+        for work in taking._post(k, scratch[: end - start]):
+            link.wait(work, f"bucket {k} of {manifest.buckets}")
     link.vote(REJECTED, "verdict")
 
 
