@@ -281,6 +281,7 @@ def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int, others: dict | No
         ("torch.cuda.is_current_stream_capturing()", timed(torch.cuda.is_current_stream_capturing)),
         ("torch._C._cuda_getDevice()", timed(torch._C._cuda_getDevice)),
         ("torch._C._cuda_getCurrentRawStream(i)", timed(lambda: torch._C._cuda_getCurrentRawStream(index))),
+        ("torch._C._cuda_getCurrentStream(-1)", timed(lambda: torch._C._cuda_getCurrentStream(-1))),
         ("api._current_stream(i)", timed(lambda: rt._current_stream(index))),
         ("pooled event.record(stream)", timed(event)),
         ("ring.claim(shape)", timed(lambda: ring.claim(launch.shape), ring.reset)),
@@ -290,7 +291,9 @@ def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int, others: dict | No
                                    (", GPU launches", others["gpu"]))
            for row in ((f"the launch alone, after other work{kind}", timed(launch_alone, before=after)),
                        (f"torch.cuda.current_stream(), after other work{kind}",
-                        timed(torch.cuda.current_stream, before=after)))]
+                        timed(torch.cuda.current_stream, before=after)),
+                       (f"torch._C._cuda_getCurrentStream(-1), after other work{kind}",
+                        timed(lambda: torch._C._cuda_getCurrentStream(-1), before=after)))]
           if others else []),
         ("fused.column_stats(x) into device memory", timed(lambda: fused.column_stats(x, stats))),
         ("fused.column_stats(x, ring.claim)", timed(lambda: fused.column_stats(x, stats, ring.claim), ring.reset)),
@@ -389,6 +392,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--profile", action="store_true", help="where a due trace() call's host time goes: its parts "
                    "timed alone (GPU, hub: process) and a cProfile, per hub kind")
+    p.add_argument("--hub", choices=("process", "thread"), action="append",
+                   help="time due calls with this hub kind only (repeatable; default: both)")
     args = p.parse_args()
     if args.quick:  # a smoke run: every row, few samples (the suite runs it on a loaded 2-core VM)
         args.iters = 5
@@ -423,7 +428,7 @@ def main() -> None:
         assert torch.allclose(by_torch, reference, rtol=1e-4, atol=1e-5), "torch reductions"
         for label in ("tiles, rows x tile at once", "tiles, var_mean + aminmax"):
             assert torch.allclose(variants[label](check).cpu(), reference, rtol=1e-3, atol=1e-5), label
-        hubs = ("process", "thread")
+        hubs = tuple(args.hub or ("process", "thread"))
         sizes = dict(reps=4, layers=8, other_elements=1 << 18) if args.quick else {}
         costs = [host_costs(device, shape, tmp, hub, profile=args.profile, **sizes) for hub in hubs]
     print(f"\n{'host time, float32 input, us':48}" + "".join(f"{'hub: ' + hub:>16}" for hub in hubs))

@@ -64,7 +64,8 @@ def probe_calls() -> dict:
                 part[2][min(int(us).bit_length(), buckets - 1)] += 1
         return wrapper
 
-    api._compress = timed("due call (_compress)", api._compress)
+    api._fast = timed("due call, planned (_fast; not-due calls too)", api._fast)
+    api._compress = timed("due call, general path (_compress)", api._compress)
     api._device_stage = timed("  device stage (launch, ring)", api._device_stage)
     api._record = timed("  event record", api._record)
     try:
@@ -73,8 +74,8 @@ def probe_calls() -> dict:
         return parts
     launcher = fused._launcher
 
-    def timed_launcher(kernel):
-        got = launcher(kernel)
+    def timed_launcher(kernel, *args):
+        got = launcher(kernel, *args)
         return None if got is None else (timed("    Triton launcher alone", got[0]), *got[1:])
 
     fused._launcher = timed_launcher

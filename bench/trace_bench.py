@@ -151,18 +151,19 @@ def aa_frames(control: list, layers: int) -> dict:
     return frames
 
 
-def call_quantiles(counts: list) -> str:
+def call_quantiles(counts: list, seconds: float | None = None) -> str:
     """Quantiles of the due calls' durations from their power-of-two histogram: the
-    bucket each falls in, as its upper bound."""
+    bucket each falls in, as its upper bound; with ``seconds`` (their total), the mean."""
     total = sum(counts)
     if not total:
         return "none"
+    mean = f", mean {seconds / total * 1e6:.1f} us" if seconds is not None else ""
     parts, seen, wanted = [], 0, [(0.5, "p50"), (0.9, "p90"), (0.99, "p99"), (1.0, "max")]
     for i, n in enumerate(counts):
         seen += n
         while wanted and seen >= wanted[0][0] * total:
             parts.append(f"{wanted.pop(0)[1]} <{2 ** i} us")
-    return f"{total} calls: " + ", ".join(parts)
+    return f"{total} calls{mean}: " + ", ".join(parts)
 
 
 def gc_summary(times: list[float], frames: dict, layers: int, warmup: int, gc: list) -> str:
@@ -319,7 +320,7 @@ def main() -> None:
                 reports.setdefault(name, []).append(
                     {"traced": len(traced), "not traced": len(untraced), "client dropped": report.get("client_dropped"),
                      "ms per subscribed step": {k: round(v / subscribed * 1e3, 3) for k, v in cost.items()},
-                     "due trace() calls": call_quantiles(report.get("calls", [])),
+                     "due trace() calls": call_quantiles(report.get("calls", []), cost.get("trace_calls")),
                      "ring": report.get("ring")})
             else:
                 samples[name] += times[args.warmup:]

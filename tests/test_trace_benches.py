@@ -33,5 +33,9 @@ def test_trace_bench_calls_times_the_parts_of_each_due_call_in_training():
     out = run("bench/trace_bench.py", "--quick", "--resolve", "--calls", "--toggle-steps", "40")
     parts = {m.group(1): int(m.group(3)) for m in
              re.finditer(r"^toggling client, \s*(.+?): first [\d.]+ ms, then mean ([\d.]+) us; (\d+) calls", out, re.M)}
-    calls = parts["due call (_compress)"]
+    calls = parts["due call, general path (_compress)"]
     assert calls > 0 and parts["device stage (launch, ring)"] == calls, parts  # one device stage per due call
+    report = re.search(r"^toggling client: \[\{'traced': (\d+).*'due trace\(\) calls': '(\d+) calls, mean ([\d.]+) us",
+                       out, re.M)
+    assert report and int(report.group(1)) > 0 and int(report.group(2)) > 0, out  # the probe left frames flowing
+    assert float(report.group(3)) > 0, out

@@ -346,11 +346,19 @@ def test_planned_due_calls_write_into_the_ring_what_the_general_path_does(monkey
         api.trace("h", y, layer=1)
         api.trace_step()
         assert general == [x.shape, y.shape] and api._table.plans[("h", 1)].layout[0] == y.shape
+        side = torch.cuda.Stream()  # the plan launches on the stream current at the call
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            api.trace("h", y, layer=1)
+            api.trace_step()
+        assert general == [x.shape, y.shape]
         items = list(api._pending)
-        assert len(items) == 5 and all(item.event is not None and item.slot for item in items)
+        assert len(items) == 6 and all(item.event is not None and item.slot for item in items)
+        assert [item.stream == side for item in items] == [False] * 5 + [True]
+        assert [tuple(item.shape) for item in items] == [tuple(x.shape)] * 4 + [tuple(y.shape)] * 2
         torch.cuda.synchronize()
         stats = sub.compressor.fused[0]
-        for item, tensor in zip(items, [x] * 4 + [y]):
+        for item, tensor in zip(items, [x] * 4 + [y] * 2):
             offset, _, _, shape = item.slot
             got = ring.floats[offset // 4: offset // 4 + math.prod(shape)].view(shape)
             want = fused.column_stats(tensor, stats, direct=False)

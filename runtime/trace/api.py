@@ -54,7 +54,8 @@ from . import control, device, graphs, lifecycle, plan, publisher
 from .control import (close, configure, configure_from_settings, enabled, flush, names, public_config, reset,
                       state, url)
 from .device import (capturing as _capturing, current_stream as _current_stream, event_record as _event_record,
-                     stage as _device_stage, stage_failed as _compress_failed, stream_of as _stream_of)
+                     know_stream as _know_stream, stage as _device_stage, stage_failed as _compress_failed,
+                     stream_of as _stream_of)
 from .plan import Plan as _Plan, make as _make_plan
 from .publisher import Result as _Result
 
@@ -131,9 +132,9 @@ _stepping = False            # trace_step has been called: batches end
 _unsealed: list = []         # results in _pending waiting for their batch's event
 _tracer: int | None = None   # the thread that traced them (the one that may record it)
 _streams: dict = {}  # device index -> the publisher's copy stream (publisher.fetch)
-# device.current_stream's cache, read by _fast.  Assigned, not imported: CPython calls a
+# device.know_stream's cache, read by _fast.  Assigned, not imported: CPython calls a
 # method of an imported name through a bound method (LOAD_ATTR), of any other through LOAD_METHOD.
-_stream_objects = device.stream_objects
+_known_streams = device.known_streams
 
 
 # ---------------------------------------------------------------- call-site API
@@ -234,7 +235,10 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
         return False
     base, hooks = ring.device_address, fused._hooks
     if base is None or hooks is None or not fused._direct_ok or not compress.DIRECT_LAUNCH \
-            or not compress.USE_TRITON or _capturing() or fused._current_device() != device:
+            or not compress.USE_TRITON or _capturing():
+        return False
+    sid, index, _ = _stream_of(-1)  # the current device and its stream, in one torch call
+    if index != device:
         return False
     enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook  # fused._no_hooks, inline
     if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
@@ -242,7 +246,7 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
     start = time.perf_counter()
     sub.next_step[key] = step + sub.every
     stamp = time.time()
-    context = ambient.context()
+    context = ambient._context  # ambient.context(), inline
     if context:  # copied now: published later, the microbatch will have moved on
         tags = {**context, **tags}
     try:
@@ -263,13 +267,12 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
             if offset is None:
                 _count("dropped")  # the forwarder is behind: its ring is full
             else:
+                stream, raw = _known_streams.get((index, sid)) or _know_stream(index, sid)
                 call, before, middle, after = launch.compiled
-                call(*before, fused._current_raw_stream(device), *middle, address, base + offset, *after)
-                item = _Result([sub], key[0], tags, step, stamp, None, None, None, tensor,
+                call(*before, raw, *middle, address, base + offset, *after)
+                item = _Result([sub], key[0], tags, step, stamp, None, None, None, plan.layout[0], plan.layout[1],
                                (offset, end, "<f4", list(launch.shape)))
-                sid, index, _ = _stream_of(device)  # its batch's event goes on this stream (_seal)
-                stream = _stream_objects.get((index, sid))
-                item.stream = stream if stream is not None else _current_stream(device)
+                item.stream = stream  # its batch's event goes on this stream (_seal)
                 with _lock:
                     _pending.append(item)
                     _counts["results"] += 1
@@ -347,7 +350,7 @@ def _compress(due: list, key: tuple, tensor: torch.Tensor, tags: dict, step: int
             event = None
         else:
             result, event = _mark(result, timing)
-        item = _Result(subs, key[0], tags, step, stamp, result, event, start, tensor, slot)
+        item = _Result(subs, key[0], tags, step, stamp, result, event, start, tensor.shape, tensor.dtype, slot)
         if event is None and deferred:
             item.stream = _current_stream(device)
         with _lock:
@@ -486,8 +489,8 @@ def _after_fork_in_child() -> None:
     _counters = Counters(_COUNTERS, "source_patch.trace", "trace", lock=_cond)
     _counts = _counters.counts
     _pending, _busy, _publisher, _stop = deque(), 0, None, False
-    _events.clear()  # CUDA objects of the parent: unusable here
-    _streams.clear()
+    for parents in (_events, _streams, _known_streams, device.stream_objects):
+        parents.clear()  # CUDA objects of the parent: unusable here
     if _hub is not None:
         try:
             _hub.close_sockets()

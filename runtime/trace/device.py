@@ -72,8 +72,10 @@ capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.c
 event_record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None) or torch.cuda.Event.record
 
 stream_objects: dict = {}  # (device index, stream id) -> torch.cuda.Stream
+# (stream id, device index, device type) of the current stream of device ``index`` (-1: of
+# the current device, so one call says both): torch's C function, or the public way.
 stream_of = getattr(torch._C, "_cuda_getCurrentStream", None) or (
-    lambda index: (torch.cuda.current_stream(index).stream_id, index, 1))  # a torch without the C function
+    lambda index: (lambda s: (s.stream_id, s.device_index, 1))(torch.cuda.current_stream(index if index >= 0 else None)))
 
 
 def current_stream(index: int):
@@ -88,3 +90,15 @@ def current_stream(index: int):
         stream = stream_objects[(device, sid)] = torch.cuda.Stream(stream_id=sid, device_index=device,
                                                                    device_type=kind)
     return stream
+
+
+known_streams: dict = {}  # (device index, stream id) -> (torch.cuda.Stream, its cudaStream_t)
+
+
+def know_stream(index: int, sid: int) -> tuple:
+    """(Stream, raw handle) of device ``index``'s current stream, whose id is ``sid``,
+    kept in known_streams: a stream's id names it for the process's life, so the planned
+    due call finds both from the one stream_of call it makes."""
+    stream = current_stream(index)
+    pair = known_streams[(index, sid)] = (stream, stream.cuda_stream)
+    return pair

@@ -29,10 +29,10 @@ class Result:
     __slots__ = ("subs", "name", "tags", "step", "time", "host", "event", "start", "shape", "dtype", "slot",
                  "stream")
 
-    def __init__(self, subs, name, tags, step, stamp, result, event, start, tensor, slot=None):
+    def __init__(self, subs, name, tags, step, stamp, result, event, start, shape, dtype, slot=None):
         self.subs, self.name, self.tags, self.step, self.time = subs, name, tags, step, stamp
         self.host, self.event, self.start = result, event, start  # host: on the device until fetched
-        self.shape, self.dtype = tensor.shape, tensor.dtype  # (torch.Size, torch.dtype) the hub writes out
+        self.shape, self.dtype = shape, dtype  # the traced tensor's (torch.Size, torch.dtype), which the hub writes out
         self.slot = slot  # (offset, end, dtype, shape) in the shared ring: the bytes are there, not in host
         self.stream = None  # where the batch's event goes, while the result waits for it (api._seal)
 
