@@ -612,3 +612,17 @@ def test_a_port_in_use_means_no_hub_and_training_goes_on(tmp_path):
         finally:
             configure(enable=False, port=0)
             reset()
+
+
+def test_due_calls_by_duration_fold_the_long_ones_into_the_last_bucket(monkeypatch):
+    """The hot path counts a due call under its duration's bit length (no min() per
+    call); state() gives CALL_BUCKETS buckets, the last counting everything longer."""
+    from source_patch.runtime.trace import api
+
+    counts = [0] * len(api._call_us)
+    counts[0], counts[5], counts[api.CALL_BUCKETS - 1], counts[40] = 2, 3, 1, 4  # 40: a call of ~2**39 us
+    monkeypatch.setattr(api, "_call_us", counts)
+    got = state()["due_call_us"]
+    assert len(got) == api.CALL_BUCKETS and got[0] == 2 and got[5] == 3 and got[-1] == 5 and sum(got) == 10
+    reset()
+    assert sum(state()["due_call_us"]) == 0 and len(api._call_us) == len(counts)

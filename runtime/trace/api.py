@@ -117,10 +117,11 @@ _counts = _counters.counts  # written under _cond, like the queue
 # the device_timing setting) the device time of the reductions, from CUDA events.
 _cost = {"trace_calls": 0.0, "publisher_cpu": 0.0, "device_reduce": 0.0}
 # Due trace() calls by duration: _call_us[i] counts those of 2**(i-1) to 2**i us (i = 0:
-# under 1 us; the last also counts everything longer): whether a mean is many slow
-# calls or a few long waits (for the GIL, for the launch queue).
+# under 1 us): whether a mean is many slow calls or a few long waits (for the GIL, for
+# the launch queue).  Indexed by the bit length itself, so that no min() runs per call;
+# due_call_us() gives CALL_BUCKETS of them, the last counting everything longer.
 CALL_BUCKETS = 20
-_call_us = [0] * CALL_BUCKETS
+_call_us = [0] * 64  # a 64-bit count of microseconds has at most 64 bits
 _events: dict = {}   # (device index, timing) -> deque of CUDA events the publisher is done with
 # A process that calls trace_step gets one event per stream per batch, recorded when the
 # batch is handed over (step end, a full batch, FLUSH_SECONDS), not one per result: the
@@ -270,8 +271,8 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
                 stream, raw = _known_streams.get((index, sid)) or _know_stream(index, sid)
                 call, before, middle, after = launch.compiled
                 call(*before, raw, *middle, address, base + offset, *after)
-                item = _Result([sub], key[0], tags, step, stamp, None, None, None, plan.layout[0], plan.layout[1],
-                               (offset, end, "<f4", list(launch.shape)))
+                item = _Result(plan.subs, key[0], tags, step, stamp, None, None, None, plan.layout[0],
+                               plan.layout[1], (offset, end, "<f4", plan.dims))
                 item.stream = stream  # its batch's event goes on this stream (_seal)
                 with _lock:
                     _pending.append(item)
@@ -286,7 +287,7 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
         _fail(f"trace({key[0]!r})", exc)
     elapsed = time.perf_counter() - start
     _cost["trace_calls"] += elapsed  # statistics: a rare lost update is fine
-    _call_us[min(int(elapsed * 1e6).bit_length(), CALL_BUCKETS - 1)] += 1
+    _call_us[int(elapsed * 1e6).bit_length()] += 1
     return True
 
 
@@ -309,7 +310,7 @@ def _emit(routes: tuple, key: tuple, tensor, tags: dict) -> None:
         _fail(f"trace({key[0]!r})", exc)
     elapsed = time.perf_counter() - start
     _cost["trace_calls"] += elapsed  # statistics: a rare lost update is fine
-    _call_us[min(int(elapsed * 1e6).bit_length(), CALL_BUCKETS - 1)] += 1
+    _call_us[int(elapsed * 1e6).bit_length()] += 1
 
 
 def _compress(due: list, key: tuple, tensor: torch.Tensor, tags: dict, step: int) -> None:
@@ -457,6 +458,11 @@ def set_subscriptions(subs) -> None:
         _subscribed.set()
     else:
         _subscribed.clear()
+
+
+def due_call_us() -> list:
+    """(caller holds _cond) The due calls by duration, CALL_BUCKETS buckets."""
+    return _call_us[:CALL_BUCKETS - 1] + [sum(_call_us[CALL_BUCKETS - 1:])]
 
 
 def current_step() -> int:

@@ -56,7 +56,7 @@ def state(with_hub: bool = True) -> dict:
         counts = dict(api._counts)
         queued = len(api._pending) + api._busy
         cost = dict(api._cost)
-        calls = list(api._call_us)
+        calls = api.due_call_us()
     hub, ring = api._hub, api._ring
     hub_stats = hub.stats() if hub is not None and with_hub else None
     cost["hub_cpu"] = hub.cpu_seconds() if hub is not None else 0.0
@@ -97,7 +97,7 @@ def reset() -> dict:
     with api._cond:
         for key in api._cost:
             api._cost[key] = 0.0
-        api._call_us[:] = [0] * api.CALL_BUCKETS
+        api._call_us[:] = [0] * len(api._call_us)
     api._step = 0
     api._seen.clear()
     api._table = api._Table(api._table.subs)

@@ -22,7 +22,8 @@ class Plan:
     ~12; ``stale``: the tensor's layout changed, plan again; ``failed``: its launch
     raised, the general path from now on."""
 
-    __slots__ = ("sub", "layout", "device", "launch", "nbytes", "padded", "stale", "failed", "fused", "compress")
+    __slots__ = ("sub", "subs", "layout", "device", "launch", "nbytes", "padded", "dims", "stale", "failed", "fused",
+                 "compress")
 
     def __init__(self, sub, tensor: torch.Tensor, launch, fused, compress):
         self.sub, self.launch, self.stale, self.failed = sub, launch, False, False
@@ -31,6 +32,8 @@ class Plan:
         self.layout = (tensor.shape, tensor.dtype, self.device, tensor.data_ptr() & 15 == 0)
         self.nbytes = 4 * launch.shape[0] * launch.shape[1] * launch.shape[2]  # float32 [splits, stats, cols]
         self.padded = -(-self.nbytes // ALIGN) * ALIGN  # what a slice of it takes in the ring
+        # every result's subscriptions and shape, shared (nothing downstream changes them)
+        self.subs, self.dims = [sub], list(launch.shape)
 
 
 def make(routes: tuple, tensor) -> "Plan | bool | None":

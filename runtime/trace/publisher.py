@@ -142,7 +142,7 @@ def share_state() -> None:
         return
     try:
         with api._cond:
-            snapshot = {**api._counts, "cost_seconds": dict(api._cost), "due_call_us": list(api._call_us)}
+            snapshot = {**api._counts, "cost_seconds": dict(api._cost), "due_call_us": api.due_call_us()}
         ring = api._ring
         snapshot.update(step=api._step, rank=ranks.global_rank(), series=len(api._seen),
                         ring=ring.state() if ring is not None else None)
