@@ -72,10 +72,17 @@ capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.c
 event_record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None) or torch.cuda.Event.record
 
 stream_objects: dict = {}  # (device index, stream id) -> torch.cuda.Stream
+
+
+def _stream_of(index: int) -> tuple:
+    """stream_of the public way, for a torch without the C function."""
+    stream = torch.cuda.current_stream(index if index >= 0 else None)
+    return stream.stream_id, stream.device_index, 1
+
+
 # (stream id, device index, device type) of the current stream of device ``index`` (-1: of
-# the current device, so one call says both): torch's C function, or the public way.
-stream_of = getattr(torch._C, "_cuda_getCurrentStream", None) or (
-    lambda index: (lambda s: (s.stream_id, s.device_index, 1))(torch.cuda.current_stream(index if index >= 0 else None)))
+# the current device, so that one call says both).
+stream_of = getattr(torch._C, "_cuda_getCurrentStream", None) or _stream_of
 
 
 def current_stream(index: int):
