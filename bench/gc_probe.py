@@ -10,7 +10,8 @@ collecting and the collections of each generation.  trace_bench.py --gc uses it
 to tell whether a slow step is one that collected.
 
 ``--calls`` also times the parts of each due trace() call on the training thread
-(the call, its device stage, the Triton launcher alone, the event record) and
+(the planned call, ``api._fast``, counted with the calls it finds not due; the general
+path's call, its device stage, the Triton launcher alone, the event record) and
 prints ``call-parts: {part: [calls, total us, power-of-two us histogram, first
 call's us]}`` before that line (the first call, which loads or compiles the kernel,
 is in the histogram but not in the total): where a due call's time goes in training,
