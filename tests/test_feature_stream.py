@@ -161,6 +161,29 @@ def test_a_reader_never_parses_a_half_written_line(tmp_path, run):
     assert reader.ended and reader.offset == stream.stat().st_size - len(END_LINE)
 
 
+def test_a_stream_created_as_the_readers_open_fails_is_read_not_refused(tmp_path, monkeypatch):
+    """A consumer started before its producer: its open finds no file, and the producer
+    creates the file at that moment.  The reader stays idle, then reads it (it once
+    looked again, saw the file, took it for one it could not open, and raised)."""
+    from source_patch.runtime.core import bounded
+
+    path, missed, real_open = tmp_path / "refs.jsonl", [], os.open
+
+    def open_as_the_producer_starts(name, flags, *mode):
+        if os.fspath(name) == os.fspath(path) and not missed:
+            missed.append(name)
+            writer = RefWriter(path)  # the producer, right after the failed open
+            writer.append(ref(0), 0)
+            writer.close()  # with the end marker
+            raise FileNotFoundError(2, "No such file or directory", os.fspath(name))
+        return real_open(name, flags, *mode)
+
+    monkeypatch.setattr(bounded.os, "open", open_as_the_producer_starts)
+    with RefReader(path, idle_timeout=5.0, poll=0.01) as reader:
+        assert reader.read_available() == [] and missed  # idle: no stream yet
+        assert [r.ref for r in reader] == [ref(0)] and reader.ended
+
+
 def test_the_end_marker_stops_the_reader(tmp_path, run):
     stream, db = tmp_path / "refs.jsonl", tmp_path / "control.db"
     finish(run("produce", str(stream), str(db), 0, 3, 64, 0, None, ""))

@@ -74,16 +74,20 @@ def _first_line(exc: BaseException) -> str:
 
 
 def open_regular(path: str | os.PathLike, *, what: str = "file", error: type[Exception] = OSError,
-                 follow_symlinks: bool = True):
+                 follow_symlinks: bool = True, missing_ok: bool = False):
     """Open ``path`` for binary reading if it is a regular file: opened without blocking
     (a FIFO neither hangs nor is read), a folder, device or socket is ``error``, as is
-    a symlink when ``follow_symlinks`` is false.  Returns an open binary file."""
+    a symlink when ``follow_symlinks`` is false.  Returns an open binary file; None
+    where ``missing_ok`` and there is no such file (told by the open itself: a file
+    created just after it is not mistaken for one that failed to open)."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     if not follow_symlinks:
         flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(path, flags)
     except OSError as exc:
+        if missing_ok and isinstance(exc, FileNotFoundError):
+            return None
         raise _fail(error, what, f"cannot open {os.fspath(path)}: {exc.strerror or exc}") from None
     try:
         mode = os.fstat(fd).st_mode

@@ -194,13 +194,8 @@ class RefReader:
     def _open(self) -> bool:
         """Open the stream (a regular file only: a FIFO or folder is a StreamError, never
         a hang); False while it does not exist (the producer has not started: idle)."""
-        try:
-            self._file = bounded.open_regular(self.path, what="stream", error=StreamError)
-        except StreamError:
-            if not os.path.exists(self.path):
-                return False
-            raise
-        return True
+        self._file = bounded.open_regular(self.path, what="stream", error=StreamError, missing_ok=True)
+        return self._file is not None
 
     def _fill(self) -> bool:
         """Read the complete lines after ``offset``; a partial last line is left for the
