@@ -254,16 +254,23 @@ def loads(text: str, file: str = "<string>") -> Spec:
         message, line, column = explain(exc, text)
         raise SpecError(f"invalid YAML: {shorten(message, 1000)}", Location(file, line, column)) from None
     except yaml.reader.ReaderError as exc:  # a character YAML does not allow
-        line = text.count("\n", 0, exc.position) + 1
-        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
         char = exc.character if isinstance(exc.character, int) else ord(exc.character)
         raise SpecError(f"invalid YAML: unacceptable character #x{char:04x}: {exc.reason}",
-                        Location(file, line, column)) from None
+                        _at(file, text, exc.position)) from None
     except yaml.YAMLError as exc:
         raise SpecError(f"invalid YAML: {shorten(exc)}", Location(file, 1, 1)) from None
     except RecursionError:
         raise SpecError("invalid YAML: nested too deeply", Location(file, 1, 1)) from None
+    except ValueError:  # PyYAML's scanner calls chr() on a "\U" escape past U+10FFFF unchecked
+        escape = next((m for m in re.finditer(r"\\U([0-9A-Fa-f]{8})", text) if int(m[1], 16) > 0x10FFFF), None)
+        raise SpecError(f"invalid YAML: the escape {escape[0] if escape else ''} names no character (the last one "
+                        f"is \\U0010FFFF)", _at(file, text, escape.start() if escape else 0)) from None
     return _Builder(file).spec(root)
+
+
+def _at(file: str, text: str, position: int) -> Location:
+    """The line and column of character ``position`` of ``text``."""
+    return Location(file, text.count("\n", 0, position) + 1, position - (text.rfind("\n", 0, position) + 1) + 1)
 
 
 class _Builder:

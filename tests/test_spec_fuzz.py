@@ -683,6 +683,15 @@ def test_control_character_is_located():
     assert err.location.line == line
 
 
+def test_an_escape_past_the_last_unicode_character_is_located():
+    """PyYAML's scanner calls chr() on "\\U00110000" unchecked (a ValueError, found by
+    test_mutated_valid_specs): it is a SpecError at the escape."""
+    text, line = _marked(HEAD + '    description: "fine \\U0010FFFF, not \\U00110000"  #<\n    edits: []\n')
+    err = _error(text)
+    assert "the escape \\U00110000 names no character" in err.message, err
+    assert (err.location.line, err.location.column) == (line, text.splitlines()[line - 1].index("\\U00110000") + 1)
+
+
 @pytest.mark.parametrize("code", ['"x = 1\\n\\n\\n\\n\\n\\ny = ("  #<',
                                   ">\n          x = 1\n\n          y = 2\n\n          z = (  #<"],
                          ids=["double-quoted", "folded"])
