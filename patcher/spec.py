@@ -261,10 +261,12 @@ def loads(text: str, file: str = "<string>") -> Spec:
         raise SpecError(f"invalid YAML: {shorten(exc)}", Location(file, 1, 1)) from None
     except RecursionError:
         raise SpecError("invalid YAML: nested too deeply", Location(file, 1, 1)) from None
-    except ValueError:  # PyYAML's scanner calls chr() on a "\U" escape past U+10FFFF unchecked
+    except ValueError as exc:  # PyYAML's scanner calls chr() on a "\U" escape past U+10FFFF unchecked
         escape = next((m for m in re.finditer(r"\\U([0-9A-Fa-f]{8})", text) if int(m[1], 16) > 0x10FFFF), None)
-        raise SpecError(f"invalid YAML: the escape {escape[0] if escape else ''} names no character (the last one "
-                        f"is \\U0010FFFF)", _at(file, text, escape.start() if escape else 0)) from None
+        if escape is None:
+            raise SpecError(f"invalid YAML: {shorten(exc)}", Location(file, 1, 1)) from None
+        raise SpecError(f"invalid YAML: the escape {escape[0]} names no character (the last one is \\U0010FFFF)",
+                        _at(file, text, escape.start())) from None
     return _Builder(file).spec(root)
 
 

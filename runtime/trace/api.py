@@ -133,7 +133,7 @@ _stepping = False            # trace_step has been called: batches end
 _unsealed: list = []         # results in _pending waiting for their batch's event
 _tracer: int | None = None   # the thread that traced them (the one that may record it)
 _streams: dict = {}  # device index -> the publisher's copy stream (publisher.fetch)
-# device.know_stream's cache, read by _fast.  Assigned, not imported: CPython calls a
+# device's stream cache, read by _fast.  Assigned, not imported: CPython calls a
 # method of an imported name through a bound method (LOAD_ATTR), of any other through LOAD_METHOD.
 _known_streams = device.known_streams
 
@@ -495,7 +495,7 @@ def _after_fork_in_child() -> None:
     _counters = Counters(_COUNTERS, "source_patch.trace", "trace", lock=_cond)
     _counts = _counters.counts
     _pending, _busy, _publisher, _stop = deque(), 0, None, False
-    for parents in (_events, _streams, _known_streams, device.stream_objects):
+    for parents in (_events, _streams, _known_streams):
         parents.clear()  # CUDA objects of the parent: unusable here
     if _hub is not None:
         try:

@@ -71,10 +71,12 @@ capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.c
 # torch.cuda.Event.record(stream) without its Python wrapper, where torch has the C method.
 event_record = getattr(getattr(torch._C, "_CudaEventBase", None), "record", None) or torch.cuda.Event.record
 
-stream_objects: dict = {}  # (device index, stream id) -> torch.cuda.Stream
+# (device index, stream id) -> (torch.cuda.Stream, its cudaStream_t): a stream's id names
+# it for the process's life, so one stream_of call finds both (current_stream, api._fast).
+known_streams: dict = {}
 
 
-def _stream_of(index: int) -> tuple:
+def _public_stream_of(index: int) -> tuple:
     """stream_of the public way, for a torch without the C function."""
     stream = torch.cuda.current_stream(index if index >= 0 else None)
     return stream.stream_id, stream.device_index, 1
@@ -82,7 +84,7 @@ def _stream_of(index: int) -> tuple:
 
 # (stream id, device index, device type) of the current stream of device ``index`` (-1: of
 # the current device, so that one call says both).
-stream_of = getattr(torch._C, "_cuda_getCurrentStream", None) or _stream_of
+stream_of = getattr(torch._C, "_cuda_getCurrentStream", None) or _public_stream_of
 
 
 def current_stream(index: int):
@@ -92,20 +94,11 @@ def current_stream(index: int):
         sid, device, kind = torch._C._cuda_getCurrentStream(index)
     except AttributeError:  # a torch without it: the public way
         return torch.cuda.current_stream(index)
-    stream = stream_objects.get((device, sid))
-    if stream is None:
-        stream = stream_objects[(device, sid)] = torch.cuda.Stream(stream_id=sid, device_index=device,
-                                                                   device_type=kind)
-    return stream
+    return (known_streams.get((device, sid)) or know_stream(device, sid, kind))[0]
 
 
-known_streams: dict = {}  # (device index, stream id) -> (torch.cuda.Stream, its cudaStream_t)
-
-
-def know_stream(index: int, sid: int) -> tuple:
-    """(Stream, raw handle) of device ``index``'s current stream, whose id is ``sid``,
-    kept in known_streams: a stream's id names it for the process's life, so the planned
-    due call finds both from the one stream_of call it makes."""
-    stream = current_stream(index)
+def know_stream(index: int, sid: int, kind: int = 1) -> tuple:
+    """(Stream, raw handle) of the stream ``sid`` of device ``index``, now in known_streams."""
+    stream = torch.cuda.Stream(stream_id=sid, device_index=index, device_type=kind)
     pair = known_streams[(index, sid)] = (stream, stream.cuda_stream)
     return pair
