@@ -3,14 +3,15 @@ it runs, line by line, and its time warm, with stand-ins for the parts only a GP
 (the forwarder's pinned ring, the current CUDA stream, Triton's C launch, which does
 nothing here).
 
-    python bench/due_call_bench.py [--rounds 15] [--calls 20000] [--lines]
+    python bench/due_call_bench.py [--rounds 15] [--calls 20000] [--cold-rounds 40] [--lines]
 
 The count is exact and the same on every machine: what a change to the call adds or
 removes, where a GPU host's timing (compressor_bench.py, trace_bench.py) moves by a few
-microseconds from host to host.  The time is of a warm call (caches hot, back to back):
-the object operations the call makes (attribute and dict lookups, torch's calls on the
-tensor, the result's allocation, the locks), which a cold call between a training step's
-layers pays again in cache misses (docs/bench-notes/overhead.md).
+microseconds from host to host.  Two times: of a warm call (caches hot, back to back),
+and of a call after other work (each alone, after a pass over 32 MiB and a few torch
+ops, as compressor_bench.py's "after other work"), the way a due call runs between a
+training step's layers, cold: there each object the call touches is a cache miss
+(docs/bench-notes/overhead.md), ~4x the warm time.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Ring:
 
     def __init__(self):
         self.direct, self.device_address, self.size, self.head, self.tail = True, 1 << 40, 32 << 20, 0, 0
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
 
 class Launch:
@@ -46,27 +47,20 @@ class Launch:
                 (256, 256, 128, 5, 16, 128, 0, 1))  # (C launch, before, middle, after): fused._launcher's shape
 
 
-class Fused:
-    _hooks = type("Hooks", (), {"launch_enter_hook": None, "launch_exit_hook": None})()
-    _direct_ok = True
-
-
-class Compress:
-    DIRECT_LAUNCH = USE_TRITON = True
+class Hooks:
+    """Triton's launch hooks, none set (fused._hooks: triton.knobs.runtime)."""
+    launch_enter_hook = launch_exit_hook = None
 
 
 def stand_ins(x: torch.Tensor):
     """api's trace state set for one planned subscription of ``x``'s layout; the plan."""
     sub = hub.parse_subscription({"op": "subscribe", "id": "bench", "names": ["h"], "compressor": {"kind": "tiles"}})
-    plan = plan_module.Plan.__new__(plan_module.Plan)  # as plan.make builds it, without a GPU
-    plan.sub, plan.subs, plan.stale, plan.failed, plan.fused, plan.compress = sub, [sub], False, False, Fused, Compress
-    plan.launch, plan.device, plan.dims = Launch, x.get_device(), list(STATS_SHAPE)
-    plan.layout = (x.shape, x.dtype, plan.device, x.data_ptr() & 15 == 0)
-    plan.nbytes = 4 * STATS_SHAPE[0] * STATS_SHAPE[1] * STATS_SHAPE[2]
-    plan.padded = -(-plan.nbytes // 256) * 256
+    plan = plan_module.Plan(sub, x, Launch)  # as plan.make builds it
     device.known_streams[(plan.device, 0)] = (object(), 0)
-    for name, value in (("_ring", Ring()), ("_stepping", True), ("_publisher", threading.current_thread()),
-                        ("_capturing", lambda: False), ("_stream_of", lambda index: (0, plan.device, 1))):
+    ring = Ring()
+    for name, value in (("_ring", ring), ("_stepping", True), ("_publisher", threading.current_thread()),
+                        ("_capturing", lambda: False), ("_stream_of", lambda index: (0, plan.device, 1)),
+                        ("_fast_ring", ring), ("_launch_hooks", Hooks)):  # what api._arm sets on a GPU
         setattr(api, name, value)
     api._config = {**api._config, "queue": 1 << 30, "device_timing": False}
     return plan
@@ -82,12 +76,16 @@ def due_call(plan, x: torch.Tensor) -> tuple:
         ring.head = ring.tail = 0
         api._pending.clear()
         api._unsealed.clear()
+        api._durations.clear()
 
-    def call() -> None:
+    def due() -> None:
         if not api._fast(plan, key, x, tags) or not api._pending:
             raise RuntimeError("the planned call refused the stand-ins: this bench is out of step with api._fast")
+
+    def call() -> None:
+        due()
         put_back()
-    return call, put_back
+    return call, put_back, due
 
 
 def timed(fn, rounds: int, calls: int) -> list:
@@ -97,6 +95,35 @@ def timed(fn, rounds: int, calls: int) -> list:
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - start) / calls)
+    return samples
+
+
+class OtherWork:
+    """What runs between two due calls in training, untimed (compressor_bench.py's
+    "after other work" on the host): a pass over 32 MiB and a few small torch ops, which
+    leave the call's code and data out of the caches."""
+
+    def __init__(self):
+        self.memory, self.small = torch.ones(8 << 20), torch.randn(64, 64)
+
+    def __call__(self) -> None:
+        self.memory.sum()
+        x = torch.nn.functional.layer_norm(self.small, (64,))
+        torch.sort(torch.cumsum(torch.softmax(x @ self.small, -1).sum(0), 0))
+
+
+def timed_cold(fn, put_back, rounds: int, calls: int) -> list:
+    """Seconds per call, each call timed alone after OtherWork (the state put back untimed)."""
+    other, samples = OtherWork(), []
+    for _ in range(rounds):
+        total = 0.0
+        for _ in range(calls):
+            other()
+            put_back()
+            start = time.perf_counter()
+            fn()
+            total += time.perf_counter() - start
+        samples.append(total / calls)
     return samples
 
 
@@ -125,10 +152,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=20000, help="due calls a round")
     p.add_argument("--lines", action="store_true", help="the bytecodes of every line")
+    p.add_argument("--cold-rounds", type=int, default=40, help="rounds of 40 calls, each after other work")
     args = p.parse_args()
     torch.set_num_threads(1)
     x = torch.randn(LAYOUT)
-    call, put_back = due_call(stand_ins(x), x)
+    call, put_back, due = due_call(stand_ins(x), x)
     call()  # the first call: caches filled, specialised bytecodes in place
     counts = bytecodes(call)
     by_function = collections.Counter()
@@ -143,6 +171,9 @@ def main() -> None:
     print(f"\n{'warm, µs a call':44}{HEADER}")
     print(f"{'planned due call, the state put back after':44}{cells(timed(call, args.rounds, args.calls), 1e6)}")
     print(f"{'the state put back alone':44}{cells(timed(put_back, args.rounds, args.calls), 1e6)}")
+    print(f"{'after other work (each call alone), µs':44}{HEADER}")
+    print(f"{'planned due call':44}{cells(timed_cold(due, put_back, args.cold_rounds, 40), 1e6)}")
+    put_back()  # nothing left queued for the runtime's flush at exit (its stream is a stand-in)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def test_the_compressor_bench_times_due_calls_back_to_back_and_after_other_work(
 def test_the_due_call_bench_counts_the_planned_calls_bytecodes_and_times_it():
     out = run("bench/due_call_bench.py", "--rounds", "2", "--calls", "200", "--lines")
     counted = dict((f, int(n)) for f, n in re.findall(r"(\w+) (\d+)", out.split("bytecodes a call runs: ")[1].splitlines()[0]))
-    assert counted["_fast"] > 100 and counted["__init__"] > 0, out  # the call and the result it queues
+    assert counted["_fast"] > 100, out
     assert re.search(r"^planned due call, the state put back after\s+[\d.]+ / [\d.]+ \[", out, re.M), out
 
 

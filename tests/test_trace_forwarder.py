@@ -84,6 +84,46 @@ def test_results_reach_the_forwarder_through_the_shared_ring_and_are_released(se
     assert ring.tail == ring.head  # the forwarder gave every slice back
 
 
+def test_the_planned_call_runs_only_where_every_condition_for_a_step_holds(served, monkeypatch):
+    """What the planned due call does not check at each call (api._arm, at each
+    trace_step and wherever one of them changes): the ring taking kernel writes at a
+    device address, trace_step having run, one event per batch, no device_timing,
+    Triton's direct launch; the ring's claims take the trace queue's lock, so that the
+    call takes one lock for its slice and its place in the queue."""
+    import types
+
+    from source_patch.runtime.trace import api
+
+    ring = api._ring
+    assert ring.lock is api._lock
+    monkeypatch.setattr(ring, "device_address", 1 << 40)  # as pinned on a GPU
+    monkeypatch.setitem(sys.modules, api.__package__ + ".fused",  # Triton's kernel module, as on a GPU
+                        types.SimpleNamespace(_hooks=types.SimpleNamespace(), _direct_ok=True))
+    monkeypatch.setattr(api, "_stepping", False)
+    api._arm()
+    assert api._fast_ring is None  # no trace_step yet: one event per result
+    trace_step()
+    assert api._fast_ring is ring and api._launch_hooks is not None
+    for changes in ({"device_timing": True}, {"triton_launch": "triton"}, {"triton": False}):
+        configure(**changes)
+        assert api._fast_ring is None, changes
+        configure(device_timing=False, triton_launch="direct", triton=True)
+        assert api._fast_ring is ring, changes
+    with monkeypatch.context() as patch:
+        patch.setattr(api, "PER_BATCH_EVENTS", False)
+        trace_step()
+        assert api._fast_ring is None
+    trace_step()
+    monkeypatch.setattr(ring, "direct", False)  # a launch refused host memory (device.stage re-arms)
+    api._arm()
+    assert api._fast_ring is None
+    monkeypatch.setattr(ring, "direct", True)
+    trace_step()
+    assert api._fast_ring is ring
+    close()
+    assert api._fast_ring is None  # no hub, no ring
+
+
 def test_the_ring_hands_out_slices_in_order_never_wraps_one_and_refuses_when_full():
     from source_patch.runtime.trace.ring import ALIGN, Ring
 

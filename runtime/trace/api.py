@@ -122,6 +122,9 @@ _cost = {"trace_calls": 0.0, "publisher_cpu": 0.0, "device_reduce": 0.0}
 # due_call_us() gives CALL_BUCKETS of them, the last counting everything longer.
 CALL_BUCKETS = 20
 _call_us = [0] * 64  # a 64-bit count of microseconds has at most 64 bits
+# Due calls' durations (seconds) not yet in _cost and _call_us: a due call appends one,
+# the publisher folds them in (_fold_durations) at each wake-up, state() before reading.
+_durations: list = []
 _events: dict = {}   # (device index, timing) -> deque of CUDA events the publisher is done with
 # A process that calls trace_step gets one event per stream per batch, recorded when the
 # batch is handed over (step end, a full batch, FLUSH_SECONDS), not one per result: the
@@ -133,9 +136,18 @@ _stepping = False            # trace_step has been called: batches end
 _unsealed: list = []         # results in _pending waiting for their batch's event
 _tracer: int | None = None   # the thread that traced them (the one that may record it)
 _streams: dict = {}  # device index -> the publisher's copy stream (publisher.fetch)
+# What the planned due call (_fast) would check at every call and can check once a step
+# (_arm: at each trace_step and wherever one of them changes): the ring it writes to where
+# every condition for it holds (None: the general path), Triton's launch hooks (read at
+# each call: a profiler adds one at any time) and the offset that turns its one clock's
+# reading into a result's time.
+_fast_ring = None
+_launch_hooks = None
+_clock_offset = 0.0
 # device's stream cache, read by _fast.  Assigned, not imported: CPython calls a
 # method of an imported name through a bound method (LOAD_ATTR), of any other through LOAD_METHOD.
 _known_streams = device.known_streams
+_get_ident = threading.get_ident
 
 
 # ---------------------------------------------------------------- call-site API
@@ -151,15 +163,16 @@ def trace(name: str, tensor, /, **tags):
         return tensor
     table = _table
     key = (name, tags.get("layer"))
+    plan = table.plans.get(key)  # made only where routes are: the planned call needs no other lookup
+    if plan and _fast(plan, key, tensor, tags):
+        return tensor
     routes = table.routes.get(key)
     if routes is None:
         routes = _first_sight(table, key, tensor)
     if routes:
-        plan = table.plans.get(key)
-        if not plan or not _fast(plan, key, tensor, tags):
-            _emit(routes, key, tensor, tags)
-            if plan is None or (plan and plan.stale):  # a plan that failed is not made again
-                table.plans[key] = False if plan and plan.failed else _make_plan(routes, tensor)
+        _emit(routes, key, tensor, tags)
+        if plan is None or (plan and plan.stale):  # a plan that failed is not made again
+            table.plans[key] = False if plan and plan.failed else _make_plan(routes, tensor)
     return tensor
 
 
@@ -175,6 +188,7 @@ def trace_step(success: Any = True, *, step: int | None = None) -> Any:
             if ok:
                 _step += 1
         _stepping = True
+        _arm()
         if _pending:
             with _lock:
                 _seal()
@@ -215,46 +229,40 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
     """The planned due call (see _Plan); False (nothing done) where its conditions do not
     hold now: the general path (_emit) then does the call.  What it does is what
     _compress, _device_stage, fused.column_stats (and _no_hooks), ring.claim (and
-    _take), _defer and the queueing do for this case, inline, in one function: a due call's host time grows with its
-    Python frames, most of all between a training step's layers, where their code is
-    out of the caches (docs/bench-notes/trace.md)."""
+    _take), _defer and the queueing do for this case, inline, in one function, with
+    what holds for a whole step checked once a step (_arm): a due call between a
+    training step's layers runs cold, and each object it touches is a cache miss
+    (docs/bench-notes/overhead.md)."""
     global _tracer
     sub = plan.sub
     step = _step
     following = sub.next_step.get(key)
     if following is not None and following - sub.every <= step < following:
         return True  # not due
-    ring, launch, fused, compress = _ring, plan.launch, plan.fused, plan.compress
-    if ring is None or not ring.direct or not _stepping or not PER_BATCH_EVENTS or _config["device_timing"] \
-            or not isinstance(tensor, torch.Tensor):
+    ring = _fast_ring
+    if ring is None or not isinstance(tensor, torch.Tensor):
         return False  # (a value that is not a tensor: _emit raises TypeError)
     address = tensor.data_ptr()
-    device = plan.device
-    if (tensor.shape, tensor.dtype, tensor.get_device(), address & 15 == 0) != plan.layout \
-            or not tensor.is_contiguous():
+    if not (tensor.shape == plan.shape and tensor.dtype is plan.dtype and tensor.get_device() == plan.device
+            and (address & 15 == 0) == plan.aligned and tensor.is_contiguous()):
         plan.stale = True
         return False
-    base, hooks = ring.device_address, fused._hooks
-    if base is None or hooks is None or not fused._direct_ok or not compress.DIRECT_LAUNCH \
-            or not compress.USE_TRITON or _capturing():
-        return False
-    sid, index, _ = _stream_of(-1)  # the current device and its stream, in one torch call
-    if index != device:
-        return False
-    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook  # fused._no_hooks, inline
+    enter, leave = _launch_hooks.launch_enter_hook, _launch_hooks.launch_exit_hook  # fused._no_hooks, inline
     if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
         return False  # a profiler's launch hook wants Triton's dispatch
+    sid, index, _ = _stream_of(-1)  # the current device and its stream, in one torch call
+    if index != plan.device or (sid and _capturing()):  # (stream 0, the default one, is never captured)
+        return False  # no Python runs at a graph's replay
     start = time.perf_counter()
     sub.next_step[key] = step + sub.every
-    stamp = time.time()
     context = ambient._context  # ambient.context(), inline
     if context:  # copied now: published later, the microbatch will have moved on
         tags = {**context, **tags}
     try:
-        if len(_pending) >= _config["queue"]:  # the publisher is behind: drop, never wait
-            _count("dropped")
-        else:
-            with ring._lock:  # ring._take, inline: the next slice, never wrapping; None when full
+        with _lock:  # the ring's claims take it too (lifecycle): one lock for the slice and the queue
+            if len(_pending) >= _config["queue"]:  # the publisher is behind: drop, never wait
+                _counts["dropped"] += 1
+            else:  # ring._take, inline: the next slice, never wrapping
                 head = ring.head
                 offset = head % ring.size
                 if offset + plan.nbytes > ring.size:
@@ -262,33 +270,44 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
                     offset = 0
                 end = head + plan.padded
                 if end - ring.tail > ring.size:
-                    offset = None
+                    _counts["dropped"] += 1  # the forwarder is behind: its ring is full
                 else:
+                    stream, raw = _known_streams.get((index, sid)) or _know_stream(index, sid)
+                    args, at = plan.args, plan.at_input
+                    args[plan.at_stream], args[at], args[at + 1] = raw, address, ring.device_address + offset
+                    plan.call(*args)
                     ring.head = end
-            if offset is None:
-                _count("dropped")  # the forwarder is behind: its ring is full
-            else:
-                stream, raw = _known_streams.get((index, sid)) or _know_stream(index, sid)
-                call, before, middle, after = launch.compiled
-                call(*before, raw, *middle, address, base + offset, *after)
-                item = _Result(plan.subs, key[0], tags, step, stamp, None, None, None, plan.layout[0],
-                               plan.layout[1], (offset, end, "<f4", plan.dims))
-                item.stream = stream  # its batch's event goes on this stream (_seal)
-                with _lock:
+                    stamp = start + _clock_offset
+                    item = _Result.__new__(_Result)  # the slots its __init__ sets, inline
+                    item.subs, item.name, item.tags, item.step, item.time = plan.subs, key[0], tags, step, stamp
+                    item.host = item.event = item.start = None
+                    item.shape, item.dtype, item.slot = plan.shape, plan.dtype, (offset, end, "<f4", plan.dims)
+                    item.stream = stream  # its batch's event goes on this stream (_seal)
                     _pending.append(item)
                     _counts["results"] += 1
                     _unsealed.append(item)
-                    _tracer = threading.get_ident()
+                    _tracer = _get_ident()
                     if _publisher is None or len(_pending) >= BATCH or stamp - _unsealed[0].time > FLUSH_SECONDS:
                         _seal()
                         _wake_publisher()
     except Exception as exc:  # noqa: BLE001 - tracing must never break the step
         plan.stale = plan.failed = True  # the general path from now on
         _fail(f"trace({key[0]!r})", exc)
-    elapsed = time.perf_counter() - start
-    _cost["trace_calls"] += elapsed  # statistics: a rare lost update is fine
-    _call_us[int(elapsed * 1e6).bit_length()] += 1
+    _durations.append(time.perf_counter() - start)
     return True
+
+
+def _arm() -> None:
+    """Work out what _fast reads instead of checking each call (see _fast_ring)."""
+    global _fast_ring, _launch_hooks, _clock_offset
+    ring, compress = _ring, sys.modules.get(__package__ + ".compress")
+    fused = sys.modules.get(__package__ + ".fused")
+    hooks = getattr(fused, "_hooks", None)
+    ready = (ring is not None and ring.direct and ring.device_address is not None and _stepping and PER_BATCH_EVENTS
+             and not _config.get("device_timing") and hooks is not None and fused._direct_ok
+             and compress.DIRECT_LAUNCH and compress.USE_TRITON)
+    _fast_ring, _launch_hooks = (ring, hooks) if ready else (None, None)
+    _clock_offset = time.time() - time.perf_counter()
 
 
 def _emit(routes: tuple, key: tuple, tensor, tags: dict) -> None:
@@ -308,9 +327,7 @@ def _emit(routes: tuple, key: tuple, tensor, tags: dict) -> None:
         _compress(due, key, tensor, tags, step)
     except Exception as exc:  # noqa: BLE001 - tracing must never break the step
         _fail(f"trace({key[0]!r})", exc)
-    elapsed = time.perf_counter() - start
-    _cost["trace_calls"] += elapsed  # statistics: a rare lost update is fine
-    _call_us[int(elapsed * 1e6).bit_length()] += 1
+    _durations.append(time.perf_counter() - start)
 
 
 def _compress(due: list, key: tuple, tensor: torch.Tensor, tags: dict, step: int) -> None:
@@ -460,8 +477,20 @@ def set_subscriptions(subs) -> None:
         _subscribed.clear()
 
 
+def _fold_durations() -> None:
+    """Count the due calls' durations into _cost and _call_us (a rare lost update, two
+    threads folding at once or a call appending as the list is swapped, is fine)."""
+    global _durations
+    taken, _durations = _durations, []
+    for elapsed in taken:
+        _call_us[int(elapsed * 1e6).bit_length()] += 1
+    _cost["trace_calls"] += sum(taken)
+
+
 def due_call_us() -> list:
-    """(caller holds _cond) The due calls by duration, CALL_BUCKETS buckets."""
+    """(caller holds _cond) The due calls by duration, CALL_BUCKETS buckets (the
+    durations not yet counted folded in first: call it before reading _cost)."""
+    _fold_durations()
     return _call_us[:CALL_BUCKETS - 1] + [sum(_call_us[CALL_BUCKETS - 1:])]
 
 
@@ -487,8 +516,9 @@ def _fail(where: str, exc: BaseException) -> None:
 def _after_fork_in_child() -> None:
     """A forked child (a data loader worker) inherits no threads: it does not trace."""
     global _enabled, _lock, _cond, _pending, _busy, _publisher, _stop, _hub, _hub_key, _table, _counters, _counts, \
-        _ring, _unsealed, _tracer
+        _ring, _unsealed, _tracer, _fast_ring
     _enabled = False
+    _fast_ring = None
     _lock = threading.Lock()
     _cond = threading.Condition(_lock)
     _unsealed, _tracer = [], None

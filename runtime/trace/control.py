@@ -55,8 +55,8 @@ def state(with_hub: bool = True) -> dict:
     with api._cond:
         counts = dict(api._counts)
         queued = len(api._pending) + api._busy
-        cost = dict(api._cost)
         calls = api.due_call_us()
+        cost = dict(api._cost)
     hub, ring = api._hub, api._ring
     hub_stats = hub.stats() if hub is not None and with_hub else None
     cost["hub_cpu"] = hub.cpu_seconds() if hub is not None else 0.0
@@ -98,6 +98,7 @@ def reset() -> dict:
         for key in api._cost:
             api._cost[key] = 0.0
         api._call_us[:] = [0] * len(api._call_us)
+        api._durations = []
     api._step = 0
     api._seen.clear()
     api._table = api._Table(api._table.subs)

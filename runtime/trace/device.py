@@ -36,6 +36,7 @@ def stage(compressor, tensor: torch.Tensor, ring) -> tuple:
             if ring.head == head:
                 raise  # nothing was claimed: the compressor's own error
             ring.direct = False  # a kernel that cannot write host memory here: copy from now on
+            api._arm()
             api._fail("a trace kernel writing to the ring (copying instead)", sys.exc_info()[1])
             result = compressor.reduce(tensor)
         if type(result) is Slice:

@@ -33,6 +33,7 @@ def apply(config: dict) -> None:
     started = _sync_hub(serve)
     api._enabled = api._hub is not None
     graphs.use(api._enabled, api.trace, api._fail)
+    api._arm()
     if started and config["wait"] and not api._table.subs:
         print(f"source-patch trace: waiting up to {config['wait']:g} s for a client to subscribe",
               file=sys.stderr, flush=True)
@@ -57,7 +58,9 @@ def _sync_hub(serve: bool) -> bool:
     except Exception as exc:  # noqa: BLE001 - no hub: nothing traced, training goes on
         api._fail("starting the trace hub", exc)
         return False
-    api._ring = getattr(hub, "ring", None)
+    ring = api._ring = getattr(hub, "ring", None)
+    if ring is not None:
+        ring.lock = api._lock  # the trace queue's: the planned due call takes one lock for its slice and its place
     if api._publisher is None and hasattr(hub, "share_state"):
         with api._cond:
             api._start_publisher()  # it sends the forwarder this process's state, traced or not
@@ -83,6 +86,7 @@ def stop_hub() -> None:
     """Stop the hub (its clients, its forwarder) and forget its subscriptions and ring."""
     hub = api._hub
     api._hub, api._hub_key, api._shared, api._ring = None, None, (), None
+    api._arm()
     api.set_subscriptions(())
     if hub is not None:
         try:

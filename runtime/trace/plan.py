@@ -22,14 +22,18 @@ class Plan:
     ~12; ``stale``: the tensor's layout changed, plan again; ``failed``: its launch
     raised, the general path from now on."""
 
-    __slots__ = ("sub", "subs", "layout", "device", "launch", "nbytes", "padded", "dims", "stale", "failed", "fused",
-                 "compress")
+    __slots__ = ("sub", "subs", "shape", "dtype", "device", "aligned", "call", "args", "at_stream", "at_input",
+                 "nbytes", "padded", "dims", "stale", "failed")
 
-    def __init__(self, sub, tensor: torch.Tensor, launch, fused, compress):
-        self.sub, self.launch, self.stale, self.failed = sub, launch, False, False
-        self.fused, self.compress = fused, compress  # the modules (their settings are read at each call)
-        self.device = tensor.get_device()
-        self.layout = (tensor.shape, tensor.dtype, self.device, tensor.data_ptr() & 15 == 0)
+    def __init__(self, sub, tensor: torch.Tensor, launch):
+        self.sub, self.stale, self.failed = sub, False, False
+        call, before, middle, after = launch.compiled  # fused._launcher's
+        # The launch's arguments, in one list: _fast sets the three that change (under api's
+        # lock: one call at a time) where it would join four parts at every call.
+        self.call, self.args = call, [*before, None, *middle, None, None, *after]
+        self.at_stream, self.at_input = len(before), len(before) + 1 + len(middle)  # the output right after the input
+        self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.get_device()
+        self.aligned = tensor.data_ptr() & 15 == 0  # its kernel is compiled for 16-byte aligned input or not
         self.nbytes = 4 * launch.shape[0] * launch.shape[1] * launch.shape[2]  # float32 [splits, stats, cols]
         self.padded = -(-self.nbytes // ALIGN) * ALIGN  # what a slice of it takes in the ring
         # every result's subscriptions and shape, shared (nothing downstream changes them)
@@ -51,4 +55,4 @@ def make(routes: tuple, tensor) -> "Plan | bool | None":
 
     fused = compress.fused_kernel()
     launch = fused.planned(tensor, *fused_spec) if fused is not None else None
-    return None if launch is None else Plan(routes[0], tensor, launch, fused, compress)
+    return None if launch is None else Plan(routes[0], tensor, launch)

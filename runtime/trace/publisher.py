@@ -50,6 +50,7 @@ def loop() -> None:
                 api._cond.wait(api.FLUSH_SECONDS)
                 items = api._take()
             api._busy += len(items)
+        api._fold_durations()  # bounded however long nobody asks for the state
         if not items:
             share_state()
             continue
@@ -142,7 +143,8 @@ def share_state() -> None:
         return
     try:
         with api._cond:
-            snapshot = {**api._counts, "cost_seconds": dict(api._cost), "due_call_us": api.due_call_us()}
+            calls = api.due_call_us()
+            snapshot = {**api._counts, "cost_seconds": dict(api._cost), "due_call_us": calls}
         ring = api._ring
         snapshot.update(step=api._step, rank=ranks.global_rank(), series=len(api._seen),
                         ring=ring.state() if ring is not None else None)

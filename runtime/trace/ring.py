@@ -45,7 +45,7 @@ class Ring:
         self.floats = self.bytes.view(torch.float32)
         self.address = self.bytes.data_ptr()
         self.device_address: int | None = None  # where kernels see it, once pinned (None: unknown)
-        self._lock = threading.Lock()  # any thread may trace
+        self.lock = threading.Lock()  # any thread may trace (api's trace queue lock where it serves)
         self.direct = True  # kernels may write here (cleared if a launch refuses host memory)
         self.head = 0   # bytes handed out, ever (the training thread's)
         self.tail = 0   # bytes given back, ever (set by the forwarder's answers)
@@ -69,7 +69,7 @@ class Ring:
         """(training thread) Copy ``result`` into the next free slice: (offset, end, numpy
         dtype, shape), ``end`` being what to release once read; None when it does not fit now."""
         nbytes = result.numel() * result.element_size()
-        with self._lock:
+        with self.lock:
             offset, end = self._take(nbytes)
             if offset is None:
                 return None
@@ -81,12 +81,12 @@ class Ring:
         """(training thread) The next free slice, for a kernel to write a float32 result
         of ``shape`` into directly (the memory is mapped into the device's address
         space).  None when it does not fit now."""
-        with self._lock:
+        with self.lock:
             offset, end = self._take(math.prod(shape) * 4)
         return None if offset is None else Slice(self, offset, end, shape)
 
     def _take(self, nbytes: int) -> tuple:
-        # (caller holds _lock) api._fast runs this inline: keep the two in step.
+        # (caller holds lock) api._fast runs this inline: keep the two in step.
         start = self.head
         offset = start % self.size
         if offset + nbytes > self.size:  # a slice never wraps: skip to the ring's start
