@@ -76,10 +76,11 @@ def due_call(plan, x: torch.Tensor) -> tuple:
         ring.head = ring.tail = 0
         api._pending.clear()
         api._unsealed.clear()
+        api._records.clear()
         api._durations.clear()
 
     def due() -> None:
-        if not api._fast(plan, key, x, tags) or not api._pending:
+        if not api._fast(plan, key, x, tags) or not api._records:
             raise RuntimeError("the planned call refused the stand-ins: this bench is out of step with api._fast")
 
     def call() -> None:

@@ -134,6 +134,10 @@ _events: dict = {}   # (device index, timing) -> deque of CUDA events the publis
 PER_BATCH_EVENTS = True
 _stepping = False            # trace_step has been called: batches end
 _unsealed: list = []         # results in _pending waiting for their batch's event
+# Planned results (api._fast) waiting for their batch's event, as records: (plan, name,
+# tags, step, time, ring offset, slice end, stream); _seal makes them results and
+# queues them (a result object per due call cost it ~2 us cold).
+_records: list = []
 _tracer: int | None = None   # the thread that traced them (the one that may record it)
 _streams: dict = {}  # device index -> the publisher's copy stream (publisher.fetch)
 # What the planned due call (_fast) would check at every call and can check once a step
@@ -189,7 +193,7 @@ def trace_step(success: Any = True, *, step: int | None = None) -> Any:
                 _step += 1
         _stepping = True
         _arm()
-        if _pending:
+        if _pending or _records:
             with _lock:
                 _seal()
                 _wake_publisher()  # the step's results go out together, between steps
@@ -278,16 +282,9 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
                     plan.call(*args)
                     ring.head = end
                     stamp = start + _clock_offset
-                    item = _Result.__new__(_Result)  # the slots its __init__ sets, inline
-                    item.subs, item.name, item.tags, item.step, item.time = plan.subs, key[0], tags, step, stamp
-                    item.host = item.event = item.start = None
-                    item.shape, item.dtype, item.slot = plan.shape, plan.dtype, (offset, end, "<f4", plan.dims)
-                    item.stream = stream  # its batch's event goes on this stream (_seal)
-                    _pending.append(item)
-                    _counts["results"] += 1
-                    _unsealed.append(item)
+                    _records.append((plan, key[0], tags, step, stamp, offset, end, stream))
                     _tracer = _get_ident()
-                    if _publisher is None or len(_pending) >= BATCH or stamp - _unsealed[0].time > FLUSH_SECONDS:
+                    if _publisher is None or len(_records) >= BATCH or stamp - _records[0][4] > FLUSH_SECONDS:
                         _seal()
                         _wake_publisher()
     except Exception as exc:  # noqa: BLE001 - tracing must never break the step
@@ -399,10 +396,19 @@ def _defer(item) -> None:
 def _seal() -> None:
     """(caller holds _lock) Record the event the unsealed results wait for, one per
     stream, behind their kernels: only on the thread that launched them (another
-    thread's stream may be capturing a CUDA graph), and not while capturing."""
+    thread's stream may be capturing a CUDA graph), and not while capturing.  The
+    planned call's records become results here, queued behind the general path's."""
     global _unsealed
-    if not _unsealed or _tracer != threading.get_ident() or _capturing():
+    if not (_unsealed or _records) or _tracer != threading.get_ident() or _capturing():
         return
+    for plan, name, tags, step, stamp, offset, end, stream in _records:
+        item = _Result(plan.subs, name, tags, step, stamp, None, None, None, plan.shape, plan.dtype,
+                       (offset, end, "<f4", plan.dims))
+        item.stream = stream
+        _pending.append(item)
+        _unsealed.append(item)
+    _counts["results"] += len(_records)
+    _records.clear()
     events: dict = {}
     for item in _unsealed:
         event = events.get(item.stream)
@@ -516,12 +522,12 @@ def _fail(where: str, exc: BaseException) -> None:
 def _after_fork_in_child() -> None:
     """A forked child (a data loader worker) inherits no threads: it does not trace."""
     global _enabled, _lock, _cond, _pending, _busy, _publisher, _stop, _hub, _hub_key, _table, _counters, _counts, \
-        _ring, _unsealed, _tracer, _fast_ring
+        _ring, _unsealed, _records, _tracer, _fast_ring
     _enabled = False
     _fast_ring = None
     _lock = threading.Lock()
     _cond = threading.Condition(_lock)
-    _unsealed, _tracer = [], None
+    _unsealed, _records, _tracer = [], [], None
     _counters = Counters(_COUNTERS, "source_patch.trace", "trace", lock=_cond)
     _counts = _counters.counts
     _pending, _busy, _publisher, _stop = deque(), 0, None, False

@@ -54,7 +54,7 @@ def state(with_hub: bool = True) -> dict:
     """Counters, hub and configuration (also the hub's ``stats`` reply)."""
     with api._cond:
         counts = dict(api._counts)
-        queued = len(api._pending) + api._busy
+        queued = len(api._pending) + len(api._records) + api._busy
         calls = api.due_call_us()
         cost = dict(api._cost)
     hub, ring = api._hub, api._ring
@@ -111,7 +111,7 @@ def flush(timeout: float = 5.0) -> bool:
     with api._cond:
         api._seal()  # on the tracing thread; any other waits for that thread to seal them
         api._cond.notify_all()
-        while api._pending or api._busy:
+        while api._pending or api._records or api._busy:
             publisher = api._publisher
             if not (publisher and publisher.is_alive()):
                 break
@@ -143,4 +143,5 @@ def close(timeout: float | None = None) -> bool:
         api._publisher, api._stop = None, False
         api._pending.clear()
         api._unsealed = []
+        api._records.clear()
     return sent
