@@ -233,10 +233,10 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
     """The planned due call (see _Plan); False (nothing done) where its conditions do not
     hold now: the general path (_emit) then does the call.  What it does is what
     _compress, _device_stage, fused.column_stats (and _no_hooks), ring.claim (and
-    _take), _defer and the queueing do for this case, inline, in one function, with
-    what holds for a whole step checked once a step (_arm): a due call between a
-    training step's layers runs cold, and each object it touches is a cache miss
-    (docs/bench-notes/overhead.md)."""
+    _take) and the queueing do for this case, inline, in one function, with what holds
+    for a whole step checked once a step (_arm) and the result queued as a record
+    (_seal makes it one): a due call between a training step's layers runs cold, and
+    each object it touches is a cache miss (docs/bench-notes/overhead.md)."""
     global _tracer
     sub = plan.sub
     step = _step
