@@ -398,14 +398,20 @@ class Resident:
         return times
 
     def block(self, discard: int) -> list[float]:
+        """Its next block's step times (ms); ``span``: the block's wall time (ms), from
+        "go" to its next "ready", which holds all of its steps and none of its waits."""
+        self.span = 0.0
         if self.proc.poll() is not None:
             return []
+        start = time.perf_counter()
         try:
             self.proc.stdin.write("go\n")
             self.proc.stdin.flush()
         except OSError:
             return []
-        return self.wait_ready()[discard:]
+        times = self.wait_ready()[discard:]
+        self.span = (time.perf_counter() - start) * 1e3
+        return times
 
     def finish(self) -> dict:
         import queue
@@ -469,14 +475,16 @@ def run_resident(args, names: list[str], root: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} resident: {len(procs)} processes warm (a first block of {args.resident} steps each, left out); "
           f"{args.rounds} rounds of a block of {args.resident} steps per variant", flush=True)
     blocks: dict = {name: [] for name in names}
+    spans: dict = {name: [] for name in names}  # each block's wall time, ms (see Resident.block)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             blocks[name].append(procs[name].block(0))
+            spans[name].append(procs[name].span)
         if (r + 1) % max(1, args.rounds // 3) == 0 or r + 1 == args.rounds:
             print(f"after round {r + 1}/{args.rounds} ({time.strftime('%H:%M:%S')})")
             resident_table(blocks, {})
             if args.save:  # a run cut short by a time limit keeps what it measured
-                Path(args.save).write_text(json.dumps({"blocks": blocks}))
+                Path(args.save).write_text(json.dumps({"blocks": blocks, "spans": spans}))
     probes = {name: proc.finish() for name, proc in procs.items()}
     print("with each process's peaks (device: torch's allocated; pinned: its caching host allocator)")
     resident_table(blocks, probes)
@@ -489,7 +497,7 @@ def run_resident(args, names: list[str], root: str) -> None:
         if line:
             print(line)
     if args.save:
-        Path(args.save).write_text(json.dumps({"blocks": blocks, "probes": probes}))
+        Path(args.save).write_text(json.dumps({"blocks": blocks, "spans": spans, "probes": probes}))
 
 
 def main() -> None:
@@ -500,7 +508,8 @@ def main() -> None:
                    + ", ".join(QUICK) + ")")
     p.add_argument("--no-probes", action="store_true", help="skip the machine probes (memory, disk, pinned)")
     p.add_argument("--probe-gib", type=float, default=4.0, help="GiB each machine probe writes or touches")
-    p.add_argument("--save", metavar="JSON", help="also write every process's times and probe report here")
+    p.add_argument("--save", metavar="JSON", help="also write every process's times and probe report here "
+                   "(resident mode: each block's step times, its wall time from \"go\" to \"ready\", the reports)")
     p.add_argument("--calls", action="store_true", help="count and time every call site's calls (overhead_probe.py)")
     p.add_argument("--resident", type=int, default=0, metavar="K",
                    help="one process per variant kept alive, blocks of K steps alternated (see above)")
