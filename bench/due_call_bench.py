@@ -4,6 +4,7 @@ it runs, line by line, and its time warm, with stand-ins for the parts only a GP
 nothing here).
 
     python bench/due_call_bench.py [--rounds 15] [--calls 20000] [--cold-rounds 40] [--lines]
+    python bench/due_call_bench.py --cuts [--gpu] [--cold-rounds 40]
 
 The count is exact and the same on every machine: what a change to the call adds or
 removes, where a GPU host's timing (compressor_bench.py, trace_bench.py) moves by a few
@@ -12,20 +13,31 @@ and of a call after other work (each alone, after a pass over 32 MiB and a few t
 ops, as compressor_bench.py's "after other work"), the way a due call runs between a
 training step's layers, cold: there each object the call touches is a cache miss
 (docs/bench-notes/overhead.md), ~4x the warm time.
+
+``--cuts``: where a cold call's time goes.  The call cut after each of its parts (its
+source, cut after the line each part ends with, compiled in api's namespace), each cut
+timed alone after other work: a table of the medians and each part's increment, and a
+few operations alone (an empty call, a lock, a launch).  ``--gpu``: on a CUDA device
+with the runtime's real state (its ring, a plan made by real due calls, Triton's C
+launch) and compressor_bench.py's other work (host ops and a small kernel), as
+compressor_bench's "after other work" times the whole call.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import linecache
+import statistics
 import sys
+import textwrap
 import threading
 import time
 
 import torch
 
-from stats import HEADER, cells
+from stats import HEADER, bootstrap, cells
 
 from source_patch.runtime.trace import api, device, hub, plan as plan_module
 
@@ -113,19 +125,111 @@ class OtherWork:
         torch.sort(torch.cumsum(torch.softmax(x @ self.small, -1).sum(0), 0))
 
 
-def timed_cold(fn, put_back, rounds: int, calls: int) -> list:
-    """Seconds per call, each call timed alone after OtherWork (the state put back untimed)."""
-    other, samples = OtherWork(), []
+def cold_round(fn, put_back, other, calls: int = 40) -> float:
+    """Seconds per call of ``fn``, each call timed alone after ``other()`` (the state put
+    back untimed)."""
+    total = 0.0
+    for _ in range(calls):
+        other()
+        put_back()
+        start = time.perf_counter()
+        fn()
+        total += time.perf_counter() - start
+    return total / calls
+
+
+# (part, the line of api._fast it ends with): --cuts times the call cut after each
+CUTS = (("the call, the due test", "return True  # not due"),
+        ("the ring, isinstance", "return False  # (a value"),
+        ("tensor.data_ptr()", "address = tensor.data_ptr()"),
+        ("the layout (four torch getters)", "plan.stale = True"),
+        ("Triton's launch hooks", "return False  # a profiler"),
+        ("the current stream (the capture test off stream 0)", "return False  # no Python runs"),
+        ("the clock, the next due step, the tags", "sub.next_step[key] = step + sub.every"),
+        ("the lock, the queue's length, the ring's head", "head = ring.head"),
+        ("the ring's arithmetic", "end = head + plan.padded"),
+        ("the stream cache, the launch's arguments", "args[plan.at_stream], args[at]"),
+        ("the launch", "plan.call(*args)"),
+        ("the record queued", "_tracer = _get_ident()"))
+
+
+def cut(marker: str):
+    """api._fast ending after the line that holds ``marker`` (an exception it raises
+    from then on propagates); where that line is in a branch, the cut falls through."""
+    lines = textwrap.dedent(inspect.getsource(api._fast)).split("\n")
+    at = [i for i, line in enumerate(lines) if marker in line]
+    if len(at) != 1:
+        raise SystemExit(f"--cuts: {marker!r} is in {len(at)} lines of api._fast: this bench is out of step with it")
+    i = at[0]
+    indent = len(lines[i]) - len(lines[i].lstrip())
+    close = ["    except Exception:", "        raise"] if any(line.strip() == "try:" for line in lines[:i]) else []
+    namespace: dict = {}
+    exec(compile("\n".join(lines[: i + 1] + [" " * indent + "return True"] + close), api.__file__, "exec"),
+         vars(api), namespace)
+    return namespace["_fast"]
+
+
+def real_state(x: torch.Tensor):
+    """(a CUDA device) api's trace state as a training process has it (hub: process): the
+    shared ring, one tiles subscription, a plan made by real due calls; the plan."""
+    from source_patch.runtime.trace import ring as ring_module
+
+    ring = ring_module.shared()
+    if ring is None or not ring.pin():
+        raise SystemExit("--gpu: no page-locked ring here")
+    for name, value in (("_ring", ring), ("_enabled", True), ("_stepping", True),
+                        ("_publisher", threading.current_thread())):  # alive: no publisher takes the results
+        setattr(api, name, value)
+    api._config = {**api._config, "queue": 1 << 30, "device_timing": False}
+    api.set_subscriptions([hub.parse_subscription({"op": "subscribe", "id": "bench", "names": ["h"],
+                                                   "compressor": {"kind": "tiles"}})])
+    for _ in range(3):  # the first due call takes the general path and makes the plan
+        api.trace("h", x, layer=1)
+        api.trace_step()
+    plan = api._table.plans.get(("h", 1))
+    if not isinstance(plan, plan_module.Plan) or api._fast_ring is not ring:
+        raise SystemExit("--gpu: no planned due call here (Triton's direct launch unavailable?)")
+    return plan
+
+
+def cuts_table(plan, x: torch.Tensor, put_back, rounds: int, other) -> None:
+    """The medians of the call cut after each part, each cut timed alone after ``other``,
+    the cuts alternated round by round; then a few operations alone."""
+    key, tags = ("h", 1), {"layer": 1}
+    calls = {label: cut(marker) for label, marker in CUTS}
+    calls["the whole call"] = api._fast
+    lock = api._lock
+    args = list(plan.args)
+    launch_args = args if x.is_cuda else None
+    if x.is_cuda:
+        out = torch.empty(plan.dims, device=x.device)
+        args[plan.at_stream] = torch._C._cuda_getCurrentRawStream(x.device.index)
+        args[plan.at_input], args[plan.at_input + 1] = x.data_ptr(), out.data_ptr()
+
+    def lock_alone() -> None:
+        with lock:
+            pass
+    alone = {"an empty call": lambda: None, "a lock taken and given back": lock_alone,
+             "the launch, its arguments ready": lambda: plan.call(*launch_args)}
+    if launch_args is None:
+        del alone["the launch, its arguments ready"]  # the stand-in's: nothing to learn
+    samples: dict = {label: [] for label in [*calls, *alone]}
     for _ in range(rounds):
-        total = 0.0
-        for _ in range(calls):
-            other()
-            put_back()
-            start = time.perf_counter()
-            fn()
-            total += time.perf_counter() - start
-        samples.append(total / calls)
-    return samples
+        for label, fn in calls.items():
+            samples[label].append(cold_round(lambda: fn(plan, key, x, tags), put_back, other) * 1e6)
+        for label, fn in alone.items():
+            samples[label].append(cold_round(fn, lambda: None, other) * 1e6)
+        if x.is_cuda:
+            torch.cuda.synchronize()
+    put_back()
+    print(f"\n{'cut after each part, each call alone, cold (µs)':52}{'median':>8}{'part':>8}{'90% interval':>18}")
+    before = None
+    for label, values in samples.items():
+        median = statistics.median(values)
+        _, low, high = bootstrap(statistics.median, values)
+        part = f"{median - before:8.2f}" if before is not None and label in calls else f"{'':8}"
+        print(f"{label:52}{median:8.2f}{part}{low:9.2f} ..{high:6.2f}")
+        before = median if label in calls else before
 
 
 def bytecodes(call) -> collections.Counter:
@@ -154,10 +258,23 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20000, help="due calls a round")
     p.add_argument("--lines", action="store_true", help="the bytecodes of every line")
     p.add_argument("--cold-rounds", type=int, default=40, help="rounds of 40 calls, each after other work")
+    p.add_argument("--cuts", action="store_true", help="the call cut after each part, cold (see above)")
+    p.add_argument("--gpu", action="store_true", help="--cuts on a CUDA device with the runtime's real state")
     args = p.parse_args()
+    if args.gpu:
+        from compressor_bench import OtherWork as DeviceWork
+
+        x = torch.randn(1024, 4, 1024, device="cuda")  # compressor_bench's hidden state
+        plan = real_state(x)
+        _, put_back, _ = due_call(plan, x)
+        print(f"the planned due call (api._fast) on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+              f"Python {sys.version.split()[0]}")
+        cuts_table(plan, x, put_back, args.cold_rounds, DeviceWork("cuda"))
+        return
     torch.set_num_threads(1)
     x = torch.randn(LAYOUT)
-    call, put_back, due = due_call(stand_ins(x), x)
+    plan = stand_ins(x)
+    call, put_back, due = due_call(plan, x)
     call()  # the first call: caches filled, specialised bytecodes in place
     counts = bytecodes(call)
     by_function = collections.Counter()
@@ -173,7 +290,10 @@ def main() -> None:
     print(f"{'planned due call, the state put back after':44}{cells(timed(call, args.rounds, args.calls), 1e6)}")
     print(f"{'the state put back alone':44}{cells(timed(put_back, args.rounds, args.calls), 1e6)}")
     print(f"{'after other work (each call alone), µs':44}{HEADER}")
-    print(f"{'planned due call':44}{cells(timed_cold(due, put_back, args.cold_rounds, 40), 1e6)}")
+    other = OtherWork()
+    print(f"{'planned due call':44}{cells([cold_round(due, put_back, other) for _ in range(args.cold_rounds)], 1e6)}")
+    if args.cuts:
+        cuts_table(plan, x, put_back, args.cold_rounds, other)
     put_back()  # nothing left queued for the runtime's flush at exit (its stream is a stand-in)
 
 

@@ -6,7 +6,7 @@
 #           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
 #           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
 #           folders copied into .upstream/ (git-ignored): mkdir -p .upstream && cp -r ../shared/upstream/megatron-lm .upstream/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [bias] [overhead] [overhead_processes] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [duecall] [bias] [overhead] [overhead_processes] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream]
 #           (default: all; `overhead_processes` first on a fresh machine to see the first-run cliff; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
 #            `upstream` installs each release of $UPSTREAM_RELEASES, default "0.16.1 0.19.2", in turn)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
@@ -80,6 +80,12 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_trace_forwar
 timeout 90 python3 bench/compressor_bench.py --profile 2>&1 | tee "$OUT/compressor_bench_launch.txt" | grep -v "^source-patch"
 timeout 330 python3 bench/trace_bench.py --resolve --before --before-settings device_timing=1,triton_launch=triton \
   --rounds 1 --toggle-steps 700 --phase 4 --warmup 8 --save "$OUT/launch_run.json" 2>&1 | tee "$OUT/trace_bench_launch.txt" | tail -14
+fi
+if want duecall; then
+echo "== the due trace() call (issue 34 item 3): after other work, and cut after each part, cold"
+timeout 120 python3 bench/compressor_bench.py --hub process --rounds 40 2>&1 | tee "$OUT/compressor_bench_due.txt" \
+  | grep -A 11 "^-- due trace"
+timeout 200 python3 bench/due_call_bench.py --cuts --gpu 2>&1 | tee "$OUT/due_call_cuts.txt" | tail -17
 fi
 if want bias; then
 echo "== trace bench bias: the toggling process and an A/A process (same requests, nothing traced), GC time per step"

@@ -55,8 +55,9 @@ BENCHES = [
           "the Megatron example's step traced vs not, one process, paired ratios with intervals"),
     Bench("compressor", "compressor_bench.py", "GPU", "~1 min",
           "device time per compressor; host time of due trace() calls; publisher and hub CPU per frame"),
-    Bench("due-call", "due_call_bench.py", "CPU", "~10 s",
-          "the planned due trace() call with stand-ins for its CUDA parts: bytecodes run, line by line; warm time"),
+    Bench("due-call", "due_call_bench.py", "CPU (GPU: --cuts --gpu)", "~10 s",
+          "the planned due trace() call with stand-ins for its CUDA parts: bytecodes run, line by line; warm time "
+          "and after other work (cold); --cuts: the call cut after each part, cold (--gpu: the real launch)"),
     Bench("overhead", "overhead_bench.py", "GPU (CPU: --quick)", "~7 min",
           "the Megatron example's step with each capability, and all at once, vs plain: ratio, memory, bytes/step; "
           "the machine's memory, disk and pinned probes; the first-run cliff of dumping"),

@@ -29,11 +29,20 @@ def test_the_compressor_bench_times_due_calls_back_to_back_and_after_other_work(
         assert rows["the same, after other work"][hub] > 0, rows
 
 
-def test_the_due_call_bench_counts_the_planned_calls_bytecodes_and_times_it():
-    out = run("bench/due_call_bench.py", "--rounds", "2", "--calls", "200", "--lines")
+def test_the_due_call_bench_counts_the_planned_calls_bytecodes_and_times_it_whole_and_cut():
+    out = run("bench/due_call_bench.py", "--rounds", "2", "--calls", "200", "--lines", "--cuts", "--cold-rounds", "2")
     counted = dict((f, int(n)) for f, n in re.findall(r"(\w+) (\d+)", out.split("bytecodes a call runs: ")[1].splitlines()[0]))
     assert counted["_fast"] > 100, out
     assert re.search(r"^planned due call, the state put back after\s+[\d.]+ / [\d.]+ \[", out, re.M), out
+    # every cut's line found in api._fast (else the bench exits), each row timed
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from due_call_bench import CUTS
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    table = out.split("cut after each part")[1]
+    for label in [label for label, _ in CUTS] + ["the whole call", "a lock taken and given back"]:
+        assert re.search(rf"^{re.escape(label)}\s+[\d.]+", table, re.M), (label, table)
 
 
 def test_trace_bench_calls_times_the_parts_of_each_due_call_in_training():
