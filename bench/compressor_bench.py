@@ -228,7 +228,9 @@ def due_variants(rt, x: torch.Tensor, device: str, reps: int, layers: int, step_
         for v in samples:
             with mock.patch.object(rt, "PER_BATCH_EVENTS", v.per_batch), triton_launch(v.direct), \
                     path(rt, v.planned):
-                getattr(rt, "_arm", lambda: None)()  # what the runtime checks once a step, for this variant
+                # what the runtime checks once a step, for this variant (a wheel from before _arm
+                # checks it at each call: bench/ab_wheels.sh runs this bench against one)
+                getattr(rt, "_arm", lambda: None)()
                 samples[v].append(host_loop(lambda layer: rt.trace("traced", x, layer=layer), device, 1, layers,
                                             step_end, before=others.get(v.after_other_work)))
     return samples

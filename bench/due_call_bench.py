@@ -9,8 +9,8 @@ nothing here).
 The count is exact and the same on every machine: what a change to the call adds or
 removes, where a GPU host's timing (compressor_bench.py, trace_bench.py) moves by a few
 microseconds from host to host.  Two times: of a warm call (caches hot, back to back),
-and of a call after other work (each alone, after a pass over 32 MiB and a few torch
-ops, as compressor_bench.py's "after other work"), the way a due call runs between a
+and of a call after other work (each alone, after compressor_bench.py's other work on
+the host: a pass over 32 MiB and a few torch ops), the way a due call runs between a
 training step's layers, cold: there each object the call touches is a cache miss
 (docs/bench-notes/overhead.md), ~4x the warm time.
 
@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from compressor_bench import OtherWork
 from stats import HEADER, bootstrap, cells
 
 from source_patch.runtime.trace import api, device, hub, plan as plan_module
@@ -109,20 +110,6 @@ def timed(fn, rounds: int, calls: int) -> list:
             fn()
         samples.append((time.perf_counter() - start) / calls)
     return samples
-
-
-class OtherWork:
-    """What runs between two due calls in training, untimed (compressor_bench.py's
-    "after other work" on the host): a pass over 32 MiB and a few small torch ops, which
-    leave the call's code and data out of the caches."""
-
-    def __init__(self):
-        self.memory, self.small = torch.ones(8 << 20), torch.randn(64, 64)
-
-    def __call__(self) -> None:
-        self.memory.sum()
-        x = torch.nn.functional.layer_norm(self.small, (64,))
-        torch.sort(torch.cumsum(torch.softmax(x @ self.small, -1).sum(0), 0))
 
 
 def cold_round(fn, put_back, other, calls: int = 40) -> float:
@@ -199,20 +186,16 @@ def cuts_table(plan, x: torch.Tensor, put_back, rounds: int, other) -> None:
     calls = {label: cut(marker) for label, marker in CUTS}
     calls["the whole call"] = api._fast
     lock = api._lock
-    args = list(plan.args)
-    launch_args = args if x.is_cuda else None
-    if x.is_cuda:
-        out = torch.empty(plan.dims, device=x.device)
-        args[plan.at_stream] = torch._C._cuda_getCurrentRawStream(x.device.index)
-        args[plan.at_input], args[plan.at_input + 1] = x.data_ptr(), out.data_ptr()
 
     def lock_alone() -> None:
         with lock:
             pass
-    alone = {"an empty call": lambda: None, "a lock taken and given back": lock_alone,
-             "the launch, its arguments ready": lambda: plan.call(*launch_args)}
-    if launch_args is None:
-        del alone["the launch, its arguments ready"]  # the stand-in's: nothing to learn
+    alone = {"an empty call": lambda: None, "a lock taken and given back": lock_alone}
+    if x.is_cuda:  # (the stand-in's launch does nothing: nothing to learn on the CPU)
+        args, out = list(plan.args), torch.empty(plan.dims, device=x.device)
+        args[plan.at_stream] = torch._C._cuda_getCurrentRawStream(x.device.index)
+        args[plan.at_input], args[plan.at_input + 1] = x.data_ptr(), out.data_ptr()
+        alone["the launch, its arguments ready"] = lambda: plan.call(*args)
     samples: dict = {label: [] for label in [*calls, *alone]}
     for _ in range(rounds):
         for label, fn in calls.items():
@@ -262,14 +245,12 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="--cuts on a CUDA device with the runtime's real state")
     args = p.parse_args()
     if args.gpu:
-        from compressor_bench import OtherWork as DeviceWork
-
         x = torch.randn(1024, 4, 1024, device="cuda")  # compressor_bench's hidden state
         plan = real_state(x)
         _, put_back, _ = due_call(plan, x)
         print(f"the planned due call (api._fast) on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
               f"Python {sys.version.split()[0]}")
-        cuts_table(plan, x, put_back, args.cold_rounds, DeviceWork("cuda"))
+        cuts_table(plan, x, put_back, args.cold_rounds, OtherWork("cuda"))
         return
     torch.set_num_threads(1)
     x = torch.randn(LAYOUT)
@@ -290,7 +271,7 @@ def main() -> None:
     print(f"{'planned due call, the state put back after':44}{cells(timed(call, args.rounds, args.calls), 1e6)}")
     print(f"{'the state put back alone':44}{cells(timed(put_back, args.rounds, args.calls), 1e6)}")
     print(f"{'after other work (each call alone), µs':44}{HEADER}")
-    other = OtherWork()
+    other = OtherWork("cpu")
     print(f"{'planned due call':44}{cells([cold_round(due, put_back, other) for _ in range(args.cold_rounds)], 1e6)}")
     if args.cuts:
         cuts_table(plan, x, put_back, args.cold_rounds, other)
