@@ -60,7 +60,8 @@ BENCHES = [
           "and after other work (cold); --cuts: the call cut after each part, cold (--gpu: the real launch)"),
     Bench("overhead", "overhead_bench.py", "GPU (CPU: --quick)", "~7 min",
           "the Megatron example's step with each capability, and all at once, vs plain: ratio, memory, bytes/step; "
-          "the machine's memory, disk and pinned probes; the first-run cliff of dumping"),
+          "the machine's memory, disk and pinned probes; the first-run cliff of dumping; --resident K: blocks "
+          "alternated between live processes, per round, means and 10th-percentile ratios; --pool: runs pooled"),
     Bench("step-noise", "step_noise.py", "GPU", "~4 min",
           "how noisy the example's steps are under process settings (what a comparison can resolve)"),
     Bench("weight-sync", "weight_sync_bench.py", "2 GPUs (CPU: --cpu)", "~2 min",

@@ -54,7 +54,14 @@ block's median against plain's of the same round, and the ratio of mean step tim
 each with a bootstrap 90% interval over rounds.  ``plain again`` is plain in a
 second process: the A/A row, what two identical processes differ by (a variant's
 interval means something only where it is wider than that).  Replay is left out
-(it needs a capture first).
+(it needs a capture first).  A third ratio, of the steps' 10th percentiles
+(low_steps), leaves out the seconds in which a host-bound step runs 15-25% slower on
+every variant; it is blind to a cost only some steps pay (a dump every 10th step).
+
+    python bench/overhead_bench.py --pool run1.json run2.json   # resident runs' rounds pooled (their --save)
+
+Pooled runs on other machines or with other processes mix process and host effects
+into the rounds: the A/A row of the pool says how much.
 """
 
 from __future__ import annotations
@@ -432,11 +439,29 @@ class Resident:
         return self.probe or {}
 
 
+def low_steps(blocks: list, fraction: float = 0.1) -> float:
+    """The ``fraction`` quantile of every step of ``blocks``: the undisturbed step.  On a
+    host-bound step the host moves between regimes for a second or two at a time
+    (+15-25% on every variant, plain included: docs/bench-notes/overhead.md), which the
+    medians carry and a low quantile leaves out; a cost in every step moves it."""
+    steps = sorted(t for block in blocks for t in block)
+    return steps[int(fraction * (len(steps) - 1))]
+
+
+def ratio_cell(stat, *samples: list) -> str:
+    """A ratio and its 90% interval (the samples resampled together), in percent."""
+    value, low, high = stats.bootstrap(stat, *samples, paired=True)
+    return f"{(value - 1) * 100:+.2f}% ({(low - 1) * 100:+.2f}..{(high - 1) * 100:+.2f})"
+
+
 def resident_table(blocks: dict, probes: dict) -> None:
     """Per variant: block medians, and against its plain (baseline()) round by round
-    (paired over rounds)."""
+    (paired over rounds): the ratio of block medians, of the means, and of the steps'
+    10th percentiles (low_steps: blind to a cost only some steps pay, such as a dump
+    every 10th step; the A/A row says what it resolves)."""
     print(f"{'variant':28}{'rounds':>7}  {'block medians, ms: ' + stats.HEADER:44}"
-          f"{'vs plain, per round [90%]':28}{'vs plain, means [90%]':26}{'device peak':>12}{'pinned':>9}")
+          f"{'vs plain, per round [90%]':28}{'vs plain, means [90%]':26}{'vs plain, p10 [90%]':26}"
+          f"{'device peak':>12}{'pinned':>9}")
     for name, rows in blocks.items():
         base = baseline(name)
         pairs = [(b, a) for b, a in zip(rows, blocks.get(base, [])) if b and a] if name != base else []
@@ -444,19 +469,18 @@ def resident_table(blocks: dict, probes: dict) -> None:
         if not meds:
             print(f"{name:28}{0:>7}  (no steps: see its exit above)")
             continue
-        per_round = means = "-"
+        per_round = means = low = "-"
         if len(pairs) >= 3:
-            value, low, high = stats.bootstrap(statistics.median, [statistics.median(b) / statistics.median(a)
-                                                                   for b, a in pairs])
-            per_round = f"{(value - 1) * 100:+.2f}% ({(low - 1) * 100:+.2f}..{(high - 1) * 100:+.2f})"
-            value, low, high = stats.bootstrap(
-                lambda bs, as_: sum(map(sum, bs)) / sum(map(len, bs)) / (sum(map(sum, as_)) / sum(map(len, as_))),
-                [b for b, _ in pairs], [a for _, a in pairs], paired=True)
-            means = f"{(value - 1) * 100:+.2f}% ({(low - 1) * 100:+.2f}..{(high - 1) * 100:+.2f})"
+            per_round = ratio_cell(statistics.median, [statistics.median(b) / statistics.median(a) for b, a in pairs])
+            variant, plain = [b for b, _ in pairs], [a for _, a in pairs]
+            means = ratio_cell(lambda bs, as_: sum(map(sum, bs)) / sum(map(len, bs)) / (sum(map(sum, as_)) / sum(map(len, as_))),
+                               variant, plain)
+            low = ratio_cell(lambda bs, as_: low_steps(bs) / low_steps(as_), variant, plain)
         probe, plain_probe = probes.get(name) or {}, probes.get(base) or {}
         dev = (probe.get("device_peak_allocated", 0) - plain_probe.get("device_peak_allocated", 0)) / 2**20
         pinned = (probe.get("pinned_peak", 0) - plain_probe.get("pinned_peak", 0)) / 2**20
-        print(f"{name:28}{len(meds):>7}  {stats.cells(meds):44}{per_round:28}{means:26}{dev:>+10.0f}Mi{pinned:>+7.0f}Mi")
+        print(f"{name:28}{len(meds):>7}  {stats.cells(meds):44}{per_round:28}{means:26}{low:26}"
+              f"{dev:>+10.0f}Mi{pinned:>+7.0f}Mi")
     print(flush=True)
 
 
@@ -500,6 +524,19 @@ def run_resident(args, names: list[str], root: str) -> None:
         Path(args.save).write_text(json.dumps({"blocks": blocks, "spans": spans, "probes": probes}))
 
 
+def pool(paths: list) -> None:
+    """The resident table of several runs' rounds pooled, each round pairing blocks of
+    one run (a variant absent from a run has empty blocks there: no pairs)."""
+    runs = [json.loads(Path(path).read_text())["blocks"] for path in paths]
+    blocks: dict = {name: [] for run in runs for name in run}
+    for run in runs:
+        rounds = min(len(rows) for rows in run.values())
+        for name, rows in blocks.items():
+            rows.extend(run[name][:rounds] if name in run else [[] for _ in range(rounds)])
+    print(f"{len(paths)} resident runs pooled: {', '.join(paths)}")
+    resident_table(blocks, {})
+
+
 def main() -> None:
     p = training.parser(__doc__)
     p.set_defaults(vocab=32000 if training.CUDA else 128, rounds=2 if training.CUDA else 1,
@@ -513,7 +550,12 @@ def main() -> None:
     p.add_argument("--calls", action="store_true", help="count and time every call site's calls (overhead_probe.py)")
     p.add_argument("--resident", type=int, default=0, metavar="K",
                    help="one process per variant kept alive, blocks of K steps alternated (see above)")
+    p.add_argument("--pool", nargs="+", metavar="JSON", help="the table of resident runs' rounds pooled "
+                   "(their --save files); runs nothing")
     args = p.parse_args()
+    if args.pool:
+        pool(args.pool)
+        return
     if args.quick:
         args.rounds, args.steps, args.warmup, args.no_probes = 1, 5, 2, True
     names = choose(args.variants, args.quick)

@@ -21,8 +21,9 @@ def test_resident_mode_alternates_blocks_and_reports_an_aa_row(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     final = out.stdout.split("with each process's peaks")[-1]
     cell = r"[+-][\d.]+% \([+-][\d.]+\.\.[+-][\d.]+\)"
-    for name in ("plain again", "routing capture"):
-        assert re.search(rf"^{name}\s+3\s+[\d.]+ / [\d.]+ \[[\d.]+\.\.[\d.]+\]\s+{cell}\s+{cell}", final, re.M), final
+    for name in ("plain again", "routing capture"):  # per round, means, 10th percentiles
+        assert re.search(rf"^{name}\s+3\s+[\d.]+ / [\d.]+ \[[\d.]+\.\.[\d.]+\]\s+{cell}\s+{cell}\s+{cell}", final,
+                         re.M), final
     saved = json.loads(save.read_text())
     blocks, spans = saved["blocks"], saved["spans"]
     assert set(blocks) == set(spans) == {"plain", "plain again", "routing capture"}
@@ -63,3 +64,24 @@ def test_variants_this_machine_cannot_run_are_refused_by_name():
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode != 0
     assert "'weight sync every step' needs two GPUs" in out.stderr, out.stderr[-2000:]
+
+
+def test_pooled_runs_pair_each_round_within_its_run_and_the_low_quantile_skips_slow_stretches(tmp_path):
+    """--pool: resident runs' rounds in one table, each round's blocks from one run; the
+    10th-percentile ratio reads a variant's undisturbed steps where a slow stretch of
+    the host hit some blocks (here plain's), and the per-round medians do not."""
+    def run(plain_slow: float) -> dict:
+        return {"plain": [[100.0] * 8 + [plain_slow] * 2, [plain_slow] * 10, [100.0] * 10],
+                "routing capture": [[101.0] * 10, [101.0] * 9 + [150.0], [101.0] * 10]}
+    paths = []
+    for i, slow in enumerate((130.0, 120.0)):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps({"blocks": run(slow), "spans": {}}))
+    out = subprocess.run([sys.executable, "bench/overhead_bench.py", "--pool", *map(str, paths)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("routing capture "))
+    assert re.match(r"routing capture\s+6\s", row), row  # 3 rounds of each run
+    per_round, means, low = re.findall(r"([+-][\d.]+)% \(", row)
+    assert float(low) == 1.0  # 101 against 100: the undisturbed steps
+    assert float(means) < 0  # the means carry plain's slow stretch

@@ -238,6 +238,7 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
     (_seal makes it one): a due call between a training step's layers runs cold, and
     each object it touches is a cache miss (docs/bench-notes/overhead.md)."""
     global _tracer
+    start = time.perf_counter()  # the due call's duration (state()'s due_call_us) covers all of it
     sub = plan.sub
     step = _step
     following = sub.next_step.get(key)
@@ -257,7 +258,6 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
     sid, index, _ = _stream_of(-1)  # the current device and its stream, in one torch call
     if index != plan.device or (sid and _capturing()):  # (stream 0, the default one, is never captured)
         return False  # no Python runs at a graph's replay
-    start = time.perf_counter()
     sub.next_step[key] = step + sub.every
     context = ambient._context  # ambient.context(), inline
     if context:  # copied now: published later, the microbatch will have moved on
