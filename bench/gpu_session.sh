@@ -6,7 +6,7 @@
 #           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
 #           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
 #           folders copied into .upstream/ (git-ignored): mkdir -p .upstream && cp -r ../shared/upstream/megatron-lm .upstream/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [duecall] [bias] [overhead] [overhead_processes] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [duecall] [bias] [overhead] [overhead_processes] [hostbound] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream]
 #           (default: all; `overhead_processes` first on a fresh machine to see the first-run cliff; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
 #            `upstream` installs each release of $UPSTREAM_RELEASES, default "0.16.1 0.19.2", in turn)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
@@ -101,14 +101,6 @@ if want overhead; then
 echo "== what each capability costs (issue 34); first: routing capture's host time per router call (before / after)"
 (cd bench && timeout 25 python3 routing_call_bench.py --rounds 9 --steps 5 2>&1 | grep -v "Warning\|warnings.warn" \
   | tee "$OUT/routing_call_bench.txt")
-echo "== one resident process per variant, blocks of steps alternated; the issue's model (hidden 1024, 8 layers)"
-# two runs of at most four resident processes: six of this model (~14.4 GiB each) overflow an 80 GiB card
-(cd bench && timeout ${OVERHEAD_S:-110} python3 overhead_bench.py --resident 6 --rounds ${OVERHEAD_ROUNDS:-8} --no-probes \
-  --variants "plain;plain again;every spec inert;routing capture" \
-  --save "$OUT/overhead_resident.json" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_resident.txt" | tail -7)
-(cd bench && timeout ${OVERHEAD_S:-110} python3 overhead_bench.py --resident 6 --rounds ${OVERHEAD_ROUNDS:-8} --no-probes \
-  --variants "plain;trace, 1 client;everything at once" \
-  --save "$OUT/overhead_resident_all.json" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_resident_all.txt" | tail -7)
 echo "== due trace() calls"
 timeout 50 python3 bench/compressor_bench.py 2>&1 | tee "$OUT/compressor_bench.txt" | grep -v "^source-patch" | tail -14
 echo "== a C extension built at install time: does this machine have a compiler and Python's headers?"
@@ -121,6 +113,14 @@ for group in "plain;plain again;every spec inert;routing capture" "plain;trace, 
     --no-probes --hidden 2048 --layers 4 --variants "$group" 2>&1 | grep -v "Warning\|warnings.warn" \
     | tee -a "$OUT/overhead_large.txt" | tail -7)
 done
+fi
+if want hostbound; then
+echo "== one resident process per variant, blocks of steps alternated; the issue's model (hidden 1024, 8 layers)"
+# four processes of this model (~14.4 GiB each) at a time; four sets of them in turn, since two identical
+# processes differ by ~1% for their whole lives (the intervals resample the sets; ~9 min: a call of its own)
+(cd bench && timeout ${OVERHEAD_S:-560} python3 overhead_bench.py --resident 10 --rounds ${OVERHEAD_ROUNDS:-12} \
+  --sessions ${OVERHEAD_SETS:-4} --no-probes --variants "plain;plain again;every spec inert;everything at once" \
+  --save "$OUT/overhead_resident.json" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_resident.txt" | tail -7)
 fi
 if want costs; then
 echo "== what weight sync every step and Megatron's router CUDA graphs cost (issue 34), GPU-bound model, resident"

@@ -57,6 +57,10 @@ interval means something only where it is wider than that).  Replay is left out
 (it needs a capture first).  A third ratio, of the steps' 10th percentiles
 (low_steps), leaves out the seconds in which a host-bound step runs 15-25% slower on
 every variant; it is blind to a cost only some steps pay (a dump every 10th step).
+Two identical processes can differ by ~1% for their whole lives (the A/A row of the
+issue's host-bound model, docs/bench-notes/overhead.md), which no number of rounds
+of the same processes averages out: ``--sessions S`` starts S sets of processes in
+turn, each for --rounds rounds, and the intervals resample the sets, then their rounds.
 
     python bench/overhead_bench.py --pool run1.json run2.json   # resident runs' rounds pooled (their --save)
 
@@ -448,34 +452,40 @@ def low_steps(blocks: list, fraction: float = 0.1) -> float:
     return steps[int(fraction * (len(steps) - 1))]
 
 
-def ratio_cell(stat, *samples: list) -> str:
-    """A ratio and its 90% interval (the samples resampled together), in percent."""
-    value, low, high = stats.bootstrap(stat, *samples, paired=True)
+def ratio_cell(stat, *samples: list, groups: list | None = None) -> str:
+    """A ratio and its 90% interval (the samples resampled together; with ``groups``,
+    the sessions first, then their rounds), in percent."""
+    value, low, high = stats.bootstrap(stat, *samples, paired=True, groups=groups)
     return f"{(value - 1) * 100:+.2f}% ({(low - 1) * 100:+.2f}..{(high - 1) * 100:+.2f})"
 
 
-def resident_table(blocks: dict, probes: dict) -> None:
+def resident_table(blocks: dict, probes: dict, sessions: list | None = None) -> None:
     """Per variant: block medians, and against its plain (baseline()) round by round
     (paired over rounds): the ratio of block medians, of the means, and of the steps'
     10th percentiles (low_steps: blind to a cost only some steps pay, such as a dump
-    every 10th step; the A/A row says what it resolves)."""
+    every 10th step; the A/A row says what it resolves).  ``sessions``: each round's
+    set of processes (--sessions, --pool); the intervals resample the sets, then their
+    rounds, since two identical processes can differ for their whole lives."""
     print(f"{'variant':28}{'rounds':>7}  {'block medians, ms: ' + stats.HEADER:44}"
           f"{'vs plain, per round [90%]':28}{'vs plain, means [90%]':26}{'vs plain, p10 [90%]':26}"
           f"{'device peak':>12}{'pinned':>9}")
     for name, rows in blocks.items():
         base = baseline(name)
-        pairs = [(b, a) for b, a in zip(rows, blocks.get(base, [])) if b and a] if name != base else []
+        labels = sessions or [0] * len(rows)
+        kept = [(b, a, g) for b, a, g in zip(rows, blocks.get(base, []), labels) if b and a] if name != base else []
+        pairs, groups = [(b, a) for b, a, _ in kept], [g for _, _, g in kept]
         meds = [statistics.median(b) for b in rows if b]
         if not meds:
             print(f"{name:28}{0:>7}  (no steps: see its exit above)")
             continue
         per_round = means = low = "-"
         if len(pairs) >= 3:
-            per_round = ratio_cell(statistics.median, [statistics.median(b) / statistics.median(a) for b, a in pairs])
+            per_round = ratio_cell(statistics.median, [statistics.median(b) / statistics.median(a) for b, a in pairs],
+                                   groups=groups)
             variant, plain = [b for b, _ in pairs], [a for _, a in pairs]
             means = ratio_cell(lambda bs, as_: sum(map(sum, bs)) / sum(map(len, bs)) / (sum(map(sum, as_)) / sum(map(len, as_))),
-                               variant, plain)
-            low = ratio_cell(lambda bs, as_: low_steps(bs) / low_steps(as_), variant, plain)
+                               variant, plain, groups=groups)
+            low = ratio_cell(lambda bs, as_: low_steps(bs) / low_steps(as_), variant, plain, groups=groups)
         probe, plain_probe = probes.get(name) or {}, probes.get(base) or {}
         dev = (probe.get("device_peak_allocated", 0) - plain_probe.get("device_peak_allocated", 0)) / 2**20
         pinned = (probe.get("pinned_peak", 0) - plain_probe.get("pinned_peak", 0)) / 2**20
@@ -491,27 +501,16 @@ def run_resident(args, names: list[str], root: str) -> None:
         if base in names:
             names.remove(base)
         names.insert(0, base)
-    procs = {name: Resident(args, name, root) for name in names}  # started together: one start-up wait
-    for proc in procs.values():
-        proc.wait_ready()
-    for proc in procs.values():  # the warm-up block, not timed
-        proc.block(0)
-    print(f"{time.strftime('%H:%M:%S')} resident: {len(procs)} processes warm (a first block of {args.resident} steps each, left out); "
-          f"{args.rounds} rounds of a block of {args.resident} steps per variant", flush=True)
     blocks: dict = {name: [] for name in names}
     spans: dict = {name: [] for name in names}  # each block's wall time, ms (see Resident.block)
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            blocks[name].append(procs[name].block(0))
-            spans[name].append(procs[name].span)
-        if (r + 1) % max(1, args.rounds // 3) == 0 or r + 1 == args.rounds:
-            print(f"after round {r + 1}/{args.rounds} ({time.strftime('%H:%M:%S')})")
-            resident_table(blocks, {})
-            if args.save:  # a run cut short by a time limit keeps what it measured
-                Path(args.save).write_text(json.dumps({"blocks": blocks, "spans": spans}))
-    probes = {name: proc.finish() for name, proc in procs.items()}
-    print("with each process's peaks (device: torch's allocated; pinned: its caching host allocator)")
-    resident_table(blocks, probes)
+    sessions: list = []  # each round's set of processes
+    for session in range(args.sessions):
+        if args.sessions > 1:
+            print(f"== set of processes {session + 1}/{args.sessions}", flush=True)
+        probes, procs = resident_session(args, names, root, blocks, spans, sessions, session)
+    print("with each process's peaks (device: torch's allocated; pinned: its caching host allocator)"
+          + (", of the last set" if args.sessions > 1 else ""))
+    resident_table(blocks, probes, sessions)
     for name, proc in procs.items():
         if proc.report.get("frames") is not None:
             print(f"{name}: trace frames {proc.report['frames']}")
@@ -521,20 +520,48 @@ def run_resident(args, names: list[str], root: str) -> None:
         if line:
             print(line)
     if args.save:
-        Path(args.save).write_text(json.dumps({"blocks": blocks, "spans": spans, "probes": probes}))
+        Path(args.save).write_text(json.dumps({"blocks": blocks, "spans": spans, "sessions": sessions,
+                                               "probes": probes}))
+
+
+def resident_session(args, names: list, root: str, blocks: dict, spans: dict, sessions: list,
+                     session: int) -> tuple[dict, dict]:
+    """One set of processes, started together, warmed up, then ``args.rounds`` rounds
+    appended to ``blocks``, ``spans`` and ``sessions``; (their probes, the processes)."""
+    procs = {name: Resident(args, name, root) for name in names}  # started together: one start-up wait
+    for proc in procs.values():
+        proc.wait_ready()
+    for proc in procs.values():  # the warm-up block, not timed
+        proc.block(0)
+    print(f"{time.strftime('%H:%M:%S')} resident: {len(procs)} processes warm (a first block of {args.resident} steps each, left out); "
+          f"{args.rounds} rounds of a block of {args.resident} steps per variant", flush=True)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            blocks[name].append(procs[name].block(0))
+            spans[name].append(procs[name].span)
+        sessions.append(session)
+        if (r + 1) % max(1, args.rounds // 3) == 0 or r + 1 == args.rounds:
+            print(f"after round {r + 1}/{args.rounds} ({time.strftime('%H:%M:%S')})")
+            resident_table(blocks, {}, sessions)
+            if args.save:  # a run cut short by a time limit keeps what it measured
+                Path(args.save).write_text(json.dumps({"blocks": blocks, "spans": spans, "sessions": sessions}))
+    return {name: proc.finish() for name, proc in procs.items()}, procs
 
 
 def pool(paths: list) -> None:
     """The resident table of several runs' rounds pooled, each round pairing blocks of
-    one run (a variant absent from a run has empty blocks there: no pairs)."""
-    runs = [json.loads(Path(path).read_text())["blocks"] for path in paths]
-    blocks: dict = {name: [] for run in runs for name in run}
-    for run in runs:
-        rounds = min(len(rows) for rows in run.values())
+    one run (a variant absent from a run has empty blocks there: no pairs); each run's
+    sets of processes stay apart in the intervals (resident_table's ``sessions``)."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    blocks: dict = {name: [] for run in runs for name in run["blocks"]}
+    sessions: list = []
+    for n, run in enumerate(runs):
+        rounds = min(len(rows) for rows in run["blocks"].values())
         for name, rows in blocks.items():
-            rows.extend(run[name][:rounds] if name in run else [[] for _ in range(rounds)])
-    print(f"{len(paths)} resident runs pooled: {', '.join(paths)}")
-    resident_table(blocks, {})
+            rows.extend(run["blocks"][name][:rounds] if name in run["blocks"] else [[] for _ in range(rounds)])
+        sessions.extend(f"{n}.{label}" for label in (run.get("sessions") or [0] * rounds)[:rounds])
+    print(f"{len(paths)} resident runs pooled ({len(set(sessions))} sets of processes): {', '.join(paths)}")
+    resident_table(blocks, {}, sessions)
 
 
 def main() -> None:
@@ -550,6 +577,8 @@ def main() -> None:
     p.add_argument("--calls", action="store_true", help="count and time every call site's calls (overhead_probe.py)")
     p.add_argument("--resident", type=int, default=0, metavar="K",
                    help="one process per variant kept alive, blocks of K steps alternated (see above)")
+    p.add_argument("--sessions", type=int, default=1, metavar="S",
+                   help="--resident: S sets of processes in turn, each for --rounds rounds (see above)")
     p.add_argument("--pool", nargs="+", metavar="JSON", help="the table of resident runs' rounds pooled "
                    "(their --save files); runs nothing")
     args = p.parse_args()

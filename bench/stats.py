@@ -9,14 +9,24 @@ from typing import Callable
 
 
 def bootstrap(stat: Callable[..., float], *samples: list, paired: bool = False,
-              rounds: int = 2000) -> tuple[float, float, float]:
+              rounds: int = 2000, groups: list | None = None) -> tuple[float, float, float]:
     """(stat(*samples), the 5th and the 95th percentile of stat over ``rounds``
     resamples).  Each sample is resampled on its own, or with ``paired`` (samples of
-    one length, element i of each a pair) the pairs are, kept together."""
+    one length, element i of each a pair) the pairs are, kept together.  ``groups``
+    (paired: a label per pair, e.g. the set of processes it came from): the groups
+    are resampled, then the pairs within each group drawn (a two-stage bootstrap), so
+    that what the pairs of a group share widens the interval as it should."""
     rng = random.Random(0)
+    members: dict = {}
+    for i, label in enumerate(groups if groups is not None and len(set(groups)) > 1 else ()):
+        members.setdefault(label, []).append(i)
     boot = []
     for _ in range(rounds):
-        if paired:
+        if members:
+            picks = [i for label in rng.choices(list(members), k=len(members))
+                     for i in rng.choices(members[label], k=len(members[label]))]
+            boot.append(stat(*([sample[i] for i in picks] for sample in samples)))
+        elif paired:
             picks = rng.choices(range(len(samples[0])), k=len(samples[0]))
             boot.append(stat(*([sample[i] for i in picks] for sample in samples)))
         else:

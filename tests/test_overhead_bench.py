@@ -1,6 +1,8 @@
 """bench/overhead_bench.py --resident (CPU smoke run): one process per variant kept
-alive, blocks of steps alternated round by round, the A/A row and a variant against
-plain with per-round and mean ratios; the waits between blocks are not in the step times."""
+alive, blocks of steps alternated round by round, sets of processes in turn
+(--sessions), the A/A row and a variant against plain with per-round, mean and
+10th-percentile ratios; the waits between blocks are not in the step times; runs pooled
+(--pool), their sets of processes kept apart in the intervals."""
 
 import json
 import os
@@ -14,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_resident_mode_alternates_blocks_and_reports_an_aa_row(tmp_path):
     save = tmp_path / "run.json"
-    out = subprocess.run([sys.executable, "bench/overhead_bench.py", "--resident", "3", "--rounds", "3", "--no-probes",
+    out = subprocess.run([sys.executable, "bench/overhead_bench.py", "--resident", "3", "--rounds", "2", "--sessions", "2",
+                          "--no-probes",
                           "--variants", "plain;plain again;routing capture", "--save", str(save)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -22,13 +25,15 @@ def test_resident_mode_alternates_blocks_and_reports_an_aa_row(tmp_path):
     final = out.stdout.split("with each process's peaks")[-1]
     cell = r"[+-][\d.]+% \([+-][\d.]+\.\.[+-][\d.]+\)"
     for name in ("plain again", "routing capture"):  # per round, means, 10th percentiles
-        assert re.search(rf"^{name}\s+3\s+[\d.]+ / [\d.]+ \[[\d.]+\.\.[\d.]+\]\s+{cell}\s+{cell}\s+{cell}", final,
+        assert re.search(rf"^{name}\s+4\s+[\d.]+ / [\d.]+ \[[\d.]+\.\.[\d.]+\]\s+{cell}\s+{cell}\s+{cell}", final,
                          re.M), final
     saved = json.loads(save.read_text())
     blocks, spans = saved["blocks"], saved["spans"]
     assert set(blocks) == set(spans) == {"plain", "plain again", "routing capture"}
+    assert saved["sessions"] == [0, 0, 1, 1]  # two sets of processes, two rounds each
+    assert out.stdout.count("resident: 3 processes warm") == 2
     for name, rows in blocks.items():
-        assert len(rows) == 3 and all(len(b) == 3 for b in rows), rows  # 3 rounds of a block of 3 steps
+        assert len(rows) == 4 and all(len(b) == 3 for b in rows), rows  # 4 rounds of a block of 3 steps
         # a step waits for its block before its clock starts: a block's steps fit in its own
         # wall time, from "go" to its next "ready" (a step holding a wait would not, however
         # loaded the machine: the wait happens outside that span)
@@ -85,3 +90,22 @@ def test_pooled_runs_pair_each_round_within_its_run_and_the_low_quantile_skips_s
     per_round, means, low = re.findall(r"([+-][\d.]+)% \(", row)
     assert float(low) == 1.0  # 101 against 100: the undisturbed steps
     assert float(means) < 0  # the means carry plain's slow stretch
+
+def test_the_interval_resamples_sets_of_processes_where_rounds_share_one():
+    """stats.bootstrap with groups: rounds that share a set of processes share its
+    offset, so the interval must span the sets' offsets, where resampling the rounds
+    alone would shrink it with their number."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import stats
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    import statistics
+
+    ratios = [1.0 + 0.01 * group + 0.001 * (i % 5) for group in range(4) for i in range(20)]  # 4 sets' offsets
+    groups = [group for group in range(4) for _ in range(20)]
+    _, low, high = stats.bootstrap(statistics.fmean, ratios, paired=True)
+    _, g_low, g_high = stats.bootstrap(statistics.fmean, ratios, paired=True, groups=groups)
+    assert g_high - g_low > 3 * (high - low)
+    assert stats.bootstrap(statistics.fmean, ratios, paired=True, groups=[0] * 80) == \
+        stats.bootstrap(statistics.fmean, ratios, paired=True)  # one set: the rounds, as before
