@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from compressor_bench import OtherWork
+from compressor_bench import OtherWork, host_loop
 from stats import HEADER, bootstrap, cells
 
 from source_patch.runtime.trace import api, device, hub, plan as plan_module
@@ -113,16 +113,9 @@ def timed(fn, rounds: int, calls: int) -> list:
 
 
 def cold_round(fn, put_back, other, calls: int = 40) -> float:
-    """Seconds per call of ``fn``, each call timed alone after ``other()`` (the state put
-    back untimed)."""
-    total = 0.0
-    for _ in range(calls):
-        other()
-        put_back()
-        start = time.perf_counter()
-        fn()
-        total += time.perf_counter() - start
-    return total / calls
+    """Microseconds per call of ``fn``, each call timed alone after ``other()`` (the state
+    put back untimed): compressor_bench's host_loop, one batch."""
+    return host_loop(lambda _: fn(), "cpu", 1, calls, before=lambda: (other(), put_back()))
 
 
 # (part, the line of api._fast it ends with): --cuts times the call cut after each
@@ -199,9 +192,9 @@ def cuts_table(plan, x: torch.Tensor, put_back, rounds: int, other) -> None:
     samples: dict = {label: [] for label in [*calls, *alone]}
     for _ in range(rounds):
         for label, fn in calls.items():
-            samples[label].append(cold_round(lambda: fn(plan, key, x, tags), put_back, other) * 1e6)
+            samples[label].append(cold_round(lambda: fn(plan, key, x, tags), put_back, other))
         for label, fn in alone.items():
-            samples[label].append(cold_round(fn, lambda: None, other) * 1e6)
+            samples[label].append(cold_round(fn, lambda: None, other))
         if x.is_cuda:
             torch.cuda.synchronize()
     put_back()
@@ -272,7 +265,7 @@ def main() -> None:
     print(f"{'the state put back alone':44}{cells(timed(put_back, args.rounds, args.calls), 1e6)}")
     print(f"{'after other work (each call alone), µs':44}{HEADER}")
     other = OtherWork("cpu")
-    print(f"{'planned due call':44}{cells([cold_round(due, put_back, other) for _ in range(args.cold_rounds)], 1e6)}")
+    print(f"{'planned due call':44}{cells([cold_round(due, put_back, other) for _ in range(args.cold_rounds)])}")
     if args.cuts:
         cuts_table(plan, x, put_back, args.cold_rounds, other)
     put_back()  # nothing left queued for the runtime's flush at exit (its stream is a stand-in)

@@ -64,8 +64,7 @@ turn, each for --rounds rounds, and the intervals resample the sets, then their 
 
     python bench/overhead_bench.py --pool run1.json run2.json   # resident runs' rounds pooled (their --save)
 
-Pooled runs on other machines or with other processes mix process and host effects
-into the rounds: the A/A row of the pool says how much.
+Each pooled run's sets of processes stay apart in the intervals, as --sessions' do.
 """
 
 from __future__ import annotations

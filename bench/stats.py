@@ -20,17 +20,18 @@ def bootstrap(stat: Callable[..., float], *samples: list, paired: bool = False,
     members: dict = {}
     for i, label in enumerate(groups if groups is not None and len(set(groups)) > 1 else ()):
         members.setdefault(label, []).append(i)
+    labels = list(members)
     boot = []
     for _ in range(rounds):
-        if members:
-            picks = [i for label in rng.choices(list(members), k=len(members))
-                     for i in rng.choices(members[label], k=len(members[label]))]
-            boot.append(stat(*([sample[i] for i in picks] for sample in samples)))
-        elif paired:
-            picks = rng.choices(range(len(samples[0])), k=len(samples[0]))
-            boot.append(stat(*([sample[i] for i in picks] for sample in samples)))
-        else:
+        if not (paired or members):
             boot.append(stat(*(rng.choices(sample, k=len(sample)) for sample in samples)))
+            continue
+        if members:
+            picks = [i for label in rng.choices(labels, k=len(labels))
+                     for i in rng.choices(members[label], k=len(members[label]))]
+        else:
+            picks = rng.choices(range(len(samples[0])), k=len(samples[0]))
+        boot.append(stat(*([sample[i] for i in picks] for sample in samples)))
     boot.sort()
     return stat(*samples), boot[rounds // 20], boot[rounds - rounds // 20 - 1]
 
