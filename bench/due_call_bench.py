@@ -118,19 +118,23 @@ def cold_round(fn, put_back, other, calls: int = 40) -> float:
     return host_loop(lambda _: fn(), "cpu", 1, calls, before=lambda: (other(), put_back()))
 
 
-# (part, the line of api._fast it ends with): --cuts times the call cut after each
-CUTS = (("the call, the due test", "return True  # not due"),
-        ("the ring, isinstance", "return False  # (a value"),
-        ("tensor.data_ptr()", "address = tensor.data_ptr()"),
-        ("the layout (four torch getters)", "plan.stale = True"),
-        ("Triton's launch hooks", "return False  # a profiler"),
-        ("the current stream (the capture test off stream 0)", "return False  # no Python runs"),
-        ("the clock, the next due step, the tags", "sub.next_step[key] = step + sub.every"),
-        ("the lock, the queue's length, the ring's head", "head = ring.head"),
-        ("the ring's arithmetic", "end = head + plan.padded"),
-        ("the stream cache, the launch's arguments", "args[plan.at_stream], args[at]"),
-        ("the launch", "plan.call(*args)"),
-        ("the record queued", "_tracer = _get_ident()"))
+# (part, the line of api._fast it ends with, the launch it is part of): --cuts times the
+# call cut after each (the native launch checks the tensor itself: no getters before it)
+CUTS = (("the call, the due test", "return True  # not due", "both"),
+        ("the ring, the native plan", "native = plan.native", "both"),
+        ("isinstance", "return False  # (a value", "direct"),
+        ("tensor.data_ptr()", "address = tensor.data_ptr()", "direct"),
+        ("the layout (four torch getters)", "plan.stale = True  # plan again", "direct"),
+        ("Triton's launch hooks", "return False  # a profiler", "both"),
+        ("the current stream (the capture test off stream 0)", "return False  # no Python runs", "both"),
+        ("the tags", "context = ambient._context", "both"),
+        ("the lock, the queue's length, the ring's head", "head = ring.head", "both"),
+        ("the ring's arithmetic", "end = head + plan.padded", "both"),
+        ("the stream cache", "stream, raw = _known_streams", "both"),
+        ("the launch's arguments", "args[plan.at_stream], args[at]", "direct"),
+        ("the launch", "plan.call(*args)", "direct"),
+        ("the native launch (the layout checked in it)", "status = plan.native_launch(", "native"),
+        ("the record queued", "_tracer = _get_ident()", "both"))
 
 
 def cut(marker: str):
@@ -172,12 +176,29 @@ def real_state(x: torch.Tensor):
     return plan
 
 
-def cuts_table(plan, x: torch.Tensor, put_back, rounds: int, other) -> None:
-    """The medians of the call cut after each part, each cut timed alone after ``other``,
-    the cuts alternated round by round; then a few operations alone."""
+def native_twin(plan, x: torch.Tensor):
+    """(a CUDA device) ``plan``'s twin launched by native.py's launch, or None where it is
+    not built (source-patch build-native): both alternate in one run."""
+    from source_patch.runtime.trace import compress, native
+
+    if native.load() is None:
+        return None
+    launch = compress.fused_kernel().planned(x, *plan.sub.compressor.fused)
+    twin = plan_module.Plan(plan.sub, x, launch, native_launch=True)
+    return twin if twin.native is not None else None
+
+
+def cuts_table(plan, x: torch.Tensor, put_back, rounds: int, other, twin=None, of_twin: bool = False) -> None:
+    """The medians of the call cut after each part (of ``twin``'s, the native launch, with
+    ``of_twin``), each cut timed alone after ``other``, the cuts alternated round by
+    round; the whole call of ``twin`` too where given; then a few operations alone."""
     key, tags = ("h", 1), {"layer": 1}
-    calls = {label: cut(marker) for label, marker in CUTS}
-    calls["the whole call"] = api._fast
+    cutting = twin if of_twin else plan
+    launch = "native" if of_twin else "direct"
+    calls = {label: (cut(marker), cutting) for label, marker, part in CUTS if part in ("both", launch)}
+    calls["the whole call"] = (api._fast, plan)
+    if twin is not None:
+        calls["the whole call, native launch"] = (api._fast, twin)
     lock = api._lock
 
     def lock_alone() -> None:
@@ -186,13 +207,16 @@ def cuts_table(plan, x: torch.Tensor, put_back, rounds: int, other) -> None:
     alone = {"an empty call": lambda: None, "a lock taken and given back": lock_alone}
     if x.is_cuda:  # (the stand-in's launch does nothing: nothing to learn on the CPU)
         args, out = list(plan.args), torch.empty(plan.dims, device=x.device)
-        args[plan.at_stream] = torch._C._cuda_getCurrentRawStream(x.device.index)
-        args[plan.at_input], args[plan.at_input + 1] = x.data_ptr(), out.data_ptr()
+        stream = torch._C._cuda_getCurrentRawStream(x.device.index)
+        args[plan.at_stream], args[plan.at_input], args[plan.at_input + 1] = stream, x.data_ptr(), out.data_ptr()
         alone["the launch, its arguments ready"] = lambda: plan.call(*args)
+        if twin is not None:
+            alone["the native launch (with the layout check)"] = \
+                lambda: twin.native_launch(twin.native, x, stream, out.data_ptr())
     samples: dict = {label: [] for label in [*calls, *alone]}
     for _ in range(rounds):
-        for label, fn in calls.items():
-            samples[label].append(cold_round(lambda: fn(plan, key, x, tags), put_back, other))
+        for label, (fn, of) in calls.items():
+            samples[label].append(cold_round(lambda: fn(of, key, x, tags), put_back, other))
         for label, fn in alone.items():
             samples[label].append(cold_round(fn, lambda: None, other))
         if x.is_cuda:
@@ -235,15 +259,20 @@ def main() -> None:
     p.add_argument("--lines", action="store_true", help="the bytecodes of every line")
     p.add_argument("--cold-rounds", type=int, default=40, help="rounds of 40 calls, each after other work")
     p.add_argument("--cuts", action="store_true", help="the call cut after each part, cold (see above)")
-    p.add_argument("--gpu", action="store_true", help="--cuts on a CUDA device with the runtime's real state")
+    p.add_argument("--gpu", action="store_true", help="--cuts on a CUDA device with the runtime's real state; "
+                   "with the native launch built (source-patch build-native), its whole call too")
+    p.add_argument("--native", action="store_true", help="--gpu: cut the call of the native launch instead")
     args = p.parse_args()
     if args.gpu:
         x = torch.randn(1024, 4, 1024, device="cuda")  # compressor_bench's hidden state
         plan = real_state(x)
+        twin = native_twin(plan, x)
+        if args.native and twin is None:
+            raise SystemExit("--native: no native launch built for this torch (source-patch build-native)")
         _, put_back, _ = due_call(plan, x)
         print(f"the planned due call (api._fast) on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-              f"Python {sys.version.split()[0]}")
-        cuts_table(plan, x, put_back, args.cold_rounds, OtherWork("cuda"))
+              f"Python {sys.version.split()[0]}; the native launch {'built' if twin else 'not built'}")
+        cuts_table(plan, x, put_back, args.cold_rounds, OtherWork("cuda"), twin, args.native)
         return
     torch.set_num_threads(1)
     x = torch.randn(LAYOUT)

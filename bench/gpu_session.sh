@@ -6,7 +6,7 @@
 #           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
 #           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
 #           folders copied into .upstream/ (git-ignored): mkdir -p .upstream && cp -r ../shared/upstream/megatron-lm .upstream/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [duecall] [bias] [overhead] [overhead_processes] [hostbound] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [duecall] [native] [native_training] [bias] [overhead] [overhead_processes] [hostbound] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream]
 #           (default: all; `overhead_processes` first on a fresh machine to see the first-run cliff; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
 #            `upstream` installs each release of $UPSTREAM_RELEASES, default "0.16.1 0.19.2", in turn)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
@@ -86,6 +86,21 @@ echo "== the due trace() call (issue 34 item 3): after other work, and cut after
 timeout 120 python3 bench/compressor_bench.py --hub process --rounds 40 2>&1 | tee "$OUT/compressor_bench_due.txt" \
   | grep -A 11 "^-- due trace"
 timeout 200 python3 bench/due_call_bench.py --cuts --gpu 2>&1 | tee "$OUT/due_call_cuts.txt" | tail -17
+fi
+if want native; then
+echo "== the native launch (triton_launch: native, issue 34 item 3): built here, its gpu tests, the call cold, cut"
+python3 -m source_patch.patcher build-native 2>&1 | tail -3
+timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_trace_native.py tests/test_trace_compress.py \
+  -k "native or planned" 2>&1 | tee "$OUT/pytest_native.log" | tail -4
+timeout 200 python3 bench/due_call_bench.py --cuts --gpu 2>&1 | tee "$OUT/due_call_native.txt" | tail -22
+timeout 200 python3 bench/due_call_bench.py --cuts --gpu --native 2>&1 | tee "$OUT/due_call_native_cuts.txt" | tail -20
+fi
+if want native_training; then
+echo "== the due call in training, direct (before) and native launches alternated (issue 34 item 3)"
+python3 -m source_patch.patcher build-native 2>&1 | tail -1
+timeout 560 python3 bench/trace_bench.py --resolve --before --hidden 1024 --rounds 2 --toggle-steps 300 --phase 40 \
+  --warmup 8 --settings device_timing=0,triton_launch=native --before-settings device_timing=0,triton_launch=direct \
+  --save "$OUT/native_run.json" 2>&1 | tee "$OUT/trace_bench_native.txt" | tail -16
 fi
 if want bias; then
 echo "== trace bench bias: the toggling process and an A/A process (same requests, nothing traced), GC time per step"

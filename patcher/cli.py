@@ -107,7 +107,27 @@ def _parser() -> argparse.ArgumentParser:
     settings = command("settings", _settings, "print every runtime setting (key, environment variable, "
                        "default, meaning) as Markdown", specs=False, against=False)
     settings.add_argument("--write", metavar="FILE", help="write it to FILE instead (docs/settings.md)")
+    native = command("build-native", _build_native, "compile the trace's native launch for this torch "
+                     "(the setting trace.triton_launch: native; a C++ compiler, nothing downloaded)",
+                     specs=False, against=False)
+    native.add_argument("--verbose", action="store_true", help="show the compiler's commands")
     return parser
+
+
+def _build_native(args) -> int:
+    from source_patch.runtime.trace import native  # torch: only this command pays for it
+
+    if native.load() is not None:
+        print(f"already built: {native.build_dir()}")
+        return 0
+    print(f"compiling {native.SOURCE.name} against torch into {native.build_dir()} (~20 s)",
+          file=sys.stderr, flush=True)
+    try:
+        print(f"built {native.build(args.verbose)}")
+    except native.BuildError as exc:
+        print(f"source-patch build-native: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _settings(args) -> int:

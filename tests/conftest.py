@@ -142,6 +142,37 @@ def shared_code_cache():
     return _SESSION_CODE_CACHE
 
 
+@pytest.fixture(scope="session")
+def native_build(tmp_path_factory):
+    """The trace's native launch, compiled once per worker into a folder of its own; the
+    folder (SOURCE_PATCH_NATIVE_DIR for the tests that use it: see native_launch)."""
+    from source_patch.runtime.trace import native
+
+    folder = tmp_path_factory.mktemp("native")
+    saved = os.environ.get("SOURCE_PATCH_NATIVE_DIR")
+    os.environ["SOURCE_PATCH_NATIVE_DIR"] = str(folder)
+    try:
+        native.build()
+    finally:
+        native._loaded.clear()
+        if saved is None:
+            os.environ.pop("SOURCE_PATCH_NATIVE_DIR")
+        else:
+            os.environ["SOURCE_PATCH_NATIVE_DIR"] = saved
+    return folder
+
+
+@pytest.fixture
+def native_launch(native_build, monkeypatch):
+    """native.load() finds the compiled launch; the module it returns."""
+    from source_patch.runtime.trace import native
+
+    monkeypatch.setenv("SOURCE_PATCH_NATIVE_DIR", str(native_build))
+    native._loaded.clear()
+    yield native.load()
+    native._loaded.clear()
+
+
 @pytest.fixture
 def in_shared_code_cache(shared_code_cache, monkeypatch):
     """The processes this test starts compile into shared_code_cache (see there)."""

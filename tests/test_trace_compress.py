@@ -311,11 +311,14 @@ def test_direct_launches_compute_what_tritons_own_launches_do_in_every_layout(mo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_planned_due_calls_write_into_the_ring_what_the_general_path_does(monkeypatch):
+@pytest.mark.parametrize("launch", ["direct", "native"])
+def test_planned_due_calls_write_into_the_ring_what_the_general_path_does(monkeypatch, request, launch):
     """After a (name, layer)'s first due call the runtime plans its launch (api._fast):
     later due calls of that layout go through the plan, into ring slices, and write
     what the fused kernel writes through Triton's own dispatch; another layout goes the
-    general way and is planned anew; every result waits for its batch's event."""
+    general way and is planned anew; every result waits for its batch's event.  The
+    same through the native launch (triton_launch: native), which checks the layout
+    itself."""
     import threading
 
     from source_patch.runtime.trace import api, hub, ring as ring_module
@@ -323,6 +326,9 @@ def test_planned_due_calls_write_into_the_ring_what_the_general_path_does(monkey
     fused = tc.fused_kernel()
     if fused is None:
         pytest.skip("Triton is not importable here")
+    if launch == "native":
+        request.getfixturevalue("native_launch")
+        monkeypatch.setattr(tc, "NATIVE_LAUNCH", True)
     x = torch.randn(64, 4, 256, device="cuda")  # first: pinning needs the CUDA context it makes
     ring = ring_module.shared()
     assert ring.pin() and ring.device_address is not None
@@ -341,6 +347,7 @@ def test_planned_due_calls_write_into_the_ring_what_the_general_path_does(monkey
             api.trace_step()
         plan = api._table.plans[("h", 1)]
         assert isinstance(plan, api._Plan) and not plan.stale and sum(api.due_call_us()) == calls + 4
+        assert (plan.native is not None) == (launch == "native")
         assert general == [x.shape]  # the first call only: the others went by the plan
         y = torch.randn(32, 512, device="cuda")  # another layout: the general path, then a new plan
         api.trace("h", y, layer=1)
@@ -363,6 +370,10 @@ def test_planned_due_calls_write_into_the_ring_what_the_general_path_does(monkey
             got = ring.floats[offset // 4: offset // 4 + math.prod(shape)].view(shape)
             want = fused.column_stats(tensor, stats, direct=False)
             assert torch.equal(got, want.cpu()), item.shape
+        api._pending.clear()
+        crossed = torch.randn(512, 32, device="cuda").t()  # y's shape, not contiguous: not the plan's
+        api.trace("h", crossed, layer=1)
+        assert general == [x.shape, y.shape, crossed.shape] and len(api._pending) == 1
     finally:
         api.set_subscriptions(())
         api._pending.clear()

@@ -245,20 +245,23 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
     if following is not None and following - sub.every <= step < following:
         return True  # not due
     ring = _fast_ring
-    if ring is None or not isinstance(tensor, torch.Tensor):
-        return False  # (a value that is not a tensor: _emit raises TypeError)
-    address = tensor.data_ptr()
-    if not (tensor.shape == plan.shape and tensor.dtype is plan.dtype and tensor.get_device() == plan.device
-            and (address & 15 == 0) == plan.aligned and tensor.is_contiguous()):
-        plan.stale = True
-        return False
+    if ring is None:
+        return False  # (_arm: not every condition for the planned call holds)
+    native = plan.native  # its launch checks the layout itself, in C++ (native.py)
+    if native is None:
+        if not isinstance(tensor, torch.Tensor):
+            return False  # (a value that is not a tensor: _emit raises TypeError)
+        address = tensor.data_ptr()
+        if not (tensor.shape == plan.shape and tensor.dtype is plan.dtype and tensor.get_device() == plan.device
+                and (address & 15 == 0) == plan.aligned and tensor.is_contiguous()):
+            plan.stale = True  # plan again
+            return False
     enter, leave = _launch_hooks.launch_enter_hook, _launch_hooks.launch_exit_hook  # fused._no_hooks, inline
     if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
         return False  # a profiler's launch hook wants Triton's dispatch
     sid, index, _ = _stream_of(-1)  # the current device and its stream, in one torch call
     if index != plan.device or (sid and _capturing()):  # (stream 0, the default one, is never captured)
         return False  # no Python runs at a graph's replay
-    sub.next_step[key] = step + sub.every
     context = ambient._context  # ambient.context(), inline
     if context:  # copied now: published later, the microbatch will have moved on
         tags = {**context, **tags}
@@ -277,9 +280,17 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
                     _counts["dropped"] += 1  # the forwarder is behind: its ring is full
                 else:
                     stream, raw = _known_streams.get((index, sid)) or _know_stream(index, sid)
-                    args, at = plan.args, plan.at_input
-                    args[plan.at_stream], args[at], args[at + 1] = raw, address, ring.device_address + offset
-                    plan.call(*args)
+                    if native is None:
+                        args, at = plan.args, plan.at_input
+                        args[plan.at_stream], args[at], args[at + 1] = raw, address, ring.device_address + offset
+                        plan.call(*args)
+                    else:
+                        status = plan.native_launch(native, tensor, raw, ring.device_address + offset)
+                        if status:
+                            if status == 1:  # another layout (or not a plain tensor): nothing launched
+                                plan.stale = True
+                                return False
+                            raise RuntimeError(f"cuLaunchKernel: CUDA error {-status}")
                     ring.head = end
                     stamp = start + _clock_offset
                     _records.append((plan, key[0], tags, step, stamp, offset, end, stream))
@@ -290,6 +301,7 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
     except Exception as exc:  # noqa: BLE001 - tracing must never break the step
         plan.stale = plan.failed = True  # the general path from now on
         _fail(f"trace({key[0]!r})", exc)
+    sub.next_step[key] = step + sub.every  # (not before: a call _emit takes over is still due)
     _durations.append(time.perf_counter() - start)
     return True
 

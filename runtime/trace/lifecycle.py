@@ -26,7 +26,9 @@ def apply(config: dict) -> None:
     from . import compress
 
     compress.USE_TRITON = config["triton"]
-    compress.DIRECT_LAUNCH = config["triton_launch"] == "direct"
+    compress.DIRECT_LAUNCH = config["triton_launch"] in ("direct", "native")
+    compress.NATIVE_LAUNCH = config["triton_launch"] == "native" and _native_built()
+    api._table.plans.clear()  # planned again, with the launch asked for now
     serve = bool(config["enable"] and config["port"])
     if serve and config["ranks"] is not None:
         serve = ranks.global_rank() in settings.IntSet(config["ranks"])
@@ -38,6 +40,27 @@ def apply(config: dict) -> None:
         print(f"source-patch trace: waiting up to {config['wait']:g} s for a client to subscribe",
               file=sys.stderr, flush=True)
         api._subscribed.wait(config["wait"])
+
+
+def _native_built() -> bool:
+    """The native launch is built for this torch (native.py); said (once) where not."""
+    from . import native
+
+    try:
+        if native.load() is not None:
+            return True
+        reason = f"none built for this torch under {native.build_dir().parent}"
+    except Exception as exc:  # noqa: BLE001 - a broken build: Triton's launch, said
+        reason = f"{type(exc).__name__}: {exc}"
+    global _native_said
+    if not _native_said:
+        _native_said = True
+        print(f"source-patch trace: triton_launch: native: {reason}; launching directly instead "
+              "(build it with: source-patch build-native)", file=sys.stderr)
+    return False
+
+
+_native_said = False  # _native_built's message: once a process
 
 
 def _sync_hub(serve: bool) -> bool:

@@ -1,8 +1,9 @@
 """The planned due call: what a due trace() call of one (name, layer) and tensor
 layout needs, worked out once (:func:`make`), so that api._fast can run it in one
 frame: one subscription whose tiles go through the fused kernel straight into the
-forwarder's ring (hub: process), launched through Triton's compiled launcher with the
-grid and arguments fused.py computed for the layout.
+forwarder's ring (hub: process), launched with the grid and arguments fused.py computed
+for the layout: through native.py's compiled launch (the trace setting
+``triton_launch: native``, where built), else through Triton's compiled launcher.
 
 It reads the ring from api.py, the one place the trace state lives; api hands itself
 over at import (``api`` below), so this module never imports it.
@@ -20,13 +21,20 @@ api = None  # runtime/trace/api.py, set by it at import: the one place the trace
 class Plan:
     """api._fast runs it in one frame (and the launcher's) where the general path takes
     ~12; ``stale``: the tensor's layout changed, plan again; ``failed``: its launch
-    raised, the general path from now on."""
+    raised, the general path from now on; ``native``: native.py's plan of the launch
+    (it checks the tensor's layout itself), or None."""
 
     __slots__ = ("sub", "subs", "shape", "dtype", "device", "aligned", "call", "args", "at_stream", "at_input",
-                 "nbytes", "padded", "dims", "stale", "failed")
+                 "nbytes", "padded", "dims", "stale", "failed", "native", "native_launch")
 
-    def __init__(self, sub, tensor: torch.Tensor, launch):
+    def __init__(self, sub, tensor: torch.Tensor, launch, native_launch: bool = False):
         self.sub, self.stale, self.failed = sub, False, False
+        self.native = self.native_launch = None
+        if native_launch:
+            from . import native
+
+            self.native = native.plan(launch.kernel, (*launch.grid, 1), launch.args, tensor)
+            self.native_launch = native.load().launch if self.native is not None else None
         call, before, middle, after = launch.compiled  # fused._launcher's
         # The launch's arguments, in one list: _fast sets the three that change (under api's
         # lock: one call at a time) where it would join four parts at every call.
@@ -55,4 +63,4 @@ def make(routes: tuple, tensor) -> "Plan | bool | None":
 
     fused = compress.fused_kernel()
     launch = fused.planned(tensor, *fused_spec) if fused is not None else None
-    return None if launch is None else Plan(routes[0], tensor, launch)
+    return None if launch is None else Plan(routes[0], tensor, launch, compress.NATIVE_LAUNCH)

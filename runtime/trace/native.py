@@ -1,0 +1,157 @@
+"""The planned due call's compiled launch (native_launch.cpp), for the trace setting
+``triton_launch: native``.
+
+Built on the machine that runs it, against its torch, by ``source-patch build-native``
+(torch's cpp_extension: a C++ compiler and the headers torch ships, nothing
+downloaded); a process only loads what was built (:func:`load`), it never compiles.
+The build lands in ``$SOURCE_PATCH_NATIVE_DIR`` (default: ``~/.cache/source-patch/native``),
+under a name that hashes the source, torch's version and Python's: a torch upgrade
+needs a new build, and a stale one is never loaded.
+
+:func:`plan` works out a compiled Triton kernel's parameters (its signature without the
+constants Triton specialised on, then its scratch pointers) and checks them against the
+driver's own count and sizes (cuFuncGetParamInfo): a wrong layout would fault the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("native_launch.cpp")
+_TYPES = {"i1": "i", "i8": "i", "i16": "i", "i32": "i", "u1": "i", "u8": "i", "u16": "i", "u32": "i",
+          "i64": "l", "u64": "l"}  # Triton's integer types -> the slot's width (native_launch.cpp)
+_loaded: list = []  # [module or None]: load() looks once
+
+
+def module_name() -> str:
+    import torch
+
+    key = SOURCE.read_bytes() + f"|{torch.__version__}|{sys.version}".encode()
+    return f"source_patch_native_launch_{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def build_dir() -> Path:
+    root = os.environ.get("SOURCE_PATCH_NATIVE_DIR") or Path.home() / ".cache" / "source-patch" / "native"
+    return Path(root) / module_name()
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the launcher for this torch (~20 s, once) with one compiler command
+    (``$CXX``, default ``c++``; no ninja); its library's path.  Written under a temporary
+    name and renamed: a process that loads it never sees half a library."""
+    import subprocess
+    import sysconfig
+
+    import torch
+    from torch.utils import cpp_extension
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{module_name()}.so"
+    partial = folder / f"{module_name()}.{os.getpid()}.tmp"
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    command = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o", str(partial),
+               f"-DTORCH_EXTENSION_NAME={module_name()}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+               f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{sysconfig.get_paths()['include']}",
+               *(f"-I{path}" for path in cpp_extension.include_paths()),
+               *(f"-L{path}" for path in cpp_extension.library_paths()),
+               "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    if verbose:
+        print(" ".join(command), file=sys.stderr)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True)
+    except FileNotFoundError as exc:
+        raise BuildError(f"no C++ compiler: {exc.filename} (set CXX)") from None
+    if done.returncode:
+        partial.unlink(missing_ok=True)
+        raise BuildError(f"{command[0]} exited {done.returncode}:\n{done.stderr.strip()[-4000:]}")
+    partial.replace(target)
+    _loaded.clear()
+    return target
+
+
+class BuildError(RuntimeError):
+    """The native launch could not be compiled (the compiler's own words inside)."""
+
+
+def load():
+    """The built launcher module, or None where this torch has none built."""
+    if not _loaded:
+        path = build_dir() / f"{module_name()}.so"
+        module = None
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location(module_name(), path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        _loaded.append(module)
+    return _loaded[0]
+
+
+def plan(kernel, grid: tuple, args: tuple, tensor):
+    """A compiled launch of Triton's ``kernel(x, out, *args)`` on ``grid`` for ``tensor``'s
+    layout (native_launch.cpp's plan), or None where the launcher is not built, the
+    kernel's parameters are not the plain kind it handles, or the driver disagrees."""
+    module = load()
+    if module is None:
+        return None
+    try:
+        types, values = _parameters(kernel, args)
+    except (AttributeError, KeyError, TypeError, ValueError):  # another Triton: its own launch
+        return None
+    meta = kernel.metadata
+    if types is None or getattr(meta, "num_ctas", 1) != 1 or _parameter_sizes(kernel.function) != \
+            [8 if kind in "pl" else 4 for kind in types]:
+        return None
+    return module.plan(tensor, _driver_launch(), kernel.function, tuple(grid), 32 * meta.num_warps, meta.shared,
+                       types, values)
+
+
+def _parameters(kernel, args: tuple) -> tuple:
+    """``(types, values)`` of the kernel's parameters after its first two (the input and
+    output pointers), or ``(None, None)`` where one is not an integer or pointer."""
+    src, meta = kernel.src, kernel.metadata
+    where = {name: i for i, name in enumerate(src.fn.arg_names)}
+
+    def position(key) -> int:
+        return where[key] if isinstance(key, str) else key[0] if isinstance(key, tuple) else key
+
+    signature = {position(key): kind for key, kind in src.signature.items()}
+    constants = {position(key) for key in getattr(src, "constants", {})}
+    kept = [i for i in sorted(signature) if signature[i] != "constexpr" and i not in constants]
+    if kept[:2] != [0, 1] or not all(signature[i].startswith("*") or signature[i] in _TYPES for i in kept):
+        return None, None
+    scratch = sum(hasattr(meta, f"{kind}_scratch_size") for kind in ("global", "profile"))  # null pointers
+    full = (None, None, *args)
+    types = "".join("p" if signature[i].startswith("*") else _TYPES[signature[i]] for i in kept) + "p" * scratch
+    return types, (*(full[i] for i in kept[2:]), *(None,) * scratch)
+
+
+def _libcuda():
+    import ctypes
+
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _driver_launch() -> int:
+    import ctypes
+
+    return ctypes.cast(_libcuda().cuLaunchKernel, ctypes.c_void_p).value
+
+
+def _parameter_sizes(function: int) -> list:
+    """The byte size of each of a CUDA function's parameters, from the driver
+    (cuFuncGetParamInfo, CUDA 12.4 and later); [] where it cannot tell."""
+    import ctypes
+
+    info = getattr(_libcuda(), "cuFuncGetParamInfo", None)
+    if info is None:
+        return []
+    info.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    offset, size, sizes = ctypes.c_size_t(), ctypes.c_size_t(), []
+    while len(sizes) < 256 and info(function, len(sizes), ctypes.byref(offset), ctypes.byref(size)) == 0:
+        sizes.append(size.value)
+    return sizes
