@@ -126,14 +126,15 @@ CUTS = (("the call, the due test", "return True  # not due", "both"),
         ("tensor.data_ptr()", "address = tensor.data_ptr()", "direct"),
         ("the layout (four torch getters)", "plan.stale = True  # plan again", "direct"),
         ("Triton's launch hooks", "return False  # a profiler", "both"),
-        ("the current stream (the capture test off stream 0)", "return False  # no Python runs", "both"),
+        ("the current stream (the capture test off stream 0)", "return False  # no Python runs", "direct"),
         ("the tags", "context = ambient._context", "both"),
         ("the lock, the queue's length, the ring's head", "head = ring.head", "both"),
         ("the ring's arithmetic", "end = head + plan.padded", "both"),
-        ("the stream cache", "stream, raw = _known_streams", "both"),
+        ("the stream cache", "stream, raw = _known_streams", "direct"),
         ("the launch's arguments", "args[plan.at_stream], args[at]", "direct"),
         ("the launch", "plan.call(*args)", "direct"),
-        ("the native launch (the layout checked in it)", "status = plan.native_launch(", "native"),
+        ("the native launch (the layout, the stream read in it)", "status = plan.native_launch(native, tensor, output)",
+         "native"),
         ("the record queued", "_tracer = _get_ident()", "both"))
 
 
@@ -211,8 +212,8 @@ def cuts_table(plan, x: torch.Tensor, put_back, rounds: int, other, twin=None, o
         args[plan.at_stream], args[plan.at_input], args[plan.at_input + 1] = stream, x.data_ptr(), out.data_ptr()
         alone["the launch, its arguments ready"] = lambda: plan.call(*args)
         if twin is not None:
-            alone["the native launch (with the layout check)"] = \
-                lambda: twin.native_launch(twin.native, x, stream, out.data_ptr())
+            alone["the native launch (the layout checked, the stream read)"] = \
+                lambda: twin.native_launch(twin.native, x, out.data_ptr())
     samples: dict = {label: [] for label in [*calls, *alone]}
     for _ in range(rounds):
         for label, (fn, of) in calls.items():

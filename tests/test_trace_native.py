@@ -16,6 +16,7 @@ def test_the_built_launch_refuses_what_it_was_not_planned_for(native_launch):
     t = torch.zeros(4, 8)
     plan = native_launch.plan(t, 0, 0, (1, 1, 1), 128, 0, "ppiil", (4, 8, None))
     assert native_launch.launch(plan, t, 0, 0) == 1  # on the CPU: nothing it could launch
+    assert native_launch.launch(plan, t, 0) == 1
     assert native_launch.launch(plan, "not a tensor", 0, 0) == 1
     with pytest.raises(ValueError, match="unknown parameter type x"):
         native_launch.plan(t, 0, 0, (1, 1, 1), 128, 0, "ppx", (4,))
@@ -23,7 +24,7 @@ def test_the_built_launch_refuses_what_it_was_not_planned_for(native_launch):
         native_launch.plan(t, 0, 0, (1, 1, 1), 128, 0, "ppi", (4, 5))
     with pytest.raises(TypeError, match="a plain torch.Tensor"):
         native_launch.plan([1], 0, 0, (1, 1, 1), 128, 0, "pp", ())
-    with pytest.raises(TypeError, match=r"launch\(plan, tensor, stream, output\)"):
+    with pytest.raises(TypeError, match=r"launch\(plan, tensor, output\[, stream\]\)"):
         native_launch.launch(plan, t)
     with pytest.raises(ValueError):  # not a plan of this module
         native_launch.launch(object(), t, 0, 0)

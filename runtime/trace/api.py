@@ -259,9 +259,10 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
     enter, leave = _launch_hooks.launch_enter_hook, _launch_hooks.launch_exit_hook  # fused._no_hooks, inline
     if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
         return False  # a profiler's launch hook wants Triton's dispatch
-    sid, index, _ = _stream_of(-1)  # the current device and its stream, in one torch call
-    if index != plan.device or (sid and _capturing()):  # (stream 0, the default one, is never captured)
-        return False  # no Python runs at a graph's replay
+    if native is None:  # (_stream_for, inline; the native launch reads the stream itself: below)
+        sid, index, _ = _stream_of(-1)  # the current device and its stream, in one torch call
+        if index != plan.device or (sid and _capturing()):  # (stream 0, the default one, is never captured)
+            return False  # no Python runs at a graph's replay
     context = ambient._context  # ambient.context(), inline
     if context:  # copied now: published later, the microbatch will have moved on
         tags = {**context, **tags}
@@ -279,13 +280,21 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
                 if end - ring.tail > ring.size:
                     _counts["dropped"] += 1  # the forwarder is behind: its ring is full
                 else:
-                    stream, raw = _known_streams.get((index, sid)) or _know_stream(index, sid)
+                    output = ring.device_address + offset
                     if native is None:
+                        stream, raw = _known_streams.get((index, sid)) or _know_stream(index, sid)
                         args, at = plan.args, plan.at_input
-                        args[plan.at_stream], args[at], args[at + 1] = raw, address, ring.device_address + offset
+                        args[plan.at_stream], args[at], args[at + 1] = raw, address, output
                         plan.call(*args)
                     else:
-                        status = plan.native_launch(native, tensor, raw, ring.device_address + offset)
+                        stream = plan.stream
+                        status = plan.native_launch(native, tensor, output)  # on the default stream, if current
+                        if status == 2:  # another stream (or device) is current
+                            current = _stream_for(plan)
+                            if current is None:
+                                return False
+                            stream, raw = current
+                            status = plan.native_launch(native, tensor, output, raw)
                         if status:
                             if status == 1:  # another layout (or not a plain tensor): nothing launched
                                 plan.stale = True
@@ -304,6 +313,16 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
     sub.next_step[key] = step + sub.every  # (not before: a call _emit takes over is still due)
     _durations.append(time.perf_counter() - start)
     return True
+
+
+def _stream_for(plan: _Plan) -> tuple | None:
+    """(Stream, raw handle) of the current stream where a planned launch may go on it, else
+    None: another device is current, or the stream is capturing a CUDA graph (stream 0, the
+    default one, never is), whose replays run no Python."""
+    sid, index, _ = _stream_of(-1)
+    if index != plan.device or (sid and _capturing()):
+        return None
+    return _known_streams.get((index, sid)) or _know_stream(index, sid)
 
 
 def _arm() -> None:

@@ -9,11 +9,13 @@
 // The GIL is held throughout: calls are serialised by it and by api's lock, so a
 // plan's parameter slots need no lock of their own.
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -108,11 +110,29 @@ PyObject* plan(PyObject*, PyObject* args) {
   return capsule;
 }
 
-// launch(plan, tensor, stream, output) -> 0: launched; 1: the tensor is not of the
-// plan's layout (nothing launched: plan again); -N: the driver's error N.
+// The current stream's handle where it is the plan's device's default stream (never
+// captured by a CUDA graph), else nullopt: Python's checks then decide, and pass the
+// stream.  Through c10's device guard, the way torch.cuda.current_stream() reads it,
+// with no CUDA header.
+std::optional<uintptr_t> default_stream(const Plan& p) {
+  const auto* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  c10::Device device = guard->getDevice();
+  if (device.index() != p.device) {
+    return std::nullopt;
+  }
+  c10::Stream stream = guard->getStream(device);
+  if (stream.id() != 0) {
+    return std::nullopt;
+  }
+  return reinterpret_cast<uintptr_t>(stream.native_handle());
+}
+
+// launch(plan, tensor, output[, stream]) -> 0: launched; 1: the tensor is not of the
+// plan's layout (nothing launched: plan again); 2: no stream given and the current one
+// is not the plan's device's default stream (nothing launched); -N: the driver's error N.
 PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "launch(plan, tensor, stream, output)");
+  if (nargs != 3 && nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "launch(plan, tensor, output[, stream])");
     return nullptr;
   }
   auto* p = static_cast<Plan*>(PyCapsule_GetPointer(args[0], kPlan));
@@ -132,8 +152,22 @@ PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (((input & 15) == 0) != p->aligned) {
     return PyLong_FromLong(1);
   }
-  uintptr_t stream = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(args[2]));
-  uintptr_t output = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(args[3]));
+  uintptr_t output = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(args[2]));
+  uintptr_t stream = 0;
+  if (nargs == 4) {
+    stream = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(args[3]));
+  } else {
+    std::optional<uintptr_t> current;
+    try {
+      current = default_stream(*p);
+    } catch (const std::exception&) {
+      current = std::nullopt;  // (c10's error: Python's checks say what is wrong)
+    }
+    if (!current) {
+      return PyLong_FromLong(2);
+    }
+    stream = *current;
+  }
   if (PyErr_Occurred()) {
     return nullptr;
   }
@@ -147,7 +181,8 @@ PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef methods[] = {
     {"plan", reinterpret_cast<PyCFunction>(plan), METH_VARARGS, "A launch plan for one kernel and tensor layout."},
     {"launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(launch)), METH_FASTCALL,
-     "launch(plan, tensor, stream, output) -> 0 launched, 1 another layout, -N the driver's error N."},
+     "launch(plan, tensor, output[, stream]) -> 0 launched, 1 another layout, 2 not on the default stream, "
+     "-N the driver's error N."},
     {nullptr, nullptr, 0, nullptr}};
 
 #define SP_CONCAT(a, b) a##b

@@ -22,19 +22,23 @@ class Plan:
     """api._fast runs it in one frame (and the launcher's) where the general path takes
     ~12; ``stale``: the tensor's layout changed, plan again; ``failed``: its launch
     raised, the general path from now on; ``native``: native.py's plan of the launch
-    (it checks the tensor's layout itself), or None."""
+    (it checks the tensor's layout itself, and launches on ``stream``, the device's
+    default stream, where that is current), or None."""
 
     __slots__ = ("sub", "subs", "shape", "dtype", "device", "aligned", "call", "args", "at_stream", "at_input",
-                 "nbytes", "padded", "dims", "stale", "failed", "native", "native_launch")
+                 "nbytes", "padded", "dims", "stale", "failed", "native", "native_launch", "stream")
 
     def __init__(self, sub, tensor: torch.Tensor, launch, native_launch: bool = False):
         self.sub, self.stale, self.failed = sub, False, False
-        self.native = self.native_launch = None
+        self.native = self.native_launch = self.stream = None
         if native_launch:
-            from . import native
+            from . import device, native
 
             self.native = native.plan(launch.kernel, (*launch.grid, 1), launch.args, tensor)
-            self.native_launch = native.load().launch if self.native is not None else None
+            if self.native is not None:
+                self.native_launch = native.load().launch
+                index = tensor.get_device()
+                self.stream = (device.known_streams.get((index, 0)) or device.know_stream(index, 0))[0]
         call, before, middle, after = launch.compiled  # fused._launcher's
         # The launch's arguments, in one list: _fast sets the three that change (under api's
         # lock: one call at a time) where it would join four parts at every call.
