@@ -60,11 +60,6 @@ class Launch:
                 (256, 256, 128, 5, 16, 128, 0, 1))  # (C launch, before, middle, after): fused._launcher's shape
 
 
-class Hooks:
-    """Triton's launch hooks, none set (fused._hooks: triton.knobs.runtime)."""
-    launch_enter_hook = launch_exit_hook = None
-
-
 def stand_ins(x: torch.Tensor):
     """api's trace state set for one planned subscription of ``x``'s layout; the plan."""
     sub = hub.parse_subscription({"op": "subscribe", "id": "bench", "names": ["h"], "compressor": {"kind": "tiles"}})
@@ -73,7 +68,7 @@ def stand_ins(x: torch.Tensor):
     ring = Ring()
     for name, value in (("_ring", ring), ("_stepping", True), ("_publisher", threading.current_thread()),
                         ("_capturing", lambda: False), ("_stream_of", lambda index: (0, plan.device, 1)),
-                        ("_fast_ring", ring), ("_launch_hooks", Hooks)):  # what api._arm sets on a GPU
+                        ("_fast_ring", ring), ("_hook_calls", ([], []))):  # what api._arm sets on a GPU
         setattr(api, name, value)
     api._config = {**api._config, "queue": 1 << 30, "device_timing": False}
     return plan

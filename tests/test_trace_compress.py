@@ -318,7 +318,7 @@ def test_planned_due_calls_write_into_the_ring_what_the_general_path_does(monkey
     what the fused kernel writes through Triton's own dispatch; another layout goes the
     general way and is planned anew; every result waits for its batch's event.  The
     same through the native launch (triton_launch: native), which checks the layout
-    itself."""
+    itself; a launch hook added meanwhile sends the next call to Triton's dispatch."""
     import threading
 
     from source_patch.runtime.trace import api, hub, ring as ring_module
@@ -374,6 +374,14 @@ def test_planned_due_calls_write_into_the_ring_what_the_general_path_does(monkey
         crossed = torch.randn(512, 32, device="cuda").t()  # y's shape, not contiguous: not the plan's
         api.trace("h", crossed, layer=1)
         assert general == [x.shape, y.shape, crossed.shape] and len(api._pending) == 1
+        seen = []  # a profiler's launch hook, added between two calls: Triton's dispatch at once
+        fused._hooks.launch_enter_hook.add(seen.append)
+        try:
+            api.trace_step()
+            api.trace("h", y, layer=1)
+        finally:
+            fused._hooks.launch_enter_hook.remove(seen.append)
+        assert general[-1] == y.shape and len(general) == 4 and seen
     finally:
         api.set_subscriptions(())
         api._pending.clear()

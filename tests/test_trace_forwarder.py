@@ -97,13 +97,21 @@ def test_the_planned_call_runs_only_where_every_condition_for_a_step_holds(serve
     ring = api._ring
     assert ring.lock is api._lock
     monkeypatch.setattr(ring, "device_address", 1 << 40)  # as pinned on a GPU
+    chain = types.SimpleNamespace(calls=[])  # Triton's HookChain: a profiler adds its hook to .calls
+    hooks = types.SimpleNamespace(launch_enter_hook=chain, launch_exit_hook=None)  # triton.knobs.runtime
     monkeypatch.setitem(sys.modules, api.__package__ + ".fused",  # Triton's kernel module, as on a GPU
-                        types.SimpleNamespace(_hooks=types.SimpleNamespace(), _direct_ok=True))
+                        types.SimpleNamespace(_hooks=hooks, _direct_ok=True))
     monkeypatch.setattr(api, "_stepping", False)
     api._arm()
     assert api._fast_ring is None  # no trace_step yet: one event per result
     trace_step()
-    assert api._fast_ring is ring and api._launch_hooks is not None
+    assert api._fast_ring is ring and api._hook_calls == ([], [])
+    chain.calls.append(print)  # a hook added to the chain: seen at the next call, no re-arming
+    assert api._hook_calls[0] == [print]
+    hooks.launch_exit_hook = print  # a hook set in a chain's place: seen from the next step
+    trace_step()
+    assert api._hook_calls == ([print], [print])
+    hooks.launch_exit_hook = chain.calls[:] = []
     for changes in ({"device_timing": True}, {"triton_launch": "triton"}, {"triton": False}):
         configure(**changes)
         assert api._fast_ring is None, changes

@@ -142,11 +142,11 @@ _tracer: int | None = None   # the thread that traced them (the one that may rec
 _streams: dict = {}  # device index -> the publisher's copy stream (publisher.fetch)
 # What the planned due call (_fast) would check at every call and can check once a step
 # (_arm: at each trace_step and wherever one of them changes): the ring it writes to where
-# every condition for it holds (None: the general path), Triton's launch hooks (read at
-# each call: a profiler adds one at any time) and the offset that turns its one clock's
-# reading into a result's time.
+# every condition for it holds (None: the general path), Triton's launch hooks as the
+# lists _fast tests at each call (_hook_lists: a profiler adds a hook at any time) and the
+# offset that turns its one clock's reading into a result's time.
 _fast_ring = None
-_launch_hooks = None
+_hook_calls: tuple | None = None
 _clock_offset = 0.0
 # device's stream cache, read by _fast.  Assigned, not imported: CPython calls a
 # method of an imported name through a bound method (LOAD_ATTR), of any other through LOAD_METHOD.
@@ -256,8 +256,8 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
                 and (address & 15 == 0) == plan.aligned and tensor.is_contiguous()):
             plan.stale = True  # plan again
             return False
-    enter, leave = _launch_hooks.launch_enter_hook, _launch_hooks.launch_exit_hook  # fused._no_hooks, inline
-    if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
+    enter, leave = _hook_calls  # fused._no_hooks, from the chains' own lists (_arm)
+    if enter or leave:
         return False  # a profiler's launch hook wants Triton's dispatch
     if native is None:  # (_stream_for, inline; the native launch reads the stream itself: below)
         sid, index, _ = _stream_of(-1)  # the current device and its stream, in one torch call
@@ -327,15 +327,24 @@ def _stream_for(plan: _Plan) -> tuple | None:
 
 def _arm() -> None:
     """Work out what _fast reads instead of checking each call (see _fast_ring)."""
-    global _fast_ring, _launch_hooks, _clock_offset
+    global _fast_ring, _hook_calls, _clock_offset
     ring, compress = _ring, sys.modules.get(__package__ + ".compress")
     fused = sys.modules.get(__package__ + ".fused")
     hooks = getattr(fused, "_hooks", None)
     ready = (ring is not None and ring.direct and ring.device_address is not None and _stepping and PER_BATCH_EVENTS
              and not _config.get("device_timing") and hooks is not None and fused._direct_ok
              and compress.DIRECT_LAUNCH and compress.USE_TRITON)
-    _fast_ring, _launch_hooks = (ring, hooks) if ready else (None, None)
+    _fast_ring, _hook_calls = (ring, _hook_lists(hooks)) if ready else (None, None)
     _clock_offset = time.time() - time.perf_counter()
+
+
+def _hook_lists(hooks) -> tuple:
+    """Triton's launch hooks (enter, exit) as lists: a chain's own list, so that a hook a
+    profiler adds to it later is seen at the next call (reading the chains from Triton's
+    knobs at each call cost ~1-2 µs cold); a hook set in a chain's place, as a list of
+    it, seen from the next _arm (trace_step)."""
+    return tuple(getattr(hook, "calls", [hook] if hook else [])
+                 for hook in (getattr(hooks, "launch_enter_hook", None), getattr(hooks, "launch_exit_hook", None)))
 
 
 def _emit(routes: tuple, key: tuple, tensor, tags: dict) -> None:
