@@ -585,7 +585,7 @@ def test_a_stepping_process_records_one_event_per_batch_and_only_on_its_own_thre
                 trace("hidden", x, layer=layer)
             # Another thread's flush may not record on this thread's stream: nothing goes out.
             flushed = await asyncio.to_thread(flush, 0.5)
-            unsealed = len(api._unsealed)
+            unsealed = len(api._unsealed) + len(api._records)  # (planned calls' results wait as records)
             trace_step()
             return got, per_batch, flushed, unsealed, await frames(c, 4)
 
