@@ -186,6 +186,7 @@ class Variant(NamedTuple):
     against: str | None = None
     gpu_only: bool = False
     planned: bool = True  # the runtime's planned due call (api._fast) where it applies; False: the general path
+    native: bool = False  # the planned call through the native launch (triton_launch: native; where built)
 
 
 VARIANTS = (
@@ -204,17 +205,36 @@ VARIANTS = (
             after_other_work="one thread", against="after other work"),
     Variant("after a layer's GPU launches", "  after a layer's GPU launches (no host compute)",
             after_other_work="gpu", against="after other work", gpu_only=True),
+    Variant("after other work, native launch", "  after other work, the native launch", after_other_work=True,
+            against="after other work", gpu_only=True, native=True),
+    Variant("after a layer's GPU launches, native launch", "  after a layer's GPU launches, the native launch",
+            after_other_work="gpu", against="after a layer's GPU launches", gpu_only=True, native=True),
 )
+_native_plans: dict = {}  # the native variants' own plans, made at their first due calls and kept
 
 
-def path(rt, planned: bool):
-    """Within the block, due calls take the planned path (the runtime's own way) or,
-    with its plans set aside, the general one (_emit, _compress, _device_stage, ...)."""
-    if planned:
+def native_built() -> bool:
+    """The native launch is built for this torch (source-patch build-native)."""
+    try:
+        from source_patch.runtime.trace import native
+    except ImportError:  # a wheel from before it (bench/ab_wheels.sh)
+        return False
+    return native.load() is not None
+
+
+def path(rt, planned: bool, native: bool = False):
+    """Within the block, due calls take the planned path (the runtime's own way), through
+    the native launch with plans of their own (``native``), or, with the plans set aside,
+    the general one (_emit, _compress, _device_stage, ...)."""
+    if planned and not native:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(rt._table, "plans", {}))
-    stack.enter_context(mock.patch.object(rt, "_make_plan", lambda *args: False))
+    if native:
+        stack.enter_context(mock.patch.object(tc, "NATIVE_LAUNCH", True))
+        stack.enter_context(mock.patch.object(rt._table, "plans", _native_plans))
+    else:
+        stack.enter_context(mock.patch.object(rt._table, "plans", {}))
+        stack.enter_context(mock.patch.object(rt, "_make_plan", lambda *args: False))
     return stack
 
 
@@ -223,11 +243,12 @@ def due_variants(rt, x: torch.Tensor, device: str, reps: int, layers: int, step_
     calls (then trace_step)}, the variants alternated round by round so that drift
     hits them alike (Triton's dispatch and the general path on a GPU only)."""
     gpu = x.is_cuda and tc.fused_kernel() is not None
-    samples: dict = {v: [] for v in VARIANTS if gpu or not v.gpu_only}
+    native = gpu and native_built()
+    samples: dict = {v: [] for v in VARIANTS if (gpu or not v.gpu_only) and (native or not v.native)}
     for _ in range(reps):
         for v in samples:
             with mock.patch.object(rt, "PER_BATCH_EVENTS", v.per_batch), triton_launch(v.direct), \
-                    path(rt, v.planned):
+                    path(rt, v.planned, v.native):
                 # what the runtime checks once a step, for this variant (a wheel from before _arm
                 # checks it at each call: bench/ab_wheels.sh runs this bench against one)
                 getattr(rt, "_arm", lambda: None)()

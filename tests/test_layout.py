@@ -206,6 +206,7 @@ PATCHER_TO_RUNTIME = {
     ("cli", "dump/reader"),  # the `dumps` command's entry
     ("cli", "trace/client"),  # the `trace` command's entry
     ("cli", "features/stream"),  # the `stream-status` command's entry
+    ("cli", "trace/native"),  # the `build-native` command
 }
 
 
