@@ -350,7 +350,9 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: i
             rt._enabled = True
 
     port = free_port()
-    rt.configure(enable=True, port=port, token="bench", dir=tmp, client_queue=1 << 14, hub=hub)
+    # the variants' own launch (direct, or the native variants'), not the default's choice
+    launch = {"triton_launch": "direct"} if native_built() else {}
+    rt.configure(enable=True, port=port, token="bench", dir=tmp, client_queue=1 << 14, hub=hub, **launch)
     recorder = subprocess.Popen([sys.executable, "-m", "source_patch.runtime.trace.client", "record",
                                  "--url", f"127.0.0.1:{port}", "--token", "bench", "--name", "traced",
                                  "--out", os.path.join(tmp, "rec.sptrace"), "--retry", "30"],

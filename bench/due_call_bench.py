@@ -152,11 +152,12 @@ def cut(marker: str):
 def real_state(x: torch.Tensor):
     """(a CUDA device) api's trace state as a training process has it (hub: process): the
     shared ring, one tiles subscription, a plan made by real due calls; the plan."""
-    from source_patch.runtime.trace import ring as ring_module
+    from source_patch.runtime.trace import compress, ring as ring_module
 
     ring = ring_module.shared()
     if ring is None or not ring.pin():
         raise SystemExit("--gpu: no page-locked ring here")
+    compress.NATIVE_LAUNCH = False  # the direct launch's plan (native_twin makes the native one)
     for name, value in (("_ring", ring), ("_enabled", True), ("_stepping", True),
                         ("_publisher", threading.current_thread())):  # alive: no publisher takes the results
         setattr(api, name, value)

@@ -328,7 +328,7 @@ def test_planned_due_calls_write_into_the_ring_what_the_general_path_does(monkey
         pytest.skip("Triton is not importable here")
     if launch == "native":
         request.getfixturevalue("native_launch")
-        monkeypatch.setattr(tc, "NATIVE_LAUNCH", True)
+    monkeypatch.setattr(tc, "NATIVE_LAUNCH", launch == "native")  # (auto, the default, takes one where built)
     x = torch.randn(64, 4, 256, device="cuda")  # first: pinning needs the CUDA context it makes
     ring = ring_module.shared()
     assert ring.pin() and ring.device_address is not None

@@ -72,14 +72,19 @@ def test_build_native_twice_builds_once(native_build, monkeypatch, capsys):
     native._loaded.clear()
 
 
-def test_the_native_setting_falls_back_to_the_direct_launch_and_says_so(tmp_path, monkeypatch, capsys,
-                                                                         native_build):
+def test_the_native_launch_is_taken_where_built_and_asked_for_by_name_it_says_when_not(
+        tmp_path, monkeypatch, capsys, native_build):
+    """auto (the default): native where built, else direct, silently; native: the same,
+    said once where not built; direct, triton, or tracing off: never native."""
     from source_patch.runtime.trace import api, compress, control, lifecycle  # noqa: F401 - api: the state
 
     monkeypatch.setattr(lifecycle, "_native_said", False)
     monkeypatch.setenv("SOURCE_PATCH_NATIVE_DIR", str(tmp_path))
     native._loaded.clear()
+    assert control.public_config()["triton_launch"] == "auto"
     try:
+        control.configure(enable=True)  # (port 0: no hub, nothing served)
+        assert not compress.NATIVE_LAUNCH and compress.DIRECT_LAUNCH and capsys.readouterr().err == ""
         control.configure(triton_launch="native")
         assert not compress.NATIVE_LAUNCH and compress.DIRECT_LAUNCH
         control.configure(triton_launch="native")
@@ -88,9 +93,13 @@ def test_the_native_setting_falls_back_to_the_direct_launch_and_says_so(tmp_path
         assert "source-patch build-native" in said
         monkeypatch.setenv("SOURCE_PATCH_NATIVE_DIR", str(native_build))
         native._loaded.clear()
-        control.configure(triton_launch="native")
-        assert compress.NATIVE_LAUNCH and compress.DIRECT_LAUNCH
+        for launch, native_launch, direct in (("native", True, True), ("auto", True, True),
+                                              ("direct", False, True), ("triton", False, False)):
+            control.configure(triton_launch=launch)
+            assert (compress.NATIVE_LAUNCH, compress.DIRECT_LAUNCH) == (native_launch, direct), launch
+        control.configure(enable=False, triton_launch="auto")
+        assert not compress.NATIVE_LAUNCH  # tracing off: nothing loaded for it
     finally:
-        control.configure(triton_launch="direct")
+        control.configure(enable=False, triton_launch="auto")
         native._loaded.clear()
     assert not compress.NATIVE_LAUNCH

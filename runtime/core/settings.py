@@ -364,11 +364,12 @@ SCHEMAS["trace"] = {
                    "compressors' host stage run: a forwarder process (off this process's GIL) or a thread"),
     "triton": Setting(True, boolean, "tiles of a CUDA tensor in one fused Triton kernel when Triton can be "
                                      "imported (false: one torch reduction per statistic)"),
-    "triton_launch": Setting("direct", choice("direct", "native", "triton"), "the fused kernel's launches "
-                             "after the first of each input layout: straight into its compiled launcher "
-                             "(direct: less host time a call), through source-patch's own compiled launch in "
-                             "the planned due call (native: built by `source-patch build-native`, else direct) "
-                             "or through Triton's own dispatch every call (triton)"),
+    "triton_launch": Setting("auto", choice("auto", "direct", "native", "triton"), "the fused kernel's "
+                             "launches after the first of each input layout: straight into its compiled "
+                             "launcher (direct: less host time a call), in the planned due call through "
+                             "source-patch's own compiled launch (native: built by `source-patch build-native`; "
+                             "where not built, said once and direct), native where built and else direct, "
+                             "silently (auto), or through Triton's own dispatch every call (triton)"),
     "device_timing": Setting(False, boolean, "time each traced reduction on the GPU with CUDA events "
                                              "(stats: cost_seconds.device_reduce); one more event per result"),
 }

@@ -211,8 +211,8 @@ def tile_columns(x: torch.Tensor, stats, dim: int = -1) -> torch.Tensor:
 
 
 USE_TRITON = True  # the trace setting `triton` (api.py sets it)
-DIRECT_LAUNCH = True  # the trace setting `triton_launch` is "direct" or "native" (lifecycle.py sets it; passed to fused.py)
-NATIVE_LAUNCH = False  # it is "native" and native.py's launch is built: plan.py uses it
+DIRECT_LAUNCH = True  # the trace setting `triton_launch` is not "triton" (lifecycle.py sets it; passed to fused.py)
+NATIVE_LAUNCH = False  # it is "auto" or "native", tracing is on and native.py's launch is built: plan.py uses it
 
 
 def fused_kernel():

@@ -26,8 +26,9 @@ def apply(config: dict) -> None:
     from . import compress
 
     compress.USE_TRITON = config["triton"]
-    compress.DIRECT_LAUNCH = config["triton_launch"] in ("direct", "native")
-    compress.NATIVE_LAUNCH = config["triton_launch"] == "native" and _native_built()
+    launch = config["triton_launch"]
+    compress.DIRECT_LAUNCH = launch != "triton"
+    compress.NATIVE_LAUNCH = launch in ("auto", "native") and config["enable"] and _native_built(launch == "native")
     api._table.plans.clear()  # planned again, with the launch asked for now
     serve = bool(config["enable"] and config["port"])
     if serve and config["ranks"] is not None:
@@ -42,13 +43,17 @@ def apply(config: dict) -> None:
         api._subscribed.wait(config["wait"])
 
 
-def _native_built() -> bool:
-    """The native launch is built for this torch (native.py); said (once) where not."""
+def _native_built(asked: bool) -> bool:
+    """The native launch is built for this torch (native.py); where not, said once when
+    ``asked`` for by name (``auto`` takes it where built, silently), and a build that
+    fails to load is said either way."""
     from . import native
 
     try:
         if native.load() is not None:
             return True
+        if not asked:
+            return False
         reason = f"none built for this torch under {native.build_dir().parent}"
     except Exception as exc:  # noqa: BLE001 - a broken build: Triton's launch, said
         reason = f"{type(exc).__name__}: {exc}"
