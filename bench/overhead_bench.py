@@ -488,7 +488,8 @@ def resident_table(blocks: dict, probes: dict, sessions: list | None = None) -> 
         probe, plain_probe = probes.get(name) or {}, probes.get(base) or {}
         dev = (probe.get("device_peak_allocated", 0) - plain_probe.get("device_peak_allocated", 0)) / 2**20
         pinned = (probe.get("pinned_peak", 0) - plain_probe.get("pinned_peak", 0)) / 2**20
-        print(f"{name:28}{len(meds):>7}  {stats.cells(meds):44}{per_round:28}{means:26}{low:26}"
+        # (a space after each ratio: a wide interval of a noisy run would run into the next)
+        print(f"{name:28}{len(meds):>7}  {stats.cells(meds):44}{per_round:27} {means:25} {low:25} "
               f"{dev:>+10.0f}Mi{pinned:>+7.0f}Mi")
     print(flush=True)
 

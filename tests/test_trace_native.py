@@ -76,14 +76,15 @@ def test_the_native_launch_is_taken_where_built_and_asked_for_by_name_it_says_wh
         tmp_path, monkeypatch, capsys, native_build):
     """auto (the default): native where built, else direct, silently; native: the same,
     said once where not built; direct, triton, or tracing off: never native."""
+    from source_patch.runtime.core import settings
     from source_patch.runtime.trace import api, compress, control, lifecycle  # noqa: F401 - api: the state
 
     monkeypatch.setattr(lifecycle, "_native_said", False)
     monkeypatch.setenv("SOURCE_PATCH_NATIVE_DIR", str(tmp_path))
     native._loaded.clear()
-    assert control.public_config()["triton_launch"] == "auto"
+    assert settings.SCHEMAS["trace"]["triton_launch"].default == "auto"
     try:
-        control.configure(enable=True)  # (port 0: no hub, nothing served)
+        control.configure(enable=True, triton_launch="auto")  # (port 0: no hub, nothing served)
         assert not compress.NATIVE_LAUNCH and compress.DIRECT_LAUNCH and capsys.readouterr().err == ""
         control.configure(triton_launch="native")
         assert not compress.NATIVE_LAUNCH and compress.DIRECT_LAUNCH

@@ -1,8 +1,8 @@
 """The planned due call's compiled launch (native_launch.cpp), for the trace setting
-``triton_launch: native``.
+``triton_launch`` (``auto``, the default, takes it where built; ``native`` asks for it).
 
 Built on the machine that runs it, against its torch, by ``source-patch build-native``
-(torch's cpp_extension: a C++ compiler and the headers torch ships, nothing
+(one compiler command: a C++ compiler, torch's and Python's headers, nothing
 downloaded); a process only loads what was built (:func:`load`), it never compiles.
 The build lands in ``$SOURCE_PATCH_NATIVE_DIR`` (default: ``~/.cache/source-patch/native``),
 under a name that hashes the source, torch's version and Python's: a torch upgrade
