@@ -34,6 +34,7 @@ import sys
 import textwrap
 import threading
 import time
+from unittest import mock
 
 import torch
 
@@ -176,13 +177,11 @@ def real_state(x: torch.Tensor):
 def native_twin(plan, x: torch.Tensor):
     """(a CUDA device) ``plan``'s twin launched by native.py's launch, or None where it is
     not built (source-patch build-native): both alternate in one run."""
-    from source_patch.runtime.trace import compress, native
+    from source_patch.runtime.trace import compress
 
-    if native.load() is None:
-        return None
-    launch = compress.fused_kernel().planned(x, *plan.sub.compressor.fused)
-    twin = plan_module.Plan(plan.sub, x, launch, native_launch=True)
-    return twin if twin.native is not None else None
+    with mock.patch.object(compress, "NATIVE_LAUNCH", True):
+        twin = plan_module.make((plan.sub,), x)
+    return twin if isinstance(twin, plan_module.Plan) and twin.native is not None else None
 
 
 def cuts_table(plan, x: torch.Tensor, put_back, rounds: int, other, twin=None, of_twin: bool = False) -> None:

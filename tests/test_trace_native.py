@@ -3,6 +3,7 @@ the machine's compiler against the installed torch, loaded only where built, and
 checks it makes before it launches.  Its launches themselves need a GPU:
 test_trace_compress.py's planned-call test runs them (gpu-marked)."""
 
+import os
 import subprocess
 import sys
 
@@ -50,7 +51,7 @@ def test_a_process_loads_only_a_launch_built_for_its_torch_and_source(tmp_path, 
 def test_build_native_says_what_went_wrong(tmp_path, monkeypatch):
     monkeypatch.setenv("SOURCE_PATCH_NATIVE_DIR", str(tmp_path))
     done = subprocess.run([sys.executable, "-m", "source_patch.patcher", "build-native"], capture_output=True,
-                          text=True, env={**__import__("os").environ, "CXX": "no-such-compiler"})
+                          text=True, env={**os.environ, "CXX": "no-such-compiler"})
     assert done.returncode == 2 and "no C++ compiler: no-such-compiler (set CXX)" in done.stderr
     broken = tmp_path / "native_launch.cpp"
     broken.write_text("this is not C++\n")

@@ -99,10 +99,10 @@ class _Launch:
     """The fused kernel's launch for one input layout: grid, arguments and result
     shape, worked out once; once Triton launched it, ``compiled``: ``(call, before,
     middle, after)``, its launch as ``call(*before, stream, *middle, x address, output
-    address, *after)`` (``_launcher``), ``function``: the kernel's handle, and ``kernel``:
-    Triton's compiled kernel (native.py reads its parameters)."""
+    address, *after)`` (``_launcher``), and ``kernel``: Triton's compiled kernel (native.py
+    reads its parameters), whose handle is ``function``."""
 
-    __slots__ = ("grid", "args", "shape", "compiled", "function", "kernel")
+    __slots__ = ("grid", "args", "shape", "compiled", "kernel")
 
     def __init__(self, x: torch.Tensor, stats: tuple):
         cols = x.shape[-1]
@@ -119,7 +119,11 @@ class _Launch:
         self.grid = (col_blocks, splits)
         self.args = (rows, cols, per_split, len(stats), block_r, block_c, *(rows_of[s] for s in STATS))
         self.shape = (splits, len(stats), cols)
-        self.compiled = self.function = self.kernel = None
+        self.compiled = self.kernel = None
+
+    @property
+    def function(self):
+        return None if self.kernel is None else self.kernel.function
 
 
 _launches: dict = {}  # (shape, dtype, device, 16-byte aligned, stats) -> _Launch
@@ -193,7 +197,7 @@ def _launcher(kernel, launch: _Launch) -> tuple | None:
         run, function, metadata = kernel.run, kernel.function, kernel.packed_metadata
     except AttributeError:
         return None
-    launch.function, launch.kernel = function, kernel
+    launch.kernel = kernel
     through = (run, (*launch.grid, 1), (function, metadata, None, None, None), launch.args)
     c_launch = getattr(run, "launch", None)
     if c_launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1) \

@@ -15,6 +15,7 @@ driver's own count and sizes (cuFuncGetParamInfo): a wrong layout would fault th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -34,9 +35,10 @@ def module_name() -> str:
     return f"source_patch_native_launch_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
-def build_dir() -> Path:
+def build_dir(name: str | None = None) -> Path:
+    """The folder of the build named ``name`` (default: this source's, for this torch)."""
     root = os.environ.get("SOURCE_PATCH_NATIVE_DIR") or Path.home() / ".cache" / "source-patch" / "native"
-    return Path(root) / module_name()
+    return Path(root) / (name or module_name())
 
 
 def build(verbose: bool = False) -> Path:
@@ -49,13 +51,14 @@ def build(verbose: bool = False) -> Path:
     import torch
     from torch.utils import cpp_extension
 
-    folder = build_dir()
+    name = module_name()
+    folder = build_dir(name)
     folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"{module_name()}.so"
-    partial = folder / f"{module_name()}.{os.getpid()}.tmp"
+    target = folder / f"{name}.so"
+    partial = folder / f"{name}.{os.getpid()}.tmp"
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     command = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC", str(SOURCE), "-o", str(partial),
-               f"-DTORCH_EXTENSION_NAME={module_name()}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+               f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
                f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{sysconfig.get_paths()['include']}",
                *(f"-I{path}" for path in cpp_extension.include_paths()),
                *(f"-L{path}" for path in cpp_extension.library_paths()),
@@ -81,10 +84,11 @@ class BuildError(RuntimeError):
 def load():
     """The built launcher module, or None where this torch has none built."""
     if not _loaded:
-        path = build_dir() / f"{module_name()}.so"
+        name = module_name()
+        path = build_dir(name) / f"{name}.so"
         module = None
         if path.is_file():
-            spec = importlib.util.spec_from_file_location(module_name(), path)
+            spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         _loaded.append(module)
@@ -130,6 +134,7 @@ def _parameters(kernel, args: tuple) -> tuple:
     return types, (*(full[i] for i in kept[2:]), *(None,) * scratch)
 
 
+@functools.cache
 def _libcuda():
     import ctypes
 
