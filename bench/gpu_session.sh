@@ -6,7 +6,7 @@
 #           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
 #           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
 #           folders copied into .upstream/ (git-ignored): mkdir -p .upstream && cp -r ../shared/upstream/megatron-lm .upstream/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [duecall] [native] [native_training] [bias] [overhead] [overhead_processes] [hostbound] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [duecall] [native] [native_training] [bias] [overhead] [overhead_processes] [hostbound] [swap] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream]
 #           (default: all; `overhead_processes` first on a fresh machine to see the first-run cliff; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
 #            `upstream` installs each release of $UPSTREAM_RELEASES, default "0.16.1 0.19.2", in turn)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
@@ -136,6 +136,13 @@ echo "== one resident process per variant, blocks of steps alternated; the issue
 (cd bench && timeout ${OVERHEAD_S:-560} python3 overhead_bench.py --resident 10 --rounds ${OVERHEAD_ROUNDS:-12} \
   --sessions ${OVERHEAD_SETS:-4} --no-probes --variants "plain;plain again;every spec inert;everything at once" \
   --save "$OUT/overhead_resident.json" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_resident.txt" | tail -7)
+fi
+if want swap; then
+echo "== the issue's model (hidden 1024, 8 layers), each process against itself: its blocks alternated between its"
+echo "   patched code and the code megatron_cpu alone makes (overhead_bench.py --swap, code_swap.py)"
+(cd bench && timeout ${SWAP_S:-560} python3 overhead_bench.py --resident 10 --rounds ${SWAP_ROUNDS:-30} --swap --no-probes \
+  --variants "${SWAP_VARIANTS:-every spec inert;everything at once}" --save "$OUT/overhead_swap.json" 2>&1 \
+  | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_swap.txt" | tail -12)
 fi
 if want costs; then
 echo "== what weight sync every step and Megatron's router CUDA graphs cost (issue 34), GPU-bound model, resident"

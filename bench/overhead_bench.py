@@ -65,6 +65,17 @@ turn, each for --rounds rounds, and the intervals resample the sets, then their 
     python bench/overhead_bench.py --pool run1.json run2.json   # resident runs' rounds pooled (their --save)
 
 Each pooled run's sets of processes stay apart in the intervals, as --sessions' do.
+
+    python bench/overhead_bench.py --resident 10 --rounds 20 --swap --variants "every spec inert"
+
+``--swap``: the comparison inside one process, where that whole-life offset cannot
+enter.  Each variant's process runs three blocks a round, the order rotating: its
+functions swapped to the code ``megatron_cpu`` alone makes (code_swap.py: every
+function another spec changed gets its unpatched ``__code__``), twice (``[kept]``,
+``[kept again]``: the A/A), and its own patched code (``[patched]``), each against the
+first.  What it measures is the call sites' cost; what a spec does once at import
+(module-level edits, the runtime's import) is the same in every block.  With a
+capability on, its threads stay alive through the kept blocks, fed by none.
 """
 
 from __future__ import annotations
@@ -156,8 +167,21 @@ def environment(name: str, folder: str, replay_dir: str, steps: int, port: int, 
 
 
 def baseline(name: str) -> str:
-    """What a variant is compared with: plain with the same graphs setting."""
+    """What a variant is compared with: plain with the same graphs setting; in --swap
+    mode, its own process's blocks of the kept code."""
+    if name.endswith(SWAP_LABELS):
+        return swap_label(name, "kept")
     return "plain, graphs" if VARIANTS[name].graphs else "plain"
+
+
+# --swap: each process's blocks by the code they run (code_swap.py), the kept code twice (A/A)
+SWAP_LABELS = (" [patched]", " [kept]", " [kept again]")
+
+
+def swap_label(label: str, code: str) -> str:
+    """The label of the same process's blocks running ``code`` ("patched", "kept", "kept again")."""
+    variant = next(label.removesuffix(end) for end in SWAP_LABELS if label.endswith(end))
+    return f"{variant} [{code}]"
 
 
 def companions(name: str, port: int, sync_port: int, report: dict) -> tuple:
@@ -363,16 +387,18 @@ def first_run(runs: list[dict]) -> None:
 class Resident:
     """One variant's process, alive across rounds: ``block()`` runs its next K steps."""
 
-    def __init__(self, args, name: str, root: str):
+    def __init__(self, args, name: str, root: str, per_round: int = 1):
         import queue
 
         self.name, self.folder, self.lines = name, tempfile.mkdtemp(dir=root), queue.Queue()
         port, sync_port = free_port(), free_port()
-        total = args.resident * (args.rounds + 1)  # + the warm-up block
+        total = args.resident * (args.rounds * per_round + 1)  # + the warm-up block
         env = {**environment(name, self.folder, "", total, port, sync_port), "OVERHEAD_PROBE_BLOCK": str(args.resident),
                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # several processes share the GPU's memory
         if args.calls:
             env["OVERHEAD_PROBE_CALLS"] = "1"
+        if args.swap:  # the code the plain process runs: megatron_cpu's patches only
+            env["OVERHEAD_PROBE_SWAP"] = BASE
         self.report: dict = {}
         self.receiver, _ = companions(name, port, sync_port, self.report)
         probe = str(Path(__file__).with_name("overhead_probe.py"))
@@ -407,15 +433,16 @@ class Resident:
                 times.append(float(step.group(1)))
         return times
 
-    def block(self, discard: int) -> list[float]:
+    def block(self, discard: int, code: str = "go") -> list[float]:
         """Its next block's step times (ms); ``span``: the block's wall time (ms), from
-        "go" to its next "ready", which holds all of its steps and none of its waits."""
+        "go" to its next "ready", which holds all of its steps and none of its waits.
+        ``code`` (--swap): "patched" or "kept", the code the block runs."""
         self.span = 0.0
         if self.proc.poll() is not None:
             return []
         start = time.perf_counter()
         try:
-            self.proc.stdin.write("go\n")
+            self.proc.stdin.write(f"{code}\n")
             self.proc.stdin.flush()
         except OSError:
             return []
@@ -465,8 +492,9 @@ def resident_table(blocks: dict, probes: dict, sessions: list | None = None) -> 
     every 10th step; the A/A row says what it resolves).  ``sessions``: each round's
     set of processes (--sessions, --pool); the intervals resample the sets, then their
     rounds, since two identical processes can differ for their whole lives."""
-    print(f"{'variant':28}{'rounds':>7}  {'block medians, ms: ' + stats.HEADER:44}"
-          f"{'vs plain, per round [90%]':28}{'vs plain, means [90%]':26}{'vs plain, p10 [90%]':26}"
+    base = "[kept]" if any(name.endswith(SWAP_LABELS) for name in blocks) else "plain"
+    print(f"{'variant':32}{'rounds':>7}  {'block medians, ms: ' + stats.HEADER:44}"
+          f"{f'vs {base}, per round [90%]':28}{f'vs {base}, means [90%]':26}{f'vs {base}, p10 [90%]':26}"
           f"{'device peak':>12}{'pinned':>9}")
     for name, rows in blocks.items():
         base = baseline(name)
@@ -475,7 +503,7 @@ def resident_table(blocks: dict, probes: dict, sessions: list | None = None) -> 
         pairs, groups = [(b, a) for b, a, _ in kept], [g for _, _, g in kept]
         meds = [statistics.median(b) for b in rows if b]
         if not meds:
-            print(f"{name:28}{0:>7}  (no steps: see its exit above)")
+            print(f"{name:32}{0:>7}  (no steps: see its exit above)")
             continue
         per_round = means = low = "-"
         if len(pairs) >= 3:
@@ -489,7 +517,7 @@ def resident_table(blocks: dict, probes: dict, sessions: list | None = None) -> 
         dev = (probe.get("device_peak_allocated", 0) - plain_probe.get("device_peak_allocated", 0)) / 2**20
         pinned = (probe.get("pinned_peak", 0) - plain_probe.get("pinned_peak", 0)) / 2**20
         # (a space after each ratio: a wide interval of a noisy run would run into the next)
-        print(f"{name:28}{len(meds):>7}  {stats.cells(meds):44}{per_round:27} {means:25} {low:25} "
+        print(f"{name:32}{len(meds):>7}  {stats.cells(meds):44}{per_round:27} {means:25} {low:25} "
               f"{dev:>+10.0f}Mi{pinned:>+7.0f}Mi")
     print(flush=True)
 
@@ -497,17 +525,18 @@ def resident_table(blocks: dict, probes: dict, sessions: list | None = None) -> 
 def run_resident(args, names: list[str], root: str) -> None:
     names = [n for n in names if VARIANTS[n].routing != "replay"]
     # the baselines first ("plain" before "plain, graphs"): every round's ratios need their blocks
-    for base in sorted({baseline(n) for n in names}, reverse=True):
+    for base in sorted({baseline(n) for n in names} if not args.swap else (), reverse=True):
         if base in names:
             names.remove(base)
         names.insert(0, base)
-    blocks: dict = {name: [] for name in names}
-    spans: dict = {name: [] for name in names}  # each block's wall time, ms (see Resident.block)
+    plan = round_plan(args, names)
+    blocks: dict = {label: [] for label, _, _ in plan}
+    spans: dict = {label: [] for label, _, _ in plan}  # each block's wall time, ms (see Resident.block)
     sessions: list = []  # each round's set of processes
     for session in range(args.sessions):
         if args.sessions > 1:
             print(f"== set of processes {session + 1}/{args.sessions}", flush=True)
-        probes, procs = resident_session(args, names, root, blocks, spans, sessions, session)
+        probes, procs = resident_session(args, plan, root, blocks, spans, sessions, session)
     print("with each process's peaks (device: torch's allocated; pinned: its caching host allocator)"
           + (", of the last set" if args.sessions > 1 else ""))
     resident_table(blocks, probes, sessions)
@@ -516,7 +545,9 @@ def run_resident(args, names: list[str], root: str) -> None:
             print(f"{name}: trace frames {proc.report['frames']}")
         if proc.report.get("receiver"):
             print(f"{name}: {proc.report['receiver']}")
-        line = calls_line(name, probes.get(name) or {}, args.resident * (args.rounds + 1))
+        if (probes.get(name) or {}).get("swap"):
+            print(f"{name}: {probes[name]['swap']}")
+        line = calls_line(name, probes.get(name) or {}, args.resident * (args.rounds * len(plan) // len(procs) + 1))
         if line:
             print(line)
     if args.save:
@@ -524,21 +555,34 @@ def run_resident(args, names: list[str], root: str) -> None:
                                                "probes": probes}))
 
 
-def resident_session(args, names: list, root: str, blocks: dict, spans: dict, sessions: list,
+def round_plan(args, names: list) -> list[tuple[str, str, str]]:
+    """(label, process, code) of each block of a round: a process per variant; with
+    --swap each process runs three blocks a round, the kept code twice (its A/A) and
+    the patched code once."""
+    if not args.swap:
+        return [(name, name, "go") for name in names]
+    return [(f"{name} [{code}]", name, code.split()[0]) for name in names for code in ("kept", "kept again", "patched")]
+
+
+def resident_session(args, plan: list, root: str, blocks: dict, spans: dict, sessions: list,
                      session: int) -> tuple[dict, dict]:
     """One set of processes, started together, warmed up, then ``args.rounds`` rounds
-    appended to ``blocks``, ``spans`` and ``sessions``; (their probes, the processes)."""
-    procs = {name: Resident(args, name, root) for name in names}  # started together: one start-up wait
+    of ``plan`` (round_plan) appended to ``blocks``, ``spans`` and ``sessions``; (their
+    probes, the processes)."""
+    names = list(dict.fromkeys(name for _, name, _ in plan))
+    per_round = len(plan) // len(names)
+    procs = {name: Resident(args, name, root, per_round) for name in names}  # started together: one start-up wait
     for proc in procs.values():
         proc.wait_ready()
-    for proc in procs.values():  # the warm-up block, not timed
-        proc.block(0)
+    for proc in procs.values():  # the warm-up block, not timed (with --swap: the swap made, the kept code run)
+        proc.block(0, "kept" if args.swap else "go")
     print(f"{time.strftime('%H:%M:%S')} resident: {len(procs)} processes warm (a first block of {args.resident} steps each, left out); "
-          f"{args.rounds} rounds of a block of {args.resident} steps per variant", flush=True)
+          f"{args.rounds} rounds of a block of {args.resident} steps per "
+          + ("code (patched, kept, kept again) per process" if args.swap else "variant"), flush=True)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            blocks[name].append(procs[name].block(0))
-            spans[name].append(procs[name].span)
+        for label, name, code in plan[r % len(plan):] + plan[:r % len(plan)]:
+            blocks[label].append(procs[name].block(0, code))
+            spans[label].append(procs[name].span)
         sessions.append(session)
         if (r + 1) % max(1, args.rounds // 3) == 0 or r + 1 == args.rounds:
             print(f"after round {r + 1}/{args.rounds} ({time.strftime('%H:%M:%S')})")
@@ -577,6 +621,9 @@ def main() -> None:
     p.add_argument("--calls", action="store_true", help="count and time every call site's calls (overhead_probe.py)")
     p.add_argument("--resident", type=int, default=0, metavar="K",
                    help="one process per variant kept alive, blocks of K steps alternated (see above)")
+    p.add_argument("--swap", action="store_true",
+                   help="--resident: one process per variant, its blocks alternated between its patched code and "
+                   "the code megatron_cpu alone makes (code_swap.py; see above)")
     p.add_argument("--sessions", type=int, default=1, metavar="S",
                    help="--resident: S sets of processes in turn, each for --rounds rounds (see above)")
     p.add_argument("--pool", nargs="+", metavar="JSON", help="the table of resident runs' rounds pooled "

@@ -16,6 +16,11 @@ prints ``overhead-probe: ready`` and waits for a line on stdin (overhead_bench.p
 resident mode keeps one process per variant alive and alternates their blocks, so a
 round costs no process start and the variants share the machine's drift).
 
+With ``OVERHEAD_PROBE_SWAP=SPECS`` as well (overhead_bench.py --swap) the line a block
+waits for names the code it runs: ``patched`` (what the process imported) or ``kept``
+(what the comma-separated SPECS alone make: code_swap.py swaps every function the other
+specs changed); the report gains ``swap``, what was swapped.
+
 With ``OVERHEAD_PROBE_GRAPHS=1`` the model's routers run as Megatron's own CUDA graphs
 (graph_bench.graphed_model).
 
@@ -120,14 +125,25 @@ def main() -> None:
     marks = {"first_step": None, "flush_s": 0.0}
     train_step = example.train_step
     block = int(os.environ.get("OVERHEAD_PROBE_BLOCK", "0"))
+    keep = os.environ.get("OVERHEAD_PROBE_SWAP")
     make_batch = example.make_batch
 
     def waiting_batch(dataset, index, args):  # main() makes a step's batches before it starts its clock
         if block and index % (args.micro_batches * block) == 0:  # resident mode: wait for this block's turn
             print("overhead-probe: ready", flush=True)
-            if not sys.stdin.readline():
+            code = sys.stdin.readline().strip()
+            if not code:
                 raise SystemExit(0)  # the bench is gone
+            if keep:
+                swap(code)
         return make_batch(dataset, index, args)
+
+    def swap(code: str) -> None:  # made at the first block: every patched module is imported by then
+        if "swap" not in marks:
+            import code_swap  # bench/
+
+            marks["swap"] = code_swap.CodeSwap(set(keep.split(",")))
+        marks["swap"].use(code)
 
     example.make_batch = waiting_batch
 
@@ -165,6 +181,8 @@ def main() -> None:
         "vmstat": {k: after[k] - before.get(k, 0) for k in after if k in VMSTAT},
         "vmstat_end": {k: after[k] for k in ("nr_dirty", "nr_writeback") if k in after},
     }
+    if "swap" in marks:
+        report["swap"] = marks["swap"].describe()
     if counts is not None:
         report["calls"] = {name: {"calls": n, "ns": ns} for name, (n, ns) in counts.items() if n}
     print("overhead-probe: " + json.dumps(report), flush=True)

@@ -109,3 +109,29 @@ def test_the_interval_resamples_sets_of_processes_where_rounds_share_one():
     assert g_high - g_low > 3 * (high - low)
     assert stats.bootstrap(statistics.fmean, ratios, paired=True, groups=[0] * 80) == \
         stats.bootstrap(statistics.fmean, ratios, paired=True)  # one set: the rounds, as before
+
+
+def test_swap_alternates_one_process_between_its_patched_code_and_megatron_cpus_alone(tmp_path):
+    """--swap: one process per variant, three blocks a round (the code megatron_cpu alone
+    makes, twice, and the patched code), each compared with the kept code's first block."""
+    save = tmp_path / "run.json"
+    out = subprocess.run([sys.executable, "bench/overhead_bench.py", "--resident", "2", "--rounds", "3", "--swap",
+                          "--no-probes", "--variants", "every spec inert", "--save", str(save)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    final = out.stdout.split("with each process's peaks")[-1]
+    cell = r"[+-][\d.]+% \([+-][\d.]+\.\.[+-][\d.]+\)"
+    for label in ("every spec inert [kept again]", "every spec inert [patched]"):
+        assert re.search(rf"^{re.escape(label)}\s+3\s+[\d.]+ / [\d.]+ \[[\d.]+\.\.[\d.]+\]\s+{cell}\s+{cell}\s+{cell}",
+                         final, re.M), final
+    assert out.stdout.count("resident: 1 processes warm") == 1
+    swapped = re.search(r"^every spec inert: (\d+) functions of (\d+) modules swappable: (.*)$", out.stdout, re.M)
+    assert swapped, out.stdout[-3000:]
+    # the trace and dump sites of a layer, the router's routing capture, the step hooks
+    for name in ("TransformerLayer._forward_mlp", "TopKRouter.routing", "MixedPrecisionOptimizer.step"):
+        assert name in swapped.group(3), swapped.group(0)
+    assert "left patched" not in swapped.group(0)
+    blocks = json.loads(save.read_text())["blocks"]
+    assert set(blocks) == {"every spec inert [kept]", "every spec inert [kept again]", "every spec inert [patched]"}
+    assert all(len(rows) == 3 and all(len(b) == 2 for b in rows) for rows in blocks.values()), blocks
