@@ -44,7 +44,7 @@ room in its queue, the final flush).
 ``--resident K``: one process per variant, all started at once and kept alive (they
 share the GPU's memory, never its time: one runs while the others wait on a pipe);
 the bench alternates blocks of K steps between them, the order rotating each round,
-the first block of each process left out (warm-up); every step of a later block counts
+the first blocks of each process (--warmup steps at least) left out; every step of a later block counts
 (its first, after the pause, is the same for every variant; leaving it out would hide
 a cost paid every 10th step where 10 steps and the block line up).  A round is then a block of each variant
 seconds apart, not a process start apart, so many rounds fit a device call and a
@@ -75,7 +75,10 @@ function another spec changed gets its unpatched ``__code__``), twice (``[kept]`
 ``[kept again]``: the A/A), and its own patched code (``[patched]``), each against the
 first.  What it measures is the call sites' cost; what a spec does once at import
 (module-level edits, the runtime's import) is the same in every block.  With a
-capability on, its threads stay alive through the kept blocks, fed by none.
+capability on, its threads stay alive through the kept blocks, fed by none.  Blocks
+of one step (``--resident 1``) alternate the codes step by step: the host-bound
+model's slow stretches (a second or two) then hit both codes alike, where they fall
+on whole blocks of 10.
 """
 
 from __future__ import annotations
@@ -392,7 +395,7 @@ class Resident:
 
         self.name, self.folder, self.lines = name, tempfile.mkdtemp(dir=root), queue.Queue()
         port, sync_port = free_port(), free_port()
-        total = args.resident * (args.rounds * per_round + 1)  # + the warm-up block
+        total = args.resident * (args.rounds * per_round + warm_blocks(args))
         env = {**environment(name, self.folder, "", total, port, sync_port), "OVERHEAD_PROBE_BLOCK": str(args.resident),
                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # several processes share the GPU's memory
         if args.calls:
@@ -547,12 +550,20 @@ def run_resident(args, names: list[str], root: str) -> None:
             print(f"{name}: {proc.report['receiver']}")
         if (probes.get(name) or {}).get("swap"):
             print(f"{name}: {probes[name]['swap']}")
-        line = calls_line(name, probes.get(name) or {}, args.resident * (args.rounds * len(plan) // len(procs) + 1))
+        line = calls_line(name, probes.get(name) or {},
+                          args.resident * (args.rounds * len(plan) // len(procs) + warm_blocks(args)))
         if line:
             print(line)
     if args.save:
         Path(args.save).write_text(json.dumps({"blocks": blocks, "spans": spans, "sessions": sessions,
                                                "probes": probes}))
+
+
+def warm_blocks(args) -> int:
+    """Blocks each process runs before the timed rounds: at least --warmup steps (with
+    --swap at least two, for each code its first run: a capability's first call, its
+    kernels' compilation, is a warm-up's)."""
+    return max(2 if args.swap else 1, -(-args.warmup // args.resident))
 
 
 def round_plan(args, names: list) -> list[tuple[str, str, str]]:
@@ -574,9 +585,11 @@ def resident_session(args, plan: list, root: str, blocks: dict, spans: dict, ses
     procs = {name: Resident(args, name, root, per_round) for name in names}  # started together: one start-up wait
     for proc in procs.values():
         proc.wait_ready()
-    for proc in procs.values():  # the warm-up block, not timed (with --swap: the swap made, the kept code run)
-        proc.block(0, "kept" if args.swap else "go")
-    print(f"{time.strftime('%H:%M:%S')} resident: {len(procs)} processes warm (a first block of {args.resident} steps each, left out); "
+    for n in range(warm_blocks(args)):  # the warm-up blocks, not timed (with --swap: the swap made, both codes run)
+        for proc in procs.values():
+            proc.block(0, ("patched", "kept")[n % 2] if args.swap else "go")
+    print(f"{time.strftime('%H:%M:%S')} resident: {len(procs)} processes warm (the first "
+          f"{args.resident * warm_blocks(args)} steps of each left out); "
           f"{args.rounds} rounds of a block of {args.resident} steps per "
           + ("code (patched, kept, kept again) per process" if args.swap else "variant"), flush=True)
     for r in range(args.rounds):
