@@ -139,9 +139,9 @@ echo "== one resident process per variant, blocks of steps alternated; the issue
 fi
 if want swap; then
 echo "== the issue's model (hidden 1024, 8 layers), each process against itself: its blocks alternated between its"
-echo "   patched code and the code megatron_cpu alone makes (overhead_bench.py --swap, code_swap.py)"
-(cd bench && timeout ${SWAP_S:-560} python3 overhead_bench.py --resident 10 --rounds ${SWAP_ROUNDS:-30} --swap --no-probes \
-  --variants "${SWAP_VARIANTS:-every spec inert;everything at once}" --save "$OUT/overhead_swap.json" 2>&1 \
+echo "   patched code and the code megatron_cpu alone makes step by step (overhead_bench.py --swap, code_swap.py; ~6 min a variant)"
+(cd bench && timeout ${SWAP_S:-560} python3 overhead_bench.py --resident 1 --rounds ${SWAP_ROUNDS:-600} --swap --no-probes \
+  --variants "${SWAP_VARIANTS:-every spec inert}" --save "$OUT/overhead_swap.json" 2>&1 \
   | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_swap.txt" | tail -12)
 fi
 if want costs; then

@@ -66,7 +66,7 @@ turn, each for --rounds rounds, and the intervals resample the sets, then their 
 
 Each pooled run's sets of processes stay apart in the intervals, as --sessions' do.
 
-    python bench/overhead_bench.py --resident 10 --rounds 20 --swap --variants "every spec inert"
+    python bench/overhead_bench.py --resident 1 --rounds 600 --swap --variants "every spec inert"
 
 ``--swap``: the comparison inside one process, where that whole-life offset cannot
 enter.  Each variant's process runs three blocks a round, the order rotating: its
@@ -495,9 +495,9 @@ def resident_table(blocks: dict, probes: dict, sessions: list | None = None) -> 
     every 10th step; the A/A row says what it resolves).  ``sessions``: each round's
     set of processes (--sessions, --pool); the intervals resample the sets, then their
     rounds, since two identical processes can differ for their whole lives."""
-    base = "[kept]" if any(name.endswith(SWAP_LABELS) for name in blocks) else "plain"
+    against = "[kept]" if any(name.endswith(SWAP_LABELS) for name in blocks) else "plain"
     print(f"{'variant':32}{'rounds':>7}  {'block medians, ms: ' + stats.HEADER:44}"
-          f"{f'vs {base}, per round [90%]':28}{f'vs {base}, means [90%]':26}{f'vs {base}, p10 [90%]':26}"
+          f"{f'vs {against}, per round [90%]':28}{f'vs {against}, means [90%]':26}{f'vs {against}, p10 [90%]':26}"
           f"{'device peak':>12}{'pinned':>9}")
     for name, rows in blocks.items():
         base = baseline(name)
@@ -642,6 +642,8 @@ def main() -> None:
     p.add_argument("--pool", nargs="+", metavar="JSON", help="the table of resident runs' rounds pooled "
                    "(their --save files); runs nothing")
     args = p.parse_args()
+    if args.swap and not args.resident:
+        p.error("--swap needs --resident K (its blocks alternate the codes)")
     if args.pool:
         pool(args.pool)
         return
