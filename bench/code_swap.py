@@ -27,13 +27,12 @@ from collections import defaultdict
 def code_objects(code: types.CodeType) -> dict:
     """Every function's code under ``code``, by qualified name, in order of definition."""
     found: dict = defaultdict(list)
-    stack = [code]
-    while stack:
-        current = stack.pop(0)
+    queue = [code]
+    for current in queue:  # (it grows as it goes: every nested function in turn)
         for const in current.co_consts:
             if isinstance(const, types.CodeType):
                 found[const.co_qualname].append(const)
-                stack.append(const)
+                queue.append(const)
     return found
 
 
