@@ -5,6 +5,7 @@ nothing here).
 
     python bench/due_call_bench.py [--rounds 15] [--calls 20000] [--cold-rounds 40] [--lines]
     python bench/due_call_bench.py --cuts [--gpu] [--cold-rounds 40]
+    python bench/due_call_bench.py --against REV [--gpu] [--cold-rounds 300]
 
 The count is exact and the same on every machine: what a change to the call adds or
 removes, where a GPU host's timing (compressor_bench.py, trace_bench.py) moves by a few
@@ -21,19 +22,28 @@ few operations alone (an empty call, a lock, a launch).  ``--gpu``: on a CUDA de
 with the runtime's real state (its ring, a plan made by real due calls, Triton's C
 launch) and compressor_bench.py's other work (host ops and a small kernel), as
 compressor_bench's "after other work" times the whole call.
+
+``--against REV``: the call as git revision REV had it (or as a file holding api.py of
+another version has it), compiled in today's api namespace, against today's, cold, the
+two alternated round by round: their medians and the paired ratio.  A trim worth a few
+percent of the call resolves here, where compressor_bench's hosts differ by more.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import inspect
 import linecache
+import os
 import statistics
+import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -142,12 +152,33 @@ def cut(marker: str):
     if len(at) != 1:
         raise SystemExit(f"--cuts: {marker!r} is in {len(at)} lines of api._fast: this bench is out of step with it")
     i = at[0]
-    indent = len(lines[i]) - len(lines[i].lstrip())
-    close = ["    except Exception:", "        raise"] if any(line.strip() == "try:" for line in lines[:i]) else []
     namespace: dict = {}
-    exec(compile("\n".join(lines[: i + 1] + [" " * indent + "return True"] + close), api.__file__, "exec"),
-         vars(api), namespace)
+    exec(compile("\n".join(lines[: i + 1] + [" " * indent_of(lines[i]) + "return True"] + closers(lines, i)),
+                 api.__file__, "exec"), vars(api), namespace)
     return namespace["_fast"]
+
+
+def indent_of(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def closers(lines: list, i: int) -> list:
+    """What closes each ``try:`` still open at line ``i``, innermost first: its own
+    ``finally:`` block where it has one (the lock given back), else a re-raise."""
+    out = []
+    for t in reversed(range(i)):
+        indent = indent_of(lines[t])
+        if lines[t].strip() != "try:" or any(indent_of(line) == indent and line.strip().startswith(("except", "finally"))
+                                             for line in lines[t + 1: i + 1]):
+            continue  # not a try, or one closed before the cut
+        after = next(k for k in range(i + 1, len(lines)) if lines[k].strip() and indent_of(lines[k]) == indent)
+        if lines[after].strip() == "finally:":
+            end = next((k for k in range(after + 1, len(lines)) if lines[k].strip() and indent_of(lines[k]) <= indent),
+                       len(lines))
+            out += lines[after:end]
+        else:
+            out += [" " * indent + "except Exception:", " " * indent + "    raise"]
+    return out
 
 
 def real_state(x: torch.Tensor):
@@ -184,6 +215,45 @@ def native_twin(plan, x: torch.Tensor):
     return twin if isinstance(twin, plan_module.Plan) and twin.native is not None else None
 
 
+def fast_at(where: str):
+    """api._fast as ``where`` has it: a file (an api.py), else a git revision of this
+    checkout; compiled in today's api namespace, as cut() compiles a cut."""
+    if os.path.isfile(where):
+        source = Path(where).read_text()
+    else:
+        got = subprocess.run(["git", "show", f"{where}:runtime/trace/api.py"], cwd=Path(__file__).resolve().parents[1],
+                             capture_output=True, text=True)
+        if got.returncode:
+            raise SystemExit(f"--against {where}: neither a file nor a revision git knows here: {got.stderr.strip()}")
+        source = got.stdout
+    found = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "_fast"]
+    if not found:
+        raise SystemExit(f"--against {where}: no _fast in its api.py")
+    namespace: dict = {}
+    exec(compile(ast.get_source_segment(source, found[0]), api.__file__, "exec"), vars(api), namespace)
+    return namespace["_fast"]
+
+
+def against_table(plan, x: torch.Tensor, put_back, rounds: int, other, before, label: str) -> None:
+    """Today's call and ``before`` (fast_at), each timed alone after ``other``, cold,
+    alternated round by round (the order flipping): medians and the paired ratio."""
+    key, tags = ("h", 1), {"layer": 1}
+    calls = {f"the call at {label}": before, "the call now": api._fast}
+    samples: dict = {name: [] for name in calls}
+    for r in range(rounds):
+        for name, fn in list(calls.items())[:: 1 if r % 2 else -1]:
+            samples[name].append(cold_round(lambda: fn(plan, key, x, tags), put_back, other))
+        if x.is_cuda:
+            torch.cuda.synchronize()
+    put_back()
+    print(f"\n{'the whole call, cold (µs)':44}{HEADER}")
+    for name, values in samples.items():
+        print(f"{name:44}{cells(values)}")
+    ratios = [now / then for now, then in zip(*reversed(list(samples.values())))]
+    ratio, low, high = bootstrap(statistics.median, ratios)
+    print(f"{'now / then, paired by round':44}{ratio:.3f}x ({low:.3f} .. {high:.3f})")
+
+
 def cuts_table(plan, x: torch.Tensor, put_back, rounds: int, other, twin=None, of_twin: bool = False) -> None:
     """The medians of the call cut after each part (of ``twin``'s, the native launch, with
     ``of_twin``), each cut timed alone after ``other``, the cuts alternated round by
@@ -197,10 +267,18 @@ def cuts_table(plan, x: torch.Tensor, put_back, rounds: int, other, twin=None, o
         calls["the whole call, native launch"] = (api._fast, twin)
     lock = api._lock
 
-    def lock_alone() -> None:
+    def lock_alone() -> None:  # as the call takes it
+        lock.acquire()
+        try:
+            pass
+        finally:
+            lock.release()
+
+    def lock_with() -> None:  # as it took it before
         with lock:
             pass
-    alone = {"an empty call": lambda: None, "a lock taken and given back": lock_alone}
+    alone = {"an empty call": lambda: None, "a lock taken and given back": lock_alone,
+             "the same by `with`": lock_with}
     if x.is_cuda:  # (the stand-in's launch does nothing: nothing to learn on the CPU)
         args, out = list(plan.args), torch.empty(plan.dims, device=x.device)
         stream = torch._C._cuda_getCurrentRawStream(x.device.index)
@@ -258,7 +336,10 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="--cuts on a CUDA device with the runtime's real state; "
                    "with the native launch built (source-patch build-native), its whole call too")
     p.add_argument("--native", action="store_true", help="--gpu: cut the call of the native launch instead")
+    p.add_argument("--against", metavar="REV", help="the call at git revision REV (or in an api.py file) against "
+                   "today's, cold, alternated (see above)")
     args = p.parse_args()
+    before = fast_at(args.against) if args.against else None
     if args.gpu:
         x = torch.randn(1024, 4, 1024, device="cuda")  # compressor_bench's hidden state
         plan = real_state(x)
@@ -268,7 +349,10 @@ def main() -> None:
         _, put_back, _ = due_call(plan, x)
         print(f"the planned due call (api._fast) on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
               f"Python {sys.version.split()[0]}; the native launch {'built' if twin else 'not built'}")
-        cuts_table(plan, x, put_back, args.cold_rounds, OtherWork("cuda"), twin, args.native)
+        if before is not None:
+            against_table(twin or plan, x, put_back, args.cold_rounds, OtherWork("cuda"), before, Path(args.against).name)
+        if args.cuts or before is None:
+            cuts_table(plan, x, put_back, args.cold_rounds, OtherWork("cuda"), twin, args.native)
         return
     torch.set_num_threads(1)
     x = torch.randn(LAYOUT)
@@ -291,6 +375,8 @@ def main() -> None:
     print(f"{'after other work (each call alone), µs':44}{HEADER}")
     other = OtherWork("cpu")
     print(f"{'planned due call':44}{cells([cold_round(due, put_back, other) for _ in range(args.cold_rounds)])}")
+    if before is not None:
+        against_table(plan, x, put_back, args.cold_rounds, other, before, Path(args.against).name)
     if args.cuts:
         cuts_table(plan, x, put_back, args.cold_rounds, other)
     put_back()  # nothing left queued for the runtime's flush at exit (its stream is a stand-in)

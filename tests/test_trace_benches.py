@@ -47,6 +47,50 @@ def test_the_due_call_bench_counts_the_planned_calls_bytecodes_and_times_it_whol
         assert re.search(rf"^{re.escape(label)}\s+[\d.]+", table, re.M), (label, table)
 
 
+def test_the_due_call_bench_times_the_call_against_another_version_and_a_cut_gives_the_lock_back(tmp_path):
+    """--against: another version's call (here an api.py file: today's, under another
+    name) and today's, cold, alternated, with a paired ratio; a bad revision is refused
+    by name.  A cut inside the lock's try runs its finally: the lock is free after it."""
+    other = tmp_path / "api_then.py"
+    other.write_text((ROOT / "runtime" / "trace" / "api.py").read_text())
+    out = run("bench/due_call_bench.py", "--rounds", "1", "--calls", "100", "--against", str(other),
+              "--cold-rounds", "4")
+    table = out.split("the whole call, cold")[1]
+    assert re.search(r"^the call at api_then\.py\s+[\d.]+ / [\d.]+ \[", table, re.M), table
+    assert re.search(r"^the call now\s+[\d.]+ / [\d.]+ \[", table, re.M), table
+    assert re.search(r"^now / then, paired by round\s+[\d.]+x \([\d.]+ \.\. [\d.]+\)", table, re.M), table
+    bad = subprocess.run([sys.executable, "bench/due_call_bench.py", "--against", "no-such-revision"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--against no-such-revision: neither a file nor a revision" in bad.stderr, bad.stderr
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import torch
+
+        import due_call_bench as bench
+        from source_patch.runtime.trace import api
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    x = torch.randn(bench.LAYOUT)
+    plan = bench.stand_ins(x)
+    _, put_back, _ = bench.due_call(plan, x)
+    try:
+        for label, marker, part in bench.CUTS:
+            if part != "native" and bench.cut(marker)(plan, ("h", 1), x, {"layer": 1}) is True:
+                assert not api._lock.locked(), label
+                put_back()
+        assert "lock.release()" in "\n".join(bench.closers(*_lines_cut_at(bench, "head = ring.head")))
+    finally:
+        put_back()
+
+
+def _lines_cut_at(bench, marker: str) -> tuple:
+    import inspect
+    import textwrap
+
+    lines = textwrap.dedent(inspect.getsource(bench.api._fast)).split("\n")
+    return lines, next(i for i, line in enumerate(lines) if marker in line)
+
+
 def test_trace_bench_calls_times_the_parts_of_each_due_call_in_training():
     out = run("bench/trace_bench.py", "--quick", "--resolve", "--calls", "--toggle-steps", "40")
     parts = {m.group(1): int(m.group(3)) for m in

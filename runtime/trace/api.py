@@ -266,8 +266,10 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
     context = ambient._context  # ambient.context(), inline
     if context:  # copied now: published later, the microbatch will have moved on
         tags = {**context, **tags}
+    lock = _lock  # taken and given back by hand: `with` costs ~0.8 µs more, cold (two special-method lookups)
     try:
-        with _lock:  # the ring's claims take it too (lifecycle): one lock for the slice and the queue
+        lock.acquire()  # the ring's claims take it too (lifecycle): one lock for the slice and the queue
+        try:
             if len(_pending) >= _config["queue"]:  # the publisher is behind: drop, never wait
                 _counts["dropped"] += 1
             else:  # ring._take, inline: the next slice, never wrapping
@@ -307,6 +309,8 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
                     if _publisher is None or len(_records) >= BATCH or stamp - _records[0][4] > FLUSH_SECONDS:
                         _seal()
                         _wake_publisher()
+        finally:
+            lock.release()
     except Exception as exc:  # noqa: BLE001 - tracing must never break the step
         plan.stale = plan.failed = True  # the general path from now on
         _fail(f"trace({key[0]!r})", exc)
