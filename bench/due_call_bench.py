@@ -152,9 +152,13 @@ def cut(marker: str):
     if len(at) != 1:
         raise SystemExit(f"--cuts: {marker!r} is in {len(at)} lines of api._fast: this bench is out of step with it")
     i = at[0]
+    return fast_from("\n".join(lines[: i + 1] + [" " * indent_of(lines[i]) + "return True"] + closers(lines, i)))
+
+
+def fast_from(source: str):
+    """The ``_fast`` that ``source`` defines, compiled in today's api namespace."""
     namespace: dict = {}
-    exec(compile("\n".join(lines[: i + 1] + [" " * indent_of(lines[i]) + "return True"] + closers(lines, i)),
-                 api.__file__, "exec"), vars(api), namespace)
+    exec(compile(source, api.__file__, "exec"), vars(api), namespace)
     return namespace["_fast"]
 
 
@@ -217,7 +221,7 @@ def native_twin(plan, x: torch.Tensor):
 
 def fast_at(where: str):
     """api._fast as ``where`` has it: a file (an api.py), else a git revision of this
-    checkout; compiled in today's api namespace, as cut() compiles a cut."""
+    checkout (fast_from)."""
     if os.path.isfile(where):
         source = Path(where).read_text()
     else:
@@ -229,9 +233,7 @@ def fast_at(where: str):
     found = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "_fast"]
     if not found:
         raise SystemExit(f"--against {where}: no _fast in its api.py")
-    namespace: dict = {}
-    exec(compile(ast.get_source_segment(source, found[0]), api.__file__, "exec"), vars(api), namespace)
-    return namespace["_fast"]
+    return fast_from(ast.get_source_segment(source, found[0]))
 
 
 def against_table(plan, x: torch.Tensor, put_back, rounds: int, other, before, label: str) -> None:
@@ -249,7 +251,8 @@ def against_table(plan, x: torch.Tensor, put_back, rounds: int, other, before, l
     print(f"\n{'the whole call, cold (µs)':44}{HEADER}")
     for name, values in samples.items():
         print(f"{name:44}{cells(values)}")
-    ratios = [now / then for now, then in zip(*reversed(list(samples.values())))]
+    then, now = samples.values()
+    ratios = [b / a for b, a in zip(now, then)]
     ratio, low, high = bootstrap(statistics.median, ratios)
     print(f"{'now / then, paired by round':44}{ratio:.3f}x ({low:.3f} .. {high:.3f})")
 
