@@ -186,7 +186,8 @@ class Variant(NamedTuple):
     against: str | None = None
     gpu_only: bool = False
     planned: bool = True  # the runtime's planned due call (api._fast) where it applies; False: the general path
-    native: bool = False  # the planned call through the native launch (triton_launch: native; where built)
+    native: bool | str = False  # the planned call through the native launch (triton_launch: native; where
+    # built): the whole call compiled (native_launch.cpp's due); "python": api._fast calls the native launch
 
 
 VARIANTS = (
@@ -207,10 +208,13 @@ VARIANTS = (
             after_other_work="gpu", against="after other work", gpu_only=True),
     Variant("after other work, native launch", "  after other work, the native launch", after_other_work=True,
             against="after other work", gpu_only=True, native=True),
+    Variant("after other work, native launch from Python", "  after other work, the native launch from Python",
+            after_other_work=True, against="after other work, native launch", gpu_only=True, native="python"),
     Variant("after a layer's GPU launches, native launch", "  after a layer's GPU launches, the native launch",
             after_other_work="gpu", against="after a layer's GPU launches", gpu_only=True, native=True),
 )
 _native_plans: dict = {}  # the native variants' own plans, made at their first due calls and kept
+_python_plans: dict = {}  # ... and those of the native launch from Python (api._fast)
 
 
 def native_built() -> bool:
@@ -224,14 +228,24 @@ def native_built() -> bool:
 
 def path(rt, planned: bool, native: bool = False):
     """Within the block, due calls take the planned path (the runtime's own way), through
-    the native launch with plans of their own (``native``), or, with the plans set aside,
-    the general one (_emit, _compress, _device_stage, ...)."""
+    the native launch with plans of their own (``native``; "python": its plans' compiled
+    due call set aside, api._fast launches), or, with the plans set aside, the general
+    one (_emit, _compress, _device_stage, ...)."""
     if planned and not native:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     if native:
         stack.enter_context(mock.patch.object(tc, "NATIVE_LAUNCH", True))
-        stack.enter_context(mock.patch.object(rt._table, "plans", _native_plans))
+        stack.enter_context(mock.patch.object(rt._table, "plans", _python_plans if native == "python" else _native_plans))
+        if native == "python":
+            make = rt._make_plan
+
+            def from_python(*args):
+                plan = make(*args)
+                if plan and hasattr(type(plan), "due"):  # (a wheel from before the compiled call has none)
+                    plan.due = None
+                return plan
+            stack.enter_context(mock.patch.object(rt, "_make_plan", from_python))
     else:
         stack.enter_context(mock.patch.object(rt._table, "plans", {}))
         stack.enter_context(mock.patch.object(rt, "_make_plan", lambda *args: False))
@@ -361,6 +375,8 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: i
         deadline = time.monotonic() + 60
         while not rt.state()["subscriptions"] and time.monotonic() < deadline:
             time.sleep(0.05)
+        if not rt.state()["subscriptions"]:  # no hub, or no client: every call would time a flag test
+            raise SystemExit(f"no client subscribed within 60 s (the hub: {rt.state()['last_error'] or 'no error'})")
         rows = [("disabled", per_call("traced", False)),
                 ("enabled, name not subscribed", per_call("idle", True))]
         before = rt.state()

@@ -6,6 +6,7 @@ nothing here).
     python bench/due_call_bench.py [--rounds 15] [--calls 20000] [--cold-rounds 40] [--lines]
     python bench/due_call_bench.py --cuts [--gpu] [--cold-rounds 40]
     python bench/due_call_bench.py --against REV [--gpu] [--cold-rounds 300]
+    python bench/due_call_bench.py --gpu --compiled [--cold-rounds 300]
 
 The count is exact and the same on every machine: what a change to the call adds or
 removes, where a GPU host's timing (compressor_bench.py, trace_bench.py) moves by a few
@@ -27,6 +28,10 @@ compressor_bench's "after other work" times the whole call.
 another version has it), compiled in today's api namespace, against today's, cold, the
 two alternated round by round: their medians and the paired ratio.  A trim worth a few
 percent of the call resolves here, where compressor_bench's hosts differ by more.
+
+``--compiled`` (a GPU, the native launch built): the native plan's call as api._fast
+makes it in Python against the compiled one (native_launch.cpp's ``due``, what api.trace
+calls for a native plan), the same way.
 """
 
 from __future__ import annotations
@@ -236,11 +241,13 @@ def fast_at(where: str):
     return fast_from(ast.get_source_segment(source, found[0]))
 
 
-def against_table(plan, x: torch.Tensor, put_back, rounds: int, other, before, label: str) -> None:
-    """Today's call and ``before`` (fast_at), each timed alone after ``other``, cold,
-    alternated round by round (the order flipping): medians and the paired ratio."""
+def against_table(plan, x: torch.Tensor, put_back, rounds: int, other, before, label: str, now=None,
+                  now_label: str = "the call now") -> None:  # label: before's row
+    """Today's call (``now``, default api._fast) and ``before`` (fast_at), each timed alone
+    after ``other``, cold, alternated round by round (the order flipping): medians and the
+    paired ratio."""
     key, tags = ("h", 1), {"layer": 1}
-    calls = {f"the call at {label}": before, "the call now": api._fast}
+    calls = {label: before, now_label: now or api._fast}
     samples: dict = {name: [] for name in calls}
     for r in range(rounds):
         for name, fn in list(calls.items())[:: 1 if r % 2 else -1]:
@@ -268,6 +275,8 @@ def cuts_table(plan, x: torch.Tensor, put_back, rounds: int, other, twin=None, o
     calls["the whole call"] = (api._fast, plan)
     if twin is not None:
         calls["the whole call, native launch"] = (api._fast, twin)
+        if getattr(twin, "due", None) is not None:
+            calls["the whole call compiled (native_launch.cpp's due)"] = (twin.due, twin)
     lock = api._lock
 
     def lock_alone() -> None:  # as the call takes it
@@ -341,6 +350,8 @@ def main() -> None:
     p.add_argument("--native", action="store_true", help="--gpu: cut the call of the native launch instead")
     p.add_argument("--against", metavar="REV", help="the call at git revision REV (or in an api.py file) against "
                    "today's, cold, alternated (see above)")
+    p.add_argument("--compiled", action="store_true", help="--gpu: the native plan's call in Python (api._fast) "
+                   "against the compiled one (native_launch.cpp's due), cold, alternated")
     args = p.parse_args()
     before = fast_at(args.against) if args.against else None
     if args.gpu:
@@ -353,8 +364,14 @@ def main() -> None:
         print(f"the planned due call (api._fast) on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
               f"Python {sys.version.split()[0]}; the native launch {'built' if twin else 'not built'}")
         if before is not None:
-            against_table(twin or plan, x, put_back, args.cold_rounds, OtherWork("cuda"), before, Path(args.against).name)
-        if args.cuts or before is None:
+            against_table(twin or plan, x, put_back, args.cold_rounds, OtherWork("cuda"), before,
+                          f"the call at {Path(args.against).name}")
+        if args.compiled:
+            if getattr(twin, "due", None) is None:
+                raise SystemExit("--compiled: no compiled due call here (source-patch build-native)")
+            against_table(twin, x, put_back, args.cold_rounds, OtherWork("cuda"), api._fast,
+                          "the call in Python (api._fast)", twin.due, "the call compiled (due)")
+        if args.cuts or (before is None and not args.compiled):
             cuts_table(plan, x, put_back, args.cold_rounds, OtherWork("cuda"), twin, args.native)
         return
     torch.set_num_threads(1)
@@ -379,7 +396,7 @@ def main() -> None:
     other = OtherWork("cpu")
     print(f"{'planned due call':44}{cells([cold_round(due, put_back, other) for _ in range(args.cold_rounds)])}")
     if before is not None:
-        against_table(plan, x, put_back, args.cold_rounds, other, before, Path(args.against).name)
+        against_table(plan, x, put_back, args.cold_rounds, other, before, f"the call at {Path(args.against).name}")
     if args.cuts:
         cuts_table(plan, x, put_back, args.cold_rounds, other)
     put_back()  # nothing left queued for the runtime's flush at exit (its stream is a stand-in)

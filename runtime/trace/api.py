@@ -168,7 +168,7 @@ def trace(name: str, tensor, /, **tags):
     table = _table
     key = (name, tags.get("layer"))
     plan = table.plans.get(key)  # made only where routes are: the planned call needs no other lookup
-    if plan and _fast(plan, key, tensor, tags):
+    if plan and (plan.due or _fast)(plan, key, tensor, tags):  # due: the compiled call (plan.py), else _fast
         return tensor
     routes = table.routes.get(key)
     if routes is None:
@@ -307,16 +307,29 @@ def _fast(plan: _Plan, key: tuple, tensor, tags: dict) -> bool:
                     _records.append((plan, key[0], tags, step, stamp, offset, end, stream))
                     _tracer = _get_ident()
                     if _publisher is None or len(_records) >= BATCH or stamp - _records[0][4] > FLUSH_SECONDS:
-                        _seal()
-                        _wake_publisher()
+                        _seal_and_wake()
         finally:
             lock.release()
     except Exception as exc:  # noqa: BLE001 - tracing must never break the step
-        plan.stale = plan.failed = True  # the general path from now on
-        _fail(f"trace({key[0]!r})", exc)
+        _fast_failed(plan, key, exc)
     sub.next_step[key] = step + sub.every  # (not before: a call _emit takes over is still due)
     _durations.append(time.perf_counter() - start)
     return True
+
+
+def _seal_and_wake() -> None:
+    """(caller holds _cond) A planned call's batch is full, or due out: queue it (also
+    called by the compiled due call, native_launch.cpp)."""
+    _seal()
+    _wake_publisher()
+
+
+def _fast_failed(plan: _Plan, key: tuple, exc: BaseException) -> None:
+    """A planned call raised (_fast, or the compiled due call): counted, and the general
+    path takes this (name, layer) from now on (False: no plan, none made again)."""
+    plan.stale = plan.failed = True
+    _table.plans[key] = False
+    _fail(f"trace({key[0]!r})", exc)
 
 
 def _stream_for(plan: _Plan) -> tuple | None:
@@ -340,6 +353,22 @@ def _arm() -> None:
              and compress.DIRECT_LAUNCH and compress.USE_TRITON)
     _fast_ring, _hook_calls = (ring, _hook_lists(hooks)) if ready else (None, None)
     _clock_offset = time.time() - time.perf_counter()
+    _arm_compiled(_fast_ring)
+
+
+def _arm_compiled(ring) -> None:
+    """Hand the compiled due call (native_launch.cpp, where loaded) what it reads of the
+    state besides api's globals: the ring it claims slices of, or None: it hands every
+    call to _fast."""
+    native = sys.modules.get(__package__ + ".native")
+    module = native._loaded[0] if native is not None and native._loaded else None
+    if module is None:
+        return
+    if ring is None or not hasattr(ring, "cursor_address"):  # (a ring of another shape: a bench's stand-in)
+        module.arm(globals(), ambient.__dict__, None)
+    else:
+        module.arm(globals(), ambient.__dict__, ring, ring.cursor_address, ring.size, ring.device_address, BATCH,
+                   FLUSH_SECONDS, _clock_offset)
 
 
 def _hook_lists(hooks) -> tuple:
@@ -569,6 +598,7 @@ def _after_fork_in_child() -> None:
         _ring, _unsealed, _records, _tracer, _fast_ring
     _enabled = False
     _fast_ring = None
+    _arm_compiled(None)
     _lock = threading.Lock()
     _cond = threading.Condition(_lock)
     _unsealed, _records, _tracer = [], [], None

@@ -95,10 +95,11 @@ def load():
     return _loaded[0]
 
 
-def plan(kernel, grid: tuple, args: tuple, tensor):
+def plan(kernel, grid: tuple, args: tuple, tensor, nbytes: int = 0, padded: int = 0):
     """A compiled launch of Triton's ``kernel(x, out, *args)`` on ``grid`` for ``tensor``'s
-    layout (native_launch.cpp's plan), or None where the launcher is not built, the
-    kernel's parameters are not the plain kind it handles, or the driver disagrees."""
+    layout (native_launch.cpp's plan), writing ``nbytes`` into a ring slice of ``padded``
+    bytes, or None where the launcher is not built, the kernel's parameters are not the
+    plain kind it handles, or the driver disagrees."""
     module = load()
     if module is None:
         return None
@@ -111,7 +112,7 @@ def plan(kernel, grid: tuple, args: tuple, tensor):
             [8 if kind in "pl" else 4 for kind in types]:
         return None
     return module.plan(tensor, _driver_launch(), kernel.function, tuple(grid), 32 * meta.num_warps, meta.shared,
-                       types, values)
+                       types, values, nbytes, padded)
 
 
 def _parameters(kernel, args: tuple) -> tuple:

@@ -23,20 +23,26 @@ class Plan:
     ~12; ``stale``: the tensor's layout changed, plan again; ``failed``: its launch
     raised, the general path from now on; ``native``: native.py's plan of the launch
     (it checks the tensor's layout itself, and launches on ``stream``, the device's
-    default stream, where that is current), or None."""
+    default stream, where that is current), or None; ``due``: with it, the compiled due
+    call (native_launch.cpp), which api.trace calls instead of api._fast: the whole
+    call in C++, handed to api._fast where its one case does not hold."""
 
     __slots__ = ("sub", "subs", "shape", "dtype", "device", "aligned", "call", "args", "at_stream", "at_input",
-                 "nbytes", "padded", "dims", "stale", "failed", "native", "native_launch", "stream")
+                 "nbytes", "padded", "dims", "stale", "failed", "native", "native_launch", "stream", "due")
 
     def __init__(self, sub, tensor: torch.Tensor, launch, native_launch: bool = False):
         self.sub, self.stale, self.failed = sub, False, False
-        self.native = self.native_launch = self.stream = None
+        self.native = self.native_launch = self.stream = self.due = None
+        self.nbytes = 4 * launch.shape[0] * launch.shape[1] * launch.shape[2]  # float32 [splits, stats, cols]
+        self.padded = -(-self.nbytes // ALIGN) * ALIGN  # what a slice of it takes in the ring
         if native_launch:
             from . import device, native
 
-            self.native = native.plan(launch.kernel, (*launch.grid, 1), launch.args, tensor)
+            self.native = native.plan(launch.kernel, (*launch.grid, 1), launch.args, tensor, self.nbytes, self.padded)
             if self.native is not None:
-                self.native_launch = native.load().launch
+                module = native.load()
+                self.native_launch, self.due = module.launch, module.due  # api.trace calls due (else api._fast)
+                api._arm_compiled(api._fast_ring)  # (due reads api's state: it needs to know where, once)
                 index = tensor.get_device()
                 self.stream = (device.known_streams.get((index, 0)) or device.know_stream(index, 0))[0]
         call, before, middle, after = launch.compiled  # fused._launcher's
@@ -46,8 +52,6 @@ class Plan:
         self.at_stream, self.at_input = len(before), len(before) + 1 + len(middle)  # the output right after the input
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.get_device()
         self.aligned = tensor.data_ptr() & 15 == 0  # its kernel is compiled for 16-byte aligned input or not
-        self.nbytes = 4 * launch.shape[0] * launch.shape[1] * launch.shape[2]  # float32 [splits, stats, cols]
-        self.padded = -(-self.nbytes // ALIGN) * ALIGN  # what a slice of it takes in the ring
         # every result's subscriptions and shape, shared (nothing downstream changes them)
         self.subs, self.dims = [sub], list(launch.shape)
 

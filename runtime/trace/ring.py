@@ -47,9 +47,28 @@ class Ring:
         self.device_address: int | None = None  # where kernels see it, once pinned (None: unknown)
         self.lock = threading.Lock()  # any thread may trace (api's trace queue lock where it serves)
         self.direct = True  # kernels may write here (cleared if a launch refuses host memory)
-        self.head = 0   # bytes handed out, ever (the training thread's)
-        self.tail = 0   # bytes given back, ever (set by the forwarder's answers)
+        # [head, tail]: bytes handed out, ever (the training thread's), and given back, ever
+        # (set by the forwarder's answers); two int64 the compiled due call reads and writes
+        # too (native_launch.cpp, at ``cursor``'s address)
+        self.cursor = (ctypes.c_int64 * 2)()
+        self.cursor_address = ctypes.addressof(self.cursor)
         self.pinned: bool | None = None  # None: not tried yet
+
+    @property
+    def head(self) -> int:
+        return self.cursor[0]
+
+    @head.setter
+    def head(self, value: int) -> None:
+        self.cursor[0] = value
+
+    @property
+    def tail(self) -> int:
+        return self.cursor[1]
+
+    @tail.setter
+    def tail(self, value: int) -> None:
+        self.cursor[1] = value
 
     def pin(self) -> bool:
         """Page-lock the ring once, for asynchronous device copies (False: cannot)."""
@@ -86,7 +105,8 @@ class Ring:
         return None if offset is None else Slice(self, offset, end, shape)
 
     def _take(self, nbytes: int) -> tuple:
-        # (caller holds lock) api._fast runs this inline: keep the two in step.
+        # (caller holds lock) api._fast and native_launch.cpp's claim_and_launch run this
+        # inline: keep the three in step.
         start = self.head
         offset = start % self.size
         if offset + nbytes > self.size:  # a slice never wraps: skip to the ring's start
