@@ -366,8 +366,8 @@ SCHEMAS["trace"] = {
                                      "imported (false: one torch reduction per statistic)"),
     "triton_launch": Setting("auto", choice("auto", "direct", "native", "triton"), "the fused kernel's "
                              "launches after the first of each input layout: straight into its compiled "
-                             "launcher (direct: less host time a call), in the planned due call through "
-                             "source-patch's own compiled launch (native: built by `source-patch build-native`; "
+                             "launcher (direct: less host time a call), the planned due call compiled whole with "
+                             "source-patch's own launch (native: built by `source-patch build-native`; "
                              "where not built, said once and direct), native where built and else direct, "
                              "silently (auto), or through Triton's own dispatch every call (triton)"),
     "device_timing": Setting(False, boolean, "time each traced reduction on the GPU with CUDA events "

@@ -425,12 +425,12 @@ PyObject* with_context(PyObject* tags) {
 // (after claim_and_launch) Queue the record of the slice: api._fast's ``_records.append``,
 // and where the batch is full or due out (or no publisher runs yet), _seal_and_wake under
 // api's lock.  0: done; -1: an error is set.
-int queue_record(PyObject* plan, PyObject* key, PyObject* call_tags, PyObject* step, double stamp, int64_t offset,
+int queue_record(PyObject* plan, PyObject* key, PyObject* call_tags, long long step, double stamp, int64_t offset,
                  int64_t end) {
   PyObject* tags = with_context(call_tags);
   PyObject* records = tags ? global(names.records) : nullptr;
   PyObject* stream_object = records ? attribute(plan, names.stream) : nullptr;
-  PyObject* record = stream_object ? Py_BuildValue("(OOOOdLLN)", plan, PyTuple_GET_ITEM(key, 0), tags, step, stamp,
+  PyObject* record = stream_object ? Py_BuildValue("(OOOLdLLN)", plan, PyTuple_GET_ITEM(key, 0), tags, step, stamp,
                                                    static_cast<long long>(offset), static_cast<long long>(end),
                                                    stream_object)
                                    : nullptr;
@@ -509,7 +509,7 @@ PyObject* due(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* next_step = sub ? attribute(sub, names.next_step) : nullptr;
   PyObject* every_object = next_step ? attribute(sub, names.every) : nullptr;
   Py_XDECREF(sub);
-  PyObject* step = every_object ? global(names.step) : nullptr;  // borrowed
+  PyObject* step = every_object ? global(names.step) : nullptr;  // (borrowed: read at once)
   long long every = every_object ? PyLong_AsLongLong(every_object) : -1;
   Py_XDECREF(every_object);
   long long step_value = step ? PyLong_AsLongLong(step) : -1;
@@ -541,7 +541,7 @@ PyObject* due(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     int64_t offset = 0, end = 0;
     status = claim_and_launch(*p, input, *stream, offset, end);
     if (status > 0) {
-      status = queue_record(plan, key, args[3], step, start + lane.clock_offset, offset, end);
+      status = queue_record(plan, key, args[3], step_value, start + lane.clock_offset, offset, end);
     }
   }
   if (status < 0) {  // tracing must never break the step: api._fast_failed counts it and sets the plan aside
