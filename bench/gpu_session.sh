@@ -94,6 +94,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_trace_native
   -k "native or planned" 2>&1 | tee "$OUT/pytest_native.log" | tail -4
 timeout 200 python3 bench/due_call_bench.py --cuts --gpu 2>&1 | tee "$OUT/due_call_native.txt" | tail -22
 timeout 200 python3 bench/due_call_bench.py --cuts --gpu --native 2>&1 | tee "$OUT/due_call_native_cuts.txt" | tail -20
+timeout 150 python3 bench/due_call_bench.py --gpu --compiled --cold-rounds 300 2>&1 | tee "$OUT/due_call_compiled.txt" | tail -5
 if [ -n "${AGAINST:-}" ]; then  # AGAINST=an api.py of another version (here: git show REV:runtime/trace/api.py > FILE)
   timeout 200 python3 bench/due_call_bench.py --gpu --against "$AGAINST" --cold-rounds 300 2>&1 \
     | tee "$OUT/due_call_against.txt" | tail -5

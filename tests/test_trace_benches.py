@@ -47,6 +47,21 @@ def test_the_due_call_bench_counts_the_planned_calls_bytecodes_and_times_it_whol
         assert re.search(rf"^{re.escape(label)}\s+[\d.]+", table, re.M), (label, table)
 
 
+def test_the_due_call_bench_times_the_compiled_call_against_the_python_one(native_build, monkeypatch):
+    """--compiled on the CPU: the native plan's call from Python and compiled, a stand-in
+    launch, cold, alternated, with a paired ratio; without a build it says what to do."""
+    monkeypatch.setenv("SOURCE_PATCH_NATIVE_DIR", str(native_build))
+    out = run("bench/due_call_bench.py", "--compiled", "--cold-rounds", "4")
+    table = out.split("the whole call, cold")[1]
+    for row in ("the call in Python (api._fast)", "the call compiled (due)"):
+        assert re.search(rf"^{re.escape(row)}\s+[\d.]+ / [\d.]+ \[", table, re.M), table
+    assert re.search(r"^now / then, paired by round\s+[\d.]+x \(", table, re.M), table
+    monkeypatch.setenv("SOURCE_PATCH_NATIVE_DIR", str(native_build / "none here"))
+    bad = subprocess.run([sys.executable, "bench/due_call_bench.py", "--compiled"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "--compiled: no native launch built" in bad.stderr, bad.stderr
+
+
 def test_the_due_call_bench_times_the_call_against_another_version_and_a_cut_gives_the_lock_back(tmp_path):
     """--against: another version's call (here an api.py file: today's, under another
     name) and today's, cold, alternated, with a paired ratio; a bad revision is refused
