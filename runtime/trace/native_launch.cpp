@@ -313,11 +313,6 @@ PyObject* hand_back(PyObject* const* args) {
   return fast == nullptr ? nullptr : PyObject_Vectorcall(fast, args, 4, nullptr);
 }
 
-// A new reference (or nullptr, error set) to getattr(object, name).
-PyObject* attribute(PyObject* object, PyObject* name) {
-  return PyObject_GetAttr(object, name);
-}
-
 // Whether api's due test finds ``key`` not due at ``step``: -1 error, 0 due, 1 not due.
 int not_due(PyObject* next_step, PyObject* key, long long step, long long every) {
   PyObject* following = PyDict_GetItemWithError(next_step, key);
@@ -429,7 +424,7 @@ int queue_record(PyObject* plan, PyObject* key, PyObject* call_tags, long long s
                  int64_t end) {
   PyObject* tags = with_context(call_tags);
   PyObject* records = tags ? global(names.records) : nullptr;
-  PyObject* stream_object = records ? attribute(plan, names.stream) : nullptr;
+  PyObject* stream_object = records ? PyObject_GetAttr(plan, names.stream) : nullptr;
   PyObject* record = stream_object ? Py_BuildValue("(OOOLdLLN)", plan, PyTuple_GET_ITEM(key, 0), tags, step, stamp,
                                                    static_cast<long long>(offset), static_cast<long long>(end),
                                                    stream_object)
@@ -496,7 +491,7 @@ PyObject* due(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!armed) {
     return hand_back(args);
   }
-  PyObject* capsule = attribute(plan, names.native);
+  PyObject* capsule = PyObject_GetAttr(plan, names.native);
   if (capsule == nullptr) {
     return nullptr;  // not a plan (a bug: raised)
   }
@@ -505,9 +500,9 @@ PyObject* due(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (p == nullptr) {
     return PyErr_Occurred() ? nullptr : hand_back(args);  // a plan without a native launch
   }
-  PyObject* sub = attribute(plan, names.sub);
-  PyObject* next_step = sub ? attribute(sub, names.next_step) : nullptr;
-  PyObject* every_object = next_step ? attribute(sub, names.every) : nullptr;
+  PyObject* sub = PyObject_GetAttr(plan, names.sub);
+  PyObject* next_step = sub ? PyObject_GetAttr(sub, names.next_step) : nullptr;
+  PyObject* every_object = next_step ? PyObject_GetAttr(sub, names.every) : nullptr;
   Py_XDECREF(sub);
   PyObject* step = every_object ? global(names.step) : nullptr;  // (borrowed: read at once)
   long long every = every_object ? PyLong_AsLongLong(every_object) : -1;
