@@ -35,7 +35,23 @@ NUMPY = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2", torch
          torch.int32: "<i4", torch.int16: "<i2", torch.int8: "|i1", torch.uint8: "|u1", torch.bool: "|b1"}
 
 
+class _Cursor:
+    """One of a ring's two cursor integers, read and set as an attribute."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __get__(self, ring, owner=None):
+        return self if ring is None else ring.cursor[self.index]
+
+    def __set__(self, ring, value: int) -> None:
+        ring.cursor[self.index] = value
+
+
 class Ring:
+    head = _Cursor(0)  # bytes handed out, ever (the training thread's)
+    tail = _Cursor(1)  # bytes given back, ever (set by the forwarder's answers)
+
     def __init__(self, size: int = SIZE):
         self.size = size
         self.fd = os.memfd_create("source-patch-trace-ring", 0)  # anonymous: nothing to clean up
@@ -47,28 +63,11 @@ class Ring:
         self.device_address: int | None = None  # where kernels see it, once pinned (None: unknown)
         self.lock = threading.Lock()  # any thread may trace (api's trace queue lock where it serves)
         self.direct = True  # kernels may write here (cleared if a launch refuses host memory)
-        # [head, tail]: bytes handed out, ever (the training thread's), and given back, ever
-        # (set by the forwarder's answers); two int64 the compiled due call reads and writes
-        # too (native_launch.cpp, at ``cursor``'s address)
+        # [head, tail] (above), two int64 that the compiled due call reads and writes too
+        # (native_launch.cpp, at ``cursor_address``)
         self.cursor = (ctypes.c_int64 * 2)()
         self.cursor_address = ctypes.addressof(self.cursor)
         self.pinned: bool | None = None  # None: not tried yet
-
-    @property
-    def head(self) -> int:
-        return self.cursor[0]
-
-    @head.setter
-    def head(self, value: int) -> None:
-        self.cursor[0] = value
-
-    @property
-    def tail(self) -> int:
-        return self.cursor[1]
-
-    @tail.setter
-    def tail(self, value: int) -> None:
-        self.cursor[1] = value
 
     def pin(self) -> bool:
         """Page-lock the ring once, for asynchronous device copies (False: cannot)."""
