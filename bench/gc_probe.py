@@ -10,7 +10,8 @@ collecting and the collections of each generation.  trace_bench.py --gc uses it
 to tell whether a slow step is one that collected.
 
 ``--calls`` also times the parts of each due trace() call on the training thread
-(the planned call, ``api._fast``, counted with the calls it finds not due; the general
+(the planned call, ``api._fast``, or its compiled twin where the native launch is
+built, counted with the calls it finds not due; the general
 path's call, its device stage, the Triton launcher alone, the event record) and
 prints ``call-parts: {part: [calls, total us, power-of-two us histogram, first
 call's us]}`` before that line (the first call, which loads or compiles the kernel,
@@ -66,6 +67,14 @@ def probe_calls() -> dict:
         return wrapper
 
     api._fast = timed("due call, planned (_fast; not-due calls too)", api._fast)
+    make = api._make_plan
+
+    def make_timed(*args):  # a native plan's call is compiled (plan.due, called by trace()): timed where made
+        plan = make(*args)
+        if plan and getattr(plan, "due", None) is not None:
+            plan.due = timed("due call, compiled (native_launch.cpp's due; not-due calls too)", plan.due)
+        return plan
+    api._make_plan = make_timed
     api._compress = timed("due call, general path (_compress)", api._compress)
     api._device_stage = timed("  device stage (launch, ring)", api._device_stage)
     api._record = timed("  event record", api._record)
