@@ -59,18 +59,10 @@ import torch
 from compressor_bench import OtherWork, host_loop
 from stats import HEADER, bootstrap, cells
 
-from source_patch.runtime.trace import api, device, hub, plan as plan_module
+from source_patch.runtime.trace import api, device, hub, plan as plan_module, ring as ring_module
 
 LAYOUT = (64, 4, 256)
 STATS_SHAPE = (2, 5, 256)  # [splits, statistics, columns]: what the fused kernel writes
-
-
-class Ring:
-    """The forwarder's ring as _fast reads it: pinned, written by the device."""
-
-    def __init__(self):
-        self.direct, self.device_address, self.size, self.head, self.tail = True, 1 << 40, 32 << 20, 0, 0
-        self.lock = threading.Lock()
 
 
 class Launch:
@@ -84,7 +76,8 @@ def stand_ins(x: torch.Tensor):
     sub = hub.parse_subscription({"op": "subscribe", "id": "bench", "names": ["h"], "compressor": {"kind": "tiles"}})
     plan = plan_module.Plan(sub, x, Launch)  # as plan.make builds it
     device.known_streams[(plan.device, 0)] = (object(), 0)
-    ring = Ring()
+    ring = ring_module.Ring()  # the forwarder's ring, as if pinned: a stand-in device address
+    ring.device_address, ring.lock = 1 << 40, api._lock  # (the lock, as lifecycle.py sets it where it serves)
     for name, value in (("_ring", ring), ("_stepping", True), ("_publisher", threading.current_thread()),
                         ("_capturing", lambda: False), ("_stream_of", lambda index: (0, plan.device, 1)),
                         ("_fast_ring", ring), ("_hook_calls", ([], []))):  # what api._arm sets on a GPU
@@ -196,7 +189,7 @@ def closers(lines: list, i: int) -> list:
 def real_state(x: torch.Tensor):
     """(a CUDA device) api's trace state as a training process has it (hub: process): the
     shared ring, one tiles subscription, a plan made by real due calls; the plan."""
-    from source_patch.runtime.trace import compress, ring as ring_module
+    from source_patch.runtime.trace import compress
 
     ring = ring_module.shared()
     if ring is None or not ring.pin():
@@ -228,29 +221,26 @@ def native_twin(plan, x: torch.Tensor):
 
 
 def cpu_twin(plan, x: torch.Tensor):
-    """(the CPU) ``plan``'s twin with the native launch and the compiled due call, its
-    launch a stand-in (libc's ``abs``: abs(0) is 0, nothing launched), on a real ring (a
-    stand-in device address) that becomes api's; None where the native launch is not
-    built for this torch (source-patch build-native)."""
-    from source_patch.runtime.trace import native, ring as ring_module
+    """(the CPU, after stand_ins) ``plan``'s twin with the native launch and the compiled
+    due call, its launch a stand-in (libc's ``abs``: abs(0) is 0, nothing launched); None
+    where the native launch is not built for this torch (source-patch build-native)."""
+    from source_patch.runtime.trace import native
 
     module = native.load()
     if module is None:
         return None
-    ring = ring_module.Ring()
-    ring.device_address, ring.lock = 1 << 40, api._lock  # (the lock, as lifecycle.py sets it where it serves)
-    api._ring = api._fast_ring = ring
     twin = plan_module.Plan(plan.sub, x, Launch)
     launch = ctypes.cast(ctypes.CDLL(None).abs, ctypes.c_void_p).value
     twin.native = module.plan(x, launch, 0, (1, 1, 1), 128, 0, "pp", (), twin.nbytes, twin.padded)
     twin.native_launch, twin.due, twin.stream = module.launch, module.due, "a stand-in stream"
-    api._arm_compiled(ring)
+    api._arm_compiled(api._ring)
     return twin
 
 
-def compiled_call(twin, x: torch.Tensor, put_back):
-    """``twin.due``, checked to make the call itself (not hand it to api._fast: tracing not
-    armed, another layout, another stream current), else the bench exits."""
+def compiled_rows(twin, x: torch.Tensor, put_back) -> dict:
+    """against_table's rows for --compiled: api._fast, and ``twin.due`` checked to make the
+    call itself (not hand it to api._fast: tracing not armed, another layout, another
+    stream current), else the bench exits."""
     def refused(*args):
         raise SystemExit("--compiled: the compiled call handed the call to api._fast here")
     with mock.patch.object(api, "_fast", refused):
@@ -258,7 +248,7 @@ def compiled_call(twin, x: torch.Tensor, put_back):
     if not api._records:
         raise SystemExit("--compiled: the compiled call queued nothing (the queue or the ring full?)")
     put_back()
-    return twin.due
+    return {"the call in Python (api._fast)": api._fast, "the call compiled (due)": twin.due}
 
 
 def fast_at(where: str):
@@ -278,13 +268,11 @@ def fast_at(where: str):
     return fast_from(ast.get_source_segment(source, found[0]))
 
 
-def against_table(plan, x: torch.Tensor, put_back, rounds: int, other, before, label: str, now=None,
-                  now_label: str = "the call now") -> None:  # label: before's row
-    """Today's call (``now``, default api._fast) and ``before`` (fast_at), each timed alone
-    after ``other``, cold, alternated round by round (the order flipping): medians and the
-    paired ratio."""
+def against_table(plan, x: torch.Tensor, put_back, rounds: int, other, calls: dict) -> None:
+    """Two calls, ``{row: call}``, then and now (another version's and today's, or the call
+    from Python and compiled), each timed alone after ``other``, cold, alternated round by
+    round (the order flipping): medians and the paired ratio, now / then."""
     key, tags = ("h", 1), {"layer": 1}
-    calls = {label: before, now_label: now or api._fast}
     samples: dict = {name: [] for name in calls}
     for r in range(rounds):
         for name, fn in list(calls.items())[:: 1 if r % 2 else -1]:
@@ -401,13 +389,12 @@ def main() -> None:
         print(f"the planned due call (api._fast) on {torch.cuda.get_device_name()}, torch {torch.__version__}, "
               f"Python {sys.version.split()[0]}; the native launch {'built' if twin else 'not built'}")
         if before is not None:
-            against_table(twin or plan, x, put_back, args.cold_rounds, OtherWork("cuda"), before,
-                          f"the call at {Path(args.against).name}")
+            against_table(twin or plan, x, put_back, args.cold_rounds, OtherWork("cuda"),
+                          {f"the call at {Path(args.against).name}": before, "the call now": api._fast})
         if args.compiled:
             if getattr(twin, "due", None) is None:
                 raise SystemExit("--compiled: no compiled due call here (source-patch build-native)")
-            against_table(twin, x, put_back, args.cold_rounds, OtherWork("cuda"), api._fast,
-                          "the call in Python (api._fast)", compiled_call(twin, x, put_back), "the call compiled (due)")
+            against_table(twin, x, put_back, args.cold_rounds, OtherWork("cuda"), compiled_rows(twin, x, put_back))
         if args.cuts or (before is None and not args.compiled):
             cuts_table(plan, x, put_back, args.cold_rounds, OtherWork("cuda"), twin, args.native)
         return
@@ -421,8 +408,7 @@ def main() -> None:
         _, put_back, _ = due_call(twin, x)
         print(f"the planned due call on {x.device}, torch {torch.__version__}, Python {sys.version.split()[0]}: "
               "the native plan's, its launch a stand-in")
-        against_table(twin, x, put_back, args.cold_rounds, OtherWork("cpu"), api._fast,
-                      "the call in Python (api._fast)", compiled_call(twin, x, put_back), "the call compiled (due)")
+        against_table(twin, x, put_back, args.cold_rounds, OtherWork("cpu"), compiled_rows(twin, x, put_back))
         return
     call, put_back, due = due_call(plan, x)
     call()  # the first call: caches filled, specialised bytecodes in place
@@ -443,7 +429,8 @@ def main() -> None:
     other = OtherWork("cpu")
     print(f"{'planned due call':44}{cells([cold_round(due, put_back, other) for _ in range(args.cold_rounds)])}")
     if before is not None:
-        against_table(plan, x, put_back, args.cold_rounds, other, before, f"the call at {Path(args.against).name}")
+        against_table(plan, x, put_back, args.cold_rounds, other,
+                      {f"the call at {Path(args.against).name}": before, "the call now": api._fast})
     if args.cuts:
         cuts_table(plan, x, put_back, args.cold_rounds, other)
     put_back()  # nothing left queued for the runtime's flush at exit (its stream is a stand-in)

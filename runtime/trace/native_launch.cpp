@@ -8,8 +8,8 @@
 // launch's argument list and Triton's launcher cost in Python, cold, and what the
 // interpreter's frame around them cost (docs/bench-notes/overhead.md, "The due trace() call").
 //
-// The GIL is held throughout: calls are serialised by it and by api's lock, so a
-// plan's parameter slots need no lock of their own.
+// The GIL is held throughout and no Python code runs between a plan's parameter slots
+// written and its launch, so the slots need no lock of their own.
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/python_variable.h>
