@@ -20,6 +20,8 @@ import os
 import stat
 import sys
 
+from ..runtime.core.private import Untrusted, foreign, open_folder, read_private, write_private
+
 # --------------------------------------------------------------------------- constants
 
 ENV = "SOURCE_PATCH"  # the spec references to activate in every process
@@ -125,16 +127,7 @@ def untrusted(directory) -> str | None:
         return None
     if not stat.S_ISDIR(st.st_mode):
         return "it is not a directory"
-    return _foreign(st, "it")
-
-
-def _foreign(st, what: str) -> str | None:
-    """Why a folder or file another user could have written must not be read (None: it may)."""
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"{what} is owned by uid {st.st_uid}, not by this user ({os.getuid()})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
+    return foreign(st, "it")
 
 
 _REFUSED: set = set()  # cache directories warned about in this process
@@ -155,114 +148,7 @@ def refuse(directory: str, reason: str) -> None:
 
 # The cache's files are executed and its boot records decide what is patched: each read
 # and write checks every folder on the way down and the file itself, on every use
-# (docs/spec.md#the-code-cache, "trust").
-
-
-class Untrusted(OSError):
-    """A cache folder or file that another user could have written (its reason)."""
-
-
-_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_AT = os.open in os.supports_dir_fd and os.rename in os.supports_dir_fd  # POSIX (os.replace too)
-
-
-def open_folder(root: str, parts, create: bool = False) -> int:
-    """A descriptor of the folder ``root/parts...``: each folder opened, then checked
-    on its descriptor; none below the root may be a symbolic link.  ``create``: a
-    missing folder is made 0700 (the root's parents with the usual modes)."""
-    if not _AT:
-        raise OSError("no directory descriptors here: the code cache is not used")
-    fd = _open_dir(root, None, create, "it")
-    try:
-        for i, part in enumerate(parts):
-            sub = _open_dir(part, fd, create, "its folder " + "/".join(parts[:i + 1]))
-            os.close(fd)
-            fd = sub
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _open_dir(name: str, at: int | None, create: bool, what: str) -> int:
-    flags = _READ | getattr(os, "O_DIRECTORY", 0) | (_NOFOLLOW if at is not None else 0)  # the root may be a link
-    try:
-        fd = os.open(name, flags, dir_fd=at)
-    except FileNotFoundError:
-        if not create:
-            raise
-        if at is None:
-            os.makedirs(os.path.dirname(os.path.abspath(name)), exist_ok=True)
-        try:
-            os.mkdir(name, 0o700, dir_fd=at)
-            os.chmod(name, 0o700, dir_fd=at)  # exactly 0700, whatever the umask
-        except FileExistsError:
-            pass  # made meanwhile by another process: checked below like any other
-        fd = os.open(name, flags, dir_fd=at)
-    except OSError as exc:  # the root unreachable (a file on its path): no cache, as when absent
-        raise (_refusal(exc, what) if at is not None else exc) from None
-    reason = _foreign(os.fstat(fd), what)
-    if reason:
-        os.close(fd)
-        raise Untrusted(reason)
-    return fd
-
-
-def _refusal(exc: OSError, what: str) -> OSError:
-    """A symbolic link or a non-folder where a folder or file should be: Untrusted."""
-    import errno
-
-    if exc.errno == errno.ELOOP:
-        return Untrusted(f"{what} is a symbolic link")
-    if exc.errno == errno.ENOTDIR:
-        return Untrusted(f"{what} is a symbolic link or not a directory")
-    return exc
-
-
-def read_private(root: str, parts) -> bytes:
-    """The bytes of the file ``root/parts...`` (the last part its name), read only
-    where it and every folder down to it pass the check.  Raises Untrusted, or
-    OSError where it is missing or not a regular file."""
-    *folders, name = parts
-    folder = open_folder(root, folders)
-    what = "its file " + "/".join(parts)
-    try:
-        fd = os.open(name, _READ | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), dir_fd=folder)
-    except OSError as exc:
-        raise _refusal(exc, what) from None
-    finally:
-        os.close(folder)
-    with open(fd, "rb", buffering=0) as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"{what} is not a regular file")
-        reason = _foreign(st, what)
-        if reason:
-            raise Untrusted(reason)
-        return f.readall()
-
-
-def write_private(root: str, parts, data) -> None:
-    """Write ``data`` to ``root/parts...`` (the folders made 0700 where missing, each
-    checked): a temporary file (mode 0600) renamed over the target, so readers see
-    the old file or the new one, never a part."""
-    *folders, name = parts
-    folder = open_folder(root, folders, create=True)
-    tmp = f".tmp-{os.urandom(8).hex()}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                     0o600, dir_fd=folder)
-        try:
-            with open(fd, "wb") as f:
-                os.fchmod(fd, 0o600)  # whatever the umask
-                f.write(data)
-            os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
-        except BaseException:
-            os.unlink(tmp, dir_fd=folder)
-            raise
-    finally:
-        os.close(folder)
+# (docs/spec.md#the-code-cache, "trust"), through the runtime's one writer of files.
 
 
 # --------------------------------------------------------------------------- the boot record
@@ -386,7 +272,7 @@ def write(paths, texts, found: dict) -> bool:
     except ValueError:  # a sys.path entry that is not a str (a Path, bytes): no record
         return False
     try:
-        write_private(directory, ("boot", os.path.basename(record_path(directory, paths))), payload)
+        write_private(directory, ("boot", os.path.basename(record_path(directory, paths))), payload, sync=False)
     except Untrusted as exc:
         refuse(directory, str(exc))
         return False

@@ -197,6 +197,7 @@ def test_the_patcher_cycle_check_can_fail(tmp_path):
 # The only arrows from the patcher into the runtime: (patcher module, runtime module),
 # each explained in docs/architecture.md ("Arrows out of the patcher").
 PATCHER_TO_RUNTIME = {
+    ("boot", "core/private"),  # the code cache's private files, written and checked as every file we write
     ("spec", "core/settings"),  # validates a spec's `runtime:` sections against the schemas
     ("finder", "facade"),  # the __sp__ handle resolves each name there, on first use
     ("matrix", "core/bounded"),  # size-limited reads of wheels and their members

@@ -96,10 +96,12 @@ def test_a_warm_start_imports_nothing_new_and_patches_at_the_first_target(spec_f
     warm_up(spec_file)
     warm = probe(spec_file, "--import")
     assert warm["first"] == "BootFinder"
-    # Against a start-up without SOURCE_PATCH: the package, the hook's module and
-    # boot.py, nothing else (no dataclasses, typing, hashlib, json, the patcher...).
+    # Against a start-up without SOURCE_PATCH: the package, the hook's module, boot.py
+    # and the private-file reader it checks the record with (os and stat only), nothing
+    # else (no dataclasses, typing, hashlib, json, the patcher...).
     assert set(warm["modules"]) - set(unset["modules"]) == {
-        "source_patch", "source_patch.patcher", "source_patch.patcher.startup", "source_patch.patcher.boot"}
+        "source_patch", "source_patch.patcher", "source_patch.patcher.startup", "source_patch.patcher.boot",
+        "source_patch.runtime", "source_patch.runtime.core", "source_patch.runtime.core.private"}
     # The first target import hands over: patched, one PatchFinder, no BootFinder left.
     assert warm["result"] == -3 and warm["applied"] == ["neg"], warm
     assert warm["finders"] == ["PatchFinder"]

@@ -11,7 +11,7 @@ import random
 import socket
 from pathlib import Path
 
-from . import bounded
+from . import bounded, private
 
 _handed: set = set()
 
@@ -51,22 +51,10 @@ def local_rank() -> int:
 
 
 def write_private_json(path: Path, info: dict) -> None:
-    """Write ``info`` as JSON readable by the owner only (0600), atomically (temp file +
-    rename), creating the folder.  Raises OSError; a failed write leaves no temp file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            os.fchmod(out.fileno(), 0o600)  # an existing temp file keeps its mode through O_CREAT
-            json.dump(info, out)
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Write ``info`` as JSON readable by the owner only (0600), atomically, in a private
+    folder (made 0700 where missing; one another user owns or can write is refused:
+    the file holds a token).  Raises OSError; a failed write leaves no temp file."""
+    private.write_private_file(path, json.dumps(info))
 
 
 MAX_JSON_DEPTH = bounded.MAX_DEPTH  # client JSON nests no deeper (json.loads recurses: a deep body is a crash)
