@@ -26,15 +26,18 @@ can call those from its methods instead).
 What crosses Ray: the runtime_env holds environment variable strings only (validated
 here, read by the runtime as it reads any environment); actors answer with plain
 dicts of strings and numbers, and routing files as bytes that the routing reader
-validates like any file.  Endpoint tokens never leave their node: the driver sees
-URLs, and asks an actor to make a request for it (:func:`dump_request`).  Ray's own
-ports, authentication and dashboard are Ray's (docs/integrations.md).
+validates like any file; an answer of another shape is an :class:`ActorAnswerError`
+naming the actor.  Endpoint tokens never leave their node: the driver sees URLs, and
+asks an actor to make a request for it (:func:`dump_request`), only to a loopback URL
+read from a private control file.  Ray's own ports, authentication and dashboard are
+Ray's (docs/integrations.md).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -42,8 +45,20 @@ from pathlib import Path
 SOURCE_PATCH = "SOURCE_PATCH"
 SGLANG_ROUTING_DIR = "SOURCE_PATCH_SGLANG_ROUTING_DIR"
 MAX_ROUTE_BYTES = 1 << 30  # routing files one actor hands over in one call
+MAX_INFO_BYTES = 64 << 10  # a control or token file (a few hundred bytes)
 PATH_KEYS = {"dir"}        # settings that name a folder: made absolute (workers start elsewhere)
-_PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*\Z")  # a file or folder name, never . or ..
+ROUTES_MARK = ".source-patch-routes"  # in a folder merge_route_files made: its actor-<i> folders are its own
+_PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}\Z")  # a file or folder name, never . or ..
+_ACTOR = re.compile(r"actor-\d+\Z")
+# The URLs a token is sent to: this node's loopback (a wildcard bind is reached there too),
+# never what a file says elsewhere (another host, a file:// URL read into the reply).
+_LOCAL_URL = re.compile(r"http://(127\.0\.0\.1|localhost|\[::1\]|0\.0\.0\.0|\[::\]):(\d{1,5})/?\Z")
+_WILDCARD = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}
+_REQUEST_PATH = re.compile(r"/[A-Za-z0-9_./-]{0,200}\Z")  # the endpoint's paths: no query, no @host
+
+
+class ActorAnswerError(ValueError):
+    """An actor answered something its ``source_patch_*`` method never returns (says which actor)."""
 
 
 def _ray():
@@ -78,6 +93,11 @@ def runtime_env(specs=(), settings: dict | None = None, env: dict | None = None,
     for name, value in (env or {}).items():
         if not isinstance(name, str) or not isinstance(value, str):
             raise TypeError(f"runtime_env env: {name!r}={value!r}: names and values must be strings")
+        if name == SOURCE_PATCH or name in env_vars:  # would replace what was validated above
+            raise ValueError(f"runtime_env env: {name} is set from "
+                             f"{'specs' if name == SOURCE_PATCH else 'settings'} (validated): pass it there")
+        if not name or "=" in name or "\0" in name + value:
+            raise ValueError(f"runtime_env env: {name!r}: not an environment variable name and value")
         env_vars[name] = value
     out = dict(base or {})
     out["env_vars"] = {**out.get("env_vars", {}), **env_vars}
@@ -90,7 +110,13 @@ def _spec_reference(ref) -> str:
     text = os.fspath(ref)
     spec = load_spec(text)  # SpecError here, in the driver, not in every worker
     bundled = os.sep not in text and not text.endswith((".yaml", ".yml")) and not os.path.exists(text)
-    return text if bundled else spec.file
+    reference = text if bundled else spec.file
+    # The worker splits SOURCE_PATCH at both and strips each part: such a path would
+    # reach it as other paths (patcher/boot.split_refs).
+    if "," in reference or os.pathsep in reference or reference != reference.strip():
+        raise ValueError(f"spec {text!r}: its path {reference!r} holds ',' or {os.pathsep!r} or surrounding "
+                         f"spaces, which SOURCE_PATCH cannot carry: rename or move the file")
+    return reference
 
 
 def setting_variable(component: str, key: str, value) -> tuple[str, str]:
@@ -153,56 +179,109 @@ def _active_specs() -> list:
 
 def local_endpoints() -> dict:
     """Where this process and its children dump, their dump control endpoints and
-    trace hubs (URL, pid, rank; tokens stay in their 0600 files on this node)."""
+    trace hubs (URL, pid, rank; tokens stay in their 0600 files on this node), and
+    ``refused``: the files not read (one line each: a foreign folder, a link, a FIFO)."""
     from source_patch.runtime.core import settings
 
-    dump, trace = settings.resolve("dump"), settings.resolve("trace")
+    dump, trace, refused = settings.resolve("dump"), settings.resolve("trace"), []
     return {"node": node_address(), "pid": os.getpid(),
             "dump_dir": _exp_dir(dump) if dump["enable"] else None,
-            "dump_control": [_public(info) for info in _controls(dump)],
-            "trace": [_public(info) for info in _trace_files(trace)],
-            "routes": os.environ.get(SGLANG_ROUTING_DIR) or settings.resolve("routing")["dir"] or None}
+            "dump_control": [_public(info) for info in _controls(dump, refused)],
+            "trace": [_public(info) for info in _family_files(Path(trace["dir"]).expanduser(), refused)],
+            "routes": os.environ.get(SGLANG_ROUTING_DIR) or settings.resolve("routing")["dir"] or None,
+            "refused": refused}
 
 
 def local_dump_request(method: str, path: str, body: dict | None = None) -> list:
     """One request to each dump control endpoint of this process and its children,
-    made here with their tokens: ``[{"url", "pid", "status", "reply"}]``."""
+    made here with their tokens: ``[{"url", "pid", "status", "reply"}]``.  Only to a
+    loopback URL (an endpoint bound elsewhere is listed with an error, not asked)."""
+    import http.client
+
     from source_patch.runtime.core import settings
     from source_patch.runtime.dump import server
 
+    method = _check_request(method, path, body)
     out = []
-    for info in _controls(settings.resolve("dump")):
+    for info in _controls(settings.resolve("dump"), []):
+        url, token = _local_url(info.get("url")), info.get("token")
         try:
-            status, reply = server.request(info, method, path, body)
-        except OSError as exc:
-            status, reply = None, {"error": str(exc)}
-        out.append({"url": info["url"], "pid": info["pid"], "status": status, "reply": reply})
+            if url is None or not isinstance(token, str):
+                raise ValueError(f"{info['file']}: not a loopback http URL with a port and a token: not asked")
+            status, reply = server.request({"url": url, "token": token}, method, path, body)
+        except (OSError, ValueError, RecursionError, http.client.HTTPException) as exc:  # a peer's reply too
+            status, reply = None, {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        out.append({"url": info.get("url"), "pid": info["pid"], "status": status, "reply": reply})
     return out
+
+
+def _check_request(method, path, body) -> str:
+    """The request's method, after checking it is one the dump endpoint serves (in the
+    driver and again in the actor: ``path`` is appended to the endpoint's URL)."""
+    if not isinstance(method, str) or method.upper() not in ("GET", "POST"):
+        raise ValueError(f"dump request: method {method!r}: GET or POST")
+    if not isinstance(path, str) or not _REQUEST_PATH.match(path):
+        raise ValueError(f"dump request: path {path!r}: an absolute path such as /state (letters, digits, _ . - /)")
+    if body is not None and not isinstance(body, dict):
+        raise ValueError(f"dump request: body: a dict or None, not a {type(body).__name__}")
+    return method.upper()
+
+
+def _local_url(url) -> str | None:
+    """``url`` if it is this node's loopback with a port (a wildcard host made loopback), else None."""
+    found = _LOCAL_URL.match(url) if isinstance(url, str) else None
+    if not found or not 0 < int(found[2]) < 65536:
+        return None
+    return f"http://{_WILDCARD.get(found[1], found[1])}:{found[2]}"
 
 
 def _exp_dir(dump: dict) -> str:
     return os.path.join(os.path.abspath(os.path.expanduser(dump["dir"])), dump["exp_name"])
 
 
-def _controls(dump: dict) -> list:
-    from source_patch.runtime.dump import server
-
-    family = _family()
-    return [info for info in server.endpoints(_exp_dir(dump)) if info.get("pid") in family]
+def _controls(dump: dict, refused: list) -> list:
+    return _family_files(Path(_exp_dir(dump)) / "control", refused)
 
 
-def _trace_files(trace: dict) -> list:
-    import json
+def _family_files(folder: Path, refused: list) -> list:
+    """The JSON files in ``folder`` (control or token files, which their processes write
+    private: runtime/core/private.py) of this process and its children.  Read only where
+    the folder and the file are this user's and no one else can write them, never
+    through a link, never a FIFO (it would hang) or a file over MAX_INFO_BYTES; any
+    other is one line in ``refused``: a file planted there must not choose the URL
+    that ``local_dump_request`` sends a token to."""
+    from source_patch.runtime.core import private
 
+    try:
+        os.close(private.open_folder(str(folder), []))  # the folder checked once, not per file
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+    except FileNotFoundError:
+        return []
+    except OSError as exc:  # Untrusted: another user's, or writable by others
+        refused.append(f"{folder}: {exc.strerror or exc}")
+        return []
     family, out = _family(), []
-    for path in sorted(Path(trace["dir"]).expanduser().glob("*.json")):
-        try:
-            info = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(info, dict) and info.get("pid") in family:
-            out.append({**info, "file": str(path)})
+    for name in names:
+        info = _read_info(folder, name, refused)
+        pid = info.get("pid") if info else None
+        if type(pid) is int and pid in family:  # a bool is no pid
+            out.append({**info, "file": str(folder / name)})
     return out
+
+
+def _read_info(folder: Path, name: str, refused: list) -> dict | None:
+    from source_patch.runtime.core import bounded, private
+
+    try:
+        if os.stat(folder / name, follow_symlinks=False).st_size > MAX_INFO_BYTES:
+            raise ValueError(f"larger than {MAX_INFO_BYTES:,} bytes")
+        data = private.read_private(str(folder), [name])  # no link, regular, this user's
+        return bounded.load_json(data, what="its content", max_bytes=MAX_INFO_BYTES, kind=dict)
+    except FileNotFoundError:
+        return None  # removed meanwhile: its process ended
+    except (OSError, ValueError) as exc:
+        refused.append(f"{folder / name}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}")
+        return None
 
 
 def _public(info: dict) -> dict:
@@ -235,7 +314,7 @@ def _family() -> set:
 def local_route_files(folder: str | None = None, max_bytes: int = MAX_ROUTE_BYTES) -> dict:
     """The routing files under ``folder`` (default: this process's SGLang routing
     dir, else its Megatron routing dir) as ``{relative path: bytes}``."""
-    from source_patch.runtime.core import settings
+    from source_patch.runtime.core import bounded, settings
 
     folder = folder or os.environ.get(SGLANG_ROUTING_DIR) or settings.resolve("routing")["dir"]
     if not folder:
@@ -247,7 +326,9 @@ def local_route_files(folder: str | None = None, max_bytes: int = MAX_ROUTE_BYTE
         total += path.stat().st_size
         if total > max_bytes:
             raise ValueError(f"routing files under {root} exceed {max_bytes} bytes: collect fewer at a time")
-        files[path.relative_to(root).as_posix()] = path.read_bytes()
+        # no link, no FIFO swapped in since the check (it would hang this actor)
+        files[path.relative_to(root).as_posix()] = bounded.read_regular(path, max_bytes=max_bytes,
+                                                                         what="routing file", follow_symlinks=False)
     return {"node": node_address(), "pid": os.getpid(), "dir": str(root.resolve()), "files": files}
 
 
@@ -298,8 +379,15 @@ class SourcePatchActor:
 # ------------------------------------------------------------------ the driver's helpers
 
 
-def _each(actors, method: str, *args, timeout: float = 300.0) -> list:
-    return _ray().get([getattr(a, method).remote(*args) for a in actors], timeout=timeout)
+def _each(actors, method: str, *args, timeout: float = 300.0, kind: type = dict) -> list:
+    """Each actor's answer to ``method``, checked to be a ``kind`` (ActorAnswerError names the actor)."""
+    actors = list(actors)
+    answers = _ray().get([getattr(a, method).remote(*args) for a in actors], timeout=timeout)
+    for i, answer in enumerate(answers):
+        if not isinstance(answer, kind):
+            raise ActorAnswerError(f"actor {i} ({actors[i]!r}): {method} answered a {type(answer).__name__}, "
+                                   f"not a {kind.__name__}")
+    return answers
 
 
 def status(actors, timeout: float = 300.0) -> list:
@@ -315,7 +403,8 @@ def endpoints(actors, timeout: float = 300.0) -> list:
 def dump_request(actors, method: str, path: str, body: dict | None = None, timeout: float = 300.0) -> list:
     """:func:`local_dump_request` in each actor, e.g. ``dump_request(actors, "GET", "/state")``
     or ``("POST", "/configure", {"names": ["logits"]})``."""
-    return _each(actors, "source_patch_dump_request", method, path, body, timeout=timeout)
+    method = _check_request(method, path, body)  # here first: the actors would all refuse it
+    return _each(actors, "source_patch_dump_request", method, path, body, timeout=timeout, kind=list)
 
 
 def weight_sync_rendezvous(trainer, engine_tp_sizes=(1,), host: str | None = None, port: int = 0,
@@ -345,16 +434,67 @@ def collect_routes(actors, into, rids=None, folder: str | None = None, timeout: 
 def merge_route_files(parts: list, into) -> dict:
     """Write each part's files (:func:`local_route_files` answers) under
     ``into/actor-<i>/`` and merge them (:func:`routing.sglang.merge_rank_files`:
-    every file validated, a request seen by several ranks must be the same on all)."""
+    every file validated, a request seen by several ranks must be the same on all).
+
+    ``into`` is new, empty, or a folder an earlier call wrote (it holds ROUTES_MARK):
+    this user's, writable by no one else (made 0700), its ``actor-<i>`` folders
+    replaced by this call's, so no file from before is merged; any other content is
+    refused.  Files are written 0600 through private.write_private: never through a
+    link planted there.  An answer that is not a dict of plain relative
+    ``*.safetensors`` names to bytes is an ActorAnswerError naming the actor."""
+    from source_patch.runtime.core import private
     from source_patch.runtime.routing.sglang import merge_rank_files
 
-    root = Path(into)
-    for i, part in enumerate(parts):
-        for relative, data in part["files"].items():
-            names = relative.split("/")
-            if not relative.endswith(".safetensors") or not all(_PLAIN.match(n) for n in names):
-                raise ValueError(f"routing file {relative!r} from {part.get('node')}: not a plain relative path")
-            target = root.joinpath(f"actor-{i}", *names)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-    return merge_rank_files(root) if any(root.rglob("*.safetensors")) else {}
+    checked = [_files_of(i, part) for i, part in enumerate(parts)]  # all before anything is written
+    root = _fresh_routes_folder(into)
+    for i, files in enumerate(checked):
+        for relative, data in files.items():
+            # not synced: a copy fetched again on the next call; a torn one fails validation
+            private.write_private(root, [f"actor-{i}", *relative.split("/")], data, sync=False)
+    return merge_rank_files(root) if any(checked) else {}
+
+
+def _files_of(i: int, part) -> dict:
+    """Actor ``i``'s ``files``, checked (types, names, size) without writing anything."""
+    node = part.get("node") if isinstance(part, dict) else None
+    where = f"actor {i}" + (f" (node {node[:100]!r})" if isinstance(node, str) else "")
+    files = part.get("files") if isinstance(part, dict) else None
+    if not isinstance(files, dict):
+        raise ActorAnswerError(f"{where}: not a route_files answer (a dict whose 'files' is a dict)")
+    total, folders = 0, set()
+    for relative, data in files.items():
+        if not isinstance(relative, str) or not isinstance(data, (bytes, bytearray)):
+            raise ActorAnswerError(f"{where}: a routing file named by a {type(relative).__name__} holds a "
+                                   f"{type(data).__name__}: expected a str path and bytes")
+        names = relative.split("/")
+        if not relative.endswith(".safetensors") or len(names) > 8 or not all(_PLAIN.match(n) for n in names):
+            raise ActorAnswerError(f"routing file {relative[:300]!r} from {where}: not a plain relative path")
+        folders.update("/".join(names[:k]) for k in range(1, len(names)))
+        total += len(data)
+    clash = folders & set(files)
+    if clash or total > MAX_ROUTE_BYTES:
+        raise ActorAnswerError(f"{where}: " + (f"{sorted(clash)[0][:300]!r} is both a file and a folder" if clash
+                                               else f"{total:,} bytes of routing files, over {MAX_ROUTE_BYTES:,}"))
+    return files
+
+
+def _fresh_routes_folder(into) -> str:
+    """``into`` made or checked (private), its earlier actor-<i> folders removed, marked."""
+    from source_patch.runtime.core import private
+
+    root = os.path.abspath(os.fspath(into))
+    fd = private.open_folder(root, [], create=True)  # made 0700; Untrusted if another user could write it
+    try:
+        entries = os.listdir(fd)
+    finally:
+        os.close(fd)
+    if entries:  # an earlier merge's (marked, nothing else there): its files are not merged again
+        if ROUTES_MARK not in entries or not all(_ACTOR.match(e) for e in entries if e != ROUTES_MARK):
+            raise ValueError(f"merge routes into {root}: it holds what no earlier merge wrote (only {ROUTES_MARK} "
+                             f"and actor-<i> folders may be there): collect into a new or empty folder")
+        private.read_private(root, [ROUTES_MARK])  # a regular file of this user's, not a link
+        for name in entries:
+            if name != ROUTES_MARK:
+                shutil.rmtree(os.path.join(root, name))  # never follows a link (refuses one at the top)
+    private.write_private(root, [ROUTES_MARK], b"written by source_patch.integrations.ray.merge_route_files\n")
+    return root

@@ -8,7 +8,7 @@ of the traced one, runs the compressors' host stage, encodes the frames and serv
 the WebSocket hub (hub.py, unchanged): that CPU time no longer competes for the
 training process's GIL.
 
-    traced process                            forwarder (python -m ...trace.forwarder FD)
+    traced process                            forwarder (python -c ENTRY FD)
     Forwarder.publish(items)  --results-->    read the ring, finish, encode, Hub.deliver
     Ring.release(upto)        <--released--   (the slices are free again)
     set_subscriptions(...)    <--subs-----    Hub (subscribe / unsubscribe)
@@ -19,8 +19,9 @@ The wire is a socketpair carrying length-prefixed messages
 (``multiprocessing.connection``'s ``send_bytes``, never its pickling ``send``): a
 JSON object, and for ``results`` one more message with the results' bytes back to
 back.  The child starts with no SOURCE_PATCH* variables (it patches and traces
-nothing itself), exits when the socket closes (its parent ended or stopped it), and
-writes the token file under the parent's pid.
+nothing itself) and without the current folder on ``sys.path`` (ENTRY), exits when the
+socket closes (its parent ended or stopped it), and writes the token file under the
+parent's pid.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ log = logging.getLogger("source_patch.trace")
 
 START_TIMEOUT_S = 60.0        # the child imports torch (compressors) before it serves
 MAX_MESSAGE = 1 << 30         # bytes: the parent is trusted, but every input is bounded
+# The child's code.  `python -m` and `-c` put the current folder first on sys.path, and
+# every trace-enabled job starts this child wherever it was started: a json.py or a
+# source_patch/ planted there would run in it.  The first statement drops that entry
+# (Python adds it after `site` has run, so nothing was imported from it yet); the rest
+# of sys.path (PYTHONPATH, the user's site) stays the parent's.  `-P` would do the same
+# from 3.11 only, and `-I` would drop PYTHONPATH too.
+ENTRY = ("import sys\n"
+         "if sys.path[:1] == ['']: del sys.path[0]\n"
+         "from source_patch.runtime.trace.forwarder import main\n"
+         "sys.exit(main())\n")
 
 
 class ForwarderUnavailable(RuntimeError):
@@ -78,7 +89,7 @@ class Forwarder:
         fds = [theirs.fileno()] + ([self.ring.fd] if self.ring else [])
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "source_patch.runtime.trace.forwarder", str(theirs.fileno())],
+                [sys.executable, "-c", ENTRY, str(theirs.fileno())],
                 pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
         except OSError as exc:
             ours.close()
