@@ -303,14 +303,24 @@ class CodeCache:
         except ImportError:  # not POSIX
             yield
             return
+        import stat
+
+        from .boot import foreign
+
         *folders, name = self._parts(k)
         lock_name = name[:-len(".spc")] + ".lock"
         folder = handle = None
         if self.writable:
             try:
                 folder = open_folder(self._root, folders, create=True)
-                handle = os.open(lock_name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                                 dir_fd=folder)
+                # Opened without waiting, then checked: a FIFO planted there hung the import.
+                # Anything but a regular file of ours: no lock (the key is computed all the same).
+                handle = os.open(lock_name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                                 0o600, dir_fd=folder)
+                st = os.fstat(handle)
+                if not stat.S_ISREG(st.st_mode) or foreign(st, "its lock"):
+                    os.close(handle)
+                    handle = None
             except Untrusted as exc:
                 self._refuse(exc)
             except OSError:

@@ -27,6 +27,7 @@ import stat
 
 _READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _AT = os.open in os.supports_dir_fd and os.rename in os.supports_dir_fd  # POSIX (os.replace too)
 
@@ -70,20 +71,34 @@ def _open_dir(name: str, at: int | None, create: bool, what: str, check: bool = 
     except FileNotFoundError:
         if not create:
             raise
-        if at is None:
-            os.makedirs(os.path.dirname(os.path.abspath(name)), exist_ok=True)
-        try:
-            os.mkdir(name, 0o700, dir_fd=at)
-            os.chmod(name, 0o700, dir_fd=at)  # exactly 0700, whatever the umask
-        except FileExistsError:
-            pass  # made meanwhile by another process: checked below like any other
-        fd = os.open(name, flags, dir_fd=at)
+        fd = _make_dir(name, at, flags, check)
     except OSError as exc:  # the root unreachable (a file on its path)
         raise (refusal(exc, what) if at is not None else exc) from None
     reason = foreign(os.fstat(fd), what) if check else None
     if reason:
         os.close(fd)
         raise Untrusted(reason)
+    return fd
+
+
+def _make_dir(name: str, at: int | None, flags: int, private: bool) -> int:
+    """Make the missing folder ``name`` (0700 where ``private``: exactly, whatever the
+    umask; else a root the user chose, with its parents, in the usual modes), opened."""
+    if not private:
+        os.makedirs(name, exist_ok=True)
+        return os.open(name, flags, dir_fd=at)
+    if at is None:
+        os.makedirs(os.path.dirname(os.path.abspath(name)), exist_ok=True)
+    try:
+        os.mkdir(name, 0o700, dir_fd=at)
+    except FileExistsError:
+        pass  # made meanwhile by another process: checked by the caller like any other
+    # Not followed even for the root (it was just made: a link there is someone's swap);
+    # set on the descriptor, not by name, so a swap cannot redirect the chmod.
+    fd = os.open(name, flags | _NOFOLLOW, dir_fd=at)
+    st = os.fstat(fd)
+    if hasattr(os, "getuid") and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != 0o700:
+        os.fchmod(fd, 0o700)  # a umask may also take the owner's bits away
     return fd
 
 
@@ -102,21 +117,33 @@ def read_private(root: str, parts) -> bytes:
     OSError where it is missing or not a regular file."""
     *folders, name = parts
     folder = open_folder(root, folders)
-    what = "its file " + "/".join(parts)
     try:
-        fd = os.open(name, _READ | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), dir_fd=folder)
-    except OSError as exc:
-        raise refusal(exc, what) from None
+        fd = open_file(folder, name, "its file " + "/".join(parts))
     finally:
         os.close(folder)
     with open(fd, "rb", buffering=0) as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"{what} is not a regular file")
-        reason = foreign(st, what)
-        if reason:
-            raise Untrusted(reason)
         return f.readall()
+
+
+def open_file(folder: int, name: str, what: str, flags: int = _READ, mode: int = 0o600) -> int:
+    """A descriptor of the regular file ``name`` in the checked ``folder``, opened with
+    ``flags`` (``O_CREAT`` with ``mode``) and then checked on the descriptor: owned by this
+    user, not writable by group or others.  Never follows a symbolic link, and never
+    waits on a FIFO (``O_NONBLOCK``: a FIFO at a file's name hung its reader, or writer,
+    forever).  Raises Untrusted, or OSError where it is missing or not a regular file."""
+    try:
+        fd = os.open(name, flags | _NOFOLLOW | _NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode, dir_fd=folder)
+    except OSError as exc:  # (a FIFO opened for writing with no reader: ENXIO)
+        raise refusal(exc, what) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise OSError(f"{what} is not a regular file")
+    reason = foreign(st, what)
+    if reason:
+        os.close(fd)
+        raise Untrusted(reason)
+    return fd
 
 
 def write_private(root: str, parts, data, *, check_root: bool = True, sync: bool = True) -> None:
@@ -140,6 +167,8 @@ def write_private_file(path, data, *, levels: int = 1) -> None:
     for _ in range(levels + 1):
         root, part = os.path.split(root)
         parts.insert(0, part)
+    if not all(parts):  # "/" reached: no folder of its own to make private
+        raise OSError(errno.EINVAL, f"needs {levels} folder(s) of its own above it", path)
     write_private(root, parts, data, check_root=False)
 
 
@@ -154,7 +183,7 @@ def write_file(path, data) -> None:
     except FileNotFoundError:
         st = None
     if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
-        raise OSError(errno.EEXIST, f"{path} exists and is not a regular file")
+        raise OSError(errno.EEXIST, "exists and is not a regular file", path)
     mode = 0o666 & ~_umask()
     folder = os.open(parent, _READ | getattr(os, "O_DIRECTORY", 0))
     try:

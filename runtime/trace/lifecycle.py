@@ -52,8 +52,8 @@ def _native_built(asked: bool) -> bool:
     try:
         if native.load() is not None:
             return True
-        if not asked:
-            return False
+        if not asked or native.refused:
+            return False  # auto: silent; a refused build: load() said why, once
         reason = f"none built for this torch under {native.build_dir().parent}"
     except Exception as exc:  # noqa: BLE001 - a broken build: Triton's launch, said
         reason = f"{type(exc).__name__}: {exc}"
