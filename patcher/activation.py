@@ -24,7 +24,7 @@ from typing import Iterable, Iterator
 
 from . import boot
 from . import spec as spec_mod
-from .boot import ENV, ON_ERROR, REPORT, STRICT, flag, split_refs
+from .boot import ENV, ON_ERROR, REPORT, STRICT, flag, split_refs, switch
 from .cache import CodeCache
 from .errors import ActivationError, NotActivatedError, SourcePatchError, SourcePatchWarning, shorten, show
 from .finder import PatchFinder, PatchingLoader
@@ -69,6 +69,9 @@ def adopt_boot(pending) -> Activation:
     """The full activation of what the start hook's BootFinder (``pending``) activated:
     the same spec texts, rebuilt from the code cache as activate_from_env would, in a
     PatchFinder that takes the BootFinder's place on sys.meta_path."""
+    error = environment_error()
+    if error:
+        return _refuse_boot(pending, error)
     recorded = pending.recorded
     cache = CodeCache(Path(recorded.cache_dir))
     specs = list(dict.fromkeys(spec_mod.compiled(t, p, cache) for p, t in zip(recorded.paths, recorded.texts)))
@@ -80,6 +83,36 @@ def adopt_boot(pending) -> Activation:
     else:
         sys.meta_path.insert(0, finder)
     return Activation(finder, specs)
+
+
+def _refuse_boot(pending, error: ActivationError) -> Activation:
+    """A boot-record start-up (which reads no settings) refused at its hand-over, as
+    activate_from_env refuses: armed and raised (the import that handed over fails
+    too), or under ON_ERROR=warn said and left unpatched (an Activation of nothing)."""
+    if pending in sys.meta_path:
+        sys.meta_path.remove(pending)
+    policy = os.environ.get(ON_ERROR, "error").strip().lower()
+    _fail(error, policy)
+    if policy != "warn":
+        raise FailedActivation(error).refusal("this module")
+    return Activation(PatchFinder(CodeCache(Path(pending.recorded.cache_dir))), [])
+
+
+_PATCHER_VARIABLES = frozenset((REPORT, STRICT, ON_ERROR, boot.CACHE_ENV, boot.CHECK_ENV))
+
+
+def environment_error(environ=os.environ) -> ActivationError | None:
+    """SOURCE_PATCH_STRICT and every ``SOURCE_PATCH_<COMPONENT>_<KEY>`` checked at
+    activation, so that a bad value stops the job at once with one line instead of a
+    traceback at its first call site (settings.environ_errors)."""
+    errors = []
+    if any(name.startswith("SOURCE_PATCH_") and name not in _PATCHER_VARIABLES for name in environ):
+        errors = spec_mod.settings_errors(environ)  # else no import of the schemas (~5 ms)
+    try:
+        switch(environ, STRICT)
+    except ValueError as exc:
+        errors.insert(0, str(exc))
+    return ActivationError("; ".join(errors)) if errors else None
 
 
 def _finder(cache_dir: str | os.PathLike | None) -> PatchFinder:
@@ -104,6 +137,9 @@ def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
 
 
 def _activate(specs, cache_dir) -> Activation:
+    error = environment_error()
+    if error:  # first: nothing is loaded or installed for a run that must not start
+        raise error
     if isinstance(specs, (str, os.PathLike)):
         specs = [specs]
     loaded = [s if isinstance(s, spec_mod.Spec) else spec_mod.load(s) for s in specs]
@@ -324,11 +360,14 @@ class FailedActivation:
 
     def find_spec(self, fullname, path=None, target=None):
         if _is_third_party(fullname):
-            raise NotActivatedError(
-                f"source-patch: {ENV} could not be activated, so importing {shorten(fullname)} is refused "
-                f"(the program would run unpatched; {ON_ERROR}=warn runs it unpatched anyway):\n{self.error}",
-                self.error) from None
+            raise self.refusal(shorten(fullname)) from None
         return None
+
+    def refusal(self, what: str) -> NotActivatedError:
+        return NotActivatedError(
+            f"source-patch: {ENV} could not be activated, so importing {what} is refused "
+            f"(the program would run unpatched; {ON_ERROR}=warn runs it unpatched anyway):\n{self.error}",
+            self.error)
 
 
 def _trimmed_hook(previous):

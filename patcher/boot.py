@@ -51,8 +51,26 @@ def split_refs(value: str) -> list[str]:
     return [r.strip() for r in value.replace(os.pathsep, ",").split(",") if r.strip()]
 
 
+ON_WORDS = ("1", "true", "yes", "on")  # a switch variable's values, in any case
+OFF_WORDS = ("", "0", "false", "no", "off")
+
+
 def flag(environ, name: str) -> bool:
-    return environ.get(name, "").strip() in ("1", "true", "yes")
+    """A switch variable (SOURCE_PATCH_REPORT, _STRICT): on for ON_WORDS in any case, else
+    off.  Where a value that is neither must be refused, ``switch`` says why."""
+    return environ.get(name, "").strip().lower() in ON_WORDS
+
+
+def switch(environ, name: str) -> bool:
+    """``flag``, but ValueError for a value that is neither on nor off: ``STRICT=2`` or
+    ``=enabled`` silently meaning off would hide the very errors it was set to raise."""
+    value = environ.get(name, "")
+    if value.strip().lower() in OFF_WORDS:
+        return False
+    if flag(environ, name):
+        return True
+    raise ValueError(f"{name}={value!r} is neither on ({', '.join(ON_WORDS)}) nor off "
+                     f"({', '.join(w for w in OFF_WORDS if w)} or empty), in any case")
 
 
 def signature(path) -> tuple | None:

@@ -18,8 +18,8 @@ from pathlib import Path
 from . import spec as spec_mod
 from typing import NamedTuple
 
-from .boot import ENV, STRICT, flag
-from .errors import AnchorError, SourcePatchError, shorten
+from .boot import ENV, STRICT, switch
+from .errors import AnchorError, SourcePatchError, printable, shorten
 from .locate import dist_version, find_source_hinted
 from .requires import unmet, unmet_requirement
 
@@ -134,10 +134,26 @@ def _settings(args) -> int:
     from source_patch.runtime.core.settings_doc import markdown
 
     if args.write:
-        Path(args.write).write_text(markdown(), encoding="utf-8")
+        _write_file(args.write, markdown())
     else:
         sys.stdout.write(markdown())
     return 0
+
+
+def _write_file(path: str, text: str) -> None:
+    """An output the user named, written whole (core/private.write_file): a FIFO, a folder
+    or a device there is refused at once instead of hanging or being replaced."""
+    from source_patch.runtime.core.private import write_file
+
+    try:
+        write_file(path, text.encode("utf-8"))
+    except OSError as exc:
+        raise SourcePatchError(f"cannot write {shorten(path)}: {_reason(exc)}") from None
+
+
+def _reason(exc: OSError) -> str:
+    """An OSError's reason without the path it may repeat."""
+    return exc.strerror or shorten(exc)
 
 
 def _compare(args) -> int:
@@ -228,7 +244,7 @@ def _plan(specs: list[spec_mod.Spec], against: str | None) -> _Plan:
     ``requires`` is unmet is gated; when that leaves a module none of a spec's patches,
     the import warns (an error under SOURCE_PATCH_STRICT=1)."""
     by_module: dict[str, list[spec_mod.Patch]] = {}
-    notes, unmet_any = [], False
+    notes, unmet_any, strict = [], False, _strict()
     for s in specs:
         problem = unmet_requirement(s, against)
         if problem:
@@ -247,9 +263,17 @@ def _plan(specs: list[spec_mod.Spec], against: str | None) -> _Plan:
                 continue
             if applies:
                 by_module.setdefault(module, []).extend(applies)
-            elif flag(os.environ, STRICT):
+            elif strict:
                 unmet_any = True
     return _Plan(by_module, notes, unmet_any)
+
+
+def _strict() -> bool:
+    """SOURCE_PATCH_STRICT as the import reads it; a value that is neither on nor off is an error."""
+    try:
+        return switch(os.environ, STRICT)
+    except ValueError as exc:
+        raise SourcePatchError(str(exc)) from None
 
 
 def _rewrite(module: str, patches, against: str | None):
@@ -366,8 +390,10 @@ def _new(args) -> int:
     try:
         with open(path, "x", encoding="utf-8") as f:  # never overwrite someone's spec
             f.write(text)
-    except FileExistsError:
-        raise SourcePatchError(f"{path} exists; choose another name or -o FILE") from None
+    except FileExistsError:  # O_EXCL: a FIFO, a link or a folder there is refused the same way
+        raise SourcePatchError(f"{shorten(path)} exists; choose another name or -o FILE") from None
+    except OSError as exc:  # a missing folder, no permission
+        raise SourcePatchError(f"cannot write {shorten(path)}: {_reason(exc)}") from None
     print(f"wrote {path}; check it with: source-patch check {path}")
     return 0
 
@@ -381,13 +407,10 @@ def _matrix(args) -> int:
     print(text)
     if args.json == "-":
         sys.stdout.write(matrix.as_json(specs, releases, grid) + "\n")
-    try:
-        if args.write:
-            Path(args.write).write_text(_COMPAT_HEAD + text + "\n", encoding="utf-8")
-        if args.json and args.json != "-":
-            Path(args.json).write_text(matrix.as_json(specs, releases, grid))
-    except OSError as exc:  # a missing folder: an error line, not a traceback
-        raise SourcePatchError(f"cannot write {shorten(exc.filename)}: {exc.strerror or exc}") from None
+    if args.write:
+        _write_file(args.write, _COMPAT_HEAD + text + "\n")
+    if args.json and args.json != "-":
+        _write_file(args.json, matrix.as_json(specs, releases, grid))
     return matrix.exit_code(grid)
 
 
@@ -410,11 +433,11 @@ def _list(args) -> int:
         print(json.dumps([_spec_json(s) for s in specs], indent=1))
         return 0
     for s in specs:
-        print(f"{shorten(s.name)}  ({shorten(s.file)})")
-        if s.description:
-            print(f"  {s.description.strip()}")
+        print(f"{shorten(s.name)}  ({printable(shorten(s.file))})")
+        for line in s.description.strip().splitlines():
+            print(f"  {printable(line)}")
         for dist, wanted in s.requires:
-            print(f"  requires {dist}{wanted} (on_unmet: {s.on_unmet})")
+            print(f"  requires {printable(shorten(dist))}{printable(wanted)} (on_unmet: {s.on_unmet})")
         for p in s.patches:
             print(f"  {shorten(p.id)}: {shorten(p.module)}:{shorten(p.target)}")
             for e in p.edits:
@@ -444,7 +467,11 @@ def _run(args) -> int:
         print("source-patch run: warning: the source_patch.pth start hook is not installed in "
               f"{sys.prefix}; only interpreters that have it will be patched", file=sys.stderr)
     env = dict(os.environ, **{ENV: ",".join(s.file for s in specs)})
-    os.execvpe(command[0], command, env)
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as exc:  # the shell's codes: 127 not found, 126 found but not runnable
+        print(f"source-patch run: cannot run {printable(shorten(command[0]))}: {_reason(exc)}", file=sys.stderr)
+        return 127 if isinstance(exc, FileNotFoundError) else 126
 
 
 HOOK_FILE = "source_patch.pth"

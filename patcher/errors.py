@@ -12,6 +12,7 @@ and every message is clipped again as a whole (:func:`clip`) as a safety net.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 SHOW_LIMIT = 200  # characters of one piece of user text in a message
@@ -23,6 +24,16 @@ def shorten(text, limit: int = SHOW_LIMIT) -> str:
     """``text`` (a str, or anything: str() of it) cut to ``limit`` characters, saying how long it was."""
     text = text if isinstance(text, str) else str(text)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped (``\\x1b``, ``\\n``), uncut: a spec's
+    description, a file name or a wheel's metadata cannot move the cursor, recolour or
+    retitle the terminal."""
+    return _CONTROL.sub(lambda m: repr(m[0])[1:-1], text)
 
 
 def show(value, limit: int = SHOW_LIMIT) -> str:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..runtime.core.bounded import open_regular, read_regular
-from .errors import AnchorError, SourcePatchError, shorten
+from .errors import AnchorError, SourcePatchError, printable, shorten
 from .locate import NotFound, find_source
 from .requires import metadata_fields, unmet
 from .spec import Patch, Spec
@@ -344,7 +344,7 @@ def table(specs: list[Spec], releases: list[Release], grid: dict) -> str:
     head = ["release", *(s.name for s in specs)]
     rows = [head, ["---"] * len(head)]
     for r in releases:
-        rows.append([r.label, *(grid[s.file, r.label].summary for s in specs)])
+        rows.append([_text(r.label), *(grid[s.file, r.label].summary for s in specs)])  # METADATA: any text
     lines = ["| " + " | ".join(row) + " |" for row in rows]
     # One line per (patch, state, reason): the releases it holds for, in order.
     groups: dict[tuple, list[str]] = {}
@@ -358,7 +358,7 @@ def table(specs: list[Spec], releases: list[Release], grid: dict) -> str:
                 if state != APPLIES:
                     why = re.sub(r", found \S+$", "", reason)
                     groups.setdefault((s.name, pid, state, why), []).append(r.version)
-    details = [f"- {name} / {pid}: **{state}** on {', '.join(versions)}: {why}"
+    details = [f"- {name} / {pid}: **{state}** on {', '.join(map(_text, versions))}: {printable(why)}"
                for (name, pid, state, why), versions in groups.items()]
     return "\n".join(lines + ([""] + details if details else []))
 
@@ -382,6 +382,7 @@ def progress_bar(stream=None):
 
 
 def _draw(stream, done: int, total: int, what: str) -> None:
+    what = _text(what)  # a file name's escape sequences would drive the terminal
     if stream.isatty():
         filled = int(30 * done / max(total, 1))
         stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} {what[:50]:<50}")

@@ -35,6 +35,10 @@ yaml = SafeConstructor = _Loader = None
 MAX_YAML_NODES = 50_000  # composed nodes, aliases included
 MAX_EDITS = 1_000  # edits of all patches, an aliased list counted at each use
 MAX_CODE_NODES = 20_000  # Python syntax nodes of all code and wrap fields, likewise
+# Characters of all code and wrap fields (the bundled specs: at most 3,055), checked before
+# any of it is parsed: Python's parser took 5.4 s and 0.7 GB on 1.8 MB of code before the
+# node count could refuse it, PyYAML 4.2 s on the 4.8 MB file holding it (_code_blocks).
+MAX_CODE_CHARS = 256 << 10
 
 
 class _TooManyNodes(Exception):
@@ -219,6 +223,15 @@ def compiled(text: str, file: str, cache: CodeCache | None = None) -> Spec:
     return spec
 
 
+def settings_errors(environ) -> list[str]:
+    """The ``SOURCE_PATCH_<COMPONENT>_<KEY>`` variables the settings schemas refuse, one
+    line each: checked against the schemas that check a spec's ``runtime:`` section
+    (activation.py asks here: the patcher reaches the schemas through this module)."""
+    from source_patch.runtime.core import settings  # schemas only: no torch, no I/O
+
+    return settings.environ_errors(environ)
+
+
 def _rebuild(cls, values: tuple):
     """A Spec (Patch, Edit) from dataclasses.astuple's nested tuples."""
     kw = {}
@@ -241,6 +254,8 @@ def read_text(path: Path) -> str:
 
 def loads(text: str, file: str = "<string>") -> Spec:
     """Parse and validate spec text; ``file`` is used in error locations."""
+    if len(text) > MAX_CODE_CHARS:  # only a text this long can hold too much code
+        _code_blocks(text, file)
     _import_yaml()
     try:
         root = yaml.compose(text, Loader=_Loader)
@@ -270,6 +285,35 @@ def loads(text: str, file: str = "<string>") -> Spec:
     return _Builder(file).spec(root)
 
 
+_CODE_KEY = re.compile(r"([ \t]*(?:-[ \t]+)*)(code|wrap)[ \t]*:(?:[ \t]+|$)")
+
+
+def _code_blocks(text: str, file: str) -> None:
+    """Refuse, before YAML reads it, a text whose ``code:`` and ``wrap:`` values alone pass
+    MAX_CODE_CHARS.  A value is the rest of its key's line and the lines indented deeper
+    than the key, counted without their indentation and blank lines (one pass, no YAML):
+    not more than the value (comments and quoted escapes aside), so a valid spec is not
+    refused here; what this misses (a flow mapping, an alias) the exact count
+    (_Builder.count_chars) refuses after YAML, still before Python's parser."""
+    total, key = 0, None
+    for number, line in enumerate(text.splitlines(), 1):
+        body = line.lstrip(" \t")
+        if key and (not body or len(line) - len(body) > key[1]):
+            total += len(body) + 1 if body else 0
+        else:
+            match = _CODE_KEY.match(line)
+            key = (number, match.end(1), match[2]) if match else None
+            rest = line[match.end():].rstrip() if match else ""
+            total += 0 if rest[:1] in ("|", ">") else len(rest)  # a block's indicator is no content
+        if key and total > MAX_CODE_CHARS:
+            raise SpecError(_too_much_code(), Location(file, key[0], key[1] + 1, key[2]))
+
+
+def _too_much_code() -> str:
+    return (f"too much inserted code: more than {MAX_CODE_CHARS >> 10} KiB in this spec's code "
+            f"and wrap fields (the bundled specs hold at most 3 KiB)")
+
+
 def _at(file: str, text: str, position: int) -> Location:
     """The line and column of character ``position`` of ``text``."""
     return Location(file, text.count("\n", 0, position) + 1, position - (text.rfind("\n", 0, position) + 1) + 1)
@@ -281,7 +325,7 @@ class _Builder:
     def __init__(self, file: str):
         self.file = file
         self.version = FORMAT_VERSION
-        self.edits = self.code_nodes = 0  # so far, against MAX_EDITS and MAX_CODE_NODES
+        self.edits = self.code_nodes = self.code_chars = 0  # so far, against the MAX_ limits
 
     def loc(self, node: yaml.Node | None, path: str) -> Location:
         if node is None:
@@ -335,6 +379,7 @@ class _Builder:
     def python(self, node, path: str) -> str:
         """A string field holding Python source; syntax errors point into the YAML."""
         text = self.scalar(node, path)
+        self.count_chars(text, node, path)
         tree, error, lineno = _parse(text)
         if error:
             if node.style == "|":  # a literal block: its lines are the YAML lines after the '|'
@@ -345,6 +390,13 @@ class _Builder:
                             Location(self.file, line, node.start_mark.column + 1, path))
         self.count_code(tree, node, path)
         return text
+
+    def count_chars(self, text: str, node, path: str) -> None:
+        """Add a code or wrap field's characters to the spec's total; past MAX_CODE_CHARS,
+        fail here, before Python's parser sees it."""
+        self.code_chars += len(text)
+        if self.code_chars > MAX_CODE_CHARS:
+            self.fail(_too_much_code(), node, path)
 
     def count_code(self, tree: ast.AST, node, path: str) -> None:
         """Add inserted code's syntax nodes to the spec's total; past MAX_CODE_NODES, fail here."""
@@ -531,6 +583,7 @@ class _Builder:
 
     def wrap(self, node, path: str) -> str:
         text = self.scalar(node, path).strip()
+        self.count_chars(text, node, path)
         tree, error, _ = _parse(text, mode="eval")
         if error:
             self.fail(f"invalid Python expression: {shorten(error)}", node, path)

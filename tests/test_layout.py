@@ -202,6 +202,7 @@ PATCHER_TO_RUNTIME = {
     ("finder", "facade"),  # the __sp__ handle resolves each name there, on first use
     ("matrix", "core/bounded"),  # size-limited reads of wheels and their members
     ("cli", "core/settings_doc"),  # the `settings` command
+    ("cli", "core/private"),  # outputs the user named (`new -o`, `settings --write`), written whole
     ("cli", "dump/compare"),  # the `compare` command's entry
     ("cli", "replay"),  # the `replay` command's entry
     ("cli", "dump/reader"),  # the `dumps` command's entry

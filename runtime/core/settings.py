@@ -51,15 +51,40 @@ def resolve(component: str, environ=os.environ) -> dict[str, Any]:
         for (name, dist), scoped in spec.scoped_runtime.items():  # `dump[sglang]:` in a spec
             if name == component and dist in finder.applied_dists:
                 values.update(scoped)
-    prefix = f"SOURCE_PATCH_{component.upper()}_"
     for key in schema:
-        raw = environ.get(prefix + key.upper())
+        raw = environ.get(variable(component, key))
         if raw is not None:
-            try:
-                values[key] = check(component, key, raw)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"{prefix + key.upper()}={raw!r}: {exc}") from None
+            values[key] = from_environ(component, key, raw)
     return values
+
+
+def variable(component: str, key: str) -> str:
+    """The environment variable of a setting: ``SOURCE_PATCH_DUMP_PORT``."""
+    return f"SOURCE_PATCH_{component.upper()}_{key.upper()}"
+
+
+def from_environ(component: str, key: str, raw: str) -> Any:
+    """An environment value parsed; ValueError naming the variable, the value and what is allowed."""
+    try:
+        return check(component, key, raw)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{variable(component, key)}={raw!r}: {exc}") from None
+
+
+def environ_errors(environ=os.environ) -> list[str]:
+    """One line per ``SOURCE_PATCH_<COMPONENT>_<KEY>`` its schema refuses.  Activation
+    checks them all (patcher/activation.py): a bad one is refused at start-up, not at a
+    call site deep in the job."""
+    errors = []
+    for component, schema in SCHEMAS.items():
+        for key in schema:
+            raw = environ.get(variable(component, key))
+            if raw is not None:
+                try:
+                    from_environ(component, key, raw)
+                except ValueError as exc:
+                    errors.append(str(exc))
+    return errors
 
 
 def _finder():
@@ -80,7 +105,7 @@ def boolean(value: Any) -> bool:
         return True
     if text in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"expected a boolean (true/false/1/0), got {value!r}")
+    raise ValueError(f"expected a boolean (true/false, 1/0, yes/no, on/off), got {value!r}")
 
 
 def integer(low: int | None = None) -> Callable[[Any], int]:
@@ -221,7 +246,7 @@ def size(low: int = 0) -> Callable[[Any], int]:
                 raise ValueError(f"expected a byte count such as 1073741824, '512M' or '2GiB', got {value!r}")
             try:
                 number = int(float(digits) * _SIZE_UNITS[unit])
-            except ValueError:
+            except (ValueError, OverflowError):  # 'nan', '1e400'
                 raise ValueError(f"expected a byte count such as '512M', got {value!r}") from None
         if number < low:
             raise ValueError(f"expected a byte count >= {low}, got {number}")
@@ -247,23 +272,26 @@ def seconds(positive: bool = False) -> Callable[[Any], float]:
 
 
 def _port(value: Any) -> int:
-    number = integer(low=0)(value)
-    if number > 65535:
-        raise ValueError(f"expected a port number 0-65535, got {number}")
+    try:
+        number = integer(low=0)(value)
+    except ValueError:
+        number = -1  # not a number, or negative: said as the range below, with the value given
+    if not 0 <= number <= 65535:
+        raise ValueError(f"expected a port number 0-65535, got {value!r}")
     return number
 
 
 def _exp_name(value: Any) -> str:
     name = text(value).strip()
-    if not name or name in (".", "..") or "/" in name or "\\" in name:
-        raise ValueError(f"expected a plain directory name (no '/', not '.' or '..'), got {value!r}")
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError(f"expected a plain directory name (no '/', '\\' or NUL, not '.' or '..'), got {value!r}")
     return name
 
 
 def _rank_dir(value: Any) -> str:
     name = text(value).strip()
     if name.count("{rank}") != 1 or name.replace("{rank}", "").strip("-_.").count("{") or \
-            "}" in name.replace("{rank}", "") or "/" in name or "\\" in name or name in (".", ".."):
+            "}" in name.replace("{rank}", "") or any(c in name for c in "/\\\0") or name in (".", ".."):
         raise ValueError(f"expected a plain folder name with one {{rank}} in it (e.g. 'rank-{{rank}}'), "
                          f"got {value!r}")
     return name
@@ -439,9 +467,12 @@ def _layer_list(value: Any) -> list[int] | None:
     """0-based layer ids; None / '' / [] = EAGLE3's default (layers 2, L//2, L-3)."""
     if value is None or value == "" or value == []:
         return None
-    items = [int(v) for v in (value.split(",") if isinstance(value, str) else _items(value, "layer ids"))]
+    try:
+        items = [int(v) for v in (value.split(",") if isinstance(value, str) else _items(value, "layer ids"))]
+    except ValueError:
+        raise ValueError(f"expected layer ids such as '2,16,29', got {value!r}") from None
     if any(v < 0 for v in items):
-        raise ValueError(f"layer ids are >= 0, got {items}")
+        raise ValueError(f"expected layer ids >= 0, got {items}")
     return sorted(set(items))
 
 

@@ -18,6 +18,11 @@ A value is taken, in order of precedence, from the environment
 specs (later specs win; a `component[distribution]:` section counts once a patch
 requiring that distribution has applied), then from the default below. Each
 capability's page says what the settings do together.
+
+An environment value is checked against its schema when the specs are activated:
+one that is refused stops the start-up with one line naming the variable, the value
+and what is allowed (`SOURCE_PATCH_DUMP_PORT='abc': expected a port number 0-65535,
+got 'abc'`; see [spec.md](spec.md#activation-source_patch-and-the-api)).
 """
 
 

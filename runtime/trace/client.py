@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 from urllib.parse import urlsplit
 
+from ..core.bounded import open_regular, read_regular
 from .frame import Frame, FrameError, decode, split
 
 RECORDING_MAGIC = b"SPTRACE1"
@@ -238,8 +239,9 @@ def write_frame(out, frame: bytes) -> None:
 
 def read_recording(path: str | Path) -> Iterator[Frame]:
     """The frames of a recording, in order.  A torn last frame (a crash while
-    recording) ends the iteration quietly."""
-    with open(path, "rb") as f:
+    recording) ends the iteration quietly.  Only a regular file is read (a FIFO is
+    refused at once instead of hanging); ValueError for one that is no recording."""
+    with open_regular(path, what="trace recording", error=ValueError) as f:
         if f.read(len(RECORDING_MAGIC)) != RECORDING_MAGIC:
             raise ValueError(f"{path}: not a trace recording (no {RECORDING_MAGIC!r} header)")
         while True:
@@ -247,10 +249,17 @@ def read_recording(path: str | Path) -> Iterator[Frame]:
             if len(head) < 4:
                 return
             (length,) = struct.unpack("<I", head)
+            if length > MAX_FRAME_BYTES:
+                raise ValueError(f"{path}: a frame of {length:,} bytes at offset {f.tell() - 4:,} "
+                                 f"(at most {MAX_FRAME_BYTES:,}): not a trace recording")
             data = f.read(length)
             if len(data) < length:
                 return
-            yield decode(data)
+            try:
+                frame = decode(data)
+            except FrameError as exc:
+                raise ValueError(f"{path}: the frame at offset {f.tell() - length - 4:,}: {exc}") from None
+            yield frame
 
 
 async def record(target: str, token: str | None, out: str | Path, *, names, compressor: dict,
@@ -326,7 +335,10 @@ def _token(args) -> tuple[str, str | None]:
     """(target, token) from --url / --token / --token-file (a hub's JSON file or a text file)."""
     target, token = args.url, args.token
     if args.token_file:
-        text = Path(args.token_file).read_text().strip()
+        try:  # the hub's file is a few hundred bytes; a FIFO or a folder is refused, not waited on
+            text = read_regular(args.token_file, max_bytes=64 << 10, what="token file").decode().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"error: {exc}") from None
         try:
             info = json.loads(text)
         except ValueError:
@@ -381,6 +393,15 @@ def main(argv=None, prog: str = "python -m source_patch.runtime.trace.client") -
             return 1
         print(f"{n} frames written to {args.out}", file=sys.stderr)
         return 0
+    try:
+        return _read_back(args)
+    except (ValueError, OSError) as exc:  # FrameError too: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _read_back(args) -> int:
+    """``summary`` and ``show``."""
     frames = read_recording(args.file)
     if args.command == "summary":
         print(summary(frames))
