@@ -11,7 +11,7 @@ the Megatron example as a timed subprocess), ``gc_probe.py`` (the collector's an
 call's time), ``overhead_probe.py`` (a training process's peak memory, CPU and
 capability counters), ``machine_probe.py`` (fresh memory, disk, pinned allocation),
 ``import_table.py`` (import_bench.py's table), ``weight_sync_phases.py`` (weight_sync_bench.py's --phases), ``weight_sync_events.py`` (its --events),
-``push_engine.py`` (push_bench.py's --engine),
+``push_engine.py`` (push_bench.py's --engine), ``push_common.py`` (the model and push backend both use),
 ``sync_receiver.py`` (overhead_bench.py's weight-sync receiver), ``code_swap.py`` (its --swap:
 patched functions swapped in place to the code fewer specs make).  ``upstream_tests.py`` (with its pytest plugin ``upstream_adapt.py``) is a
 test harness, not a bench: docs/upstream_tests.md.
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 HELPERS = ("index.py", "stats.py", "training.py", "gc_probe.py", "upstream_tests.py", "upstream_adapt.py",
            "overhead_probe.py", "machine_probe.py", "import_table.py", "weight_sync_phases.py", "weight_sync_events.py",
-           "push_engine.py", "sync_receiver.py", "code_swap.py")
+           "push_engine.py", "push_common.py", "sync_receiver.py", "code_swap.py")
 
 
 class Bench(NamedTuple):

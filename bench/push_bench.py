@@ -46,21 +46,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 import stats  # bench/
-
-
-def _broadcast(link):
-    """push()'s backend over one of the bench's links (push() itself is unchanged)."""
-    from source_patch.runtime.weight_sync.broadcast import Broadcast
-
-    return Broadcast(link)
-
-
-ROOT = Path(__file__).resolve().parents[1]
+from push_common import backend, bucket, build, mapped, profile  # bench/
 
 
 def parse_args(argv=None):
@@ -83,48 +73,6 @@ def parse_args(argv=None):
     p.add_argument("--bucket-kib", type=int, default=0,
                    help="bucket size in KiB (default: the bucket_bytes setting); small ones cut tensors over buckets")
     return p.parse_args(argv)
-
-
-def bucket(args) -> dict:
-    return {"bucket_bytes": args.bucket_kib << 10} if args.bucket_kib else {}
-
-
-def build(args, device: torch.device, rank: int = 0, world: int = 1, store=None):
-    """A GPTModel in Megatron's DDP (distributed optimizer's buffers): a world of one,
-    or ``world`` processes of tensor parallelism ``args.tp`` and expert parallelism
-    ``args.ep`` over ``store``."""
-    if device.type == "cpu":
-        from source_patch.patcher import activate
-
-        activate(["megatron_cpu"])  # before Megatron's first import
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                         store=store or torch.distributed.HashStore(), rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep)
-    if device.type == "cuda":
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(0)  # GPU initialisation draws from Megatron's RNG tracker
-    h = args.hidden
-    config = TransformerConfig(
-        num_layers=args.layers, hidden_size=h, num_attention_heads=4, num_query_groups=2, kv_channels=h // 4,
-        ffn_hidden_size=2 * h, normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        qk_layernorm=True, add_bias_linear=False, num_moe_experts=args.experts, moe_router_topk=2,
-        moe_ffn_hidden_size=h // 2, moe_token_dispatcher_type="allgather", use_cpu_initialization=device.type == "cpu",
-        params_dtype=torch.bfloat16, bf16=True, tensor_model_parallel_size=args.tp)
-    spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False, qk_layernorm=True,
-                                    normalization="RMSNorm")
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256, max_sequence_length=64,
-                     position_embedding_type="rope", share_embeddings_and_output_weights=False).to(device)
-    return DistributedDataParallel(config=config, module=model,
-                                   ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True))
 
 
 def main(argv=None) -> None:
@@ -176,7 +124,7 @@ def main(argv=None) -> None:
         if walked:
             weight_megatron._walks.pop(ddp, None)
         wire = wires[planned]
-        weight_sync._connected = lambda: _broadcast(wire)
+        weight_sync._connected = lambda: backend(wire)
         wire.rewind()
         weight_sync.push(chunks, version=1)
         sent = weight_sync.state()["sent_from"]
@@ -204,19 +152,6 @@ def main(argv=None) -> None:
     report(args, device, ddp, layout, times)
 
 
-def profile(push, sync, sort: str = "tottime") -> None:
-    import cProfile
-    import pstats
-
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(5):
-        push()
-    sync()
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats(sort).print_stats(25)
-
-
 def parallel(rank: int, args, port: int) -> None:
     """--ep / --tp: that many CPU processes (one thread each); every round pushes with
     the buffer windows and with a gather per parameter (rank 0 sends over a free wire,
@@ -238,7 +173,7 @@ def parallel(rank: int, args, port: int) -> None:
     def push(windows: bool) -> float:
         weight_megatron.WINDOW_BYTES = window if windows else 0  # 0: each parameter its own window: per parameter
         wires[windows].rewind()
-        weight_sync._connected = lambda: _broadcast(wires[windows])
+        weight_sync._connected = lambda: backend(wires[windows])
         torch.distributed.barrier()
         t0 = time.perf_counter()
         weight_sync.push([ddp], version=1)
@@ -286,19 +221,11 @@ def compare(args, ddp, wires, gathers, times) -> None:
     print("(rank 0's wall time of push(), from a barrier; the wire costs nothing but records the bytes)", flush=True)
 
 
-def mapped(ddp, layout) -> list:
-    """[(engine name, tensor)]: every parameter through the name and layout mapping."""
-    from source_patch.runtime.weight_sync import names as weight_names
-
-    return [(n, t) for name, p in ddp.named_parameters()
-            for n, t in weight_names.to_hf(weight_names.strip_wrappers(name), p.detach(), layout)]
-
-
 def check(ddp, chunks, layout, device, weight_sync, wt) -> None:
     """One push over a recording link, replayed: every engine tensor equals the mapped parameter."""
     weight_sync.configure(from_buffers=True)
     tx = wt.LoopbackLink(device)
-    weight_sync._connected = lambda: _broadcast(tx)
+    weight_sync._connected = lambda: backend(tx)
     weight_sync.push(chunks, version=2)
     expected = dict(mapped(ddp, layout))
     got = 0
@@ -321,7 +248,7 @@ def check_program(ddp, chunks, weight_sync, wt, device) -> None:
         weight_sync.PROGRAM = planned
         weight_sync.configure(from_buffers=False)
         tx = wt.LoopbackLink(device)
-        weight_sync._connected = lambda: _broadcast(tx)
+        weight_sync._connected = lambda: backend(tx)
         weight_sync.push(chunks, version=3)
         if weight_sync.state()["planned"] != planned:
             raise SystemExit(f"check: the packed push was {'not ' * planned}planned")
@@ -354,8 +281,6 @@ def move_buffer(ddp, member) -> None:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device).set_(
                 new.untyped_storage(), p.storage_offset(), p.shape, p.stride())
 
-
-# ------------------------------------------------------------------ --engine
 
 LABELS = {"walk": "named_parameters() walk (uncached)", "params": "MegatronParams (kept walk)",
           "mapping": "name/layout mapping (to_hf), every tensor", "push buffers": "push(), from DDP's buffers",

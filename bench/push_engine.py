@@ -1,6 +1,8 @@
 """push_bench.py --engine: the whole push, transfer included (see push_bench.py's
 docstring): rank 0 trains and pushes, rank 1 receives, over one group per push method;
-a table of each method against a raw broadcast of the same bytes."""
+a table of each method against a raw broadcast of the same bytes.  Shares the model
+and the push backend with push_bench.py through push_common.py (never imports
+push_bench: push_bench imports this module)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import time
 import torch
 
 import stats  # bench/
-from push_bench import _broadcast, bucket, build, mapped, profile
+from push_common import backend, bucket, build, mapped, profile  # bench/
 
 ENGINE_ROWS = ("raw", "push buffers", "push tensors", "push unplanned")
 METHOD = {"raw": "buffers", "push buffers": "buffers", "push tensors": "tensors", "push unplanned": "unplanned"}
@@ -106,7 +108,7 @@ class _Ends:
         def push(method: str):
             weight_sync.PROGRAM = method != "unplanned"  # off: packed tensor by tensor, as before issue 32's item 2
             weight_sync.configure(from_buffers=method == "buffers", replay_packing=True)
-            weight_sync._connected = lambda: _broadcast(self.links[method])  # the bench's groups (push() is unchanged)
+            weight_sync._connected = lambda: backend(self.links[method])  # the bench's groups (push() is unchanged)
             self.version += 1
             weight_sync.push([ddp], version=self.version)
             state = weight_sync.state()
@@ -188,7 +190,6 @@ def engine_report(args, ddp, nbytes: int, times: dict, checked: list) -> None:
     print("every round, ms:")
     for row, values in times.items():
         print(f"  {ENGINE_LABELS[row]:<28} " + " ".join(f"{1e3 * v:.1f}" for v in values), flush=True)
-
 
 
 ENGINE_LABELS = {"raw": "raw broadcast, same bytes", "push buffers": "push(), from DDP's buffers",
