@@ -26,6 +26,12 @@ The forward runs in a child process under ``SOURCE_PATCH=megatron_cpu,dump`` (pl
 ``replay-<time>`` under ``out`` that also holds ``replay.json``: what was replayed, the
 versions and the time, which the comparator's reports show.  This module imports
 nothing heavy until the replay runs.
+
+The dumps, the checkpoint and the routes may be someone else's: every input is checked
+against the limits below and the checkpoint's ``config.json`` (for the twin, against
+its tensors' headers too) before anything is built or allocated, in this process before
+the worker starts, and each problem is one line naming the file and the field
+(docs/compare.md, "Hostile inputs").
 """
 
 from __future__ import annotations
@@ -40,12 +46,24 @@ import sys
 import time
 from pathlib import Path
 
+from .core import bounded
 from .dump import compare, reader
 
 SPECS = ("megatron_cpu", "dump")
 TWIN = "source_patch.runtime.weight_sync.twin:build"
+# Limits of what a replay takes, checked before anything is built or allocated (docs/compare.md):
+MAX_TOKENS = 16384              # tokens of one request (and at most the config's max_position_embeddings):
+                                # the CPU forward's attention scores grow with its square
+MAX_CONFIG_BYTES = 1 << 20      # config.json
+MAX_HEADER_BYTES = 100_000_000  # one checkpoint file's safetensors header (safetensors' own limit)
+MAX_SIZE = 1 << 31              # any size in config.json (vocabulary, layers, experts, widths)
+KEPT = 3                        # the worker's exit code: the run is complete, only --logprobs failed
 # The worker's entry: a fresh interpreter, so the start hook applies SOURCE_PATCH first.
-_WORKER = "import sys; from source_patch.runtime.replay import work; sys.exit(work(sys.argv[1]))"
+# Its first statement drops the current folder, which `-c` puts first on sys.path (after
+# `site` ran: nothing came from it yet): a json.py or megatron/ where the replay starts
+# must not run in it.  PYTHONPATH and the user's site stay (they may be where Megatron is).
+_WORKER = ("import sys\nif sys.path[:1] == ['']: del sys.path[0]\n"
+           "from source_patch.runtime.replay import work; sys.exit(work(sys.argv[1]))")
 
 
 class ReplayError(RuntimeError):
@@ -104,17 +122,20 @@ def parser(prog: str) -> argparse.ArgumentParser:
 def replay(rollout, checkpoint, out="sp-replay", *, builder: str | None = None, routes=None,
            replay_probs: bool = False, logprobs=None, exp_name: str | None = None) -> Path:
     """Replay ``rollout`` (a run or rank folder of rollout dumps) through the model of
-    ``checkpoint`` in a child process; returns the new run's folder under ``out``."""
-    if not (Path(checkpoint) / "config.json").is_file():
-        raise ReplayError(f"--checkpoint {checkpoint}: no config.json there (a Hugging Face checkpoint folder)")
+    ``checkpoint`` in a child process; returns the new run's folder under ``out``.  The
+    inputs (:func:`check_inputs`) and the ``logprobs`` target are checked here first."""
+    compare.check_output("--logprobs", logprobs)  # before the replay, not after it
     if routes is not None and not Path(routes).is_dir():
         raise ReplayError(f"--routes {routes}: no such folder")
+    check_inputs(rollout, checkpoint, builder=builder, routes=routes)  # here: one line, before Megatron starts
     run = _new_run(Path(out).resolve(), exp_name)
     job = {"rollout": str(Path(rollout).resolve()), "checkpoint": str(Path(checkpoint).resolve()),
            "builder": builder, "routes": routes and str(Path(routes).resolve()), "replay_probs": replay_probs,
            "logprobs": logprobs and str(Path(logprobs).resolve()), "dir": str(run.parent), "exp_name": run.name}
     env = {**os.environ, "SOURCE_PATCH": ",".join(SPECS + (("routing",) if routes else ()))}
     code = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(job)], env=env).returncode
+    if code == KEPT:  # the run is whole; only the log-probs could not be written (said on stderr)
+        raise Stopped(f"--logprobs {logprobs}: not written; the replayed run is kept: {run}")
     if code:  # no half run left behind to be read as the latest
         shutil.rmtree(run, ignore_errors=True)
     if code == 2:
@@ -140,7 +161,7 @@ def _new_run(out: Path, name: str | None) -> Path:
 
 def work(job: str) -> int:
     """The child process: :func:`replay_here` with the job :func:`replay` passed; 2 and one
-    line on stderr when it cannot run."""
+    line on stderr when it cannot run, KEPT (3) when only the log-probs cannot be written."""
     import warnings
 
     job = json.loads(job)
@@ -150,8 +171,17 @@ def work(job: str) -> int:
                             replay_probs=job["replay_probs"], dir=job["dir"], exp_name=job["exp_name"])
     except (OSError, ValueError, ReplayError) as exc:  # DumpError, RoutingRecordError: ValueErrors
         return _fail(exc)
+    except Exception as exc:  # noqa: BLE001 - nothing above foresaw it: still one line, no traceback
+        return _fail(f"unexpected {type(exc).__name__}: {exc}")
     if job["logprobs"]:
-        Path(job["logprobs"]).write_text(json.dumps(logps))
+        from .core import private
+
+        try:
+            private.write_file(job["logprobs"], json.dumps(logps))
+        except OSError as exc:
+            _fail(f"--logprobs {job['logprobs']}: cannot write it ({exc.strerror or exc}); the replayed run is "
+                  f"complete and kept: {Path(job['dir']) / job['exp_name']}")
+            return KEPT
     return 0
 
 
@@ -163,22 +193,21 @@ def replay_here(rollout, checkpoint, *, builder: str | None = None, routes=None,
     from .dump import api as dump
 
     started = time.monotonic()
-    requests = sequences(rollout)
-    records = _routes(routes, requests) if routes else {}
+    requests, records = check_inputs(rollout, checkpoint, builder=builder, routes=routes)
     model = _build(builder, checkpoint)
     selection = dict.fromkeys(("names", "layers", "steps", "ranks", "phases"), "")  # the comparator needs all
     dump.configure(enable=True, **selection, **({"dir": str(dir), "exp_name": exp_name} if dir else {}))
-    logps = _forwards(dump, model, requests, records, replay_probs)
+    logps = _forwards(dump, model, requests, records, replay_probs, _who(builder, checkpoint))
     routed = f"{'ids and weights' if replay_probs else 'expert ids'} of {len(records)} of {len(requests)} " \
              f"requests replayed from {routes}" if routes else "not replayed (the model routes)"
     inputs = _inputs(rollout, checkpoint, builder, routed, requests)
-    (Path(dump.state()["exp_dir"]) / compare.INPUTS).write_text(json.dumps(inputs, indent=1))
+    compare.write_report(Path(dump.state()["exp_dir"]) / compare.INPUTS, json.dumps(inputs, indent=1))
     print(f"replayed {len(requests)} requests ({inputs['tokens']} tokens) through {inputs['model builder']} "
           f"in {time.monotonic() - started:.1f} s; routes: {routed}", flush=True)
     return logps
 
 
-def _forwards(dump, model, requests: dict, records: dict, replay_probs: bool) -> dict:
+def _forwards(dump, model, requests: dict, records: dict, replay_probs: bool, who: str) -> dict:
     """One forward and one dump step per request (by request id); their log-probs."""
     import torch
 
@@ -189,66 +218,281 @@ def _forwards(dump, model, requests: dict, records: dict, replay_probs: bool) ->
     for step, (rid, tokens) in enumerate(sorted(requests.items())):
         dump.dump_step(step=step)
         _dump_rows(dump, rid, tokens)
-        with _replaying(records.get(rid), len(tokens), replay_probs):
-            logits = _forward(model, tokens)
+        try:
+            with _replaying(records.get(rid), len(tokens), replay_probs):
+                logits = _forward(model, tokens, who)
+        except ReplayError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a model of the user's, or Megatron's: one line, exit 2
+            raise ReplayError(f"request {rid!r}: the forward of {who} failed: {_said(exc)}") from None
         # dtype: a one-token request (SGLang's health probe) has no targets, still token ids
         logps[rid] = token_logprobs(logits[:-1], torch.tensor(tokens[1:], dtype=torch.long)).tolist()
     dump.flush()
     return logps
 
 
-def _fail(exc: BaseException) -> int:
-    print(f"replay: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+def _fail(exc) -> int:
+    print(f"replay: {str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__}", file=sys.stderr)
     return 2
 
 
+def _said(exc: BaseException) -> str:
+    """An exception in a few words, for a one-line error."""
+    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _who(builder: str | None, checkpoint) -> str:
+    return f"--builder {builder}" if builder else f"the twin of {checkpoint}"
+
+
 def sequences(rollout) -> dict:
-    """``{rid: token ids by position}`` of every request the rollout's dumps hold rows of."""
+    """``{rid: token ids by position}`` of every request the rollout's dumps hold rows of:
+    integer token ids at positions 0 .. n - 1 with no gap, n at most MAX_TOKENS."""
     rows = compare.index_rows(compare.load(rollout, ["input_ids", "positions", "row_request"]))
     by_request: dict = {}
     for (rid, position), token in rows.get(("input_ids", None), {}).items():
-        by_request.setdefault(rid, {})[position] = int(token.reshape(-1)[0])
+        by_request.setdefault(rid, {})[position] = _token_id(rollout, rid, position, token)
     if not by_request:
         raise ReplayError(f"{rollout}: no input_ids, positions and row_request records (dumped under "
                           "patches/dump.yaml?)")
     for rid, tokens in by_request.items():
-        if len(tokens) != max(tokens) + 1:
-            gaps = sorted(set(range(max(tokens) + 1)) - set(tokens))
-            raise ReplayError(f"request {rid!r}: the rollout's dumps have no rows at positions {gaps[:8]} "
+        low, high = min(tokens), max(tokens)
+        if low < 0 or high >= MAX_TOKENS:  # before anything the size of a position is made
+            raise ReplayError(f"{rollout}: request {rid!r}: position {low if low < 0 else high} outside "
+                              f"0..{MAX_TOKENS - 1} (a replay takes requests of at most {MAX_TOKENS} tokens)")
+        if len(tokens) != high + 1:
+            gaps = [p for p in range(high + 1) if p not in tokens][:8]
+            raise ReplayError(f"{rollout}: request {rid!r}: the rollout's dumps have no rows at positions {gaps} "
                               "(a prefix-cache hit? serve with --disable-radix-cache)")
     return {rid: [tokens[p] for p in range(len(tokens))] for rid, tokens in by_request.items()}
 
 
+def _token_id(rollout, rid, position, row) -> int:
+    """The token id of one input_ids row: one non-negative integer (a float is refused,
+    not truncated)."""
+    dtype = row.dtype
+    if row.numel() != 1 or dtype.is_floating_point or dtype.is_complex or str(dtype) == "torch.bool":
+        raise ReplayError(f"{rollout}: input_ids of request {rid!r} position {position}: {row.numel()} "
+                          f"{str(dtype).removeprefix('torch.')} value(s), expected one integer token id")
+    token = int(row.reshape(()))
+    if token < 0:
+        raise ReplayError(f"{rollout}: input_ids of request {rid!r} position {position}: token id {token}, "
+                          "expected one >= 0")
+    return token
+
+
+def check_inputs(rollout, checkpoint, *, builder: str | None = None, routes=None) -> tuple[dict, dict]:
+    """``(requests, routing records)`` once every input is checked against the limits and
+    the checkpoint's config.json (and, for the twin, its tensors), before anything is
+    built: each problem one ReplayError (or ValueError) naming the file and the field."""
+    if builder is not None:
+        _builder_parts(builder)
+    config = read_config(checkpoint, twin=builder is None)
+    if builder is None:
+        check_weights(checkpoint, config)
+    requests = sequences(rollout)
+    check_tokens(rollout, requests, config, Path(checkpoint) / "config.json")
+    records = _routes(routes, requests, config if builder is None else None) if routes else {}
+    return requests, records
+
+
+def read_config(checkpoint, twin: bool = True) -> dict:
+    """The checkpoint's config.json (a regular file, bounded), its sizes checked: every
+    one the twin reads (``twin``), else ``vocab_size`` and ``max_position_embeddings``
+    where given (the tokens are checked against them)."""
+    path = Path(checkpoint) / "config.json"
+    if not os.path.lexists(path):
+        raise ReplayError(f"--checkpoint {checkpoint}: no config.json there (a Hugging Face checkpoint folder)")
+    data = bounded.read_regular(path, max_bytes=MAX_CONFIG_BYTES, what="--checkpoint", error=ReplayError)
+    config = bounded.load_json(data, what=str(path), error=ReplayError, max_items=10_000, kind=dict)
+    for key in ("vocab_size", "max_position_embeddings"):
+        _size(path, config, key, required=twin and key == "vocab_size")
+    if twin:
+        _check_twin_config(path, config)
+    return config
+
+
+def _size(path: Path, config: dict, key: str, required: bool = True):
+    """``config[key]``: an integer in 1 .. MAX_SIZE (absent, null or 0 is None where not required)."""
+    value = config.get(key)
+    if not required and (value is None or (type(value) is int and value == 0)):  # the twin's "use the default"
+        return None
+    if type(value) is not int or not 1 <= value <= MAX_SIZE:
+        said = "missing" if key not in config else f"{str(value)[:40]!r}" if isinstance(value, str) else \
+            json.dumps(value)[:40]
+        raise ReplayError(f"{path}: {key} is {said}, expected an integer in 1..{MAX_SIZE}")
+    return value
+
+
+_TWIN_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+               "moe_intermediate_size", "num_experts_per_tok")
+
+
+def _check_twin_config(path: Path, config: dict) -> None:
+    """What the twin (weight_sync/twin.py) reads from config.json, of the right type,
+    before Megatron is imported: its KeyError or TypeError would be a traceback."""
+    if config.get("model_type") != "qwen3_moe":
+        raise ReplayError(f"{path}: model_type is {str(config.get('model_type'))[:40]!r}: the twin is built for "
+                          "qwen3_moe (give --builder for another model)")
+    for key in _TWIN_SIZES:
+        _size(path, config, key)
+    for key in ("num_key_value_heads", "head_dim"):
+        _size(path, config, key, required=False)
+    if _size(path, config, "num_experts", required=False) is None:
+        _size(path, config, "num_local_experts")
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        raise ReplayError(f"{path}: every layer must be an MoE layer for the twin (mlp_only_layers empty, "
+                          "decoder_sparse_step 1)")
+    eps = config.get("rms_norm_eps")
+    if type(eps) not in (int, float) or not 0 < eps < 1:
+        raise ReplayError(f"{path}: rms_norm_eps is {json.dumps(eps)[:40]}, expected a number in (0, 1)")
+
+
+def check_tokens(rollout, requests: dict, config: dict, path: Path) -> None:
+    """Every request within the config's context (``max_position_embeddings``) and
+    every token id inside its vocabulary (``vocab_size``), where the config says them."""
+    vocab, context = config.get("vocab_size"), config.get("max_position_embeddings")
+    for rid, tokens in requests.items():
+        if isinstance(context, int) and context > 0 and len(tokens) > context:
+            raise ReplayError(f"{rollout}: request {rid!r} has {len(tokens)} tokens, more than {path}'s "
+                              f"max_position_embeddings {context}")
+        top = max(tokens)
+        if isinstance(vocab, int) and vocab > 0 and top >= vocab:
+            raise ReplayError(f"{rollout}: request {rid!r} position {tokens.index(top)}: token id {top} is "
+                              f"outside {path}'s vocabulary (vocab_size {vocab})")
+
+
+_FLOATS = ("F16", "BF16", "F32", "F64")  # what the twin's float32 parameters copy from
+
+
+def check_weights(checkpoint, config: dict) -> None:
+    """The checkpoint's tensors (their safetensors headers, read bounded) are exactly the
+    twin's, each of the shape config.json makes it and floating-point: a wrong size would
+    be an allocation the size of a bad number, or silently zero-padded rows."""
+    found = _checkpoint_tensors(Path(checkpoint))
+    used = set()
+    for name, shape in _twin_tensors(config):  # stops at the first one missing: bounded by what is found
+        if name not in found:
+            raise ReplayError(f"--checkpoint {checkpoint}: no tensor {name} in its *.safetensors files, which "
+                              f"config.json calls for ({_shape_fields(config)})")
+        got, dtype, file = found[name]
+        if got != shape:
+            raise ReplayError(f"{file}: {name} is {got}, config.json makes it {shape} ({_shape_fields(config)})")
+        if dtype not in _FLOATS:
+            raise ReplayError(f"{file}: {name} is stored as {str(dtype)[:20]}, expected one of {list(_FLOATS)}")
+        used.add(name)
+    unused = sorted(n for n in found if n not in used and not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ReplayError(f"--checkpoint {checkpoint}: tensors config.json has no place for: "
+                          f"{', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''} ({_shape_fields(config)})")
+
+
+def _shape_fields(config: dict) -> str:
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts", "num_local_experts")
+    return ", ".join(f"{k} {config[k]}" for k in keys if config.get(k) is not None)
+
+
+def _twin_tensors(c: dict):
+    """``(name, shape)`` of every tensor the twin loads, by its Hugging Face name (Qwen3-MoE)."""
+    vocab, hidden, heads = c["vocab_size"], c["hidden_size"], c["num_attention_heads"]
+    groups, dim = c.get("num_key_value_heads") or heads, c.get("head_dim") or hidden // heads
+    experts, width = c.get("num_experts") or c["num_local_experts"], c["moe_intermediate_size"]
+    yield from [("model.embed_tokens.weight", [vocab, hidden]), ("lm_head.weight", [vocab, hidden]),
+                ("model.norm.weight", [hidden])]
+    bias = [("q_proj.bias", [heads * dim]), ("k_proj.bias", [groups * dim]), ("v_proj.bias", [groups * dim])]
+    attention = [("q_proj.weight", [heads * dim, hidden]), ("k_proj.weight", [groups * dim, hidden]),
+                 ("v_proj.weight", [groups * dim, hidden]), ("o_proj.weight", [hidden, heads * dim]),
+                 ("q_norm.weight", [dim]), ("k_norm.weight", [dim])] + (bias if c.get("attention_bias") else [])
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        yield from [(p + "input_layernorm.weight", [hidden]), (p + "post_attention_layernorm.weight", [hidden]),
+                    (p + "mlp.gate.weight", [experts, hidden])]
+        yield from ((p + "self_attn." + k, shape) for k, shape in attention)
+        for e in range(experts):
+            q = f"{p}mlp.experts.{e}."
+            yield from [(q + "gate_proj.weight", [width, hidden]), (q + "up_proj.weight", [width, hidden]),
+                        (q + "down_proj.weight", [hidden, width])]
+
+
+def _checkpoint_tensors(folder: Path) -> dict:
+    """``{name: (shape, dtype, file)}`` of the ``*.safetensors`` files the twin loads."""
+    found: dict = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        for name, (shape, dtype) in _safetensors_entries(path).items():
+            if name in found:
+                raise ReplayError(f"{path}: tensor {name[:80]!r} is in {found[name][2]} too")
+            found[name] = (shape, dtype, path)
+    if not found:
+        raise ReplayError(f"--checkpoint {folder}: no tensors in *.safetensors files there")
+    return found
+
+
+def _safetensors_entries(path: Path) -> dict:
+    """``{name: (shape, dtype)}`` of one safetensors file, from its header alone: a
+    regular file (a FIFO is refused, not waited on), the header bounded, each entry's
+    bytes inside the file and as many as its shape needs."""
+    from .routing.record_file import safetensors_entry_ok
+
+    with bounded.open_regular(path, what="--checkpoint", error=ReplayError) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 <= n <= min(MAX_HEADER_BYTES, size - 8):
+            raise ReplayError(f"{path}: not a safetensors file (its header length {n}, the file {size} bytes)")
+        raw = f.read(n)
+    header = bounded.load_json(raw, what=f"{path}: its safetensors header", error=ReplayError,
+                               max_bytes=MAX_HEADER_BYTES, max_depth=3, kind=dict)
+    header.pop("__metadata__", None)
+    out = {}
+    for name, entry in header.items():
+        if not safetensors_entry_ok(entry) or entry["data_offsets"][1] > size - 8 - n:
+            raise ReplayError(f"{path}: tensor {name[:80]!r}: a malformed header entry (a dtype, a shape, "
+                              f"data_offsets its bytes apart and inside the file's {size} bytes)")
+        out[name] = (entry["shape"], entry["dtype"])
+    return out
+
+
 def load_builder(spec: str | None):
     """The model builder ``package.module:function`` or ``file.py:function`` names (the twin's
-    by default)."""
+    by default); whatever its import raises is one ReplayError."""
     import importlib
     import importlib.util
 
-    module_name, _, function = (spec or TWIN).rpartition(":")
-    if not module_name or not function:
-        raise ReplayError(f"--builder {spec}: expected MODULE:FUNCTION or FILE.py:FUNCTION")
-    if module_name.endswith(".py"):
-        found = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-        if found is None or not Path(module_name).is_file():
-            raise ReplayError(f"--builder {spec}: no file {module_name}")
-        module = importlib.util.module_from_spec(found)
-        found.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
+    module_name, function = _builder_parts(spec)
+    try:
+        if module_name.endswith(".py"):
+            found = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - the user's module: a SyntaxError, an ImportError ... one line
+        raise ReplayError(f"--builder {spec}: importing {module_name} failed: {_said(exc)}") from None
     if not callable(getattr(module, function, None)):
         raise ReplayError(f"--builder {spec}: {module_name} has no function {function!r}")
     return getattr(module, function)
 
 
+def _builder_parts(spec: str | None) -> tuple[str, str]:
+    """(module or .py file, function) of a builder spec, the file a regular one (checked
+    before the replay starts: reading a FIFO would wait forever)."""
+    module_name, _, function = (spec or TWIN).rpartition(":")
+    if not module_name or not function:
+        raise ReplayError(f"--builder {spec}: expected MODULE:FUNCTION or FILE.py:FUNCTION")
+    if module_name.endswith(".py") and not Path(module_name).is_file():
+        raise ReplayError(f"--builder {spec}: no file {module_name}")
+    return module_name, function
+
+
 def _build(builder: str | None, checkpoint):
     """Megatron's parallel state (world size 1, if not yet), then the model.  Megatron
     must have imported patched by the dump spec, else nothing would be dumped."""
+    build = load_builder(builder)  # first: a builder that cannot import fails before Megatron loads
     import megatron.core.transformer.transformer_layer as layer
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    build = load_builder(builder)
     if "__sp__" not in vars(layer):
         raise ReplayError("Megatron's TransformerLayer is not patched: SOURCE_PATCH=megatron_cpu,dump must apply "
                           "before Megatron imports (is the start hook installed? `source-patch hook status`)")
@@ -256,7 +500,10 @@ def _build(builder: str | None, checkpoint):
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    return build(checkpoint).eval()
+    try:
+        return build(checkpoint).eval()
+    except Exception as exc:  # noqa: BLE001 - the user's builder, or the twin on odd weights: one line, exit 2
+        raise ReplayError(f"{_who(builder, checkpoint)}: building the model failed: {_said(exc)}") from None
 
 
 def _dump_rows(dump, rid: str, tokens: list) -> None:
@@ -269,23 +516,57 @@ def _dump_rows(dump, rid: str, tokens: list) -> None:
     dump.dump("row_request", torch.zeros_like(column, dtype=torch.int32), rids=[rid])
 
 
-def _forward(model, tokens: list):
-    """Logits ``[s, vocab]`` (float32, on the CPU) of one sequence."""
+def _forward(model, tokens: list, who: str):
+    """Logits ``[s, vocab]`` (float32, on the CPU) of one sequence; a model that returns
+    anything else is a ReplayError (its log-probs would be an IndexError)."""
+    import torch
+
     from .weight_sync import twin
 
-    return twin.logits(model, [tokens])[0].float().cpu()
+    out = twin.logits(model, [tokens])
+    if not (isinstance(out, torch.Tensor) and out.dim() == 3 and tuple(out.shape[:2]) == (1, len(tokens))
+            and out.shape[2] > max(tokens) and out.is_floating_point()):
+        got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ReplayError(f"{who}: the model returned {got} for {len(tokens)} tokens, expected float logits "
+                          f"[1, {len(tokens)}, vocab] with vocab > {max(tokens)}")
+    return out[0].float().cpu()
 
 
-def _routes(folder, requests: dict) -> dict:
+def _routes(folder, requests: dict, config: dict | None = None) -> dict:
     """``{rid: RoutingRecord}`` of the rollout's requests that have one (SGLang's own
-    probes, for one, have none: they run as the model routes them)."""
+    probes, for one, have none: they run as the model routes them), each checked against
+    its request's length and, for the twin, the config's experts and layers."""
     from .routing.sglang import merge_rank_files
 
-    records = merge_rank_files(folder)
+    try:
+        records = merge_rank_files(folder)
+    except ValueError:
+        raise  # RoutingRecordError: already one line naming the file
+    except Exception as exc:  # noqa: BLE001 - a record nothing foresaw: one line, not a traceback
+        raise ReplayError(f"--routes {folder}: unreadable routing records ({_said(exc)})") from None
     found = {rid: records[rid] for rid in requests if rid in records}
     if not found:
         raise ReplayError(f"--routes {folder}: no routing record of any of the rollout's {len(requests)} requests")
+    for rid, record in found.items():
+        _check_route(folder, rid, record, len(requests[rid]), config)
     return found
+
+
+def _check_route(folder, rid, record, length: int, config: dict | None) -> None:
+    """A request's routing record fits its tokens (the engine never feeds back its last
+    one: one fewer is fine) and, for the twin, the model's experts, top-k and layers."""
+    said = f"--routes {folder}: request {rid!r}'s record"
+    if not length - 1 <= record.num_tokens <= length:
+        raise ReplayError(f"{said} has {record.num_tokens} tokens, the rollout {length}")
+    if config is None:
+        return
+    experts = config.get("num_experts") or config["num_local_experts"]
+    if record.num_experts > experts or record.topk != config["num_experts_per_tok"] or \
+            max(record.layers) >= config["num_hidden_layers"]:
+        raise ReplayError(f"{said} (num_experts {record.num_experts}, topk {record.topk}, layers up to "
+                          f"{max(record.layers)}) does not fit config.json (num_experts {experts}, "
+                          f"num_experts_per_tok {config['num_experts_per_tok']}, "
+                          f"num_hidden_layers {config['num_hidden_layers']})")
 
 
 @contextlib.contextmanager

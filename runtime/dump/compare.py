@@ -37,6 +37,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import stat
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -398,7 +400,7 @@ def report(rollout, train, args) -> int:
     data = {**result.to_json(), "inputs": inputs}
     try:
         if args.json:
-            Path(args.json).write_text(json.dumps(json_safe(data), indent=1, allow_nan=False))
+            write_report(args.json, json.dumps(json_safe(data), indent=1, allow_nan=False))
         if args.html:
             from . import compare_html
 
@@ -443,15 +445,33 @@ def versions() -> str:
 
 
 def check_output(flag: str, path) -> None:
-    """Before comparing: the report's folder must exist (it is not created: a mistyped
-    path is an error, not a new folder) and the path must not be a folder."""
+    """Before comparing (or replaying): the report's folder must exist (it is not created:
+    a mistyped path is an error, not a new folder), and the path must be absent or a
+    regular file: a folder is refused, and so are a FIFO, a device or a socket, at once
+    (writing to a FIFO would wait for a reader forever)."""
     if path is None:
         return
     folder = Path(path).parent
     if not folder.is_dir():
         raise ValueError(f"{flag} {path}: no folder {folder}")
-    if Path(path).is_dir():
+    if os.path.isdir(path):
         raise ValueError(f"{flag} {path}: is a folder")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # a link is replaced, never followed (core/private.py)
+        raise ValueError(f"{flag} {path}: exists and is not a regular file (a FIFO, a device or a socket)")
+
+
+def write_report(path, text: str) -> None:
+    """A report written whole or not at all, never through what is at ``path`` (a link
+    is replaced, a FIFO or a device refused): core/private.py's plain-file writer."""
+    from ..core import private
+
+    private.write_file(path, text.encode("utf-8"))
 
 
 def _fail(message) -> int:

@@ -51,8 +51,12 @@ def render(report: dict, title: str = "Rollout vs training") -> str:
 
 
 def write(report: dict, path, title: str = "Rollout vs training") -> Path:
+    """The page at ``path``, written whole through core/private.py's plain-file writer
+    (a FIFO or a device there is an OSError at once, a link replaced, never followed)."""
+    from ..core import private
+
     path = Path(path)
-    path.write_text(render(report, title), encoding="utf-8")
+    private.write_file(path, render(report, title).encode("utf-8"))
     return path
 
 

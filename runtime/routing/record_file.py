@@ -2,8 +2,10 @@
 
 Format version 1: tensors ``layer.<L>.indices`` (uint8 / int16 / int32 by
 ``num_experts``) and ``layer.<L>.probs``; the metadata is JSON under the
-``__metadata__`` key ``source_patch.routing``.  Nothing is unpickled; a header is
-size-checked before it is parsed.  Loaded indices are ``torch.int64`` (what
+``__metadata__`` key ``source_patch.routing``.  Nothing is unpickled; a file is read
+once, a regular file only (a FIFO or a folder is refused, not waited on); its header is
+size-checked before it is parsed, parsed bounded in depth (core/bounded.py), and every
+tensor's offsets are checked against its shape and the file's size.  Loaded indices are ``torch.int64`` (what
 ``torch.topk`` returns and what Megatron's ``RouterReplay`` gathers with).
 
 This module knows files, not the RoutingRecord type (``record_type.py`` maps its
@@ -14,12 +16,15 @@ It also holds the error every part of the record raises.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import tempfile
 from pathlib import Path
 
 import torch
+
+from ..core import bounded
 
 FORMAT = "source-patch-routing"
 VERSION = 1
@@ -30,6 +35,12 @@ INDEX_DTYPE = torch.int64          # the dtype indices have once loaded
 _DISK_DTYPES = {"U8": torch.uint8, "I16": torch.int16, "I32": torch.int32}
 DTYPE_NAMES = {torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32"}
 _FLOAT_CODES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+# bytes per element of the safetensors dtypes, to check each entry's offsets against its shape
+_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+               "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+_HEADER_DEPTH = 3                  # {key: {"shape": [...]}}: a deeper header is not safetensors
+_META_LIMITS = {"max_depth": 16, "max_items": 10_000}  # the routing metadata (extra nests a little)
+_MAX_DIMS = 8
 # the record's fields its metadata carries as they are
 FIELDS = ("num_experts", "topk", "token_order", "sample_ids", "seq_lens", "padding", "parallel", "source",
           "version")
@@ -82,59 +93,92 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
     ``tensor_entries`` maps each key to its safetensors header entry (``dtype``,
     ``shape``, ``data_offsets``).  Raises :class:`RoutingRecordError` when the file
     is not a routing file, is truncated, corrupt, or from a newer format version."""
-    path = Path(path)
-    n, raw, size = _raw_header(path)
+    return _load(Path(path), with_data=False)[:2]
+
+
+def _load(path: Path, with_data: bool) -> tuple[dict, dict, bytes | None]:
+    """(metadata, tensor entries, the file's bytes up to its last tensor or None), from
+    one open of a regular file: a FIFO or a folder is refused, never waited on."""
+    err = RoutingRecordError
+    with bounded.open_regular(path, what="cannot read the routing file", error=err) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        n, raw = _raw_header(path, handle, size)
+        meta, header, data_end = _checked_header(path, raw)
+        if 8 + n + data_end > size:
+            raise err(f"{path}: truncated: tensors need {8 + n + data_end} bytes, file has {size}")
+        if not with_data:
+            return meta, header, None
+        try:
+            data = handle.read(data_end)
+        except OSError as exc:
+            raise err(f"{path}: cannot read: {exc}") from None
+    if len(data) != data_end:  # shrunk since its size was taken
+        raise err(f"{path}: truncated: tensors need {8 + n + data_end} bytes, read {8 + n + len(data)}")
+    return meta, header, struct.pack("<Q", n) + raw + data
+
+
+def _raw_header(path: Path, handle, size: int) -> tuple[int, bytes]:
+    """(header length, header bytes); the length is checked before it is read."""
     err = RoutingRecordError
     try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        raise err(f"{path}: corrupt safetensors header ({exc})") from None
-    if not isinstance(header, dict):
-        raise err(f"{path}: corrupt safetensors header (not a JSON object)")
+        head = handle.read(8)
+        if len(head) < 8:
+            raise err(f"{path}: truncated or not a safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES:
+            raise err(f"{path}: safetensors header claims {n} bytes (limit {MAX_HEADER_BYTES}): "
+                      "corrupt or not a routing file")
+        if 8 + n > size:
+            raise err(f"{path}: truncated: header needs {8 + n} bytes, file has {size}")
+        raw = handle.read(n)
+    except OSError as exc:
+        raise err(f"{path}: cannot read: {exc}") from None
+    if len(raw) != n:
+        raise err(f"{path}: truncated: header needs {8 + n} bytes, read {8 + len(raw)}")
+    return n, raw
+
+
+def _checked_header(path: Path, raw: bytes) -> tuple[dict, dict, int]:
+    """(routing metadata, tensor entries, end of the last tensor's data): the header
+    parsed bounded (a deep one is an error, not a RecursionError), every entry checked."""
+    err = RoutingRecordError
+    header = bounded.load_json(raw, what=f"{path}: corrupt safetensors header", error=err,
+                               max_bytes=MAX_HEADER_BYTES, max_depth=_HEADER_DEPTH, kind=dict)
     file_meta = header.pop("__metadata__", None) or {}
     text = file_meta.get(METADATA_KEY) if isinstance(file_meta, dict) else None
-    if text is None:
+    if not isinstance(text, str):
         raise err(f"{path}: not a routing record (no {METADATA_KEY!r} in the safetensors metadata)")
     meta = _checked_metadata(path, text)
     data_end = 0
     for key, entry in header.items():
-        try:
-            start, end = entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise err(f"{path}: corrupt safetensors entry {key!r}") from None
-        data_end = max(data_end, end)
-    if 8 + n + data_end > size:
-        raise err(f"{path}: truncated: tensors need {8 + n + data_end} bytes, file has {size}")
-    return meta, header
+        if not safetensors_entry_ok(entry):
+            raise err(f"{path}: corrupt safetensors entry {key[:80]!r} (a dtype, a shape of sizes, "
+                      "data_offsets [begin, end] its bytes apart)")
+        data_end = max(data_end, entry["data_offsets"][1])
+    return meta, header, data_end
 
 
-def _raw_header(path: Path) -> tuple[int, bytes, int]:
-    """(header length, header bytes, file size); the length is checked before it is read."""
-    err = RoutingRecordError
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            head = handle.read(8)
-            if len(head) < 8:
-                raise err(f"{path}: truncated or not a safetensors file ({size} bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES:
-                raise err(f"{path}: safetensors header claims {n} bytes (limit {MAX_HEADER_BYTES}): "
-                          "corrupt or not a routing file")
-            if 8 + n > size:
-                raise err(f"{path}: truncated: header needs {8 + n} bytes, file has {size}")
-            return n, handle.read(n), size
-    except OSError as exc:
-        raise err(f"{path}: cannot read: {exc}") from None
+def safetensors_entry_ok(entry) -> bool:
+    """Whether a safetensors header entry is {dtype, shape: [int >= 0], data_offsets:
+    [begin, end]} with 0 <= begin <= end, as many bytes apart as the shape needs (a
+    known dtype).  Replay's checkpoint check uses it too."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        return False
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(d) and d >= 0 for d in shape)):
+        return False
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(x) for x in offsets)):
+        return False
+    begin, end = offsets
+    size = _ITEM_BYTES.get(entry["dtype"])
+    return 0 <= begin <= end and (size is None or math.prod(shape) * size == end - begin)
 
 
 def _checked_metadata(path: Path, text: str) -> dict:
     """The routing metadata's JSON, its format and version checked."""
     err = RoutingRecordError
-    try:
-        meta = json.loads(text)
-    except ValueError as exc:
-        raise err(f"{path}: corrupt routing metadata ({exc})") from None
+    meta = bounded.load_json(text, what=f"{path}: corrupt routing metadata", error=err,
+                             max_bytes=MAX_HEADER_BYTES, **_META_LIMITS)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else meta
         raise err(f"{path}: routing metadata format is {got!r}, expected {FORMAT!r}")
@@ -152,12 +196,15 @@ def read(path: Path) -> tuple[dict, dict]:
     RoutingRecord (indices as ``INDEX_DTYPE``, probs in their stored dtype), every tensor
     the metadata names present and stored as it says."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
-    meta, entries = read_header(path)
+    path = Path(path)
+    meta, entries, blob = _load(path, with_data=True)
     err = RoutingRecordError
     try:
-        layers = [int(layer) for layer in meta["layers"]]
+        layers = meta["layers"]
+        if not isinstance(layers, list) or not all(_is_int(layer) and layer >= 0 for layer in layers):
+            raise ValueError("'layers'")  # JSON's 1.0 or Infinity is no layer id
         has_probs = bool(meta["has_probs"])
         fields = {k: meta[k] for k in FIELDS}
         extra = meta.get("extra") or {}
@@ -174,7 +221,7 @@ def read(path: Path) -> tuple[dict, dict]:
         if code not in _DISK_DTYPES:
             raise err(f"{path}: layer {layer}: indices stored as {code!r}, expected one of {list(_DISK_DTYPES)}")
     try:
-        tensors = load_file(str(path))
+        tensors = load(blob)  # the bytes already read: the file is opened once
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
         raise err(f"{path}: corrupt safetensors data ({exc})") from None
     fields.update(indices={layer: tensors[f"layer.{layer}.indices"].to(INDEX_DTYPE) for layer in layers},

@@ -5,16 +5,20 @@ whether it loaded it."""
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import torch
 
+from ..core import bounded
 from . import program, sender
 from .wire import Buffers, ChecksumMismatch, Manifest, WeightSyncError, bucket_sum, request_json, too_many_buckets
 
 LOAD_FORMAT = "source_patch"  # SGLang's load_format that selects our receivers
+MAX_REPLY_BYTES = 1 << 20     # an engine's answer is a few hundred bytes; a larger one is refused
 
 
 class RequestSender:
@@ -134,18 +138,39 @@ def post_update(url: str, payload: bytes, timeout_s: float, session: bool = True
 
 
 def _post(url: str, path: str, body: dict, timeout_s: float) -> tuple[bool, dict]:
+    _check_url(url)
     request = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
+    what = f"the engine at {url}: its answer to {path}"
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            reply = json.loads(response.read(1 << 20) or b"{}")
+            reply = _reply(response.read(MAX_REPLY_BYTES + 1), what)
     except urllib.error.HTTPError as exc:
         try:
-            reply = json.loads(exc.read(1 << 20) or b"{}")
-        except ValueError:
+            reply = _reply(exc.read(MAX_REPLY_BYTES + 1), what)
+        except (OSError, WeightSyncError, http.client.HTTPException):  # no readable body: its status says enough
             reply = {"message": f"HTTP {exc.code}"}
         return False, reply if isinstance(reply, dict) else {"message": str(reply)}
-    except (OSError, ValueError) as exc:
-        raise WeightSyncError(f"the engine at {url} did not answer {path}: {exc}") from None
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # a broken reply too: one line, not raw
+        raise WeightSyncError(f"the engine at {url} did not answer {path}: {exc or type(exc).__name__}") from None
     return bool(reply.get("success", True)) if isinstance(reply, dict) else False, \
         reply if isinstance(reply, dict) else {}
+
+
+def _reply(data: bytes, what: str):
+    """An engine's JSON reply, bounded in size and depth (a deep one is WeightSyncError,
+    not a RecursionError); an empty body is ``{}``."""
+    return bounded.load_json(data or b"{}", what=what, error=WeightSyncError, max_bytes=MAX_REPLY_BYTES)
+
+
+def _check_url(url) -> None:
+    """An engine URL is http(s)://HOST[:PORT][/PATH] with no whitespace or control
+    characters (a CR or LF would be a raw InvalidURL from http.client, or a header)."""
+    ok = isinstance(url, str) and not any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in url)
+    try:
+        parts = urllib.parse.urlsplit(url) if ok else None
+    except ValueError:  # an unclosed [IPv6 bracket
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+        raise WeightSyncError(f"engine URL {str(url)[:200]!r}: expected http(s)://HOST:PORT, without spaces "
+                              "or control characters")
