@@ -50,7 +50,7 @@ import time
 import torch
 
 import stats  # bench/
-from push_common import backend, bucket, build, mapped, profile  # bench/
+from push_common import backend, bucket, build, mapped, plan_packing, profile  # bench/
 
 
 def parse_args(argv=None):
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
                 pass
 
     def push(from_buffers=True, walked=False, replay=True, planned=True):
-        weight_sync.PROGRAM = planned
+        plan_packing(planned)
         weight_sync.configure(from_buffers=from_buffers, replay_packing=replay)
         if walked:
             weight_megatron._walks.pop(ddp, None)
@@ -245,7 +245,7 @@ def check_program(ddp, chunks, weight_sync, wt, device) -> None:
     from source_patch.runtime.weight_sync import planning
 
     def messages(planned: bool) -> list:
-        weight_sync.PROGRAM = planned
+        plan_packing(planned)
         weight_sync.configure(from_buffers=False)
         tx = wt.LoopbackLink(device)
         weight_sync._connected = lambda: backend(tx)

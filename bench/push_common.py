@@ -77,3 +77,16 @@ def mapped(ddp, layout) -> list:
 
     return [(n, t) for name, p in ddp.named_parameters()
             for n, t in weight_names.to_hf(weight_names.strip_wrappers(name), p.detach(), layout)]
+
+
+_PACKED = {}  # planning.Plan.packed as shipped, kept while the old path is measured
+
+
+def plan_packing(planned: bool) -> None:
+    """The packed push planned once (the shipped path), or, off, packed tensor by tensor
+    as before issue 32's item 2: the bench's own copy of that path, a Plan that never
+    plans (sync.py then maps and packs each tensor)."""
+    from source_patch.runtime.weight_sync import planning
+
+    shipped = _PACKED.setdefault("packed", planning.Plan.packed)
+    planning.Plan.packed = shipped if planned else (lambda self, params, layout: None)

@@ -14,7 +14,7 @@ import time
 import torch
 
 import stats  # bench/
-from push_common import backend, bucket, build, mapped, profile  # bench/
+from push_common import backend, bucket, build, mapped, plan_packing, profile  # bench/
 
 ENGINE_ROWS = ("raw", "push buffers", "push tensors", "push unplanned")
 METHOD = {"raw": "buffers", "push buffers": "buffers", "push tensors": "tensors", "push unplanned": "unplanned"}
@@ -106,7 +106,7 @@ class _Ends:
 
     def sender(self, ddp, weight_sync) -> None:
         def push(method: str):
-            weight_sync.PROGRAM = method != "unplanned"  # off: packed tensor by tensor, as before issue 32's item 2
+            plan_packing(method != "unplanned")  # off: packed tensor by tensor, as before issue 32's item 2
             weight_sync.configure(from_buffers=method == "buffers", replay_packing=True)
             weight_sync._connected = lambda: backend(self.links[method])  # the bench's groups (push() is unchanged)
             self.version += 1

@@ -12,6 +12,13 @@ slowloris: --idle sockets (200) each send half a request and stall, then one
 authenticated GET /state is timed; one row per round, and a row of the min / median
 over rounds (the endpoint keeps at most 64 unauthenticated sockets, dropping the
 oldest, and closes each 2 s after its accept).
+
+floods, beside it: 16 peers send 64 KB escaped-quote messages (an unterminated
+string of \\", which the JSON pre-scan once took 11 s over) over and over: token
+holders' POST /configure bodies to the endpoint, unauthenticated hellos to the hub;
+and 16 token holders that trickle a body a byte every 0.5 s (the endpoint wants a
+whole request within 5 s of its accept).  Meanwhile one legitimate request is timed
+(GET /state; a hello until its welcome): one row per round, then min / median.
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ import argparse
 import asyncio
 import http.client
 import json
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from source_patch.runtime.core.endpoint import free_port  # noqa: E402
 
 TOKEN = "bench-token"
+PEERS = 16  # hostile peers of the flood and trickle rows (the endpoint's worker count)
+
+
+def escaped_quotes(size: int = 64 << 10) -> bytes:
+    """A hello-shaped message whose token is an unterminated string of escaped quotes."""
+    head = b'{"op": "hello", "token": "'
+    return head + b'\\"' * ((size - 1 - len(head)) // 2)
 
 
 def percentile(values, q):
@@ -59,8 +75,6 @@ def dump_round(port: int, clients: int) -> tuple:
 
 def slowloris_round(port: int, idle: int) -> tuple:
     """The latency of one authenticated GET /state with ``idle`` half-requests open."""
-    import socket
-
     sockets = []
     try:
         for _ in range(idle):
@@ -71,6 +85,87 @@ def slowloris_round(port: int, idle: int) -> tuple:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def while_peers(peer, legit) -> tuple:
+    """``legit()`` timed while PEERS threads run ``peer(stop)`` until it is done."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=peer, args=(stop,), daemon=True) for _ in range(PEERS)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)  # the peers are at it
+    try:
+        return legit()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(120)
+
+
+def dump_flood_round(port: int) -> tuple:
+    """GET /state while token holders post 64 KB escaped-quote bodies."""
+    def peer(stop):
+        while not stop.is_set():
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                conn.request("POST", "/configure", body=escaped_quotes(),
+                             headers={"Authorization": f"Bearer {TOKEN}"})
+                conn.getresponse().read()
+                conn.close()
+            except OSError:
+                pass
+
+    return while_peers(peer, lambda: timed_state(port, timeout=120))
+
+
+def dump_trickle_round(port: int) -> tuple:
+    """GET /state while token holders send a body's byte every 0.5 s."""
+    def peer(stop):
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                    sock.sendall(b"POST /configure HTTP/1.0\r\nAuthorization: Bearer " + TOKEN.encode()
+                                 + b"\r\nContent-Length: 1000\r\n\r\n")
+                    while not stop.wait(0.5):
+                        sock.sendall(b" ")
+            except OSError:
+                pass  # cut at the deadline: again
+
+    return while_peers(peer, lambda: timed_state(port, timeout=120))
+
+
+async def hub_flood_round(port: int) -> tuple:
+    """A legitimate hello's welcome while unauthenticated peers send 64 KB escaped-quote hellos."""
+    from websockets.asyncio.client import connect
+
+    url, stop = f"ws://127.0.0.1:{port}/ws", asyncio.Event()
+
+    async def peer():
+        while not stop.is_set():
+            try:
+                async with connect(url, open_timeout=120) as ws:
+                    await ws.send(escaped_quotes().decode())
+                    await ws.recv()  # the hub closes it (4401)
+            except Exception:  # noqa: BLE001 - closed, as it should be
+                pass
+
+    async def legit():
+        start = time.perf_counter()
+        try:
+            async with connect(url, open_timeout=120) as ws:
+                await ws.send(json.dumps({"op": "hello", "token": TOKEN}))
+                ok = json.loads(await asyncio.wait_for(ws.recv(), 120)).get("op") == "welcome"
+        except Exception:  # noqa: BLE001 - counted as a failure
+            ok = False
+        return time.perf_counter() - start, ok
+
+    peers = [asyncio.create_task(peer()) for _ in range(PEERS)]
+    await asyncio.sleep(0.3)
+    try:
+        return await legit()
+    finally:
+        stop.set()
+        await asyncio.gather(*peers)
 
 
 async def hub_round(port: int, clients: int, max_clients: int) -> tuple:
@@ -124,14 +219,18 @@ def main() -> int:
     for r in range(args.rounds):
         lat, failed = dump_round(dump_port, args.clients)
         row("dump /state", r, lat, failed)
-    slow = []
-    for r in range(args.rounds):
-        lat, ok = slowloris_round(dump_port, args.idle)
-        slow.append((lat, ok))
-        row(f"dump, {args.idle} idle", r, [lat], int(not ok))
-    lat = [x for x, _ in slow]
-    print(f"{'slowloris, all rounds':22} {'-':>5} {min(lat) * 1000:7.1f} {statistics.median(lat) * 1000:7.1f}"
-          f" {'':>7} {'':>7} {max(lat) * 1000:7.1f} {sum(not ok for _, ok in slow):>6}", flush=True)
+    lone = {f"dump, {args.idle} idle": ("slowloris", lambda: slowloris_round(dump_port, args.idle)),
+            f"dump, {PEERS} floods": ("dump flood", lambda: dump_flood_round(dump_port)),
+            f"dump, {PEERS} trickling": ("trickle", lambda: dump_trickle_round(dump_port)),
+            f"hub, {PEERS} floods": ("hub flood", lambda: asyncio.run(hub_flood_round(hub_port)))}
+    for name, (total, one) in lone.items():
+        results = []
+        for r in range(args.rounds):
+            results.append(one())
+            row(name, r, [results[-1][0]], int(not results[-1][1]))
+        lat = [x for x, _ in results]
+        print(f"{total + ', all rounds':22} {'-':>5} {min(lat) * 1000:7.1f} {statistics.median(lat) * 1000:7.1f}"
+              f" {'':>7} {'':>7} {max(lat) * 1000:7.1f} {sum(not ok for _, ok in results):>6}", flush=True)
     for r in range(args.rounds):
         lat, failed, welcomed = asyncio.run(hub_round(hub_port, args.clients, 8))
         row(f"hub hello ({welcomed} in)", r, lat, failed)

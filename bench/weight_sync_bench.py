@@ -53,7 +53,7 @@ time the device work, not the launch rate; on CPU the host time).  Default: both
 models of the 2-GPU runs, --small-frac 0.1 and 0.5.
   (a) sender: take + check the tensors of each bucket (_Packing.batches), pack them
       (_Packing.pack: one _foreach_copy_ per dtype), per bucket and per update
-  (b) checksum of each bucket (_bucket_sum)
+  (b) checksum of each bucket (wire.bucket_sum)
       send() over a wire that costs nothing: (a) + (b) + handshake, manifest, votes
       send() of the same tensors as views of one buffer (plan_buffers): no (a)
   (c) receivers over the replayed wire (its copies included: about (d)): stage

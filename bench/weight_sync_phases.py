@@ -83,6 +83,8 @@ def _total(*samples: dict) -> dict:
 
 def phases(args, wt, layout: list) -> None:
     """``wt``: the transport module; ``layout``: weight_sync_bench.model_layout(args)."""
+    from source_patch.runtime.weight_sync import sender, wire  # the packing and checksums measured alone
+
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -93,7 +95,7 @@ def phases(args, wt, layout: list) -> None:
     nbytes = sum(t.nbytes for t in tensors)
     manifest = wt.plan([(name, shape, torch.bfloat16) for name, shape in layout], args.bucket_mb << 20, 1)
     buckets = manifest.buckets
-    packing = wt._Packing(manifest, device)
+    packing = sender._Packing(manifest, device)
     tx = wt.LoopbackLink(device)                   # records the update once, for the receivers
     rx = wt.LoopbackLink(device, replay=tx)
     quiet = wt.LoopbackLink(device, record=False)  # send() with a wire that costs nothing
@@ -125,7 +127,7 @@ def phases(args, wt, layout: list) -> None:
             data, sample = clock.run(lambda: packing.pack(k, sources), _hold(last.get(("pack", k))))
             pack.append(sample)
             last[("pack", k)] = sample
-            _, sample = clock.run(lambda: wt._bucket_sum(data, packing.sums[k]), 1e-3)
+            _, sample = clock.run(lambda: wire.bucket_sum(data, packing.sums[k]), 1e-3)
             sums.append(sample)
         for _ in batches:  # its end: the check for more tensors than planned
             pass
@@ -177,7 +179,7 @@ PHASE_ROWS = [  # (key, label)
     ("take", "(a) sender take + check (batches)"),
     ("pack", "(a) sender pack copies (pack)"),
     ("pack total", "(a) sender pack total"),
-    ("sum", "(b) checksums (_bucket_sum)"),
+    ("sum", "(b) checksums (bucket_sum)"),
     ("send", "    send(), free wire: (a)+(b)+protocol"),
     ("send buffers", "    send() from one buffer (plan_buffers)"),
     ("staged", "(c) receiver stage update (+ wire copies)"),

@@ -4,6 +4,8 @@
     SOURCE_PATCH=megatron_cpu torchrun --nproc-per-node 2 examples/train_moe.py --ep 2
     SOURCE_PATCH=megatron_cpu python examples/train_moe.py               # GPU, nccl
     SOURCE_PATCH=megatron_cpu,dump python examples/train_moe.py          # + activation dumps
+    SOURCE_PATCH=patches/moe.yaml,megatron_cpu SOURCE_PATCH_ROUTING_MODE=capture \\
+        SOURCE_PATCH_ROUTING_DIR=routes python examples/train_moe.py     # + MoE routes (docs/routing.md)
 
 Megatron-Core (0.16 - 0.19) assumes CUDA in a few places, and before 0.17 its router
 gemm is unbound without Transformer Engine (on GPU too). The bundled spec

@@ -23,8 +23,6 @@ _EXPORTS = {
     "FORMAT_VERSION": ("spec", "FORMAT_VERSION"), "Edit": ("spec", "Edit"), "Patch": ("spec", "Patch"),
     "Spec": ("spec", "Spec"), "load_spec": ("spec", "load"),
 }
-# Submodules an eager import of this package used to bind as attributes.
-_SUBMODULES = ("activation", "cache", "errors", "finder", "locate", "spec")
 
 __all__ = [
     "FORMAT_VERSION", "Activation", "ActivationError", "AnchorError", "Edit", "Location", "Patch",
@@ -34,21 +32,20 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    """A name of the API, imported on first use.  Submodules are not attributes until
+    imported (``from source_patch.patcher import cache`` imports it, as for any package)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from importlib import import_module
 
-    if name in _EXPORTS:
-        module, attr = _EXPORTS[name]
-        imported = import_module(f"{__name__}.{module}")
-        value = getattr(imported, attr)
-        if module == "activation":  # the API's first use: SOURCE_PATCH set too late is said here
-            imported.warn_env_after_start()
-    elif name in _SUBMODULES:
-        value = import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _EXPORTS[name]
+    imported = import_module(f"{__name__}.{module}")
+    value = getattr(imported, attr)
+    if module == "activation":  # the API's first use: SOURCE_PATCH set too late is said here
+        imported.warn_env_after_start()
     globals()[name] = value  # once
     return value
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))
+    return sorted(set(globals()) | set(__all__))

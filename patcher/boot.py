@@ -20,7 +20,7 @@ import os
 import stat
 import sys
 
-from ..runtime.core.private import Untrusted, foreign, open_folder, read_private, write_private
+from ..runtime.core.private import Untrusted, foreign, read_private, write_private
 
 # --------------------------------------------------------------------------- constants
 
@@ -38,12 +38,35 @@ _HERE = os.path.dirname(os.path.realpath(__file__))  # the patcher's sources
 BUNDLED_DIR = os.path.join(os.path.dirname(_HERE), "patches")
 SETTINGS_FILE = os.path.join(os.path.dirname(_HERE), "runtime", "core", "settings.py")  # its schemas
 SETTINGS_MODULE = "source_patch.runtime.core.settings"
-# Old bundled names -> the spec that replaced them; resolving one warns.  `*_sglang`: from
-# when each capability had a file per framework.  `moe`: the routing spec, renamed so that
-# package, spec, settings and docs say one name (routing).
-ALIAS_OF = {"moe": "routing", "moe_sglang": "routing", "dump_sglang": "dump", "trace_sglang": "trace",
-            "weight_sync_sglang": "weight_sync"}
-ALIASES = frozenset(ALIAS_OF)
+# The one table of renamed user-facing names: (kind, old name) -> the name now.  An old
+# name still works, with a DeprecationWarning where it is resolved (``renamed``);
+# docs/architecture.md ("Renamed names") shows this table.  Modules and internal names
+# move without an entry.
+#   spec    a bundled spec's name, from when each capability had a file per framework
+#           (spec.resolve; `moe`, the mission's name, is a spec file of its own: no rename)
+#   __sp__  a call-site name earlier bundled specs inserted, which a user's copy of such a
+#           spec still calls (finder.RuntimeHandle)
+RENAMED = {
+    ("spec", "moe_sglang"): "routing", ("spec", "dump_sglang"): "dump", ("spec", "trace_sglang"): "trace",
+    ("spec", "weight_sync_sglang"): "weight_sync",
+    ("__sp__", "sglang_routing_topk"): "routing_sglang_topk",
+    ("__sp__", "sglang_routing_batch"): "routing_sglang_batch",
+    ("__sp__", "sglang_routing_release"): "routing_sglang_release",
+}
+OLD_SPEC_NAMES = frozenset(old for kind, old in RENAMED if kind == "spec")
+
+
+def renamed(kind: str, name: str, stacklevel: int = 3) -> str:
+    """``name``'s name now, with a DeprecationWarning when RENAMED has it; else ``name``."""
+    new = RENAMED.get((kind, name))
+    if new is None:
+        return name
+    import warnings
+
+    was, now = (f"the bundled spec {name!r}", repr(new)) if kind == "spec" else (f"{kind}.{name}", f"{kind}.{new}")
+    warnings.warn(f"source-patch: {was} is now {now}; the old name goes away in a later release",
+                  DeprecationWarning, stacklevel=stacklevel)
+    return new
 
 
 def split_refs(value: str) -> list[str]:
@@ -113,7 +136,7 @@ def _resolve(ref: str) -> str | None:
         path = os.path.realpath(path)
     else:
         path = os.path.join(BUNDLED_DIR, ref + ".yaml")
-    if os.path.splitext(os.path.basename(path))[0] in ALIASES:
+    if os.path.splitext(os.path.basename(path))[0] in OLD_SPEC_NAMES:
         return None
     return path
 
@@ -138,7 +161,7 @@ def cache_dir() -> str:
 
 def untrusted(directory) -> str | None:
     """Why a cache directory must not be used (None: it may), as ssh judges its files.
-    Only its top folder: each read and write checks its whole path (``open_folder``)."""
+    Only its top folder: each read and write checks its whole path (``private.open_folder``)."""
     try:
         st = os.stat(directory)
     except OSError:  # absent (created 0700 on first write) or unreachable (writes fail: no cache)

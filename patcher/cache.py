@@ -27,8 +27,8 @@ from types import CodeType
 from typing import Callable, NamedTuple
 from zlib import crc32
 
-from .boot import (CHECK_ENV, RACY_NS, SETTINGS_FILE, Untrusted, cache_dir, open_folder, read_private, refuse,
-                   signature, write_private)
+from ..runtime.core.private import Untrusted, open_file, open_folder, read_private, write_private
+from .boot import CHECK_ENV, RACY_NS, SETTINGS_FILE, cache_dir, refuse, signature
 
 MAGIC = b"SPC2"
 _HEADER = len(MAGIC) + 32 + 8 + 4  # magic, key, payload length, payload CRC-32
@@ -303,24 +303,15 @@ class CodeCache:
         except ImportError:  # not POSIX
             yield
             return
-        import stat
-
-        from .boot import foreign
-
         *folders, name = self._parts(k)
         lock_name = name[:-len(".spc")] + ".lock"
         folder = handle = None
         if self.writable:
             try:
                 folder = open_folder(self._root, folders, create=True)
-                # Opened without waiting, then checked: a FIFO planted there hung the import.
+                # Checked like every private file: a FIFO planted there hung the import.
                 # Anything but a regular file of ours: no lock (the key is computed all the same).
-                handle = os.open(lock_name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                                 0o600, dir_fd=folder)
-                st = os.fstat(handle)
-                if not stat.S_ISREG(st.st_mode) or foreign(st, "its lock"):
-                    os.close(handle)
-                    handle = None
+                handle = open_file(folder, lock_name, "its lock", os.O_WRONLY | os.O_CREAT)
             except Untrusted as exc:
                 self._refuse(exc)
             except OSError:

@@ -21,7 +21,7 @@ from types import CodeType, ModuleType
 from typing import NamedTuple
 
 from .cache import CodeCache, TargetLookup, slice_parts, spec_names
-from .boot import STRICT, flag
+from .boot import RENAMED, STRICT, flag, renamed
 from .errors import ActivationError, RequirementError, SourcePatchWarning
 from .requires import judge, site_dir_of
 from .spec import Patch, Spec
@@ -42,12 +42,17 @@ class RuntimeHandle:
 
     Attributes resolve lazily from the runtime's facade (``source_patch.runtime.facade``)
     on first use and are then cached on the instance: the runtime is imported only if a
-    patched site actually runs, and later lookups are a plain attribute read.
+    patched site actually runs, and later lookups are a plain attribute read.  A renamed
+    name (boot.RENAMED) resolves to the name now, with one warning.
     """
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
+        if ("__sp__", name) in RENAMED:
+            value = getattr(self, renamed("__sp__", name))
+            setattr(self, name, value)
+            return value
         from source_patch.runtime import facade
 
         value = getattr(facade, name)

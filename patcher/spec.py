@@ -16,7 +16,7 @@ from dataclasses import astuple, dataclass, field, fields
 from pathlib import Path
 
 from . import boot
-from .boot import ALIAS_OF, ALIASES, MAX_SPEC_BYTES, NotASpecFile
+from .boot import MAX_SPEC_BYTES, OLD_SPEC_NAMES, NotASpecFile, renamed
 from .cache import CodeCache, spec_key
 from .errors import Location, SpecError, shorten, show
 from .patterns import parse_pattern
@@ -169,27 +169,16 @@ def resolve(ref: str) -> Path:
     try:
         path = Path(ref).expanduser()
         if path.suffix in (".yaml", ".yml") or os.sep in ref or path.exists():
-            if path.stem in ALIASES and path.parent.resolve() == BUNDLED_DIR and not path.exists():
-                return BUNDLED_DIR / f"{_alias(path.stem)}.yaml"
+            if path.stem in OLD_SPEC_NAMES and path.parent.resolve() == BUNDLED_DIR and not path.exists():
+                return BUNDLED_DIR / f"{renamed('spec', path.stem)}.yaml"
             return path.resolve()
-        bundled = BUNDLED_DIR / f"{_alias(ref)}.yaml"
+        bundled = BUNDLED_DIR / f"{renamed('spec', ref)}.yaml"
         if bundled.exists():
             return bundled
     except (OSError, RuntimeError, ValueError) as exc:  # name too long, ~nosuchuser, NUL
         raise SpecError(f"not a usable spec path: {_why(exc)}", Location(ref)) from None
     names = ", ".join(sorted(bundled_names())) or "none"
     raise SpecError(f"no spec file or bundled spec named {show(ref)} (bundled: {names})", Location(ref))
-
-
-def _alias(name: str) -> str:
-    if name in ALIASES:
-        import warnings
-
-        warnings.warn(f"source-patch: the bundled spec {name!r} is now {ALIAS_OF[name]!r}; "
-                      f"the old name goes away in a later release",
-                      DeprecationWarning, stacklevel=3)
-        return ALIAS_OF[name]
-    return name
 
 
 def bundled_names() -> list[str]:

@@ -59,18 +59,11 @@ _EXPORTS = {
     "trace_sglang_graph_build": "trace.api",
 }
 
-# Names earlier specs called, which user specs and cached code may still call.
-_RENAMED = {"sglang_routing_topk": "routing_sglang_topk", "sglang_routing_batch": "routing_sglang_batch",
-            "sglang_routing_release": "routing_sglang_release"}
-
 __all__ = sorted(_EXPORTS)
 _PACKAGE = __name__.rpartition(".")[0]
 
 
 def __getattr__(name: str):
-    if name in _RENAMED:
-        value = globals()[name] = __getattr__(_RENAMED[name])
-        return value
     if name not in _EXPORTS:
         raise AttributeError(f"the source-patch runtime has no {name!r} (available: {', '.join(__all__)})")
     value = getattr(importlib.import_module(f"{_PACKAGE}.{_EXPORTS[name]}"), name)

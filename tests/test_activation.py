@@ -94,3 +94,17 @@ def test_the_runtime_handle_is_lazy_and_cached():
     assert handle.emit is emit and vars(handle)["emit"] is emit
     with pytest.raises(AttributeError, match=r"has no .no_such_thing. \(available: .*emit"):
         handle.no_such_thing
+
+
+def test_a_renamed_call_site_name_resolves_to_its_name_now_with_one_warning(monkeypatch):
+    from source_patch.patcher import boot
+    from source_patch.patcher.finder import RuntimeHandle
+    from source_patch.runtime import emit, facade
+
+    monkeypatch.setitem(boot.RENAMED, ("__sp__", "old_emit"), "emit")
+    handle = RuntimeHandle()
+    with pytest.warns(DeprecationWarning, match=r"__sp__\.old_emit is now __sp__\.emit"):
+        assert handle.old_emit is emit
+    assert vars(handle)["old_emit"] is emit  # cached: the warning once
+    renamed = [new for (kind, _), new in boot.RENAMED.items() if kind == "__sp__" and new != "emit"]
+    assert renamed and all(new in facade._EXPORTS for new in renamed)  # each names a call site now

@@ -15,15 +15,18 @@ import time
 import pytest
 
 from source_patch.runtime.features.ref import FeatureRef, TensorMeta
-from source_patch.runtime.features.stream import (Backpressure, Consumer, ControlPlane, Producer, RefReader,
-                                                  RefWriter, StreamCorrupt, StreamError, StreamIdle)
+from source_patch.runtime.features.control_plane import ControlPlane
+from source_patch.runtime.features.stream import Backpressure, Consumer, Producer
+from source_patch.runtime.features.stream_format import StreamCorrupt, StreamError
+from source_patch.runtime.features.stream_io import RefReader, RefWriter, StreamIdle
 
 END_LINE = b'{"end":true}\n'
 
 CHILD = textwrap.dedent('''
     import json, os, sys, time
     from source_patch.runtime.features.ref import FeatureRef, TensorMeta
-    from source_patch.runtime.features.stream import ControlPlane, Consumer, Producer
+    from source_patch.runtime.features.control_plane import ControlPlane
+    from source_patch.runtime.features.stream import Consumer, Producer
 
     def ref(i):
         return FeatureRef("store0", f"sample-{i}", 0, (TensorMeta("hidden", (i + 1, 16), "bfloat16"),))

@@ -19,8 +19,9 @@ from test_feature_store import mooncake_master, mooncake_store, mooncake_url, ru
 
 from source_patch.runtime.features.ref import FeatureRef, TensorMeta
 from source_patch.runtime.features.store import SharedDirStore, StoreError, open_store
-from source_patch.runtime.features.stream import (Consumer, ControlPlane, Producer, StreamCorrupt, StreamError,
-                                                  status)
+from source_patch.runtime.features.control_plane import ControlPlane
+from source_patch.runtime.features.stream import Consumer, Producer, status
+from source_patch.runtime.features.stream_format import StreamCorrupt, StreamError
 
 DEEP = "[" * 100_000 + "]" * 100_000  # json.loads recurses: RecursionError unless refused first
 STATUS = [sys.executable, "-m", "source_patch.runtime.features.stream", "status"]

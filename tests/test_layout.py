@@ -33,7 +33,7 @@ IMPORTERS = ("import_module", "__import__")  # importlib.import_module, import_m
 # module-level tables whose string values name the modules it can import, relative to
 # its package; why).  The tables' modules become edges of the graph.
 DYNAMIC = {
-    "patcher": (("_EXPORTS", "_SUBMODULES"),
+    "patcher": (("_EXPORTS",),
                 "the public API loads its submodule on first use (PEP 562), so the start hook's "
                 "import of the package imports nothing"),
     "patcher.activation": ((), "import_patched_copy imports the user's target's parent package first"),
@@ -55,7 +55,8 @@ CYCLE_EDGES = {}
 # The only arrows from the patcher into the runtime: (patcher module, runtime module),
 # each explained in docs/architecture.md ("Arrows out of the patcher").
 PATCHER_TO_RUNTIME = {
-    ("boot", "core/private"),  # the code cache's private files, written and checked as every file we write
+    ("boot", "core/private"),  # the boot record, read and written as every private file
+    ("cache", "core/private"),  # the code cache's private files, written and checked as every file we write
     ("spec", "core/settings"),  # validates a spec's `runtime:` sections against the schemas
     ("finder", "facade"),  # the __sp__ handle resolves each name there, on first use
     ("matrix", "core/bounded"),  # size-limited reads of wheels and their members
@@ -529,7 +530,7 @@ def test_what_the_graph_cannot_follow_is_declared():
     assert not empty, f"DYNAMIC tables that name no module (gone or renamed: their edges are lost): {empty}"
     edges = graph(tree)
     assert {"runtime.dump.api", "runtime.trace.api", "runtime.core.events"} <= edges["runtime.facade"]
-    assert {"patcher.activation", "patcher.spec", "patcher.cache"} <= edges["patcher"]
+    assert {"patcher.activation", "patcher.spec", "patcher.errors"} <= edges["patcher"]
 
 
 def test_the_declaration_check_can_fail(tmp_path):

@@ -44,12 +44,12 @@ def shared_cache(shared_code_cache):
     return shared_code_cache  # tests/conftest.py
 
 
-def run(args, *, spec: str | None, cache: Path, timeout: int = TIMEOUT):
+def run(args, *, spec: str | None, cache: Path, timeout: int = TIMEOUT, **environ):
     env = {k: v for k, v in os.environ.items() if k != "SOURCE_PATCH"}
     if spec:
         env["SOURCE_PATCH"] = spec
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", SOURCE_PATCH_CACHE=str(cache),
-               PYTHONWARNINGS="ignore")
+    env.update({"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "SOURCE_PATCH_CACHE": str(cache),
+                "PYTHONWARNINGS": "ignore", **environ})
     return subprocess.run([sys.executable, *args], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -90,6 +90,21 @@ def test_example_trains_a_gpt_moe_on_cpu(shared_cache):
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.3, losses  # the ramp task is learnt quickly
     assert "done: 4 steps" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_moe_spec_path_captures_routes_without_a_deprecation_warning(shared_cache, tmp_path):
+    """The mission's usage line: `SOURCE_PATCH=patches/moe.yaml` (with megatron_cpu on CPU)."""
+    routes = tmp_path / "routes"
+    proc = run([str(EXAMPLE), "--steps", "2"], spec="patches/moe.yaml,megatron_cpu", cache=shared_cache,
+               SOURCE_PATCH_ROUTING_MODE="capture", SOURCE_PATCH_ROUTING_DIR=str(routes),
+               PYTHONWARNINGS="always::DeprecationWarning")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done: 2 steps" in proc.stdout
+    assert "source-patch:" not in proc.stderr, proc.stderr[-3000:]  # no renamed-name warning
+    index = json.loads((routes / "rank-0" / "index.json").read_text())
+    assert sorted(p.name for p in (routes / "rank-0").glob("*.safetensors")) == \
+        ["step-0-mb-0.safetensors", "step-1-mb-0.safetensors"], index
 
 
 def test_example_refuses_to_run_on_cpu_without_the_spec(shared_cache):

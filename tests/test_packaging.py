@@ -19,10 +19,12 @@ def test_wheel_contents(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         hook = z.read("source_patch.pth").decode()
+        moe, routing = z.read("source_patch/patches/moe.yaml"), z.read("source_patch/patches/routing.yaml")
         entry_points = z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert hook == (REPO / "patcher" / "source_patch.pth").read_text()
     assert hook.startswith("import os;")  # site only executes .pth lines that start with import
     assert {"source_patch/patcher/cli.py", "source_patch/patches/megatron_topk.yaml"} <= names
+    assert moe == routing  # patches/moe.yaml, a link in the tree, ships as the routing spec's text
     # Every runtime file in the tree (each capability subpackage, the trace view) ships.
     runtime = {f"source_patch/runtime/{p.relative_to(REPO / 'runtime').as_posix()}"
                for p in (REPO / "runtime").rglob("*") if p.suffix in (".py", ".html", ".js", ".css")}

@@ -214,14 +214,31 @@ def test_the_report_lists_targets_never_imported(write_spec, tmp_path):
 
 
 def test_old_bundled_names_are_aliases_with_a_deprecation_warning():
-    from source_patch.patcher.spec import BUNDLED_DIR, resolve
+    from source_patch.patcher import boot
+    from source_patch.patcher.spec import BUNDLED_DIR, bundled_names, resolve
 
     with pytest.warns(DeprecationWarning, match="'moe_sglang' is now 'routing'"):
         assert resolve("moe_sglang") == BUNDLED_DIR / "routing.yaml"
-    with pytest.warns(DeprecationWarning, match="'moe' is now 'routing'"):  # renamed when the package took the name
-        assert resolve("moe") == BUNDLED_DIR / "routing.yaml"
     with pytest.warns(DeprecationWarning):
         assert resolve(str(BUNDLED_DIR / "trace_sglang.yaml")) == BUNDLED_DIR / "trace.yaml"
+    spec_renames = {old: new for (kind, old), new in boot.RENAMED.items() if kind == "spec"}
+    assert set(spec_renames.values()) <= set(bundled_names()) and not set(spec_renames) & set(bundled_names())
+
+
+def test_moe_is_the_routing_spec_by_name_and_by_path_without_a_warning(monkeypatch):
+    """The mission's `SOURCE_PATCH=patches/moe.yaml`: a file of its own (a link to
+    routing.yaml, so the patches have one source) and a bundled name, neither renamed."""
+    from source_patch.patcher import boot
+    from source_patch.patcher.spec import BUNDLED_DIR, load, resolve
+
+    assert (BUNDLED_DIR / "moe.yaml").resolve() == BUNDLED_DIR / "routing.yaml"
+    monkeypatch.chdir(BUNDLED_DIR.parent)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for ref in ("moe", "patches/moe.yaml", str(BUNDLED_DIR / "moe.yaml")):
+            assert resolve(ref).resolve() == BUNDLED_DIR / "routing.yaml", ref
+            assert boot._resolve(ref) is not None, ref  # the start hook's fast path takes it as it is
+            assert load(ref).patches == load("routing").patches, ref
 
 
 def test_fixture_spec_paths_resolve_next_to_the_test_file(source_patch_import, tmp_path, monkeypatch):

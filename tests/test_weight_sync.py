@@ -26,6 +26,8 @@ import torch
 from source_patch.runtime.core import settings
 from source_patch.runtime.weight_sync import sync as weight_sync
 from source_patch.runtime.weight_sync import receiver as wt_receiver
+from source_patch.runtime.weight_sync import sender as wt_sender
+from source_patch.runtime.weight_sync import wire
 from source_patch.runtime.weight_sync import transport as wt
 
 E2E = Path(__file__).parent / "e2e"
@@ -57,7 +59,7 @@ def test_manifest_is_json_and_round_trips():
 def test_a_receiver_parses_the_same_tensor_list_once():
     first = wt.plan([("a", (4,), torch.float32), ("b", (2, 2), torch.int8)], 64, version=1)
     text = first.to_json()
-    known = (wt._split_tensors(text)[1], first.entries)
+    known = (wire.split_tensors(text)[1], first.entries)
     again = wt.Manifest.from_json(first.__class__(2, 64, first.total_bytes, True, first.entries).to_json(),
                                   1 << 20, known)
     assert again.version == 2 and again.entries is first.entries
@@ -107,7 +109,7 @@ def test_packed_buckets_are_the_bytes_the_receiver_reconstructs():
     assert [n for n, _ in received] == [n for n, _ in data]
     assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, data))
     stream = rx.staged[1]  # the receiver's staging buffer: the update's byte stream
-    packing = wt._Packing(m, torch.device("cpu"))
+    packing = wt_sender._Packing(m, torch.device("cpu"))
     packed = 0
     for k, sources in packing.batches(t for _, t in data):
         bucket = packing.pack(k, sources)
@@ -135,8 +137,8 @@ def test_bucket_0_is_packed_before_the_handshake_goes_out(monkeypatch):
             events.append("handshake")
             return super().handshake(row, what)
 
-    pack = wt._Packing.pack
-    monkeypatch.setattr(wt._Packing, "pack", lambda self, k, sources: events.append(f"pack {k}") or
+    pack = wt_sender._Packing.pack
+    monkeypatch.setattr(wt_sender._Packing, "pack", lambda self, k, sources: events.append(f"pack {k}") or
                         pack(self, k, sources))
     data = mixed_tensors()
     m = wt.plan([(n, tuple(t.shape), t.dtype) for n, t in data], 256, version=1)
@@ -507,7 +509,7 @@ def test_replayed_packing_reads_the_captured_sources_so_a_moved_tensor_is_copied
         captured.append(k)
         return type("Graph", (), {"replay": lambda _: copy(k, sources)})()
 
-    monkeypatch.setattr(wt._Replays, "_capture", capture)
+    monkeypatch.setattr(wt_sender._Replays, "_capture", capture)
     data, m, tx, update = packed_updates("cpu", replay_on_cpu=True)
     update(1)
     update(2)  # sources seen
@@ -525,7 +527,7 @@ def test_a_bucket_that_cannot_be_captured_is_copied_and_said_once(monkeypatch, c
     def capture(self, k, sources, copy):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
 
-    monkeypatch.setattr(wt._Replays, "_capture", capture)
+    monkeypatch.setattr(wt_sender._Replays, "_capture", capture)
     _, _, tx, update = packed_updates("cpu", replay_on_cpu=True)
     for version in (1, 2, 3, 4):
         update(version)

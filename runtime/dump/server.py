@@ -17,8 +17,9 @@ LOCAL_RANK`` (the next free port if that one is taken).  Every request needs
     python -m source_patch.runtime.dump.server DIR/EXP reset
 
 Errors are JSON bodies ``{"error": ..., "status": N}``: 400 bad JSON / unknown key
-(with ``valid_keys``) / wrong value, 401 missing or wrong token, 404, 405, 411,
-413 body over ``max_request_bytes``.
+(with ``valid_keys``) / wrong value, 401 missing or wrong token, 404, 405, 408 request
+not whole within ``REQUEST_TIMEOUT_S`` of its accept, 411, 413 body over
+``max_request_bytes``.
 """
 
 from __future__ import annotations
@@ -60,20 +61,25 @@ class _Server(ThreadingHTTPServer):
     has arrived a socket is *unauthenticated*: at most MAX_UNAUTHENTICATED are kept (one
     more drops the oldest that has not sent a whole head) and each is closed
     AUTH_TIMEOUT_S after its accept, so idle or trickling sockets neither pile up nor hold
-    a worker (the trace hub caps them the same way).  Requests with the token run at most
-    WORKERS at once.  The accept loop never waits; connections not yet accepted wait in
-    the kernel's backlog (256: Python's default of 5 overflowed under 200 clients)."""
+    a worker (the trace hub caps them the same way).  The whole request, head and body,
+    must arrive within REQUEST_TIMEOUT_S of its accept (408), however slowly it trickles:
+    a per-read timeout let 16 token holders sending a byte every 4 s hold every worker.
+    Requests with the token run at most WORKERS at once, taking a worker only once their
+    body is in.  The accept loop never waits; connections not yet accepted wait in the
+    kernel's backlog (256: Python's default of 5 overflowed under 200 clients)."""
 
     daemon_threads = True
     request_queue_size = 256
     WORKERS = 16
     MAX_UNAUTHENTICATED = 64
     AUTH_TIMEOUT_S = 2.0
+    REQUEST_TIMEOUT_S = 5.0
 
     def __init__(self, *args, **kwargs):
         self._slots = threading.BoundedSemaphore(self.WORKERS)
         self._lock = threading.Lock()
         self._waiting: dict = {}  # socket whose request head is still to come -> deadline
+        self._deadlines: dict = {}  # socket -> when its whole request must be in
         self._admitted: set = set()
         super().__init__(*args, **kwargs)
 
@@ -87,7 +93,9 @@ class _Server(ThreadingHTTPServer):
 
     def process_request(self, request, client_address):
         with self._lock:
-            self._waiting[request] = time.monotonic() + self.AUTH_TIMEOUT_S
+            now = time.monotonic()
+            self._waiting[request] = now + min(self.AUTH_TIMEOUT_S, self.REQUEST_TIMEOUT_S)
+            self._deadlines[request] = now + self.REQUEST_TIMEOUT_S
             if len(self._waiting) > self.MAX_UNAUTHENTICATED:
                 self._drop_oldest_stalled()
         super().process_request(request, client_address)
@@ -115,8 +123,13 @@ class _Server(ThreadingHTTPServer):
         with self._lock:
             return self._waiting.pop(sock, None) is not None
 
+    def deadline(self, sock) -> float:
+        """When the request of ``sock`` must be in whole (time.monotonic())."""
+        with self._lock:
+            return self._deadlines.get(sock, 0.0)
+
     def admit(self, sock) -> None:
-        """The request carried the token: wait for a worker slot."""
+        """The request carried the token and is in whole: wait for a worker slot."""
         self._slots.acquire()
         with self._lock:
             self._admitted.add(sock)
@@ -127,6 +140,7 @@ class _Server(ThreadingHTTPServer):
         finally:
             with self._lock:
                 self._waiting.pop(request, None)
+                self._deadlines.pop(request, None)
                 admitted = request in self._admitted
                 self._admitted.discard(request)
             if admitted:
@@ -235,7 +249,7 @@ class HTTPError(Exception):
 class _Handler(BaseHTTPRequestHandler):
     server_version = "source-patch-dump/1"
     protocol_version = "HTTP/1.0"  # one request per connection: no leftover body to misread
-    timeout = 5  # an authenticated client that stalls mid-body loses its worker after this
+    timeout = 5  # a read's own limit; the body's reads are bounded by the request's deadline
 
     ROUTES = {
         "/state": ("GET", "state"), "/dumper/get_state": ("GET", "state"),
@@ -274,11 +288,11 @@ class _Handler(BaseHTTPRequestHandler):
                 raise HTTPError(404, f"no endpoint {path}", endpoints=["GET /state", "POST /configure",
                                                                       "POST /reset"])
             self._authorize(control.token)
-            self.server.admit(self.request)
             wanted, action = route
             if method != wanted:
                 raise HTTPError(405, f"{path} takes {wanted}, not {method}")
             body = self._body(control.max_request_bytes) if method == "POST" else b""
+            self.server.admit(self.request)  # only now: a slow body never holds a worker
             runtime = control.runtime
             if action == "state":
                 result = runtime.state()
@@ -320,7 +334,37 @@ class _Handler(BaseHTTPRequestHandler):
         if length > limit:
             raise HTTPError(413, f"request body of {length} bytes is over max_request_bytes ({limit})",
                             max_request_bytes=limit)
-        return self.rfile.read(length)
+        return self._read_by(length, self.server.deadline(self.request))
+
+    def _read_by(self, length: int, deadline: float) -> bytes:
+        """``length`` body bytes, all in by ``deadline``: each read waits only for the
+        time left, so trickling a byte per read cannot stretch the request."""
+        chunks, left = [], length
+        while left:
+            chunk = self._read1_by(deadline, min(left, 1 << 16))
+            if chunk is None:
+                raise HTTPError(408, f"request not complete within {self.server.REQUEST_TIMEOUT_S:g} s of "
+                                     f"its connection ({length - left} of {length} body bytes in)")
+            if not chunk:
+                raise HTTPError(400, f"the body ended after {length - left} of {length} bytes")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    def _read1_by(self, deadline: float, most: int) -> bytes | None:
+        """What one read brings by ``deadline`` (b"" at the end of the stream), None if nothing."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        self.connection.settimeout(remaining)
+        try:
+            return self.rfile.read1(most)
+        except TimeoutError:
+            return None
+        except OSError:  # the client reset the connection: its body ended
+            return b""
+        finally:
+            self.connection.settimeout(self.timeout)  # the answer's writes: the handler's own limit
 
     def _send(self, status: int, payload: dict, headers: dict | None = None) -> None:
         data = (json.dumps(payload, indent=1, default=str) + "\n").encode()

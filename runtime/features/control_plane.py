@@ -2,7 +2,7 @@
 ref in SQLite, shared by the producer and consumer processes; the stream file it is
 bound to (device, inode), and the consumer's saved offset.
 
-Part of the ref stream (stream.py, which re-exports the public names).
+Part of the ref stream (stream.py: Producer, Consumer, status).
 """
 
 from __future__ import annotations

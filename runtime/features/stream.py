@@ -44,14 +44,14 @@ from typing import Iterable, Iterator
 
 from .control_plane import _DUPLICATE, _FULL, ControlPlane
 from .ref import FeatureRef
-from .stream_format import END, MAX_LINE, Record, StreamCorrupt, StreamError
-from .stream_io import RefReader, RefWriter, StreamIdle, _lock, _open_rw
+from .stream_format import StreamCorrupt, StreamError
+from .stream_io import RefReader, RefWriter, _lock, _open_rw
 
-# The stream in modules: stream_format.py (lines, records, checks), stream_io.py
-# (RefWriter, RefReader), control_plane.py (SQLite), this one (Producer, Consumer,
-# status).  Every public name is importable from here.
-__all__ = ["END", "MAX_LINE", "Backpressure", "Consumer", "ControlPlane", "Producer", "Record", "RefReader",
-           "RefWriter", "StreamCorrupt", "StreamError", "StreamIdle", "main", "status"]
+# The stream in modules: stream_format.py (lines, records, checks, StreamError and
+# StreamCorrupt), stream_io.py (RefWriter, RefReader, StreamIdle), control_plane.py
+# (SQLite, ControlPlane), this one (Producer, Consumer, status).  Each name is imported
+# from the module that defines it.
+__all__ = ["Backpressure", "Consumer", "Producer", "main", "status"]
 
 
 # ---- producer and consumer -------------------------------------------------------

@@ -2,7 +2,7 @@
 then ``{"end": true}``; a line parsed as untrusted input (bounded, checked), and an
 existing file checked read only to be a stream, its torn tail allowed.
 
-Part of the ref stream (stream.py, which re-exports the public names).
+Part of the ref stream (stream.py: Producer, Consumer, status).
 """
 
 from __future__ import annotations

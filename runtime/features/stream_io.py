@@ -2,7 +2,7 @@
 cut before the next append) and followed (``RefReader``: complete lines only, until
 the end marker); files opened without following links and locked with ``flock``.
 
-Part of the ref stream (stream.py, which re-exports the public names).
+Part of the ref stream (stream.py: Producer, Consumer, status).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """MoE routing capture and replay.
 
-The record (users import all of it from ``record.py``), from the base up:
+The record (users import it from ``record.py``; the runtime from each name's own module), from the base up:
 
     record_file.py      the versioned safetensors file format; RoutingRecordError
     record_sglang.py    SGLang's routed_experts field (base64 int32) <-> tensors

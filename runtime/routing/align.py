@@ -46,8 +46,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .record import RoutingRecord, RoutingRecordError
-from .record_file import _is_int
+from .record_file import RoutingRecordError, _is_int
+from .record_type import RoutingRecord
 
 FILLERS = ("spread", "lowest")
 ALIGN_KEY = "aligned"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .megatron_files import RoutingReplayError, parallel, record_name, write_index
-from .record import RoutingRecord
+from .record_type import RoutingRecord
 
 _lock = threading.Lock()
 # (step, microbatch) -> {layer: (indices _Pending, probs _Pending or None, None)}

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .record import RoutingRecordError, load
+from .record_file import RoutingRecordError
+from .record_type import load
 
 INDEX_FORMAT = "source-patch-routing-index"
 

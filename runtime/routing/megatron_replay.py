@@ -17,7 +17,9 @@ import os
 import torch
 
 from .megatron_files import RoutingReplayError, load_dir, parallel
-from .record import RoutingRecord, RoutingRecordError, slice_for_rank
+from .record_file import RoutingRecordError
+from .record_slicing import slice_for_rank
+from .record_type import RoutingRecord
 
 _replay: dict = {}   # (step, microbatch) -> RoutingRecord (as loaded)
 _sliced: dict = {}   # (step, microbatch) -> RoutingRecord (sliced for this rank)

@@ -1,7 +1,7 @@
 """Routing records: which experts each token was routed to, per MoE layer.
 
 The data layer under routing capture and replay (docs/routing.md), and the one
-place users import it from::
+place users import it from (the runtime imports each name from its own module)::
 
     import source_patch.runtime.routing.record as record   # RoutingRecord, load, slice_for_rank
 
@@ -19,7 +19,7 @@ The record is one contract whose parts live in a module each, from the base up:
     record_type.py      RoutingRecord: fields, checks, save/load, from/to SGLang's meta
     record_slicing.py   CP/SP slices for a Megatron rank, and back
     record_megatron.py  Megatron's RouterReplay <-> records
-    record.py           this module: every public name, and the inspect CLI
+    record.py           this module: the public names (docs/routing.md), and the inspect CLI
 
 CLI::
 
@@ -33,16 +33,13 @@ import sys
 
 import torch
 
-from .record_file import (FORMAT, INDEX_DTYPE, MAX_HEADER_BYTES, METADATA_KEY, VERSION, RoutingRecordError,
-                          disk_dtypes, index_dtype_for, read_header)
+from .record_file import FORMAT, MAX_HEADER_BYTES, METADATA_KEY, RoutingRecordError, disk_dtypes, read_header
 from .record_megatron import from_megatron_native, megatron_replay_layers, to_megatron_native
-from .record_sglang import MAX_META_BYTES
 from .record_slicing import gather_slices, local_seq_positions, slice_for_rank, token_rows
-from .record_type import PARALLEL_KEYS, TOKEN_ORDERS, RoutingRecord, from_sglang_meta, load, to_sglang_meta
+from .record_type import RoutingRecord, from_sglang_meta, load, to_sglang_meta
 
-__all__ = ["FORMAT", "INDEX_DTYPE", "MAX_HEADER_BYTES", "MAX_META_BYTES", "METADATA_KEY", "PARALLEL_KEYS",
-           "TOKEN_ORDERS", "VERSION", "RoutingRecord", "RoutingRecordError", "describe", "from_megatron_native",
-           "from_sglang_meta", "gather_slices", "index_dtype_for", "load", "local_seq_positions", "main",
+__all__ = ["FORMAT", "MAX_HEADER_BYTES", "METADATA_KEY", "RoutingRecord", "RoutingRecordError", "describe",
+           "from_megatron_native", "from_sglang_meta", "gather_slices", "load", "local_seq_positions", "main",
            "megatron_replay_layers", "read_header", "slice_for_rank", "to_megatron_native", "to_sglang_meta",
            "token_rows"]
 

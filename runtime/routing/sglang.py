@@ -60,7 +60,8 @@ import torch
 
 from ..core import graph_stage, settings, sglang_graphs
 from ..core.sglang_batch import DRAFT, BatchRows, Unattributed, batch_rows, is_probe
-from .record import RoutingRecord, RoutingRecordError, load
+from .record_file import RoutingRecordError
+from .record_type import RoutingRecord, load
 from .slot_store import SlotStore
 
 SETTINGS = "sglang_routing"  # its settings component (the capability contract: core/capability.py)

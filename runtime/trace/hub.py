@@ -49,6 +49,7 @@ log = logging.getLogger("source_patch.trace")
 PROTOCOL_VERSION = 2         # 2: a binary message carries one or more frames (frame.join)
 HELLO_TIMEOUT_S = 2.0        # an unauthenticated socket gets this long to say hello
 MAX_UNAUTHENTICATED = 64     # sockets still to say hello, capped apart from max_clients
+MAX_HELLO = 4096             # characters of a hello besides its token; a longer one is refused unparsed
 BACKLOG = 256                # accept queue: a burst of clients waits, it is not refused
 MAX_SUBSCRIPTIONS = 32       # per client
 MAX_NAMES = 64               # patterns per subscription
@@ -481,7 +482,7 @@ class Hub:
 
         try:
             first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S)
-            hello = parse_json(first) if isinstance(first, str) else None
+            hello = parse_json(first) if self._hello_sized(first) else None
         except (asyncio.TimeoutError, ValueError):  # also JSON nested too deep
             hello = None
         except ConnectionClosed:
@@ -503,6 +504,12 @@ class Hub:
                     "step": runtime.current_step(), "names": sorted({e["name"] for e in runtime.names()}),
                     "compressors": self._compressors()})
         return client
+
+    def _hello_sized(self, first) -> bool:
+        """A text message no longer than a hello can be (a token character escapes to
+        at most 12): a longer one from an unauthenticated peer is refused unparsed, so
+        it holds the loop for microseconds, not for a parse."""
+        return isinstance(first, str) and len(first) <= MAX_HELLO + 12 * len(self.token)
 
     def _compressors(self) -> dict:
         from .compress import defaults

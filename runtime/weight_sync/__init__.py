@@ -9,5 +9,5 @@
     sender.py    packing and the sending end;  receiver.py  the receiving end
     backend.py   the backend interface: broadcast.py (nccl, gloo), ipc.py, mooncake.py
     request.py   the engine request of the ipc and mooncake backends
-    transport.py the transport's names as they were before the split
+    transport.py the broadcast transport's public API in one import (nothing here imports it)
 """

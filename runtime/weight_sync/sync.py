@@ -75,7 +75,6 @@ _attached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimize
 _trainer: dict = {"step": 0, "pushes": 0, "failures": 0, "last_error": None, "last_push_s": None,
                   "last_bytes": 0, "version": None, "sent_from": None, "gathers": 0,
                   "planned": False}
-PROGRAM = True  # the packed push planned once (program.py); the bench turns it off for the old path
 _backend = None  # the trainer's end of the configured backend (backend.Backend), opened on first push
 
 
@@ -165,7 +164,7 @@ def push(model_chunks, version: int | None = None) -> None:
         else:
             manifest = plan.manifest(bucket_bytes, checksum)
             # Planned once (program.py): no per-tensor host work; else tensor by tensor.
-            tensors = plan.packed(params, layout) if PROGRAM else None
+            tensors = plan.packed(params, layout)
             if tensors is None:
                 tensors = (out for name, full in params.tensors() for _, out in weight_names.to_hf(name, full, layout))
             extra = ()
