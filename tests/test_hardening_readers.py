@@ -138,6 +138,20 @@ def test_the_reader_still_reads_a_good_file_and_its_cli_says_bad_ones_in_one_lin
     assert err.startswith("error: ") and err.count("\n") == 1 and "corrupt safetensors entry" in err
 
 
+def test_sglang_replay_says_a_rank_that_is_not_an_integer_in_one_line(tmp_path):
+    """Two ranks' records of one request, one with a string rank in its metadata: the
+    merge compared ranks with >= and raised a raw TypeError (SGLang replay and Ray's
+    collect_routes merge through it)."""
+    from source_patch.runtime.routing import sglang as routing_sglang
+
+    for rank, said in ((0, 0), (1, "1")):
+        (tmp_path / f"rank{rank}").mkdir()
+        path = a_record(tmp_path / f"rank{rank}")
+        rewrite(path, edit_meta(lambda m, said=said: {**m, "extra": {**(m.get("extra") or {}), "rank": said}}))
+    with pytest.raises(RoutingRecordError, match="rank is '1', not an integer"):
+        routing_sglang.merge_rank_files(tmp_path)
+
+
 def test_a_routing_file_that_is_a_fifo_is_refused_within_a_second(tmp_path):
     from source_patch.runtime.routing.sglang import merge_rank_files
 

@@ -664,6 +664,8 @@ def _by_request(recs, rank_of=None) -> dict:
                                      f"{rec.sample_ids}")
         rid = rec.sample_ids[0]
         rank = (rec.extra or {}).get("rank", 0)
+        if type(rank) is not int:  # metadata a file brought: compared below
+            raise RoutingRecordError(f"request {rid!r}: its record's rank is {str(rank)[:40]!r}, not an integer")
         if rid in out:
             other = out[rid]
             if not other.equals(rec.replace(extra=other.extra)):
