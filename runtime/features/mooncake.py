@@ -374,7 +374,7 @@ def master(log: str | os.PathLike | None = None, timeout: float = 20.0, metadata
     endpoint answers ``/health``.  With ``metadata_port`` it also serves TransferEngines'
     metadata there (``http://127.0.0.1:PORT/metadata``, the weight-sync mooncake backend)."""
     binary = Path(sys.executable).parent / "mooncake_master"
-    if not binary.exists():
+    if not binary.is_absolute() or not binary.exists():  # an embedded Python's empty sys.executable: never ./
         raise StoreError(f"no mooncake_master next to {sys.executable}: "
                          f"pip install mooncake-transfer-engine-non-cuda")
     rpc, metrics = free_port(), free_port()
