@@ -55,7 +55,7 @@ compat: $(STAMP)
 
 # Debian packages the tests need: headless Chromium for the trace view's test
 # (tests/test_trace_view.py), and the three libraries the Mooncake wheel links
-# (tests/test_feature_store.py starts a real Mooncake master).
+# (tests/test_features_store.py starts a real Mooncake master).
 DEBIAN := chromium chromium-driver libibverbs1 ibverbs-providers libnuma1
 browser:
 	@dpkg -s $(DEBIAN) >/dev/null 2>&1 || { \

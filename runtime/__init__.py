@@ -1,11 +1,13 @@
 """The runtime: what inserted call sites call, through the ``__sp__`` handle
 (:mod:`.facade`), organised by capability:
 
-    core/      settings, events, endpoint helpers, ambient tags, ranks, failure counts
+    core/      settings, events, endpoints, files, bounded reads, tags, ranks, failures, the capability
+               contract, SGLang's batch rows, graph-safe call sites
     dump/      the dump runtime: call-site API, async writer, file format, control server, reader
     routing/   MoE routing: record format, Megatron capture/replay, SGLang capture/replay, alignment
     trace/     live tracing: call-site API, compressors, frames, WebSocket hub, client, browser view
     weight_sync/ weight sync trainer -> engines: sync API, transport, Megatron gathering, name mapping
+    features/  feature streaming rollout -> trainer: refs, stores, the ref stream, hidden-state capture
 
 Capabilities depend on ``core`` only, never on each other (tests/test_layout.py).
 Submodules load on first use.  ``source_patch.runtime.emit``, ``.subscribe`` and

@@ -13,7 +13,7 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "features_pipeline.py"
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("in_shared_code_cache")
-@pytest.mark.parametrize("store", ["mooncake"])  # dir://: test_feature_store.py, and test_features_sglang.py's engine
+@pytest.mark.parametrize("store", ["mooncake"])  # dir://: test_features_store.py, and test_features_sglang.py's engine
 def test_the_pipeline_example_trains_on_every_sample(tmp_path, store):
     pytest.importorskip("mooncake.store")
     out = subprocess.run([sys.executable, str(EXAMPLE), "--samples", "6", "--store", store, "--out", str(tmp_path)],

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_feature_store import mooncake_master, mooncake_store, mooncake_url, running_master  # noqa: F401
+from test_features_store import mooncake_master, mooncake_store, mooncake_url, running_master  # noqa: F401
 
 from source_patch.runtime.features.ref import FeatureRef, TensorMeta
 from source_patch.runtime.features.store import SharedDirStore, StoreError, open_store

@@ -1,3 +1,17 @@
-"""What every capability shares: settings, in-process events, the loopback endpoint
-helpers, ambient tags (step-independent context such as phase and microbatch), the
-process's ranks, and failure counting.  Nothing here imports a capability."""
+"""What every capability shares.  Nothing here imports a capability.
+
+    settings.py       the runtime settings: schemas, environment > spec > default
+    settings_doc.py   docs/settings.md, generated from the schemas
+    capability.py     the control surface every capability exposes, and its checker
+    events.py         in-process events (emit, subscribe, capture)
+    endpoint.py       loopback endpoints: LOCAL_RANK offsets, the 0600 URL+token file, free ports
+    private.py        the one writer of every file we write, and the trusted-folder reader
+    bounded.py        the bounded reader of every structured input (JSON, headers, wheels)
+    tags.py           ambient tags (phase, microbatch) and JSON-safe tag values
+    ranks.py          the process's global and parallel ranks, from what is already initialised
+    failures.py       failure counting: counted, the first of each kind logged, the latest kept
+    sglang_batch.py   which request and position each row of an SGLang batch is
+    graph_stage.py    graph-safe call sites: staged under CUDA graph capture, drained after each
+                      replay (imports torch)
+    sglang_graphs.py  graph_stage.py driven from SGLang's decode graph runner
+"""

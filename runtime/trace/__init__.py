@@ -8,6 +8,7 @@ WebSocket clients while a model trains or serves.
     publisher.py  the publisher thread: results fetched to the host, handed to the hub
     device.py     the device stage, and torch's C entry points for streams and events
     plan.py       the planned due call, worked out once per (name, layer) and layout
+    native.py     its compiled launch (native_launch.cpp), built by source-patch build-native
     graphs.py     trace() under CUDA graphs: staged at capture, offered after every replay
     compress.py   compressors: a device stage (torch, no sync) and a host stage (numpy)
     frame.py      the binary frame format and multi-frame messages
