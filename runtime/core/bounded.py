@@ -32,6 +32,7 @@ _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _OPEN = re.compile(r"[\[{]")
 _STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+_CHUNK = 4096  # brackets whose depths are computed at once
 
 
 def _fail(error: type[Exception], what: str, why: str) -> Exception:
@@ -50,15 +51,25 @@ def check_nesting(text: str, *, what: str = "JSON", error: type[Exception] = Val
     opens = len(brackets) - brackets.count("]") - brackets.count("}")
     end = deep_at = many_at = len(brackets)  # where each limit is first passed
     if opens > max_depth:
-        depths = list(accumulate(map(_STEP.__getitem__, brackets)))
-        if max(depths) > max_depth:  # depth moves by 1: it passes the limit at max_depth + 1
-            deep_at = depths.index(max_depth + 1)
+        deep_at = _too_deep_at(brackets, max_depth)
     if max_items is not None and opens > max_items:
         many_at = next(islice(_OPEN.finditer(brackets), max_items, None)).start()
     if deep_at < end and deep_at <= many_at:  # the first limit passed names the error
         raise _fail(error, what, f"nested deeper than {max_depth} levels")
     if many_at < end:
         raise _fail(error, what, f"more than {max_items:,} arrays and objects")
+
+
+def _too_deep_at(brackets: str, max_depth: int) -> int:
+    """Where the depth of ``brackets`` first passes ``max_depth`` (len if never), in
+    chunks so that a deep input stops early; each chunk's depths in C."""
+    depth = 0
+    for start in range(0, len(brackets), _CHUNK):
+        depths = list(accumulate(map(_STEP.__getitem__, brackets[start:start + _CHUNK]), initial=depth))
+        if max(depths) > max_depth:  # depth moves by 1: it passes the limit at max_depth + 1
+            return start + depths.index(max_depth + 1) - 1  # depths[0] is the carried depth
+        depth = depths[-1]
+    return len(brackets)
 
 
 def load_json(data: bytes | bytearray | memoryview | str, *, what: str = "JSON",
