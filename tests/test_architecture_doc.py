@@ -322,8 +322,8 @@ def test_the_table_check_catches_a_missing_row_and_module_drift(tmp_path):
 
 def test_the_docstring_check_catches_a_module_left_out(tmp_path):
     docs = _docstrings()
-    assert _added(init_docstring_problems, docs, {**docs, "dump": docs["dump"].replace("layout.py", "layout")}) == {
-        "runtime/dump/__init__.py's docstring does not name layout.py"}
+    assert _added(init_docstring_problems, docs, {**docs, "dump": docs["dump"].replace("logprobs.py", "logprobs")}) == {
+        "runtime/dump/__init__.py's docstring does not name logprobs.py"}
     assert _added(init_docstring_problems, docs, {**docs, "trace": docs["trace"] + "\n    old.py  gone\n"}) == {
         "runtime/trace/__init__.py's docstring names old.py, which is not there"}
     assert _added(init_docstring_problems, docs, {**docs, "": docs[""].replace("    features/", "    ")}) == {

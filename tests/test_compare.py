@@ -152,7 +152,7 @@ def test_context_and_sequence_parallel_slices_reassemble_to_the_unsplit_batch(cp
     """Each CP (zigzag) x SP rank dumps its own slice with its own row map: compared with
     the unsplit batch (as the rollout side, layers 0-based), every token pairs and
     nothing differs; a wrong split (no zigzag) fails the layout self-test."""
-    from source_patch.runtime.dump import layout
+    from source_patch.runtime.core import slicing
 
     full = _batch(seq=16)
     rollout = _records(full, layer_shift=-1)
@@ -160,14 +160,14 @@ def test_context_and_sequence_parallel_slices_reassemble_to_the_unsplit_batch(cp
     for c in range(cp):
         for t in range(tp):
             train += _records(full, rank=c * tp + t,
-                              split=lambda x, c=c, t=t: layout.sp_split(layout.cp_split(x, cp, c), tp, t))
+                              split=lambda x, c=c, t=t: slicing.sp_split(slicing.cp_split(x, cp, c), tp, t))
     report = compare.compare(rollout, train)
     assert report.tokens == 16 * 2 and report.first_divergent is None
     assert all(r.rows == 32 and r.max_abs == 0.0 for r in report.rows)
     if cp > 1:  # a row map split the plain way while the batch was zigzagged: caught
         bad = []
         for c in range(cp):
-            pieces = {k: layout.cp_split(v, cp, c) for k, v in full.items()}
+            pieces = {k: slicing.cp_split(v, cp, c) for k, v in full.items()}
             pieces[("positions", None)] = full[("positions", None)].chunk(cp)[c]
             bad += _records(pieces, rank=c)
         with pytest.raises(compare.LayoutError, match="layout self-test"):
@@ -177,12 +177,12 @@ def test_context_and_sequence_parallel_slices_reassemble_to_the_unsplit_batch(cp
 def test_zigzag_gives_each_rank_an_early_and_a_late_chunk():
     import torch
 
-    from source_patch.runtime.dump import layout
+    from source_patch.runtime.core import slicing
 
     x = torch.arange(8)
-    assert [layout.cp_split(x, 2, r).tolist() for r in range(2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert [slicing.cp_split(x, 2, r).tolist() for r in range(2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
     with pytest.raises(ValueError, match="not divisible by 2 \\* cp = 4"):
-        layout.cp_split(torch.arange(6), 2, 0)
+        slicing.cp_split(torch.arange(6), 2, 0)
 
 
 def test_routing_agreement_pairs_sglang_topk_ids_with_megatron_routing_maps():

@@ -9,6 +9,7 @@
     bounded.py        the bounded reader of every structured input (JSON, headers, wheels)
     tags.py           ambient tags (phase, microbatch) and JSON-safe tag values
     ranks.py          the process's global and parallel ranks, from what is already initialised
+    slicing.py        how Megatron splits a sequence over context/sequence-parallel ranks (zigzag)
     failures.py       failure counting: counted, the first of each kind logged, the latest kept
     sglang_batch.py   which request and position each row of an SGLang batch is
     graph_stage.py    graph-safe call sites: staged under CUDA graph capture, drained after each

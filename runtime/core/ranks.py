@@ -1,6 +1,10 @@
 """This process's global rank and parallel ranks, read from what is already imported
 and initialised (torch.distributed, Megatron's or SGLang's parallel_state); never
-imports any of them, so a process without distributed state pays nothing."""
+imports any of them, so a process without distributed state pays nothing.
+
+The one place the runtime reads them: the dump tags its records with them, routing
+names its rank folders by ``global_rank`` and slices a record by ``cp_tp`` (the
+sequence split itself: core/slicing.py)."""
 
 from __future__ import annotations
 
@@ -66,6 +70,17 @@ def parallel_tags() -> dict:
         _parallel = (key, tags)
         return tags
     return {}
+
+
+def cp_tp() -> tuple[int, int, int, int]:
+    """``(cp_size, cp_rank, tp_size, tp_rank)`` of an initialised Megatron parallel_state,
+    else ``(1, 0, 1, 0)``: how this rank's sequence is split (core/slicing.py).  Read on
+    every call (not cached), once per record, never per router call."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        return (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
+                ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank())
+    return 1, 0, 1, 0
 
 
 def forget() -> None:

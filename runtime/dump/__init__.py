@@ -11,7 +11,6 @@ manifest, written asynchronously.
     compare.py  a rollout's dumps against training's, layer by layer (source-patch compare)
     compare_html.py  the comparison as one self-contained HTML page
     logprobs.py      per-token log-probability mismatch, rollout vs training
-    layout.py        context/sequence-parallel slicing, to lay split dumps beside the rollout's
 
 ``source_patch.runtime.dump.configure`` (and the rest of the control API) loads
 api.py (and torch) on first use; ``dump.reader`` alone does not.

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .megatron_files import RoutingReplayError, parallel, record_name, write_index
+from ..core import ranks
+from .megatron_files import RoutingReplayError, record_name, write_index
 from .record_type import RoutingRecord
 
 _lock = threading.Lock()
@@ -120,7 +121,7 @@ def _build(key, copy: bool = True) -> RoutingRecord:
     num_experts = meta.get("num_experts") or int(max(int(t.max()) for t in indices.values()) + 1)
     batch = meta.get("batch")
     tokens = next(iter(indices.values())).shape[0]
-    cp, cp_rank, tp, tp_rank, _ = parallel()
+    cp, cp_rank, tp, tp_rank = ranks.cp_tp()
     sp = bool(meta.get("sp")) and tp > 1
     parallel_ = None
     if cp > 1 or sp:
@@ -151,7 +152,7 @@ def _save(root, steps, index: bool) -> None:
     global _index_dirty
     if not root:
         raise RoutingReplayError("routing save: no directory (set routing dir or pass dir=)")
-    rank = parallel()[4]
+    rank = ranks.global_rank()
     folder = Path(root) / f"rank-{rank}"
     folder.mkdir(parents=True, exist_ok=True)
     with _lock:
@@ -191,7 +192,7 @@ def _write_index(folder, rank: int) -> None:
 def _write_index_if_dirty() -> None:
     with _lock:
         if _index_dirty and _index_folder[0] is not None:
-            _write_index(_index_folder[0], parallel()[4])
+            _write_index(_index_folder[0], ranks.global_rank())
 
 
 def save_in_background(root, steps: set) -> None:

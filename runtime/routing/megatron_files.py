@@ -1,4 +1,4 @@
-"""Where Megatron's captured routes live on disk, and which rank this process is.
+"""Where Megatron's captured routes live on disk (this process's rank: core/ranks.py).
 
     <dir>/rank-<r>/step-<S>-mb-<M>.safetensors   one RoutingRecord (token_order megatron-sbh)
     <dir>/rank-<r>/index.json                     {"format", "version", "rank", "records": [...]}
@@ -14,8 +14,7 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
+from ..core import ranks
 from .record_file import RoutingRecordError
 from .record_type import load
 
@@ -24,21 +23,6 @@ INDEX_FORMAT = "source-patch-routing-index"
 
 class RoutingReplayError(RuntimeError):
     """Replay cannot route as recorded (names step, microbatch and layer)."""
-
-
-def parallel():
-    """(cp_size, cp_rank, tp_size, tp_rank, rank) from parallel_state when initialised."""
-    try:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            return (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
-                    ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
-                    torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
-    except ImportError:
-        pass
-    rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
-    return 1, 0, 1, 0, rank
 
 
 def record_name(key) -> str:
@@ -59,7 +43,7 @@ def load_dir(dir: str | os.PathLike) -> dict:
     """``{(step, microbatch): RoutingRecord}`` from ``dir`` (its ``rank-<r>/index.json`` for this
     rank, else ``rank-0``, else ``dir/index.json``)."""
     root = Path(dir)
-    rank = parallel()[4]
+    rank = ranks.global_rank()
     for folder in (root / f"rank-{rank}", root / "rank-0", root):
         if (folder / "index.json").is_file():
             break

@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from .megatron_files import RoutingReplayError, load_dir, parallel
+from ..core import ranks
+from .megatron_files import RoutingReplayError, load_dir
 from .record_file import RoutingRecordError
 from .record_slicing import slice_for_rank
 from .record_type import RoutingRecord
@@ -88,7 +89,7 @@ def _for_rank(key, shape, seq_parallel: bool) -> RoutingRecord:
     if rec is None:
         raise RoutingReplayError(f"step {key[0]}, microbatch {key[1]}: no routing record to replay "
                                  f"(records for {sorted(_replay)[:8]}{'...' if len(_replay) > 8 else ''})")
-    cp, cp_rank, tp, tp_rank, _ = parallel()
+    cp, cp_rank, tp, tp_rank = ranks.cp_tp()
     if rec.parallel is None and shape is not None:
         try:
             rec = slice_for_rank(rec, batch=shape[1], cp_size=cp, cp_rank=cp_rank, tp_size=tp, tp_rank=tp_rank,

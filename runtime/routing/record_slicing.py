@@ -1,8 +1,9 @@
 """A record's slices for Megatron's context- and sequence-parallel ranks, and back.
 
 ``slice_for_rank`` cuts a full-length ``megatron-sbh`` record into the rows one
-rank's routers see; ``gather_slices`` joins the slices again.  The positions follow
-Megatron's own helpers (``get_batch_on_this_cp_rank``, ``scatter_to_sequence_parallel_region``);
+rank's routers see; ``gather_slices`` joins the slices again.  The positions are
+core/slicing.py's (the split the dump's comparison uses too), after Megatron's own
+helpers (``get_batch_on_this_cp_rank``, ``scatter_to_sequence_parallel_region``);
 tests/test_routing_record.py checks them against those helpers.
 """
 
@@ -12,36 +13,22 @@ from typing import Iterable
 
 import torch
 
+from ..core import slicing
 from .record_file import RoutingRecordError, _is_int
 from .record_type import RoutingRecord
 
 
 def local_seq_positions(seq_len: int, *, cp_size: int, cp_rank: int, tp_size: int = 1,
                         tp_rank: int = 0, sequence_parallel: bool = False) -> torch.Tensor:
-    """Positions along the sequence that a rank's router sees, in its local order.
-
-    Context parallel (as ``megatron.core.utils.get_batch_on_this_cp_rank``): the
-    sequence is cut into ``2 * cp_size`` equal chunks; rank ``r`` holds chunks
-    ``r`` and ``2 * cp_size - 1 - r``, in that order.  Sequence parallel (as
-    ``scatter_to_sequence_parallel_region``): the CP-local sequence is then cut
-    contiguously into ``tp_size`` parts; TP rank ``t`` holds part ``t``.  Without
-    sequence parallel every TP rank sees the whole CP-local sequence."""
-    err = RoutingRecordError
-    for name, size, rank in (("cp", cp_size, cp_rank), ("tp", tp_size, tp_rank)):
-        if not _is_int(size) or size < 1 or not _is_int(rank) or not 0 <= rank < size:
-            raise err(f"{name}_rank {rank!r} not in [0, {name}_size = {size!r})")
-    if cp_size > 1 and seq_len % (2 * cp_size):
-        raise err(f"sequence length {seq_len} is not divisible by 2 * cp_size = {2 * cp_size}")
-    positions = torch.arange(seq_len)
-    if cp_size > 1:
-        chunks = positions.view(2 * cp_size, seq_len // (2 * cp_size))
-        positions = chunks[[cp_rank, 2 * cp_size - 1 - cp_rank]].reshape(-1)
-    if sequence_parallel and tp_size > 1:
-        if positions.numel() % tp_size:
-            raise err(f"CP-local sequence length {positions.numel()} is not divisible by tp_size = {tp_size} "
-                      "(sequence parallel)")
-        positions = positions.view(tp_size, -1)[tp_rank]
-    return positions
+    """Positions along the sequence that a rank's router sees, in its local order:
+    core/slicing.py's ``local_seq_positions`` (Megatron's zigzag context-parallel chunks,
+    then with ``sequence_parallel`` a contiguous ``1 / tp_size`` of them), its errors
+    raised as :class:`RoutingRecordError`."""
+    try:
+        return slicing.local_seq_positions(seq_len, cp_size=cp_size, cp_rank=cp_rank, tp_size=tp_size,
+                                           tp_rank=tp_rank, sequence_parallel=sequence_parallel)
+    except ValueError as exc:
+        raise RoutingRecordError(str(exc)) from None
 
 
 def token_rows(positions: torch.Tensor, batch: int) -> torch.Tensor:
