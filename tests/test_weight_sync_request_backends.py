@@ -6,6 +6,7 @@ gpu-marked here."""
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,32 @@ def test_a_bad_request_is_refused_with_a_reason(ipc_sender, change, error):
     change(doc)
     with pytest.raises(WeightSyncError, match=error):
         receive(json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("plant", ["foreign", "link"])
+def test_an_export_not_of_this_user_is_never_mapped(ipc_sender, plant):
+    """/dev/shm is everyone's: a request naming a file another user planted there (or a
+    link to one) is refused before it is mapped (issue 57's observation)."""
+    if plant == "foreign" and os.getuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    ts = tensors()
+    doc = json.loads(ipc_sender.stage(manifest(ts), ts, iter(ts)))
+    name = f"sp-ws-{os.getpid()}-999999-{secrets.token_hex(4)}"
+    path = Path("/dev/shm") / name
+    real = Path("/dev/shm") / f"{name}-target"
+    try:
+        real.write_bytes(bytes(doc["memory"]["nbytes"]))
+        if plant == "foreign":
+            real.rename(path)
+            os.chown(path, 65534, 65534)
+        else:
+            path.symlink_to(real)
+        doc["memory"]["name"] = name
+        with pytest.raises(ManifestError, match="not a regular file of this user's"):
+            receive(json.dumps(doc).encode())
+    finally:
+        for p in (path, real):
+            p.unlink(missing_ok=True)
 
 
 def test_request_size_and_update_size_limits_hold_before_anything_is_mapped(ipc_sender):

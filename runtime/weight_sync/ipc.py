@@ -21,6 +21,7 @@ import itertools
 import os
 import re
 import secrets
+import stat
 from typing import Optional
 
 import torch
@@ -159,9 +160,13 @@ def _map_shm(memory: dict) -> torch.Tensor:
         raise ManifestError(f"bad shared-memory export {str(memory)[:200]}")
     path = os.path.join(SHM_DIR, name)
     try:
-        size = os.stat(path).st_size
+        st = os.lstat(path)
     except OSError as exc:
         raise WeightSyncError(f"cannot open the trainer's shared memory {name}: {exc.strerror}") from None
+    # /dev/shm is everyone's: only a trainer of this user exports there for this engine
+    if not stat.S_ISREG(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
+        raise ManifestError(f"shared memory {name} is not a regular file of this user's (uid {st.st_uid})")
+    size = st.st_size
     if size < nbytes:  # mapping past the file's end would fault on read
         raise ManifestError(f"shared memory {name} holds {size} bytes, the request says {nbytes}")
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
