@@ -336,7 +336,7 @@ def due_call_parts(rt, x: torch.Tensor, reps: int, calls: int, others: dict | No
         ("fused.column_stats(x) into device memory", timed(lambda: fused.column_stats(x, stats))),
         ("fused.column_stats(x, ring.claim)", timed(lambda: fused.column_stats(x, stats, ring.claim), ring.reset)),
         ("TILES.reduce(x, ring.claim)", timed(lambda: TILES.reduce(x, ring.claim), ring.reset)),
-        ("api._device_stage(TILES, x, ring)", timed(lambda: rt._device_stage(TILES, x, ring), ring.reset)),
+        ("api._device_stage(TILES, x, ring)", timed(lambda: rt._device_stage(TILES, x, ring, rt._copying), ring.reset)),
     ]
 
 
@@ -350,11 +350,12 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: i
     import subprocess
 
     rt = importlib.import_module("source_patch.runtime.trace.api")
+    control = importlib.import_module("source_patch.runtime.trace.control")
     x = torch.randn(shape, device=device)
 
     def step_end() -> None:
         rt.trace_step()
-        rt.flush(10)
+        control.flush(10)
 
     def per_call(name: str, enabled: bool) -> float:
         rt._enabled = enabled
@@ -366,20 +367,21 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: i
     port = free_port()
     # the variants' own launch (direct, or the native variants'), not the default's choice
     launch = {"triton_launch": "direct"} if native_built() else {}
-    rt.configure(enable=True, port=port, token="bench", dir=tmp, client_queue=1 << 14, hub=hub, **launch)
+    control.configure(enable=True, port=port, token="bench", dir=tmp, client_queue=1 << 14, hub=hub, **launch)
     recorder = subprocess.Popen([sys.executable, "-m", "source_patch.runtime.trace.client", "record",
                                  "--url", f"127.0.0.1:{port}", "--token", "bench", "--name", "traced",
                                  "--out", os.path.join(tmp, "rec.sptrace"), "--retry", "30"],
                                 stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while not rt.state()["subscriptions"] and time.monotonic() < deadline:
+        while not control.state()["subscriptions"] and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not rt.state()["subscriptions"]:  # no hub, or no client: every call would time a flag test
-            raise SystemExit(f"no client subscribed within 60 s (the hub: {rt.state()['last_error'] or 'no error'})")
+        if not control.state()["subscriptions"]:  # no hub, or no client: every call would time a flag test
+            error = control.state()["last_error"] or "no error"
+            raise SystemExit(f"no client subscribed within 60 s (the hub: {error})")
         rows = [("disabled", per_call("traced", False)),
                 ("enabled, name not subscribed", per_call("idle", True))]
-        before = rt.state()
+        before = control.state()
         others = {True: OtherWork(device, other_elements),
                   **{kind: OtherWork(device, other_elements, kind) for kind in ("one thread", "gpu")}}
         samples = due_variants(rt, x, device, reps, layers, step_end, others)
@@ -402,7 +404,7 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: i
         # nothing reads them), and an event taken from the pool and given back to it
         # (as the publisher does; without that every call would create one).
         ring = rt._ring
-        stage = host_loop(lambda _: rt._device_stage(TILES, x, ring), device, reps, layers,
+        stage = host_loop(lambda _: rt._device_stage(TILES, x, ring, rt._copying), device, reps, layers,
                           ring.reset if ring is not None else None)
         rows.append(("  of which: device stage (process: into the ring)", stage))
         if x.is_cuda:  # a CPU result needs no event
@@ -413,9 +415,9 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: i
         if x.is_cuda and tc.fused_kernel() is not None:
             with triton_launch(False):
                 rows.append(("  device stage, Triton's dispatch each call",
-                             host_loop(lambda _: rt._device_stage(TILES, x, ring), device, reps, layers,
+                             host_loop(lambda _: rt._device_stage(TILES, x, ring, rt._copying), device, reps, layers,
                                        ring.reset if ring is not None else None)))
-        after = rt.state()
+        after = control.state()
         results = after["results"] - before["results"]
         frames = after["hub"]["frames_sent"] - before["hub"]["frames_sent"]
         cost = {k: after["cost_seconds"][k] - before["cost_seconds"][k] for k in after["cost_seconds"]}
@@ -424,7 +426,7 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: i
     finally:
         recorder.terminate()
         recorder.wait(10)
-        rt.close()
+        control.close()
     return rows
 
 

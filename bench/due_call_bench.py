@@ -216,7 +216,7 @@ def native_twin(plan, x: torch.Tensor):
     from source_patch.runtime.trace import compress
 
     with mock.patch.object(compress, "NATIVE_LAUNCH", True):
-        twin = plan_module.make((plan.sub,), x)
+        twin = api._make_plan((plan.sub,), x)
     return twin if isinstance(twin, plan_module.Plan) and twin.native is not None else None
 
 

@@ -124,7 +124,7 @@ def main() -> None:
     import train_moe
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from source_patch.runtime.routing import megatron as routing
+    from source_patch.runtime.routing.megatron import capture as routing_capture, control as routing
 
     args = train_moe.parse_args(["--layers", str(cli.layers), "--hidden", str(cli.hidden), "--heads", str(cli.heads),
                                  "--experts", str(cli.experts), "--topk", str(cli.topk), "--seq-len",
@@ -155,7 +155,7 @@ def main() -> None:
           f"{cli.layers} MoE layers, hidden {cli.hidden}, {cli.experts} experts top-{cli.topk}, "
           f"{cli.micro_batches} x {cli.micro_batch} x {cli.seq_len} tokens a step; {graphed} router graphs")
     on, off, ratios = cycle_ratios(train, routing, folder, cli.cycles, cli.phase, "capture")
-    routing.flush()
+    routing_capture.flush()
     rows = [("capture on", on), ("routing off", off)]
     aa = None
     if not cli.no_aa:

@@ -56,8 +56,8 @@ def vmstat() -> dict:
 def capability_states() -> dict:
     """The state() counters of each capability the run loaded (nothing is imported here)."""
     out: dict = {}
-    for name, module in (("dump", "source_patch.runtime.dump.api"), ("routing", "source_patch.runtime.routing.megatron"),
-                         ("trace", "source_patch.runtime.trace.api")):
+    for name, module in (("dump", "source_patch.runtime.dump.api"), ("routing", "source_patch.runtime.routing.megatron.control"),
+                         ("trace", "source_patch.runtime.trace.control")):
         api = sys.modules.get(module)
         if api is not None:
             try:

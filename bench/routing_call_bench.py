@@ -1,4 +1,4 @@
-"""Host time of one routing-capture call (runtime/routing/megatron.py) on the training
+"""Host time of one routing-capture call (runtime/routing/megatron/control.py) on the training
 thread, per router call, and of the background saver per step.
 
     python bench/routing_call_bench.py           # GPU: 8 layers x 4096 tokens, top-2
@@ -29,8 +29,7 @@ import stats  # bench/
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from source_patch.runtime.routing import megatron as rm  # noqa: E402
-from source_patch.runtime.routing import megatron_capture  # noqa: E402
+from source_patch.runtime.routing.megatron import capture as megatron_capture, control as rm  # noqa: E402
 
 
 def old_to_host(t, side):

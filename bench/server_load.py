@@ -207,7 +207,7 @@ def main() -> int:
     p.add_argument("--idle", type=int, default=200, help="idle half-requests in the slowloris rows")
     args = p.parse_args()
     from source_patch.runtime.dump import api as dump
-    from source_patch.runtime.trace import api as trace
+    from source_patch.runtime.trace import control as trace
 
     tmp = tempfile.mkdtemp(prefix="sp-load-")
     dump.configure(enable=True, dir=tmp, port=free_port(), token=TOKEN)

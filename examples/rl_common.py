@@ -108,15 +108,15 @@ def replayed_logps(model, samples, records, seq_len: int | None = None, weights:
     from the twin's scores, so the router still learns), or ids and the engine's weights."""
     import torch
 
-    from source_patch.runtime.routing import megatron as routing
     from source_patch.runtime.routing.align import BatchLayout, align_to_megatron
+    from source_patch.runtime.routing.megatron import control as routing, replay as routing_replay
 
     seq_len = seq_len or seq_len_of(samples)
     layout = BatchLayout.padded([(r.sample_ids[0], len(s["prompt"]) + len(s["output"]))
                                  for s, r in zip(samples, records)], seq_len=seq_len)
     # The last generated token is never fed back: the engine has no route for it.
     aligned = align_to_megatron(list(records), layout, layer_offset=1, missing_tail=1)
-    routing.set_replay({(0, 0): aligned})
+    routing_replay.set_replay({(0, 0): aligned})
     routing.set_position(step=0, microbatch=0)
     routing.configure(mode="replay", replay_probs=weights)
     try:

@@ -51,7 +51,7 @@ def parse_args(argv=None):
 
 def engine_routes(folder: Path, rid: str, timeout: float = 30.0):
     """The routing record the engine wrote for a request (at its release)."""
-    from source_patch.runtime.routing import record
+    from source_patch.runtime.routing.records.record import load
 
     path = folder / "rank0" / f"{rid}.safetensors"
     deadline = time.monotonic() + timeout
@@ -59,7 +59,7 @@ def engine_routes(folder: Path, rid: str, timeout: float = 30.0):
         if time.monotonic() > deadline:
             raise SystemExit(f"no routing record for request {rid} in {folder}")
         time.sleep(0.1)
-    return record.load(path)
+    return load(path)
 
 
 def push(server, port: int, first: bool) -> threading.Thread:

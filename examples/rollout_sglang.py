@@ -70,7 +70,7 @@ def roll_out(engine, prompts: int, new_tokens: int) -> list:
 def show(run: Path, checkpoint) -> int:
     """The dumps' summary, one routing record, and the commands that take them to a verdict."""
     from source_patch.runtime.dump import reader
-    from source_patch.runtime.routing import record
+    from source_patch.runtime.routing.records.describe import describe
 
     dumps = run / "dumps" / "rollout"
     print(f"\ndumps: {dumps}")
@@ -78,7 +78,7 @@ def show(run: Path, checkpoint) -> int:
     routes = sorted((run / "routes").rglob("*.safetensors"))
     print(f"\nrouting records: {len(routes)} (one per request) in {run / 'routes'}")
     if routes:
-        print(record.describe(routes[0]))
+        print(describe(routes[0]))
     print("\nreplay the rollout through the Megatron twin of its checkpoint, then compare:")
     print(f"  source-patch replay {dumps} --checkpoint {checkpoint} --routes {run / 'routes'} --out {run / 'replay'}")
     print(f"  source-patch compare {dumps} {run / 'replay'} --html {run / 'report.html'}")

@@ -433,7 +433,7 @@ def collect_routes(actors, into, rids=None, folder: str | None = None, timeout: 
 
 def merge_route_files(parts: list, into) -> dict:
     """Write each part's files (:func:`local_route_files` answers) under
-    ``into/actor-<i>/`` and merge them (:func:`routing.sglang.merge_rank_files`:
+    ``into/actor-<i>/`` and merge them (:func:`routing.sglang.files.merge_rank_files`:
     every file validated, a request seen by several ranks must be the same on all).
 
     ``into`` is new, empty, or a folder an earlier call wrote (it holds ROUTES_MARK):
@@ -443,7 +443,7 @@ def merge_route_files(parts: list, into) -> dict:
     link planted there.  An answer that is not a dict of plain relative
     ``*.safetensors`` names to bytes is an ActorAnswerError naming the actor."""
     from source_patch.runtime.core import private
-    from source_patch.runtime.routing.sglang import merge_rank_files
+    from source_patch.runtime.routing.sglang.files import merge_rank_files
 
     checked = [_files_of(i, part) for i, part in enumerate(parts)]  # all before anything is written
     root = _fresh_routes_folder(into)

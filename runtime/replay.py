@@ -432,7 +432,7 @@ def _safetensors_entries(path: Path) -> dict:
     """``{name: (shape, dtype)}`` of one safetensors file, from its header alone: a
     regular file (a FIFO is refused, not waited on), the header bounded, each entry's
     bytes inside the file and as many as its shape needs."""
-    from .routing.record_file import safetensors_entry_ok
+    from .routing.records.file import safetensors_entry_ok
 
     with bounded.open_regular(path, what="--checkpoint", error=ReplayError) as f:
         size = os.fstat(f.fileno()).st_size
@@ -536,7 +536,7 @@ def _routes(folder, requests: dict, config: dict | None = None) -> dict:
     """``{rid: RoutingRecord}`` of the rollout's requests that have one (SGLang's own
     probes, for one, have none: they run as the model routes them), each checked against
     its request's length and, for the twin, the config's experts and layers."""
-    from .routing.sglang import merge_rank_files
+    from .routing.sglang.files import merge_rank_files
 
     try:
         records = merge_rank_files(folder)
@@ -575,12 +575,12 @@ def _replaying(record, length: int, probs: bool):
     if record is None:
         yield
         return
-    from .routing import megatron as routing
     from .routing.align import BatchLayout, align_to_megatron
+    from .routing.megatron import control as routing, replay as routing_replay
 
     layout = BatchLayout.padded([(record.sample_ids[0], length)])
     # The engine never feeds back its last token: a record may be one token short.
-    routing.set_replay({(0, 0): align_to_megatron([record], layout, layer_offset=1, missing_tail=1)})
+    routing_replay.set_replay({(0, 0): align_to_megatron([record], layout, layer_offset=1, missing_tail=1)})
     routing.set_position(step=0, microbatch=0)
     routing.configure(mode="replay", replay_probs=probs)
     try:

@@ -2,9 +2,10 @@
 
 - the rooms: "has N rooms" counts the rows of the rooms table, and each room is a folder;
 - the runtime's subpackages: the table "The runtime, by capability" has one row per
-  subpackage of runtime/, and each row names exactly the modules of its subpackage;
-- each subpackage's ``__init__.py`` docstring names each of its modules (and no other),
-  and runtime/__init__.py's names each subpackage;
+  subpackage of runtime/, and each row names exactly the modules of its subpackage, and
+  those of each package nested in it by their path there (`records/file.py` in routing/'s);
+- each subpackage's ``__init__.py`` docstring, and each nested package's, names each of
+  its modules (and no other), and runtime/__init__.py's names each subpackage;
 - the runtime tree names runtime/'s own modules and every subpackage, and the diagram
   ("Direction of the dependencies") every capability;
 - "core imports nothing heavy at module level": the core modules that do (a module-level
@@ -33,6 +34,18 @@ NUMBERS = {word: n for n, word in enumerate(
 def subpackages(runtime: Path) -> list:
     """runtime/'s subpackages (folders with an __init__.py), sorted."""
     return sorted(p.name for p in runtime.iterdir() if (p / "__init__.py").is_file())
+
+
+def nested(package: Path) -> list:
+    """The packages inside a package, at any depth, as paths relative to it ("records",
+    "a/b"), sorted."""
+    return sorted(p.parent.relative_to(package).as_posix() for p in package.rglob("__init__.py")
+                  if p.parent != package and "__pycache__" not in p.parts)
+
+
+def packages(runtime: Path) -> list:
+    """runtime/'s subpackages and the packages nested in them ("routing/records"), sorted."""
+    return sorted(name for sub in subpackages(runtime) for name in [sub, *(f"{sub}/{rel}" for rel in nested(runtime / sub))])
 
 
 def modules(package: Path) -> set:
@@ -155,6 +168,17 @@ def named_modules(text: str, sub: str) -> set:
     return named
 
 
+def nested_named_modules(text: str, rel: str) -> set:
+    """The modules of a package nested in a row's subpackage that the row names, by their
+    path from the subpackage: `rel/name.py`, and `rel/name/` for a package inside it."""
+    named = set()
+    for token in re.findall(r"`([\w/]+(?:\.py)?/?)`", text):
+        head, _, tail = token.rstrip("/").rpartition("/")
+        if head == rel and (token.endswith(".py") or token.endswith("/")):
+            named.add(tail + ("/" if token.endswith("/") else ""))
+    return named
+
+
 def docstring_modules(doc: str) -> set:
     """The modules a package docstring names: each bare `name.py`; `name/` at the start of a
     listing line names a subpackage."""
@@ -191,13 +215,19 @@ def subpackage_table_problems(text: str, runtime: Path = ROOT / "runtime") -> li
         bad += [f"the {sub}/ row does not name {m}" for m in sorted(have - named)]
         bad += [f"the {sub}/ row names {m}, which runtime/{sub}/ does not have"
                 for m in sorted(unknown(named, runtime / sub))]
+        for rel in nested(runtime / sub):
+            have, named = modules(runtime / sub / rel), nested_named_modules(" | ".join(row[1:]), rel)
+            bad += [f"the {sub}/ row does not name {rel}/{m}" for m in sorted(have - named)]
+            bad += [f"the {sub}/ row names {rel}/{m}, which runtime/{sub}/{rel}/ does not have"
+                    for m in sorted(unknown(named, runtime / sub / rel))]
     return bad
 
 
 def init_docstring_problems(docs: dict, runtime: Path = ROOT / "runtime") -> list:
-    """``docs``: subpackage ('' for runtime/ itself) -> its __init__.py's docstring."""
+    """``docs``: package under runtime/ ('routing', 'routing/records'; '' for runtime/
+    itself) -> its __init__.py's docstring."""
     bad = []
-    for sub in subpackages(runtime):
+    for sub in packages(runtime):
         have, named = modules(runtime / sub), docstring_modules(docs.get(sub) or "")
         bad += [f"runtime/{sub}/__init__.py's docstring does not name {m}" for m in sorted(have - named)]
         bad += [f"runtime/{sub}/__init__.py's docstring names {m}, which is not there"
@@ -249,7 +279,7 @@ def heavy_problems(text: str, core: Path = ROOT / "runtime" / "core") -> list:
 
 def _docstrings(runtime: Path = ROOT / "runtime") -> dict:
     docs = {"": ast.get_docstring(ast.parse((runtime / "__init__.py").read_text()))}
-    for sub in subpackages(runtime):
+    for sub in packages(runtime):
         docs[sub] = ast.get_docstring(ast.parse((runtime / sub / "__init__.py").read_text()))
     return docs
 
@@ -320,6 +350,22 @@ def test_the_table_check_catches_a_missing_row_and_module_drift(tmp_path):
     assert set(subpackage_table_problems(text, runtime)) - before == {"the features/ row does not name new_module.py"}
 
 
+def test_the_table_check_sees_the_modules_of_nested_packages(tmp_path):
+    """routing/'s row names records/, megatron/ and sglang/ and each of their modules by its
+    path there: one left out, one gone, or one new in the code is caught."""
+    text = ARCHITECTURE.read_text()
+    assert _added(subpackage_table_problems, text, _doctor(text, "`sglang/graphs.py`", "graphs")) == {
+        "the routing/ row does not name sglang/graphs.py"}
+    assert _added(subpackage_table_problems, text, _doctor(text, "`records/describe.py`",
+                                                           "`records/describe.py`, `records/gone.py`")) == {
+        "the routing/ row names records/gone.py, which runtime/routing/records/ does not have"}
+    runtime = _copy_runtime(tmp_path)
+    before = set(subpackage_table_problems(text, runtime))
+    (runtime / "routing" / "megatron" / "new_module.py").write_text("")
+    assert set(subpackage_table_problems(text, runtime)) - before == {
+        "the routing/ row does not name megatron/new_module.py"}
+
+
 def test_the_docstring_check_catches_a_module_left_out(tmp_path):
     docs = _docstrings()
     assert _added(init_docstring_problems, docs, {**docs, "dump": docs["dump"].replace("logprobs.py", "logprobs")}) == {
@@ -333,6 +379,28 @@ def test_the_docstring_check_catches_a_module_left_out(tmp_path):
     (runtime / "core" / "new_module.py").write_text("")
     assert set(init_docstring_problems(docs, runtime)) - before == {
         "runtime/core/__init__.py's docstring does not name new_module.py"}
+
+
+def test_the_docstring_check_sees_nested_packages(tmp_path):
+    """A package inside a subpackage (routing/sglang/) is held to the same rule: a module
+    its docstring leaves out, or one it names that is gone, and a new nested package
+    without a docstring that names its modules."""
+    docs = _docstrings()
+    assert {"routing/records", "routing/megatron", "routing/sglang"} <= set(docs)
+    assert _added(init_docstring_problems, docs, {**docs, "routing/sglang": docs["routing/sglang"].replace(
+        "graphs.py", "graphs")}) == {"runtime/routing/sglang/__init__.py's docstring does not name graphs.py"}
+    assert _added(init_docstring_problems, docs, {**docs, "routing/records": docs["routing/records"] + "\n    old.py  gone\n"}) == {
+        "runtime/routing/records/__init__.py's docstring names old.py, which is not there"}
+    assert _added(init_docstring_problems, docs, {**docs, "routing": docs["routing"].replace("    records/", "    ")}) == {
+        "runtime/routing/__init__.py's docstring does not name records/"}
+    runtime = _copy_runtime(tmp_path)
+    before = set(init_docstring_problems(docs, runtime))
+    (runtime / "routing" / "sglang" / "deeper").mkdir()
+    (runtime / "routing" / "sglang" / "deeper" / "__init__.py").write_text("")
+    (runtime / "routing" / "sglang" / "deeper" / "part.py").write_text("")
+    assert set(init_docstring_problems(docs, runtime)) - before == {
+        "runtime/routing/sglang/__init__.py's docstring does not name deeper/",
+        "runtime/routing/sglang/deeper/__init__.py's docstring does not name part.py"}
 
 
 def test_the_tree_and_diagram_checks_catch_a_missing_subpackage():

@@ -777,6 +777,33 @@ def test_control_ports_do_not_clash(dumper, monkeypatch):
     assert int(dumper.state()["control"].rsplit(":", 1)[1]) >= base
 
 
+def underscore_reads(folder: Path) -> list:
+    """``module._name`` where ``module`` is a sibling module of dump/ imported by name."""
+    import ast
+
+    siblings = {p.stem for p in folder.glob("*.py")}
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and node.level == 1 and not node.module for alias in node.names if alias.name in siblings}
+        found += [f"{path.name}:{node.lineno} {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id in names and node.attr.startswith("_")]
+    return found
+
+
+def test_dump_modules_reach_each_other_through_public_names_only(tmp_path):
+    """Issue 55: api.py owns dump's state; no module of dump/ reads another's private
+    names, and none hands itself over (the endpoint gets server.Actions)."""
+    folder = Path(D.__file__).parent
+    assert underscore_reads(folder) == []
+    assert not [p.name for p in folder.glob("*.py") if "sys.modules[__name__]" in p.read_text()]
+    (tmp_path / "api.py").write_text("_enabled = False\n")
+    (tmp_path / "sglang.py").write_text("from . import api\nif api._enabled:\n    pass\n")
+    assert underscore_reads(tmp_path) == ["sglang.py:2 api._enabled"]  # the check can fail
+
+
 # ---------------------------------------------------------------- process-level behaviour
 
 

@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 
 from source_patch.runtime.core import graph_stage  # noqa: E402
 from source_patch.runtime.core.graph_stage import GraphStage, GraphStageError  # noqa: E402
-from source_patch.runtime.routing import megatron as routing  # noqa: E402
+from source_patch.runtime.routing.megatron import capture as routing_capture, control as routing  # noqa: E402
+from source_patch.runtime.routing.megatron import replay as routing_replay  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PAD, E, K = 8, 8, 2
@@ -127,7 +128,7 @@ def _moe(rt, scores):
 @gpu
 @pytest.mark.gpu
 def test_megatron_routing_capture_through_the_drain():
-    """runtime/routing/megatron.py's capture under torch.cuda.graph: each replay, drained
+    """runtime/routing/megatron/control.py's capture under torch.cuda.graph: each replay, drained
     inside its microbatch, gives the record an eager forward of the same rows gives,
     tagged cuda_graph; the padding rows of the graph's batch are not in it."""
     routing.reset()
@@ -152,14 +153,14 @@ def test_megatron_routing_capture_through_the_drain():
             stage.replay(graph)
             stage.drain(rows=len(x))
             routing.routing_microbatch_end()
-        graphed = routing.records()
+        graphed = routing_capture.records()
         routing.reset()
         routing.configure(mode="capture", dir="", probs=False)
         for x in inputs:  # eager: the same rows
             routing.routing_microbatch_begin()
             _moe(routing, x)
             routing.routing_microbatch_end()
-        eager = routing.records()
+        eager = routing_capture.records()
     finally:
         routing.configure(mode="off")
         routing.reset()
@@ -188,8 +189,8 @@ def test_megatron_routing_replay_feeds_each_replay_its_own_record():
     that GraphStage.replay refills from the record of the current micro-batch, so three
     replays follow three different records (never the capture's); values are the live
     scores gathered at the recorded ids, as in eager replay. No record: a clear error."""
-    from source_patch.runtime.routing.megatron import RoutingReplayError
-    from source_patch.runtime.routing.record import RoutingRecord
+    from source_patch.runtime.routing.megatron.files import RoutingReplayError
+    from source_patch.runtime.routing.records.record import RoutingRecord
 
     torch.manual_seed(2)
     records = []
@@ -207,7 +208,7 @@ def test_megatron_routing_replay_feeds_each_replay_its_own_record():
             _moe_ids(routing, static)
         torch.cuda.current_stream().wait_stream(side)
         routing.configure(mode="replay")
-        routing.set_replay(records)
+        routing_replay.set_replay(records)
         graph, stage = torch.cuda.CUDAGraph(), GraphStage("moe-replay")
         with stage.capture(), torch.cuda.graph(graph):
             outs = _moe_ids(routing, static)
@@ -287,7 +288,7 @@ def test_runner_build_warmup_capture_replay_drain():
 def test_megatron_routing_skips_warmup_and_refuses_unstaged_replay():
     """Routing capture records nothing from a graph's warm-up passes; a graph built while
     routing was off: capture warns, replay raises (it would route as at its capture)."""
-    from source_patch.runtime.routing.megatron import RoutingReplayError
+    from source_patch.runtime.routing.megatron.files import RoutingReplayError
 
     routing.reset()
     try:
@@ -296,9 +297,9 @@ def test_megatron_routing_skips_warmup_and_refuses_unstaged_replay():
         graph_stage.graph_build(runner)
         _moe(routing, torch.randn(PAD, E))  # a warm-up pass
         graph_stage.graph_captured(runner)
-        assert routing.records() == []
+        assert routing_capture.records() == []
         _moe(routing, torch.randn(PAD, E))  # eager, after the build: recorded
-        assert [r.layers for r in routing.records()] == [[1, 2]]
+        assert [r.layers for r in routing_capture.records()] == [[1, 2]]
         unbuilt = Runner(5)
         with pytest.warns(RuntimeWarning, match="built .* while routing was off"):
             graph_stage.graph_replay(unbuilt)

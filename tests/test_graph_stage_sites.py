@@ -17,8 +17,8 @@ from source_patch.runtime.core import graph_stage  # noqa: E402
 from source_patch.runtime.core.endpoint import free_port  # noqa: E402
 from source_patch.runtime.core.graph_stage import GraphStage, GraphStageError  # noqa: E402
 from source_patch.runtime.dump.reader import load  # noqa: E402
-from source_patch.runtime.routing import megatron as routing  # noqa: E402
-from source_patch.runtime.trace import api as trace_api  # noqa: E402
+from source_patch.runtime.routing.megatron import capture as routing_capture, control as routing  # noqa: E402
+from source_patch.runtime.trace import api, control, graphs  # noqa: E402
 from source_patch.runtime.trace import compress as tc  # noqa: E402
 from source_patch.runtime.trace.client import connect  # noqa: E402
 
@@ -37,22 +37,22 @@ class Runner:
 @pytest.fixture
 def tracer(tmp_path):
     """Tracing on, its hub in a thread on a free port; off again afterwards."""
-    trace_api.configure(enable=True, port=free_port(), token="t", dir=str(tmp_path / "sp-trace"), ranks=[0],
-                        hub="thread", wait=0, client_queue=256)
-    trace_api.reset()
-    yield trace_api
-    trace_api.close()
-    trace_api.configure(enable=False, port=0)
+    control.configure(enable=True, port=free_port(), token="t", dir=str(tmp_path / "sp-trace"), ranks=[0],
+                      hub="thread", wait=0, client_queue=256)
+    control.reset()
+    yield api
+    control.close()
+    control.configure(enable=False, port=0)
 
 
 def _frames(subscribe_then, n: int) -> list:
     """Subscribe to everything (tiles), run ``subscribe_then()``, return ``n`` frames."""
 
     async def main():
-        async with connect(trace_api.url()) as client:
+        async with connect(control.url()) as client:
             await client.subscribe(["*"], compressor=TILES, id="all")
             subscribe_then()
-            trace_api.flush()
+            control.flush()
             return [await client.next_frame(10) for _ in range(n)]
 
     return asyncio.run(asyncio.wait_for(main(), 60))
@@ -76,7 +76,7 @@ def test_off_and_eager_cost_one_flag_and_warmup_passes_record_nothing(dumper, tm
     graph_stage.graph_build(runner)
     graph_stage.graph_build(runner)  # another spec's copy of the hook: the same build
     assert graph_stage.busy == 1 and graph_stage.warming_up()
-    assert dumper.dump("warm", x, layer=3) is x and trace_api.trace("warm", x, layer=3) is x
+    assert dumper.dump("warm", x, layer=3) is x and api.trace("warm", x, layer=3) is x
     graph_stage.graph_capture(runner)
     graph_stage.graph_capture(runner)
     assert graph_stage.busy == 1 and graph_stage.active() is graph_stage._stages[runner]
@@ -141,15 +141,15 @@ def test_a_drained_trace_is_offered_as_an_eager_call_tagged_cuda_graph(tracer):
     runner, h = Runner(), torch.randn(4, 16)
     graph_stage.graph_build(runner)
     graph_stage.graph_capture(runner)
-    graph_stage.active().put(trace_api.graphs._drained, ("hidden", 3), h, tags={"layer": 3})
+    graph_stage.active().put(graphs._drained, ("hidden", 3), h, tags={"layer": 3})
     graph_stage.graph_captured(runner)
 
     def steps():
-        trace_api.trace_step(step=4)
+        api.trace_step(step=4)
         graph_stage.graph_replay(runner)
         graph_stage.graph_replayed(runner)
-        trace_api.trace_step(step=5)  # once per step and (name, layer) with every: 1
-        trace_api.trace("hidden", h, layer=3)
+        api.trace_step(step=5)  # once per step and (name, layer) with every: 1
+        api.trace("hidden", h, layer=3)
 
     graphed, eager = _frames(steps, 2)
     assert graphed.meta["cuda_graph"] is True and "cuda_graph" not in eager.meta
@@ -176,7 +176,7 @@ def _forward(dump, x, w, sites=True):
         h = torch.tanh(h * w[layer - 1])  # row by row: bitwise the same in a batch of 8 or of 3
         if sites:
             dump.dump("hidden", h, layer=layer)
-            trace_api.trace("hidden", h, layer=layer)
+            api.trace("hidden", h, layer=layer)
             routing.routing_enter(Router(layer), h.view(h.shape[0], 1, -1))
         scores = h.softmax(-1)
         if sites:
@@ -212,7 +212,7 @@ def test_dump_trace_and_routing_call_sites_in_a_plain_cuda_graph(dumper, tracer,
         def graphed_steps():
             for step, x in enumerate(inputs):
                 dumper.dump_step(step=step)
-                trace_api.trace_step(step=step)
+                api.trace_step(step=step)
                 static.copy_(torch.cat([x, 100 * torch.randn(PAD - len(x), E, device="cuda")]))
                 routing.routing_microbatch_begin()
                 stage.replay(graph)
@@ -221,7 +221,7 @@ def test_dump_trace_and_routing_call_sites_in_a_plain_cuda_graph(dumper, tracer,
                 assert torch.equal(out[:len(x)], _forward(dumper, x, w, sites=False))
 
         graphed_frames = _frames(graphed_steps, 6)
-        graphed_routes = routing.records()
+        graphed_routes = routing_capture.records()
         dumper.flush()
         graphed = _records(tmp_path / "dumps" / "t")
         dumper.configure(exp_name="eager")
@@ -231,13 +231,13 @@ def test_dump_trace_and_routing_call_sites_in_a_plain_cuda_graph(dumper, tracer,
         def eager_steps():
             for step, x in enumerate(inputs):
                 dumper.dump_step(step=step)
-                trace_api.trace_step(step=step)
+                api.trace_step(step=step)
                 routing.routing_microbatch_begin()
                 _forward(dumper, x, w)
                 routing.routing_microbatch_end()
 
         eager_frames = _frames(eager_steps, 6)
-        eager_routes = routing.records()
+        eager_routes = routing_capture.records()
         dumper.flush()
         eager = _records(tmp_path / "dumps" / "eager")
 
@@ -271,7 +271,7 @@ def test_dump_trace_and_routing_call_sites_in_a_plain_cuda_graph(dumper, tracer,
 def test_routing_replay_refuses_a_graph_built_with_only_dump_on(dumper):
     """A Megatron graph built while only dumping staged (routing off) has no routing feeds:
     replaying it with routing replay on would route as at its capture, so it raises."""
-    from source_patch.runtime.routing.megatron import RoutingReplayError
+    from source_patch.runtime.routing.megatron.files import RoutingReplayError
 
     routing.configure(mode="off")
     runner = Runner(7)

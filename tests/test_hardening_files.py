@@ -160,9 +160,9 @@ def test_the_dump_endpoint_and_the_hub_count_a_refused_folder_in_one_line_and_go
     (tmp_path / "trace").mkdir(mode=0o700)
     os.chmod(tmp_path / "trace", 0o777)
     counters = Counters(("errors", "lost"), "source_patch.test_files", "dump")
-    runtime = SimpleNamespace(_counters=counters, _fail=counters.fail)
     stand_in = SimpleNamespace(url="http://127.0.0.1:1", ws_url="ws://127.0.0.1:1", page_url="", token=TOKEN,
-                               owner_pid=os.getpid(), runtime=runtime, config={"dir": str(tmp_path / "trace")})
+                               owner_pid=os.getpid(), actions=SimpleNamespace(fail=counters.fail),
+                               runtime=SimpleNamespace(fail=counters.fail), config={"dir": str(tmp_path / "trace")})
     with caplog.at_level(logging.WARNING, logger="source_patch.test_files"):
         assert server.ControlServer._write_control_file(stand_in, {"dir": str(tmp_path), "exp_name": "exp"}) is None
         assert hub.Hub._write_token_file(stand_in) is None

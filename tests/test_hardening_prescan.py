@@ -150,7 +150,7 @@ def test_every_reader_of_a_peers_or_a_files_json_refuses_128_kb_of_escaped_quote
 
 @pytest.fixture(params=["process", "thread"])
 def hub(tmp_path, request):
-    from source_patch.runtime.trace import api as trace
+    from source_patch.runtime.trace import control as trace
 
     port = free_port()
     trace.configure(enable=True, port=port, token=TOKEN, dir=str(tmp_path), ranks=[0], max_clients=2, wait=0,

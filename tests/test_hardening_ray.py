@@ -17,7 +17,7 @@ import torch
 
 from source_patch.integrations import ray as sp_ray
 from source_patch.runtime.core import private
-from source_patch.runtime.routing.record import RoutingRecord
+from source_patch.runtime.routing.records.record import RoutingRecord
 
 BUNDLED = Path(__file__).parent.parent / "patches" / "megatron_topk.yaml"
 

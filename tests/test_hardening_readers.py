@@ -1,7 +1,7 @@
 """Issue 57, item 5 (the readers and writers it names here): bounded everywhere, and a
 FIFO never hangs.
 
-- The routing record reader (routing/record_file.py; `replay --routes`, SGLang replay
+- The routing record reader (routing/records/file.py; `replay --routes`, SGLang replay
   and Ray's `collect_routes` read through it): a deep header or metadata was a
   RecursionError, string data_offsets a TypeError, a layer id of Infinity an
   OverflowError, a FIFO a hang.  Now each is a RoutingRecordError naming the file.
@@ -24,8 +24,9 @@ from test_hardening_dump import records, write_dump
 
 from source_patch.patcher import cli
 from source_patch.runtime.dump import compare_html
-from source_patch.runtime.routing import record as rr
-from source_patch.runtime.routing.record import RoutingRecord, RoutingRecordError, load, read_header
+from source_patch.runtime.routing.records import describe
+from source_patch.runtime.routing.records.file import METADATA_KEY, RoutingRecordError, read_header
+from source_patch.runtime.routing.records.record import RoutingRecord, load
 from source_patch.runtime.weight_sync.request import post_update
 from source_patch.runtime.weight_sync.wire import WeightSyncError
 
@@ -87,9 +88,9 @@ def rewrite(path, edit):
 
 def edit_meta(edit):
     def on_header(header):
-        meta = json.loads(header["__metadata__"][rr.METADATA_KEY])
+        meta = json.loads(header["__metadata__"][METADATA_KEY])
         new = edit(meta)
-        header["__metadata__"][rr.METADATA_KEY] = new if isinstance(new, str) else json.dumps(new)
+        header["__metadata__"][METADATA_KEY] = new if isinstance(new, str) else json.dumps(new)
         return header
     return on_header
 
@@ -111,7 +112,7 @@ ROUTING_CASES = {
     "shape-floats": (lambda h: {**h, "layer.0.indices": {**h["layer.0.indices"], "shape": [3.0, 2.0]}},
                      "corrupt safetensors entry"),
     "layers-infinity": (edit_meta(lambda m: {**m, "layers": [float("inf")]}), "lacks or mangles 'layers'"),
-    "metadata-not-a-string": (lambda h: {**h, "__metadata__": {rr.METADATA_KEY: 7}}, "not a routing record"),
+    "metadata-not-a-string": (lambda h: {**h, "__metadata__": {METADATA_KEY: 7}}, "not a routing record"),
 }
 
 
@@ -133,7 +134,7 @@ def test_the_reader_still_reads_a_good_file_and_its_cli_says_bad_ones_in_one_lin
     path = a_record(tmp_path)
     assert load(path).indices[0].tolist() == [[0, 1], [1, 2], [2, 3]]
     rewrite(path, set_offsets(["0", "6"]))
-    assert rr.main([str(path)]) == 1
+    assert describe.main([str(path)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "corrupt safetensors entry" in err
 
@@ -142,18 +143,18 @@ def test_sglang_replay_says_a_rank_that_is_not_an_integer_in_one_line(tmp_path):
     """Two ranks' records of one request, one with a string rank in its metadata: the
     merge compared ranks with >= and raised a raw TypeError (SGLang replay and Ray's
     collect_routes merge through it)."""
-    from source_patch.runtime.routing import sglang as routing_sglang
+    from source_patch.runtime.routing.sglang import files as routing_sglang_files
 
     for rank, said in ((0, 0), (1, "1")):
         (tmp_path / f"rank{rank}").mkdir()
         path = a_record(tmp_path / f"rank{rank}")
         rewrite(path, edit_meta(lambda m, said=said: {**m, "extra": {**(m.get("extra") or {}), "rank": said}}))
     with pytest.raises(RoutingRecordError, match="rank is '1', not an integer"):
-        routing_sglang.merge_rank_files(tmp_path)
+        routing_sglang_files.merge_rank_files(tmp_path)
 
 
 def test_a_routing_file_that_is_a_fifo_is_refused_within_a_second(tmp_path):
-    from source_patch.runtime.routing.sglang import merge_rank_files
+    from source_patch.runtime.routing.sglang.files import merge_rank_files
 
     (tmp_path / "rank0").mkdir()
     path = tmp_path / "rank0" / "r1.safetensors"

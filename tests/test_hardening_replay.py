@@ -226,7 +226,7 @@ def test_the_real_tiny_checkpoint_passes_and_its_10_row_embedding_does_not(tmp_p
 # ------------------------------------------------------------------ routes
 
 def save_route(folder, rid, tokens, experts=4, topk=2, layer=0):
-    from source_patch.runtime.routing.record import RoutingRecord
+    from source_patch.runtime.routing.records.record import RoutingRecord
 
     ids = torch.stack([torch.arange(topk)] * tokens)
     RoutingRecord(indices={layer: ids}, num_experts=experts, token_order="requests", sample_ids=[rid],

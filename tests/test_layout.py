@@ -45,8 +45,6 @@ DYNAMIC = {
 # which then reads the giver's state: an arrow back up that no import shows).
 # Issue 55 (build, item 2) removes both; drop each line with its hand-over.
 HAND_OVERS = {
-    "runtime.trace.api": "sets itself as `api` into control, device, lifecycle, plan and publisher",
-    "runtime.dump.api": "passes itself to server.start, which reads its state",
 }
 
 # Edges allowed to close an import cycle: (module, module it imports) -> why.

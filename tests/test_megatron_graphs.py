@@ -232,8 +232,8 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from safetensors.torch import save_file
 
-    from source_patch.runtime.routing import megatron as routing
-    from source_patch.runtime.routing.megatron_replay import _used
+    from source_patch.runtime.routing.megatron import capture as routing_capture, control as routing
+    from source_patch.runtime.routing.megatron.replay import _used
 
     args = train_moe.parse_args(["--layers", "2", "--micro-batches", str(MICRO_BATCHES), "--seed", seed,
                                  "--lr", "0"])
@@ -246,7 +246,7 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
         from source_patch.runtime.core.endpoint import free_port
 
         os.environ["SOURCE_PATCH_TRACE_PORT"] = "0"  # not the spec's 8765 at import: parallel scenarios
-        from source_patch.runtime.trace import api as tracer
+        from source_patch.runtime.trace import control as tracer
 
         tracer.configure(enable=True, port=free_port(), token="t", dir=out + "-trace", hub="thread", wait=0,
                          client_queue=4096)
@@ -268,8 +268,8 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
     tensors.update({f"used/{k}": v for k, v in _used_routes(model).items()})
     summary = {"records": [], "used": sorted(_used), "used_layers": [len(v) for _, v in sorted(_used.items())]}
     if mode == "capture":
-        routing.flush()
-        for rec in routing.records():
+        routing_capture.flush()
+        for rec in routing_capture.records():
             key = (rec.extra["step"], rec.extra["microbatch"])
             summary["records"].append({"key": key, "cuda_graph": bool(rec.extra.get("cuda_graph"))})
             for layer, ids in rec.indices.items():

@@ -16,7 +16,8 @@ import torch
 from source_patch.integrations import ray as sp_ray
 from source_patch.patcher import SpecError
 from source_patch.runtime.core import settings
-from source_patch.runtime.routing.record import RoutingRecord, RoutingRecordError
+from source_patch.runtime.routing.records.file import RoutingRecordError
+from source_patch.runtime.routing.records.record import RoutingRecord
 
 
 def test_runtime_env_carries_specs_and_settings_as_strings_the_runtime_reads_back(tmp_path, monkeypatch):

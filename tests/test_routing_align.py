@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 from source_patch.runtime.routing.align import (BatchLayout, RoutingAlignError, align_to_megatron,
                                                 filler_indices, routing_diff, split_to_requests,
                                                 valid_mask)
-from source_patch.runtime.routing.record import RoutingRecord, RoutingRecordError, load, slice_for_rank
+from source_patch.runtime.routing.records.file import RoutingRecordError
+from source_patch.runtime.routing.records.record import RoutingRecord, load
+from source_patch.runtime.routing.records.slicing import slice_for_rank
 
 E, K, LAYERS = 8, 2, (1, 3)
 

@@ -24,9 +24,10 @@ if importlib.util.find_spec("sglang") is None:
 
 from safetensors.torch import load_file  # noqa: E402
 
-from source_patch.runtime.routing import sglang as routing_sglang  # noqa: E402
+from source_patch.runtime.routing.sglang import batch as routing_sglang_batch  # noqa: E402
+from source_patch.runtime.routing.sglang import capture as routing_sglang_capture, control as routing_sglang  # noqa: E402
 from source_patch.runtime.routing.align import BatchLayout, align_to_megatron, routing_diff  # noqa: E402
-from source_patch.runtime.routing.record import RoutingRecord  # noqa: E402
+from source_patch.runtime.routing.records.record import RoutingRecord  # noqa: E402
 
 RUN = Path(__file__).parent / "e2e" / "routing_run.py"
 # tests/e2e/routing_run.py's model: 2 MoE layers, 8 experts, top-2, seq 16 x micro-batch 4.
@@ -37,13 +38,13 @@ def rollout(sglang_topk, rids):
     """One SGLang forward over these requests (prefill of SEQ tokens each), every layer."""
     routing_sglang.reset()
     routing_sglang.configure(mode="capture")
-    routing_sglang.set_batch(rids, [SEQ] * len(rids), [0] * len(rids))
+    routing_sglang_batch.set_batch(rids, [SEQ] * len(rids), [0] * len(rids))
     config = sglang_topk.TopKConfig(top_k=TOPK, renormalize=True, torch_native=True)
     for layer_id in range(LAYERS):  # SGLang numbers layers from 0
         logits = torch.randn(SEQ * len(rids), EXPERTS)
         sglang_topk.select_experts(hidden_states=torch.zeros(len(logits), 4), router_logits=logits,
                                    layer_id=layer_id, topk_config=config)
-    records = routing_sglang.records()
+    records = routing_sglang_capture.records()
     routing_sglang.configure(mode="off")
     return records
 

@@ -17,8 +17,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from source_patch.runtime.routing import megatron as routing
-from source_patch.runtime.routing.record import load
+from source_patch.runtime.routing.megatron import capture as routing_capture, control as routing
+from source_patch.runtime.routing.megatron import replay as routing_replay
+from source_patch.runtime.routing.megatron.files import RoutingReplayError
+from source_patch.runtime.routing.records.record import load
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "e2e" / "routing_run.py"
@@ -111,7 +113,7 @@ def test_replay_permuted_and_error_cases(captured):
         return rec.replace(indices={1: rec.indices[1]})
 
     def sliced_cp2(rec):
-        from source_patch.runtime.routing.record import slice_for_rank
+        from source_patch.runtime.routing.records.slicing import slice_for_rank
         return slice_for_rank(rec, batch=4, cp_size=2, cp_rank=0)
 
     dirs = {name: rewrite(cap, tmp / name, fn) for name, fn in [
@@ -184,14 +186,14 @@ def test_capture_replay_in_memory_with_grad(rt, tmp_path):
     rt.routing_microbatch_begin()
     topk_call(rt, 1, scores)
     rt.routing_microbatch_end()
-    (rec,) = rt.records()
+    (rec,) = routing_capture.records()
     assert rec.extra == {"step": 0, "microbatch": 0} and rec.seq_lens == [4, 4]
     assert torch.equal(rec.indices[1], torch.topk(scores, 2, dim=1).indices)
     rt.save(tmp_path)
     rt.reset()
     rt.configure(mode="replay")
     forced = rec.replace(indices={1: (rec.indices[1] + 1) % 8})
-    rt.set_replay([forced])
+    routing_replay.set_replay([forced])
     live = torch.randn(8, 8, requires_grad=True)
     rt.routing_microbatch_begin()
     values, idx = topk_call(rt, 1, live)
@@ -201,7 +203,7 @@ def test_capture_replay_in_memory_with_grad(rt, tmp_path):
     rt.routing_microbatch_end()
     # from disk
     rt.reset()
-    rt.set_replay(str(tmp_path))
+    routing_replay.set_replay(str(tmp_path))
     rt.routing_microbatch_begin()
     assert torch.equal(topk_call(rt, 1, scores)[1], rec.indices[1])
 
@@ -209,14 +211,14 @@ def test_capture_replay_in_memory_with_grad(rt, tmp_path):
 def test_replay_probs_puts_the_recorded_weights_at_the_recorded_ids(rt):
     """replay_probs: the router's combine weights are the record's, not recomputed; a
     record without weights is a clear error."""
-    from source_patch.runtime.routing.record import RoutingRecord
+    from source_patch.runtime.routing.records.record import RoutingRecord
 
     ids = torch.tensor([[1, 2], [3, 0], [7, 6], [4, 5]])
     weights = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.9, 0.1], [0.5, 0.5]])
     record = RoutingRecord(indices={1: ids}, probs={1: weights}, num_experts=8, token_order="megatron-sbh",
                            seq_lens=[2, 2], extra={"step": 0, "microbatch": 0})
     rt.configure(mode="replay", replay_probs=True)
-    rt.set_replay([record])
+    routing_replay.set_replay([record])
     rt.routing_microbatch_begin()
     live = torch.randn(4, 8)
     rt.routing_enter(FakeRouter(1), live.view(2, 2, -1))
@@ -225,19 +227,19 @@ def test_replay_probs_puts_the_recorded_weights_at_the_recorded_ids(rt):
     rt.routing_exit()
     expected = torch.zeros(4, 8).scatter(1, ids, weights)
     assert torch.equal(probs, expected)
-    rt.set_replay([record.replace(probs=None)])
+    routing_replay.set_replay([record.replace(probs=None)])
     rt.routing_enter(FakeRouter(1), live.view(2, 2, -1))
     rt.routing_topk(live, torch.topk(live, 2, dim=1))
-    with pytest.raises(rt.RoutingReplayError, match="replay_probs is on but the record has no combine weights"):
+    with pytest.raises(RoutingReplayError, match="replay_probs is on but the record has no combine weights"):
         rt.routing_probs(torch.zeros(4, 8))
 
 
 def test_missing_record_and_fused(rt):
     rt.configure(mode="replay")
-    rt.set_replay({})
-    with pytest.raises(routing.RoutingReplayError, match="step 0, microbatch 0: no routing record"):
+    routing_replay.set_replay({})
+    with pytest.raises(RoutingReplayError, match="step 0, microbatch 0: no routing record"):
         topk_call(rt, 1, torch.randn(4, 8))
-    with pytest.raises(routing.RoutingReplayError, match="fused"):
+    with pytest.raises(RoutingReplayError, match="fused"):
         rt.routing_fused(True)
     rt.routing_fused(False)
 
@@ -263,7 +265,7 @@ def test_activation_recompute_uses_its_own_microbatch(rt, order):
     for kind, mb in plan:
         forward(mb) if kind == "f" else recompute(mb)
     rt.routing_schedule_end()
-    records = rt.records()
+    records = routing_capture.records()
     assert [r.extra for r in records] == [{"step": 0, "microbatch": 0}, {"step": 0, "microbatch": 1}]
     for mb, rec in enumerate(records):  # the forward's choice, not the recompute's
         assert torch.equal(rec.indices[1], torch.topk(scores[mb], 2, dim=1).indices)
@@ -271,7 +273,7 @@ def test_activation_recompute_uses_its_own_microbatch(rt, order):
     rt.reset()
     rt.configure(mode="replay")
     forced = [r.replace(indices={1: (r.indices[1] + 1 + mb) % 8}) for mb, r in enumerate(records)]
-    rt.set_replay(forced)
+    routing_replay.set_replay(forced)
     rt.routing_schedule(False)
     for kind, mb in plan:
         if kind == "f":

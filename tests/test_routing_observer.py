@@ -31,7 +31,9 @@ CHILD = textwrap.dedent(r'''
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
-    from source_patch.runtime.routing import megatron as routing
+    from source_patch.runtime.routing.megatron import capture as routing_capture, control as routing
+    from source_patch.runtime.routing.megatron import replay as routing_replay
+    from source_patch.runtime.routing.megatron.files import RoutingReplayError
 
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
@@ -58,12 +60,12 @@ CHILD = textwrap.dedent(r'''
             routing.reset()
             routing.configure(mode=mode)
             if mode == "replay":
-                routing.set_replay({})  # strict where a record could address a call: none here
+                routing_replay.set_replay({})  # strict where a record could address a call: none here
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 got = [call(kind) for _ in range(3)]
             same = all(torch.equal(g[0], want[0]) and torch.equal(g[1], want[1]) for g in got)
-            report[f"{kind}/{mode}"] = {"same": same, "warnings": ours(caught), "records": len(routing.records())}
+            report[f"{kind}/{mode}"] = {"same": same, "warnings": ours(caught), "records": len(routing_capture.records())}
     routing.configure(mode="off")
 
     # a router with a layer number outside any schedule: one record per forward, replayed in order
@@ -73,14 +75,14 @@ CHILD = textwrap.dedent(r'''
     routing.reset()
     routing.configure(mode="capture")
     captured = [router(x)[1] for x in inputs]
-    records = routing.records()
+    records = routing_capture.records()
     report["layered/capture"] = {"same": all(torch.equal(a, b) for a, b in zip(plain, captured)),
                                  "keys": [[r.extra["step"], r.extra["microbatch"]] for r in records],
                                  "layers": [r.layers for r in records]}
     forced = [r.replace(indices={3: (r.indices[3] + 1) % 8}) for r in records]
     routing.reset()
     routing.configure(mode="replay")
-    routing.set_replay(forced)
+    routing_replay.set_replay(forced)
     replayed = [router(x)[1] for x in inputs]
     report["layered/replay"] = {
         "as_recorded": all(torch.equal(m, torch.zeros_like(m).scatter(1, r.indices[3], True))
@@ -89,7 +91,7 @@ CHILD = textwrap.dedent(r'''
     try:
         router(torch.randn(5, 2, 16))  # a record exists for (0, 0) but does not fit: strict
         report["layered/misfit"] = "no error"
-    except routing.RoutingReplayError as exc:
+    except RoutingReplayError as exc:
         report["layered/misfit"] = str(exc)
     routing.configure(mode="off")
     print("REPORT " + json.dumps(report))

@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
-from source_patch.runtime.routing.sglang import wait_record  # noqa: E402
-from source_patch.runtime.routing.slot_store import SlotStore  # noqa: E402
+from source_patch.runtime.routing.sglang.files import wait_record  # noqa: E402
+from source_patch.runtime.routing.sglang.slot_store import SlotStore  # noqa: E402
 
 PROMPT = [11, 23, 5, 88, 140, 7, 301, 42, 9, 64, 17, 3, 250, 77]
 NEW, SAMPLES, LAYERS, TOPK = 6, 4, 2, 2

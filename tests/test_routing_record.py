@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from source_patch.runtime.routing import record as rr
-from source_patch.runtime.routing import record_file
-from source_patch.runtime.routing.record import (RoutingRecord, RoutingRecordError, gather_slices,
-                                                 load, read_header, slice_for_rank)
+from source_patch.runtime.routing.records import describe, file as record_file, router_replay as megatron_native
+from source_patch.runtime.routing.records.file import METADATA_KEY, RoutingRecordError, read_header
+from source_patch.runtime.routing.records.record import RoutingRecord, load
+from source_patch.runtime.routing.records.slicing import gather_slices, slice_for_rank, token_rows
 
 
 def random_indices(tokens, topk, num_experts, generator=None):
@@ -174,7 +174,7 @@ def test_foreign_newer_and_inconsistent_files(tmp_path):
 
     def write(name, meta_changes, tensors=tensors):
         path = tmp_path / name
-        save_file(tensors, str(path), metadata={rr.METADATA_KEY: json.dumps({**meta, **meta_changes})})
+        save_file(tensors, str(path), metadata={METADATA_KEY: json.dumps({**meta, **meta_changes})})
         return path
 
     with pytest.raises(RoutingRecordError, match=r"newer source-patch \(routing format version 2\)"):
@@ -192,9 +192,9 @@ def test_foreign_newer_and_inconsistent_files(tmp_path):
         load(write("range.st", {}, bad))
     without_layers = json.dumps({k: v for k, v in meta.items() if k != "layers"})
     with pytest.raises(RoutingRecordError, match="routing metadata lacks or mangles 'layers'"):
-        load(_write_raw(tmp_path / "nolayers.st", {"__metadata__": {rr.METADATA_KEY: without_layers}}))
+        load(_write_raw(tmp_path / "nolayers.st", {"__metadata__": {METADATA_KEY: without_layers}}))
     with pytest.raises(RoutingRecordError, match="corrupt routing metadata"):
-        load(_write_raw(tmp_path / "badjson.st", {"__metadata__": {rr.METADATA_KEY: "{nope"}}))
+        load(_write_raw(tmp_path / "badjson.st", {"__metadata__": {METADATA_KEY: "{nope"}}))
 
 
 def test_oversized_metadata_refused_on_save(tmp_path, monkeypatch):
@@ -273,7 +273,7 @@ def test_slice_padding_and_probs():
     parts = [slice_for_rank(rec, batch=batch, cp_size=2, cp_rank=r) for r in range(2)]
     # chunks of 2: rank 0 holds positions 0,1,6,7 ; rank 1 holds 2,3,4,5 ; sample 0 pads 5,6,7
     assert parts[0].padding == [2, 0] and parts[1].padding == [1, 0]
-    assert torch.equal(parts[1].probs[2], rec.probs[2][rr.token_rows(torch.tensor([2, 3, 4, 5]), batch)])
+    assert torch.equal(parts[1].probs[2], rec.probs[2][token_rows(torch.tensor([2, 3, 4, 5]), batch)])
     assert gather_slices(parts).equals(rec)
 
 
@@ -353,7 +353,7 @@ def test_native_round_trip(tmp_path, router_replay):
     logits = {i: torch.randn(tokens, experts) for i in range(3)}
     for i, inst in enumerate(instances):
         route(logits[i], topk, score_function="softmax", router_replay=inst)
-    rec = rr.from_megatron_native(num_experts=experts, layers=[2, 4, 6], seq_lens=[5, 5])
+    rec = megatron_native.from_megatron_native(num_experts=experts, layers=[2, 4, 6], seq_lens=[5, 5])
     assert rec.layers == [2, 4, 6]
     for i, layer in enumerate([2, 4, 6]):
         assert torch.equal(rec.indices[layer], logits[i].topk(topk, dim=1).indices)
@@ -361,7 +361,7 @@ def test_native_round_trip(tmp_path, router_replay):
 
     # Replay those routes into fresh logits that would pick other experts.
     RouterReplay.clear_global_indices()
-    native = rr.to_megatron_native(rec, install=True)
+    native = megatron_native.to_megatron_native(rec, install=True)
     assert [t.dtype for t in native] == [torch.int64] * 3
     RouterReplay.set_global_router_replay_action(Action.REPLAY_FORWARD)
     for i, (inst, layer) in enumerate(zip(instances, rec.layers)):
@@ -375,11 +375,11 @@ def test_native_errors_and_layer_map(router_replay):
     RouterReplay, _, _ = router_replay
     instances = [RouterReplay(), RouterReplay()]
     with pytest.raises(RoutingRecordError, match=r"instance 1 \(layer 1\) recorded nothing"):
-        rr.from_megatron_native([torch.tensor([[0, 1]]), None], num_experts=4)
+        megatron_native.from_megatron_native([torch.tensor([[0, 1]]), None], num_experts=4)
     with pytest.raises(RoutingRecordError, match="3 layers for 2 RouterReplay instances"):
-        rr.to_megatron_native(make_record(layers=(1, 2, 3)), install=True)
+        megatron_native.to_megatron_native(make_record(layers=(1, 2, 3)), install=True)
     with pytest.raises(RoutingRecordError, match="record has no layer 9"):
-        rr.to_megatron_native(make_record(), layers=[1, 9])
+        megatron_native.to_megatron_native(make_record(), layers=[1, 9])
 
     class Router(torch.nn.Module):
         def __init__(self, replay, layer_number):
@@ -387,10 +387,10 @@ def test_native_errors_and_layer_map(router_replay):
             self.router_replay, self.layer_number = replay, layer_number
 
     model = torch.nn.Sequential(Router(instances[1], 7), Router(None, 8), Router(instances[0], 3))
-    assert rr.megatron_replay_layers(model) == [3, 7]
+    assert megatron_native.megatron_replay_layers(model) == [3, 7]
     RouterReplay()
     with pytest.raises(RoutingRecordError, match="instance 2 belongs to no router"):
-        rr.megatron_replay_layers(model)
+        megatron_native.megatron_replay_layers(model)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -398,7 +398,7 @@ def test_native_errors_and_layer_map(router_replay):
 
 def test_cli(tmp_path, capsys):
     path = make_record(num_experts=300, seq_lens=[6, 6], sample_ids=["a", "b"]).save(tmp_path / "r.st")
-    proc = subprocess.run([sys.executable, "-m", "source_patch.runtime.routing.record", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "source_patch.runtime.routing.records.describe", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "source-patch-routing v1" in proc.stdout and "num_experts: 300" in proc.stdout
@@ -409,5 +409,5 @@ def test_cli(tmp_path, capsys):
 
     bad = tmp_path / "bad.st"
     bad.write_bytes(path.read_bytes()[:40])
-    assert rr.main([str(bad)]) == 1
+    assert describe.main([str(bad)]) == 1
     assert "error:" in capsys.readouterr().err

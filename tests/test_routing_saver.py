@@ -1,4 +1,4 @@
-"""Routing capture's saver (runtime/routing/megatron_capture.py): the index is rewritten at most
+"""Routing capture's saver (runtime/routing/megatron/capture.py): the index is rewritten at most
 once a second by the background writer, and flush() / close() complete it; records()
 hands out copies, never the buffers a later save recycles.  The call sites are driven
 directly, as Megatron's patched router would call them."""
@@ -10,9 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from source_patch.runtime.routing import megatron as rm
-from source_patch.runtime.routing import megatron_capture
-from source_patch.runtime.routing.record import load
+from source_patch.runtime.routing.megatron import capture as megatron_capture, control as rm
+from source_patch.runtime.routing.records.record import load
 
 LAYERS = (1, 2, 3)
 
@@ -46,7 +45,7 @@ def test_flush_completes_the_index_the_background_writer_rate_limits(capture):
     ids = torch.tensor([[0, 1], [2, 3], [4, 5], [5, 6]] * 2)
     for _ in range(5):  # 5 steps well within a second: the writer rewrites the index once at most
         step(ids)
-    rm.flush()
+    megatron_capture.flush()
     index = json.loads((capture / "rank-0" / "index.json").read_text())
     assert [(e["step"], e["microbatch"]) for e in index["records"]] == [(s, 0) for s in range(5)]
     rec = load(capture / "rank-0" / "step-4-mb-0.safetensors")
@@ -58,9 +57,9 @@ def test_records_are_copies_of_what_is_pending(capture):
     ids = torch.tensor([[0, 1], [2, 3]] * 4)
     rm.configure(mode="capture", dir="")  # nothing saved: records stay pending
     step(ids)
-    first = rm.records()[0]
+    first = megatron_capture.records()[0]
     first.indices[2].fill_(7)  # a caller's change does not reach the pending record
-    assert torch.equal(rm.records()[0].indices[2], ids)
+    assert torch.equal(megatron_capture.records()[0].indices[2], ids)
 
 
 def test_the_index_is_not_rewritten_at_every_step(capture, monkeypatch):
@@ -70,5 +69,5 @@ def test_the_index_is_not_rewritten_at_every_step(capture, monkeypatch):
     ids = torch.tensor([[0, 1]] * 8)
     for _ in range(6):
         step(ids)
-    rm.flush()
+    megatron_capture.flush()
     assert 1 <= len(writes) <= 3, writes  # the first step's, perhaps one more, and flush()'s

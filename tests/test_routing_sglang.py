@@ -1,4 +1,4 @@
-"""SGLang routing capture / replay (patches/routing.yaml, runtime/routing/sglang.py)
+"""SGLang routing capture / replay (patches/routing.yaml, runtime/routing/sglang/)
 against real sglang 0.5.23 modules on CPU: a patched copy of
 sglang.srt.layers.moe.topk (select_experts with the torch-native top-k) and of
 sglang.srt.model_executor.model_runner (ModelRunner._forward_raw's entry, with a
@@ -14,8 +14,10 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
-from source_patch.runtime.routing import sglang as rs  # noqa: E402
-from source_patch.runtime.routing.record import RoutingRecord, RoutingRecordError  # noqa: E402
+from source_patch.runtime.routing.sglang import batch as rs_batch, capture as rs_capture  # noqa: E402
+from source_patch.runtime.routing.sglang import control as rs, files as rs_files  # noqa: E402
+from source_patch.runtime.routing.records.file import RoutingRecordError  # noqa: E402
+from source_patch.runtime.routing.records.record import RoutingRecord  # noqa: E402
 
 E, K = 8, 2
 
@@ -51,9 +53,9 @@ def test_spec_checks_without_importing_sglang(check_sglang_spec):
 def test_off_by_default_changes_nothing(topk_mod):
     torch.manual_seed(0)
     logits = torch.randn(6, E)
-    rs.set_batch(["a"], [6])
+    rs_batch.set_batch(["a"], [6])
     w, ids = _select(topk_mod, logits)
-    assert rs.records() == {}
+    assert rs_capture.records() == {}
     assert torch.equal(ids.long(), torch.topk(torch.softmax(logits, -1), K).indices)
 
 
@@ -67,7 +69,7 @@ def test_capture_per_request_in_generation_order(topk_mod, renormalize):
     steps = [(["a", "b"], [3, 2], [0, 0]), (["a", "b"], [1, 1], [3, 2]), (["a", "b"], [1, 1], [4, 3])]
     expected = {"a": {0: [], 1: []}, "b": {0: [], 1: []}}
     for rids, lens, starts in steps:
-        rs.set_batch(rids, lens, starts)
+        rs_batch.set_batch(rids, lens, starts)
         for layer in (0, 1):
             logits = torch.randn(sum(lens) + 1, E)  # + one padding row, not attributed
             _select(topk_mod, logits, layer=layer, renormalize=renormalize)
@@ -76,7 +78,7 @@ def test_capture_per_request_in_generation_order(topk_mod, renormalize):
             for rid, n in zip(rids, lens):
                 expected[rid][layer].append(want[off:off + n])
                 off += n
-    recs = rs.records()
+    recs = rs_capture.records()
     assert sorted(recs) == ["a", "b"]
     for rid, n in (("a", 5), ("b", 4)):
         rec = recs[rid]
@@ -89,10 +91,10 @@ def test_capture_per_request_in_generation_order(topk_mod, renormalize):
 def test_capture_gap_is_an_error(topk_mod):
     rs.configure(mode="capture")
     for starts in ([0], [5]):
-        rs.set_batch(["a"], [2], starts)
+        rs_batch.set_batch(["a"], [2], starts)
         _select(topk_mod, torch.randn(2, E))
     with pytest.raises(RoutingRecordError, match="resume at position 5, expected 2"):
-        rs.records()
+        rs_capture.records()
 
 
 @pytest.mark.parametrize("renormalize,scoring_func", [(True, "softmax"), (False, "softmax"), (True, "sigmoid")])
@@ -103,7 +105,7 @@ def test_replay_overrides_ids_and_weights(topk_mod, renormalize, scoring_func):
     rec = RoutingRecord(indices={3: forced}, num_experts=E, token_order="requests", sample_ids=["r"],
                         seq_lens=[5], source="sglang", extra={"start_pos": 0})
     rs.configure(mode="replay", replay={"r": rec})
-    rs.set_batch(["r"], [5], [0])
+    rs_batch.set_batch(["r"], [5], [0])
     w, ids = _select(topk_mod, logits, layer=3, renormalize=renormalize, scoring_func=scoring_func)
     assert torch.equal(ids.long(), forced)
     scores = torch.softmax(logits, -1) if scoring_func == "softmax" else torch.sigmoid(logits)
@@ -117,7 +119,7 @@ def test_replay_overrides_ids_and_weights(topk_mod, renormalize, scoring_func):
     w0, ids0 = _select(topk_mod, logits, layer=3, renormalize=renormalize, scoring_func=scoring_func)
     rec0 = rec.replace(indices={3: ids0.long()})
     rs.configure(mode="replay", replay={"r": rec0})
-    rs.set_batch(["r"], [5], [0])
+    rs_batch.set_batch(["r"], [5], [0])
     w1, ids1 = _select(topk_mod, logits, layer=3, renormalize=renormalize, scoring_func=scoring_func)
     assert torch.equal(ids1, ids0) and torch.allclose(w1, w0, atol=1e-6)
 
@@ -127,14 +129,14 @@ def test_capture_then_replay_by_request_and_position(topk_mod, tmp_path):
     a's decode token at position 3) with other logits: the recorded ids come back."""
     rs.configure(mode="capture", dir=tmp_path)
     torch.manual_seed(3)
-    rs.set_batch(["a", "b"], [3, 2], [0, 0])
+    rs_batch.set_batch(["a", "b"], [3, 2], [0, 0])
     _, ids_p = _select(topk_mod, torch.randn(5, E), layer=0)
-    rs.set_batch(["a"], [1], [3])
+    rs_batch.set_batch(["a"], [1], [3])
     _, ids_d = _select(topk_mod, torch.randn(1, E), layer=0)
-    rs.flush()
+    rs_files.flush()
     rs.reset()
     rs.configure(mode="replay", replay=tmp_path)
-    rs.set_batch(["b", "a"], [2, 1], [0, 3])
+    rs_batch.set_batch(["b", "a"], [2, 1], [0, 3])
     _, ids = _select(topk_mod, torch.randn(3, E), layer=0)
     assert torch.equal(ids.long(), torch.cat([ids_p[3:5], ids_d]).long())
 
@@ -144,7 +146,7 @@ def _bad(topk_mod, indices, num_experts=E):
     rec = types.SimpleNamespace(indices={0: indices}, extra={"start_pos": 0}, layers=[0],
                                 num_tokens=indices.shape[0])
     rs.configure(mode="replay", replay={"r": rec})
-    rs.set_batch(["r"], [4], [0])
+    rs_batch.set_batch(["r"], [4], [0])
     _select(topk_mod, torch.randn(4, E), layer=0)
 
 
@@ -153,7 +155,7 @@ def test_replay_errors_are_clear(topk_mod):
     # too few rows for the batch: those rows keep the router's own routes (a serving
     # engine must not die), with a warning
     rs.configure(mode="replay", replay={"r": RoutingRecord(indices={0: torch.tensor([[0, 1]] * 3)}, **good)})
-    rs.set_batch(["r"], [4], [0])
+    rs_batch.set_batch(["r"], [4], [0])
     logits = torch.randn(4, E)
     with pytest.warns(RuntimeWarning, match=r"request 'r' needs rows \[0, 4\) of layer 0, its record has 3"):
         _, ids = _select(topk_mod, logits, layer=0)
@@ -166,10 +168,10 @@ def test_replay_errors_are_clear(topk_mod):
     # missing layer, missing request
     rs.reset()
     rs.configure(mode="replay", replay={"r": RoutingRecord(indices={0: torch.tensor([[0, 1]] * 4)}, **good)})
-    rs.set_batch(["r"], [4], [0])
+    rs_batch.set_batch(["r"], [4], [0])
     with pytest.raises(RoutingRecordError, match="request 'r' has no layer 5"):
         _select(topk_mod, torch.randn(4, E), layer=5)
-    rs.set_batch(["zz", "r"], [4, 4], [0, 0])  # a request nobody recorded keeps its live routes
+    rs_batch.set_batch(["zz", "r"], [4, 4], [0, 0])  # a request nobody recorded keeps its live routes
     logits = torch.randn(8, E)
     with pytest.warns(RuntimeWarning, match="no record for request 'zz'"):
         _, ids = _select(topk_mod, logits, layer=0)
@@ -195,7 +197,7 @@ def test_replay_of_an_empty_capture_folder_routes_unchanged(topk_mod, tmp_path, 
     logits = torch.randn(4, E)
     with pytest.warns(RuntimeWarning, match="no routing files under"):
         _, ids = _select(topk_mod, logits, layer=0)
-    rs.set_batch(["r"], [4], [0])
+    rs_batch.set_batch(["r"], [4], [0])
     _, again = _select(topk_mod, logits, layer=1)
     assert torch.equal(ids.long(), torch.topk(logits.softmax(-1), K).indices) and torch.equal(again, ids)
 
@@ -222,28 +224,28 @@ def test_merge_rank_files(tmp_path):
         (tmp_path / f"rank{rank}").mkdir()
         for r in recs:
             r.save(tmp_path / f"rank{rank}" / f"{r.sample_ids[0]}.safetensors")
-    merged = rs.merge_rank_files(tmp_path)
+    merged = rs_files.merge_rank_files(tmp_path)
     assert sorted(merged) == ["a", "b", "c"]
     assert merged["a"].extra["rank"] == 0 and torch.equal(merged["a"].indices[0], a)
     assert torch.equal(merged["c"].indices[0], c) and merged["c"].extra["rank"] == 1
     # TP replicas that disagree
     _rec("b", torch.tensor([[4, 6]]), 1).save(tmp_path / "rank1" / "b.safetensors")
     with pytest.raises(RoutingRecordError, match="request 'b': ranks 0 and 1 captured different routes"):
-        rs.merge_rank_files(tmp_path)
+        rs_files.merge_rank_files(tmp_path)
     with pytest.raises(RoutingRecordError, match="no routing files"):
-        rs.merge_rank_files(tmp_path / "nothing")
+        rs_files.merge_rank_files(tmp_path / "nothing")
 
 
 def test_flush_writes_per_rank_files(topk_mod, tmp_path):
     rs.configure(mode="capture", dir=tmp_path, rank=3)
-    rs.set_batch(["req/1", "b"], [2, 1], [0, 0])
+    rs_batch.set_batch(["req/1", "b"], [2, 1], [0, 0])
     _select(topk_mod, torch.randn(3, E))
-    paths = rs.flush()
+    paths = rs_files.flush()
     assert sorted(p.name for p in paths) == ["b.safetensors", "req_1.safetensors"]
     assert {p.parent.name for p in paths} == {"rank3"}
-    merged = rs.merge_rank_files(tmp_path)
+    merged = rs_files.merge_rank_files(tmp_path)
     assert sorted(merged) == ["b", "req/1"] and merged["req/1"].num_tokens == 2
-    assert rs.records() == {}
+    assert rs_capture.records() == {}
 
 
 # ---------------------------------------------------------------- a real engine
@@ -269,7 +271,7 @@ def test_captured_routes_equal_sglangs_own_capture(instrumented_sglang):
                                               sampling={"ignore_eos": True})
     for (rid, prompt), result in zip(prompts.items(), out):
         theirs = _routed_experts(result["meta_info"])
-        rec = rs.wait_record(instrumented_sglang.routes, rid)
+        rec = rs_files.wait_record(instrumented_sglang.routes, rid)
         assert rec.sample_ids == [rid] and rec.extra["start_pos"] == 0 and rec.layers == [0, 1]
         assert rec.num_tokens == len(prompt) + 5 - 1 == theirs.shape[0]  # the last token is never routed
         ours = torch.stack([rec.indices[layer] for layer in rec.layers], dim=1)
@@ -283,7 +285,7 @@ def replay_server(instrumented_sglang, sglang_server, tmp_path_factory):
     prompt, new = [7, 3, 9, 1, 12, 5], 5
     captured = instrumented_sglang.server.generate(input_ids=prompt, max_new_tokens=new, rid="replay-src",
                                                    sampling={"ignore_eos": True})
-    rec = rs.wait_record(instrumented_sglang.routes, "replay-src")
+    rec = rs_files.wait_record(instrumented_sglang.routes, "replay-src")
     folder = tmp_path_factory.mktemp("replay")
     moved = {layer: (ids + 3) % rec.num_experts for layer, ids in rec.indices.items()}
     rec.replace(sample_ids=["same"]).save(folder / "same.safetensors")
@@ -347,12 +349,12 @@ def _check_tensor_parallel(server, root, prompt, single, instrumented_sglang):
 
     out = server.generate(input_ids=prompt, max_new_tokens=4, rid="tp2-a", sampling={"ignore_eos": True})
     assert out["output_ids"] == single["output_ids"]
-    ranks = [rs.wait_record(root / "routes", "tp2-a", rank=rank) for rank in (0, 1)]
-    reference = rs.wait_record(instrumented_sglang.routes, "tp1-ref")
+    ranks = [rs_files.wait_record(root / "routes", "tp2-a", rank=rank) for rank in (0, 1)]
+    reference = rs_files.wait_record(instrumented_sglang.routes, "tp1-ref")
     assert [r.extra["rank"] for r in ranks] == [0, 1]
     for rec in ranks:
         assert all(torch.equal(rec.indices[layer], reference.indices[layer]) for layer in reference.layers)
-    assert sorted(rs.merge_rank_files(root / "routes")) == ["tp2-a"]  # no health-check records
+    assert sorted(rs_files.merge_rank_files(root / "routes")) == ["tp2-a"]  # no health-check records
     server.post("/flush_cache")
     instrumented_sglang.server.post("/flush_cache")
     dumps = {d.name: reader.load(d) for d in reader.rank_dirs(root / "dumps" / "default")}

@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from source_patch.runtime.routing import record as rr  # noqa: E402
-from source_patch.runtime.routing.record import RoutingRecord, RoutingRecordError  # noqa: E402
-from source_patch.runtime.routing.sglang import wait_record  # noqa: E402
+from source_patch.runtime.routing.records.file import RoutingRecordError  # noqa: E402
+from source_patch.runtime.routing.records.record import RoutingRecord, to_sglang_meta  # noqa: E402
+from source_patch.runtime.routing.sglang.files import wait_record  # noqa: E402
 
 E, L, K = 8, 2, 2
 
@@ -31,7 +31,7 @@ def _b64(array: torch.Tensor) -> str:
 
 def test_round_trip_and_layout():
     rec = _rec()
-    text = rr.to_sglang_meta(rec)
+    text = to_sglang_meta(rec)
     # SGLang's layout: row-major int32 [tokens, layers, topk]
     raw = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.int32).reshape(5, L, K)
     assert all(torch.equal(raw[:, k].long(), rec.indices[k]) for k in range(L))
@@ -40,9 +40,9 @@ def test_round_trip_and_layout():
                                           num_experts=E, num_layers=L, topk=K)
     assert back.sample_ids == ["r"] and back.extra["start_pos"] == 0 and back.token_order == "requests"
     assert back.equals(rec.replace(extra=back.extra))
-    assert rr.to_sglang_meta(back) == text
+    assert to_sglang_meta(back) == text
     # only the MoE layers of a model with a dense layer 0 (SGLang leaves its rows zero)
-    dense = rr.to_sglang_meta(rec.replace(indices={1: rec.indices[1]}), num_layers=2)
+    dense = to_sglang_meta(rec.replace(indices={1: rec.indices[1]}), num_layers=2)
     only = RoutingRecord.from_sglang_meta(dense, num_experts=E, num_layers=2, topk=K, layers=[1], rid="r")
     assert only.layers == [1] and torch.equal(only.indices[1], rec.indices[1])
     with pytest.raises(RoutingRecordError, match="chosen twice"):  # the dense layer's zero rows
@@ -65,7 +65,7 @@ def test_validation_is_the_records(meta, message):
 def test_export_needs_one_request():
     rec = _rec().replace(token_order="megatron-sbh", sample_ids=None, seq_lens=None)
     with pytest.raises(RoutingRecordError, match="needs a one-request record"):
-        rr.to_sglang_meta(rec)
+        to_sglang_meta(rec)
 
 
 # ---------------------------------------------------------------- a real engine
@@ -90,10 +90,10 @@ def test_sglang_meta_equals_our_capture_and_routes_the_twin(instrumented_sglang,
         ours = wait_record(instrumented_sglang.routes, rid)
         assert theirs.sample_ids == [rid] and theirs.num_tokens == len(prompts[rid]) + 4 - 1
         assert theirs.equals(ours.replace(probs=None, extra=theirs.extra))
-        assert rr.to_sglang_meta(ours) == result["meta_info"]["routed_experts"]  # the inverse, byte for byte
+        assert to_sglang_meta(ours) == result["meta_info"]["routed_experts"]  # the inverse, byte for byte
         if rid == "meta-b":  # routes the model would not take: the replay must follow them
             moved = theirs.replace(indices={k: (v + 3) % E for k, v in theirs.indices.items()})
-            theirs = RoutingRecord.from_sglang_meta(rr.to_sglang_meta(moved), num_experts=E, num_layers=L, topk=K,
+            theirs = RoutingRecord.from_sglang_meta(to_sglang_meta(moved), num_experts=E, num_layers=L, topk=K,
                                                     rid=rid)
             assert not theirs.equals(ours.replace(probs=None, extra=theirs.extra))
         theirs.save(routes / "rank0" / f"{rid}.safetensors")

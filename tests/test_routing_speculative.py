@@ -24,8 +24,9 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
 from source_patch.runtime.core.sglang_batch import DRAFT, BatchRows, Unattributed, batch_rows  # noqa: E402
-from source_patch.runtime.routing import sglang as rs  # noqa: E402
-from source_patch.runtime.routing.record import load  # noqa: E402
+from source_patch.runtime.routing.sglang import batch as rs_batch, call_sites as rs_sites  # noqa: E402
+from source_patch.runtime.routing.sglang import capture as rs_capture, control as rs  # noqa: E402
+from source_patch.runtime.routing.records.record import load  # noqa: E402
 
 E, K = 8, 2
 
@@ -108,13 +109,13 @@ def test_forwards_of_speculative_decoding_are_told_apart(sglang_cpu):
 
 def test_draft_forwards_are_neither_captured_nor_replayed_nor_are_unattributed_ones(sglang_topk, sglang_cpu):
     rs.configure(mode="capture")
-    rs.set_batch(["a"], [3], [0])
+    rs_batch.set_batch(["a"], [3], [0])
     _select(sglang_topk, torch.randn(3, E), layer=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a draft forward is expected: no "no ambient batch" warning
-        rs.routing_sglang_batch(_forward_batch("DECODE", ["a"], [4], [3], _draft_input()))
+        rs_sites.routing_sglang_batch(_forward_batch("DECODE", ["a"], [4], [3], _draft_input()))
         _select(sglang_topk, torch.randn(1, E), layer=0)  # a draft TopK SGLang did not opt out
-    rec = rs.records()["a"]
+    rec = rs_capture.records()["a"]
     assert rec.seq_lens == [3] and rec.indices[0].shape[0] == 3
 
     rs.reset()
@@ -124,7 +125,7 @@ def test_draft_forwards_are_neither_captured_nor_replayed_nor_are_unattributed_o
                _forward_batch("TARGET_VERIFY", ["a"], [4], [3, 4, 5], _verify_input(3))):  # replay: unattributed
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            rs.routing_sglang_batch(fb)
+            rs_sites.routing_sglang_batch(fb)
         logits = torch.randn(3, E)
         out = sglang_topk.select_experts(hidden_states=torch.zeros(3, 4), router_logits=logits, layer_id=0,
                                          topk_config=cfg)
@@ -154,7 +155,7 @@ def test_verify_passes_give_exactly_the_accepted_tokens_rows(sglang_topk, sglang
         else:
             fb = _forward_batch("EXTEND", ["a"], [rows], slots)
             fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = [rows], [0]
-        rs.routing_sglang_batch(fb, runner)
+        rs_sites.routing_sglang_batch(fb, runner)
         for layer in (0, 1):
             ids = _select(sglang_topk, torch.randn(rows + 1, E), layer=layer)  # + a padding row
             want[layer].append(ids[keep])
@@ -171,7 +172,7 @@ def test_verify_passes_give_exactly_the_accepted_tokens_rows(sglang_topk, sglang
     forward([22, 23, 24], [0], verify=True)  # slot 22 was rejected above and is reused here
     req.output_ids.extend([15, 16, 17, 18])
     req.finished_reason = FINISH_LENGTH(length=4)
-    rs.routing_sglang_release(req)
+    rs_sites.routing_sglang_release(req)
     assert rs.state()["last_error"] is None
     rec = load(tmp_path / "rank0" / "a.safetensors")
     assert rec.seq_lens == [7] and rec.extra["start_pos"] == 0

@@ -64,7 +64,7 @@ def test_200_concurrent_requests_are_all_answered_quickly(endpoint):
 
 @pytest.fixture
 def hub(tmp_path):
-    from source_patch.runtime.trace import api as trace
+    from source_patch.runtime.trace import control as trace
 
     port = free_port()
     trace.configure(enable=True, port=port, token=TOKEN, dir=str(tmp_path), ranks=[0], max_clients=2, wait=0)
@@ -89,7 +89,7 @@ def test_a_deeply_nested_hello_is_refused_quietly(hub, capfd):
             return info.value.rcvd.code
 
     assert run(main()) in (4401, 1009)  # unauthorized, or over max_message: refused either way
-    from source_patch.runtime.trace import api as trace
+    from source_patch.runtime.trace import control as trace
 
     assert trace.state()["errors"] == 0
     err = capfd.readouterr().err

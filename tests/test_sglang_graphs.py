@@ -23,7 +23,9 @@ torch = pytest.importorskip("torch")
 from source_patch.runtime.core import graph_stage, sglang_graphs  # noqa: E402
 from source_patch.runtime.dump import sglang as dump_sglang  # noqa: E402
 from source_patch.runtime.dump.reader import load  # noqa: E402
-from source_patch.runtime.routing import sglang as rs  # noqa: E402
+from source_patch.runtime.routing.sglang import batch as rs_batch, call_sites as rs_sites  # noqa: E402
+from source_patch.runtime.routing.sglang import capture as rs_capture, control as rs  # noqa: E402
+from source_patch.runtime.routing.sglang import graphs as rs_graphs, state as rs_state  # noqa: E402
 
 PAD, E, K, H = 8, 8, 2, 16
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -63,7 +65,7 @@ def _route(x, w, layers=(0, 1)):
     out = []
     for layer in layers:
         ids, weights, logits = _router(x, w[layer])
-        rs.routing_sglang_topk(ids, weights, logits, TOPK, layer, K)
+        rs_sites.routing_sglang_topk(ids, weights, logits, TOPK, layer, K)
         out.append((ids, weights))
     return out
 
@@ -91,17 +93,17 @@ def test_warmups_record_nothing_and_a_replay_drains_only_the_real_rows():
     torch.manual_seed(0)
     rs.configure(mode="capture")
     runner, w = Runner(), torch.randn(2, E)
-    rs.routing_sglang_graph_build(runner, PAD)
-    rs.routing_sglang_graph_build(runner, PAD)  # dump.yaml's copy of the hook: the same build
+    rs_sites.routing_sglang_graph_build(runner, PAD)
+    rs_sites.routing_sglang_graph_build(runner, PAD)  # dump.yaml's copy of the hook: the same build
     assert graph_stage.warming_up() and graph_stage.busy == 1
     _route(torch.randn(PAD, H), w)  # a warm-up pass
-    assert rs.records() == {} and not rs._S.warned
+    assert rs_capture.records() == {} and not rs_state.S.warned
     stage = sglang_graphs._stages[runner][PAD]
     stage.begin()  # on a GPU the first call site under the capture does this (the GPU test below)
     parts = list(_route_parts(torch.zeros(PAD, H), w))
     for layer in (0, 1):  # what the call sites under the capture stage
-        stage.put(rs._drained, (layer, "ids"), parts[2 * layer], experts=E)
-        stage.put(rs._drained, (layer, "weights"), parts[2 * layer + 1])
+        stage.put(rs_graphs._drained, (layer, "ids"), parts[2 * layer], experts=E)
+        stage.put(rs_graphs._drained, (layer, "weights"), parts[2 * layer + 1])
     sglang_graphs.sglang_graph_built(runner, PAD)
     sglang_graphs.sglang_graph_built(runner, PAD)
     assert graph_stage.busy == 0 and len(stage.entries) == 4
@@ -109,22 +111,22 @@ def test_warmups_record_nothing_and_a_replay_drains_only_the_real_rows():
     rs.configure(mode="capture")
     batches = [(["a", "b", "c"], torch.randn(3, H)), (["a", "b"], torch.randn(2, H))]
     for rids, x in batches:
-        rs.set_batch(rids, [1] * len(rids))  # what ModelRunner._forward_raw's call site does
+        rs_batch.set_batch(rids, [1] * len(rids))  # what ModelRunner._forward_raw's call site does
         _replay(runner, PAD, len(rids))
         padded = torch.cat([x, 100 * torch.randn(PAD - len(x), H)])
         for (_, _, buffer, _), part in zip(stage.entries, _route_parts(padded, w)):
             buffer.copy_(part)  # what the graph's replay computes into its staging buffers
         _replayed(runner)
-    rs.clear_batch(skip=True)  # a draft model's forward
+    rs_batch.clear_batch(skip=True)  # a draft model's forward
     _replay(runner, PAD, 2)
     _replayed(runner)
-    graphed = rs.records()
+    graphed = rs_capture.records()
     rs.reset()
     rs.configure(mode="capture")
     for rids, x in batches:
-        rs.set_batch(rids, [1] * len(rids))
+        rs_batch.set_batch(rids, [1] * len(rids))
         _route(x, w)
-    eager = rs.records()
+    eager = rs_capture.records()
     assert sorted(graphed) == sorted(eager) == ["a", "b", "c"]
     for rid in eager:
         assert graphed[rid].num_tokens == eager[rid].num_tokens == (2 if rid != "c" else 1)
@@ -149,25 +151,25 @@ def test_replay_feeds_each_graph_the_recorded_rows_and_keeps_the_rest():
     rec = {"a": _record([[1, 2], [3, 4], [5, 6]])}
     rs.configure(mode="replay", replay=rec)
     runner = Runner()
-    rs.routing_sglang_graph_build(runner, PAD)
+    rs_sites.routing_sglang_graph_build(runner, PAD)
     _route(torch.randn(PAD, H), torch.randn(2, E), layers=(0,))  # a warm-up pass: the feed's buffer, reserved
     reserved = sglang_graphs._stages[runner][PAD].reserved[0]
-    fed = graph_stage.feed(rs._fill, 0, torch.empty(PAD, K + 1, dtype=torch.int64), experts=E)
+    fed = graph_stage.feed(rs_graphs._fill, 0, torch.empty(PAD, K + 1, dtype=torch.int64), experts=E)
     assert fed is reserved  # allocated before the capture: no kernel of the graph can use its memory
     sglang_graphs.sglang_graph_built(runner, PAD)
-    rs.set_batch(["zz", "a"], [1, 1], [0, 2])  # zz: no record; a: its third row
+    rs_batch.set_batch(["zz", "a"], [1, 1], [0, 2])  # zz: no record; a: its third row
     with pytest.warns(RuntimeWarning, match="no record for request 'zz'"):
         _replay(runner, PAD, 2)
     assert fed.tolist() == [[0, 0, 0], [5, 6, 1]] + [[0, 0, 0]] * (PAD - 2)
     _replayed(runner)
-    rs.set_batch(["a"], [1], [9])  # past the record's end: the router's own, warned
+    rs_batch.set_batch(["a"], [1], [9])  # past the record's end: the router's own, warned
     with pytest.warns(RuntimeWarning, match="needs rows"):
         _replay(runner, PAD, 1)
     assert fed.sum() == 0
 
 
 def _record(rows):
-    from source_patch.runtime.routing.record import RoutingRecord
+    from source_patch.runtime.routing.records.record import RoutingRecord
 
     ids = torch.tensor(rows)
     return RoutingRecord(indices={0: ids}, num_experts=E, topk=K, layers=[0], token_order="requests",
@@ -224,7 +226,7 @@ def test_routing_and_dumps_under_a_decode_graph_equal_eager(dumper, tmp_path):
         return out
 
     def build(runner):
-        rs.routing_sglang_graph_build(runner, PAD)
+        rs_sites.routing_sglang_graph_build(runner, PAD)
         dump_sglang.dump_sglang_graph_build(runner, PAD)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -241,7 +243,7 @@ def test_routing_and_dumps_under_a_decode_graph_equal_eager(dumper, tmp_path):
     def graphed(runner, graph, out):
         for step, (rids, x) in enumerate(batches):
             dumper.dump_step(step=step)
-            rs.set_batch(rids, [1] * len(rids))
+            rs_batch.set_batch(rids, [1] * len(rids))
             static.copy_(torch.cat([x, 100 * torch.randn(PAD - len(x), H, device="cuda")]))
             _replay(runner, PAD, len(rids))
             graph.replay()
@@ -251,22 +253,22 @@ def test_routing_and_dumps_under_a_decode_graph_equal_eager(dumper, tmp_path):
     def eager():
         for step, (rids, x) in enumerate(batches):
             dumper.dump_step(step=step)
-            rs.set_batch(rids, [1] * len(rids))
+            rs_batch.set_batch(rids, [1] * len(rids))
             yield forward(x)
 
     rs.configure(mode="capture")
     runner = Runner()
     graph, out = build(runner)
-    assert rs.records() == {} and len(sglang_graphs._stages[runner][PAD].entries) == 6
+    assert rs_capture.records() == {} and len(sglang_graphs._stages[runner][PAD].entries) == 6
     list(graphed(runner, graph, out))
-    graph_routes = rs.records()
+    graph_routes = rs_capture.records()
     dumper.flush()
     graph_dumps = {(r.step, r.name, r.layer): r for r in load(tmp_path / "dumps" / "t")}
     rs.reset()
     rs.configure(mode="capture")
     dumper.configure(exp_name="eager")
     list(eager())
-    eager_routes = rs.records()
+    eager_routes = rs_capture.records()
     dumper.flush()
     eager_dumps = {(r.step, r.name, r.layer): r for r in load(tmp_path / "dumps" / "eager")}
     assert sorted(graph_routes) == sorted(eager_routes) and len(eager_routes) == 3 + PAD  # a, b, c, r0..r7

@@ -122,7 +122,7 @@ def test_the_planned_call_runs_only_where_every_condition_for_a_step_holds(serve
         trace_step()
         assert api._fast_ring is None
     trace_step()
-    monkeypatch.setattr(ring, "direct", False)  # a launch refused host memory (device.stage re-arms)
+    monkeypatch.setattr(ring, "direct", False)  # a launch refused host memory (device.stage tells api, which re-arms)
     api._arm()
     assert api._fast_ring is None
     monkeypatch.setattr(ring, "direct", True)

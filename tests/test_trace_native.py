@@ -262,7 +262,7 @@ def test_the_compiled_due_call_drops_when_behind_hands_back_what_it_does_not_pla
     assert api._counts["errors"] == errors + 1 and plan.failed and not api._lock.locked()
     assert api._table.plans[("h", 1)] is False  # the general path from now on
     assert len(api._durations) == 4  # every due call it did itself: two dropped, one sealed, one failed
-    assert "CUDA error 700" in api.state()["last_error"] and plan.sub.next_step[("h", 1)] == 18
+    assert "CUDA error 700" in api.snapshot()["last_error"] and plan.sub.next_step[("h", 1)] == 18
     with pytest.raises(TypeError, match="key a tuple"):
         native_launch.due(plan, "h", x, {})
 

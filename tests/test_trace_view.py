@@ -237,7 +237,7 @@ def test_the_page_decodes_frames_as_the_python_encoder_writes_them(browser):
 # A hub alone, in a process of its own, tracing a real tensor (the runtime's API, no spec).
 SMALL_HUB = """
 import importlib, sys, time, torch
-trace = importlib.import_module("source_patch.runtime.trace.api")
+trace = importlib.import_module("source_patch.runtime.trace")
 trace.configure(enable=True, port=int(sys.argv[1]), token=sys.argv[2])
 hidden = torch.randn(16, 32)
 while True:

@@ -26,9 +26,9 @@ import inspect
 # settings component -> control module, relative to the runtime package
 CONTROL = {
     "dump": "dump.api",
-    "routing": "routing.megatron",
-    "sglang_routing": "routing.sglang",
-    "trace": "trace.api",
+    "routing": "routing.megatron.control",
+    "sglang_routing": "routing.sglang.control",
+    "trace": "trace.control",
     "weight_sync": "weight_sync.sync",
     "features": "features.capture",
 }

@@ -336,7 +336,7 @@ SCHEMAS["dump"] = {
 }
 
 
-# -- routing capture / replay (source_patch.runtime.routing.megatron, patches/routing.yaml)
+# -- routing capture / replay (source_patch.runtime.routing.megatron.control, patches/routing.yaml)
 
 SCHEMAS["routing"] = {
     "mode": Setting("off", choice("off", "capture", "replay"),
@@ -351,7 +351,7 @@ SCHEMAS["routing"] = {
 }
 
 
-# -- routing capture / replay in SGLang (source_patch.runtime.routing.sglang, patches/routing.yaml)
+# -- routing capture / replay in SGLang (source_patch.runtime.routing.sglang.control, patches/routing.yaml)
 
 
 def _mode(value: Any) -> str:
@@ -368,7 +368,7 @@ SCHEMAS["sglang_routing"] = {
 }
 
 
-# -- live tensor tracing (source_patch.runtime.trace.api, patches/trace.yaml)
+# -- live tensor tracing (source_patch.runtime.trace.control, patches/trace.yaml)
 
 
 SCHEMAS["trace"] = {

@@ -1,6 +1,6 @@
 """How Megatron splits a training batch's sequence across ranks: the one statement of
 it, for the dump (split batches laid beside the rollout's, runtime/dump/compare.py) and
-routing (a record sliced for the rank that replays it, runtime/routing/record_slicing.py).
+routing (a record sliced for the rank that replays it, runtime/routing/records/slicing.py).
 
 Context parallelism (Megatron's ``get_batch_on_this_cp_rank``): the sequence is cut
 into ``2 * cp`` equal chunks and CP rank r holds chunks r and ``2 * cp - 1 - r``, in

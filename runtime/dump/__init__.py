@@ -2,7 +2,9 @@
 manifest, written asynchronously.
 
     api.py      call sites (dump, dump_context, dump_microbatch, dump_step) and control
-                (configure, state, flush, reset, close); importable from this package
+                (configure, state, flush, reset, close); importable from this package.
+                The ground floor: it owns dump's state, which the others reach only
+                through its public names (on, fail, nudge, rank_dir)
     writer.py   the pipeline: host snapshots, bounded queue, writer thread
     files.py    the on-disk format: safetensors files + manifest lines
     server.py   the loopback, token-protected HTTP control endpoint (and its CLI)

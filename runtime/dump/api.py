@@ -25,6 +25,12 @@ would, tagged ``cuda_graph``; a Megatron graph's warm-up passes record nothing.
 
 This module is loaded on the first ``__sp__.dump*`` call; it reads its settings
 (environment > spec ``runtime: dump:`` > defaults) at that moment.
+
+It is dump's ground floor: it owns the capability's state (the ``on`` flag, step,
+configuration, filter, counters, pipeline, control endpoint), and the rest of dump/
+reaches it through public names only.  sglang.py imports it (the call sites, the
+control API, ``on``, ``fail``, ``nudge``, ``rank_dir``); server.py, which this module
+starts, is handed ``state``, ``reset``, ``configure`` and ``fail`` (``server.Actions``).
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ import fnmatch
 import os
 import re
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -48,8 +53,9 @@ from .writer import Pipeline
 
 SETTINGS = "dump"  # its settings component (the capability contract: core/capability.py)
 
-# The one thing a disabled call site reads.
-_enabled = False
+# The one thing a disabled call site reads (here and in sglang.py): whether dumping is on.
+# Written only by _apply (configure).
+on = False
 _step = 0
 
 _config: dict = {}
@@ -77,7 +83,7 @@ def dump(name: str, value: Any, /, **tags) -> Any:
     Tags are keyword arguments (any name, ``name`` and ``value`` included).
     Never raises: failures are counted in :func:`state` and logged once per kind.
     """
-    if not _enabled:
+    if not on:
         return value
     try:
         if not (graph_stage.busy and _in_graph(name, value, tags)):
@@ -135,7 +141,7 @@ def dump_step(success: Any = True, *, step: int | None = None) -> Any:
 
 
 def enabled() -> bool:
-    return _enabled
+    return on
 
 
 def configure(**changes) -> dict:
@@ -165,7 +171,7 @@ def state() -> dict:
     counts = _counters.snapshot()
     context = ambient.context()
     return {
-        "enabled": _enabled,
+        "enabled": on,
         "step": _step,
         "phase": context.get("phase"),
         "context": dict(context),
@@ -212,6 +218,21 @@ dump_state = state
 dump_configure = configure
 
 
+# ---------------------------------------------------------------- for the other modules of dump/
+# (sglang.py reads these and ``on``, rank_dir below; server.py is handed state, reset,
+# configure and fail when this module starts it: nothing reads this module's private names)
+
+
+def fail(where: str, exc: BaseException) -> None:
+    """Count a failure (``errors``, ``last_error``) and log the first of its kind."""
+    _counters.fail(where, exc)
+
+
+def nudge() -> None:
+    """Write what is queued now, not after the writer's linger."""
+    _pipeline.nudge()
+
+
 # ---------------------------------------------------------------- records
 
 
@@ -233,7 +254,7 @@ def _record(name: str, value: Any, tags: dict, leaf: str | None = None) -> None:
     leaves = ((leaf or name, value),) if isinstance(value, torch.Tensor) else _leaves(name, value, 0)
     for leaf, tensor in leaves:
         if filt.admits_name(name, leaf):
-            _pipeline.enqueue(leaf, tensor, record_tags, _rank_dir(rank))
+            _pipeline.enqueue(leaf, tensor, record_tags, rank_dir(rank))
         else:
             _counters.add("filtered")
 
@@ -261,14 +282,14 @@ def _in_graph(name: str, value: Any, tags: dict) -> bool:
 def _drained(key: tuple, tensor: torch.Tensor, *, cuda_graph: bool, replay: int, tags: dict, **drain_tags) -> None:
     """A replayed graph's staged leaf: the record an eager call would write now (step,
     phase, microbatch as they are now; the filter as configured now), tagged cuda_graph."""
-    if not _enabled:
+    if not on:
         return
     name, leaf = key
     _record(name, tensor, {**tags, **drain_tags, "cuda_graph": cuda_graph}, leaf)
 
 
 # a Megatron graph built while dumping was off is replayed: its call sites are not dumped
-_unstaged = graph_stage.reported_once("dumping", lambda where, exc: _counters.fail(where, exc))
+_unstaged = graph_stage.reported_once("dumping", fail)
 
 
 def _leaves(name: str, value: Any, depth: int):
@@ -291,7 +312,8 @@ def _leaves(name: str, value: Any, depth: int):
                         "(expected a tensor, a tuple/list/dict of tensors, a number or None)")
 
 
-def _rank_dir(rank: int) -> Path:
+def rank_dir(rank: int) -> Path:
+    """``rank``'s folder under the configured ``dir``/``exp_name`` (created by the writer)."""
     folder = _rank_dirs.get(rank)
     if folder is None:
         name = _config["rank_dir"].replace("{rank}", str(rank))
@@ -340,16 +362,16 @@ class _Filter:
 
 
 def _apply(config: dict) -> None:
-    global _config, _filter, _enabled, _rank_dirs
+    global _config, _filter, on, _rank_dirs
     config = dict(config)
     config["dir"] = os.path.abspath(os.path.expanduser(config["dir"]))
     new_filter = _Filter(config)
-    _enabled = False
+    on = False
     _config, _filter, _rank_dirs = config, new_filter, {}
     _pipeline.config = config
-    _enabled = _pipeline.keep_buffers = bool(config["enable"])
-    graph_stage.use("dump", _unstaged, on=_enabled)  # Megatron's own graphs stage for us while on
-    if not _enabled:
+    on = _pipeline.keep_buffers = bool(config["enable"])
+    graph_stage.use("dump", _unstaged, on=on)  # Megatron's own graphs stage for us while on
+    if not on:
         _pipeline.drop_pool()
     _sync_server()
 
@@ -369,7 +391,7 @@ def _sync_server() -> None:
     try:
         from . import server
 
-        _server = server.start(sys.modules[__name__], _config)
+        _server = server.start(server.Actions(state=state, reset=reset, configure=configure, fail=fail), _config)
     except Exception as exc:  # noqa: BLE001 - no control endpoint, dumping goes on
         _counters.fail("starting the control endpoint", exc)
 
@@ -390,7 +412,7 @@ def _new_session() -> str:
 
 def _new_pipeline() -> Pipeline:
     pipeline = Pipeline(_counters, _new_session())
-    pipeline.config, pipeline.keep_buffers = _config, _enabled
+    pipeline.config, pipeline.keep_buffers = _config, on
     return pipeline
 
 

@@ -35,6 +35,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Callable, NamedTuple
 from urllib.parse import urlsplit
 
 from ..core import settings
@@ -173,9 +174,19 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
+class Actions(NamedTuple):
+    """What the endpoint serves: dump's public control functions, handed over by api.py
+    when it starts the endpoint (api.py imports this module, so this one cannot import it)."""
+
+    state: Callable[[], dict]  # GET /state
+    reset: Callable[[], dict]  # POST /reset
+    configure: Callable[..., dict]  # POST /configure, with changes checked by configure_changes
+    fail: Callable[[str, BaseException], None]  # count a failure, log the first of its kind
+
+
 class ControlServer:
-    def __init__(self, runtime, config: dict):
-        self.runtime = runtime
+    def __init__(self, actions: Actions, config: dict):
+        self.actions = actions
         self.token = config["token"] or process_token()
         self.max_request_bytes = config["max_request_bytes"]
         host = config["host"]
@@ -218,7 +229,7 @@ class ControlServer:
             write_private_json(path, info)
             return path
         except OSError as exc:
-            self.runtime._counters.fail("writing the control file", exc)
+            self.actions.fail("writing the control file", exc)
             return None
 
     def stop(self) -> None:
@@ -236,8 +247,8 @@ class ControlServer:
         self.httpd.socket.close()
 
 
-def start(runtime, config: dict) -> ControlServer:
-    return ControlServer(runtime, config)
+def start(actions: Actions, config: dict) -> ControlServer:
+    return ControlServer(actions, config)
 
 
 class HTTPError(Exception):
@@ -293,21 +304,21 @@ class _Handler(BaseHTTPRequestHandler):
                 raise HTTPError(405, f"{path} takes {wanted}, not {method}")
             body = self._body(control.max_request_bytes) if method == "POST" else b""
             self.server.admit(self.request)  # only now: a slow body never holds a worker
-            runtime = control.runtime
+            actions = control.actions
             if action == "state":
-                result = runtime.state()
+                result = actions.state()
             elif action == "reset":
-                result = {"ok": True, "state": runtime.reset()}
+                result = {"ok": True, "state": actions.reset()}
             else:
-                result = _configure(runtime, body)
+                result = _configure(actions.configure, body)
             self._send(200, result)
         except HTTPError as exc:
             self._send(exc.status, {"error": exc.message, "status": exc.status, **exc.extra},
                        {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None)
         except Exception as exc:  # noqa: BLE001 - answer, and keep serving
-            runtime = getattr(control, "runtime", None)
-            if runtime is not None:
-                runtime._counters.fail("control request", exc)
+            actions = getattr(control, "actions", None)
+            if actions is not None:
+                actions.fail("control request", exc)
             self._send(500, {"error": f"{type(exc).__name__}: {exc}", "status": 500})
 
     def _authorize(self, token: str) -> None:
@@ -381,19 +392,20 @@ class _Handler(BaseHTTPRequestHandler):
             pass  # the client went away
 
 
-def _configure(runtime, body: bytes) -> dict:
+def _configure(configure, body: bytes) -> dict:
     if not body.strip():
         raise HTTPError(400, "empty body: send a JSON object of settings, e.g. {\"enable\": true}")
     try:
         changes = parse_json(body)
     except (UnicodeDecodeError, ValueError) as exc:
         raise HTTPError(400, f"malformed JSON: {exc}") from None
-    return configure_changes(runtime, changes)
+    return configure_changes(configure, changes)
 
 
-def configure_changes(runtime, changes) -> dict:
-    """Validate ``changes`` (a JSON object of dump settings) as a whole, then apply them;
-    HTTPError(400) says what is wrong.  Also SGLang's ``/dumper/configure`` (dump/sglang.py)."""
+def configure_changes(configure: Callable[..., dict], changes) -> dict:
+    """Validate ``changes`` (a JSON object of dump settings) as a whole, then apply them
+    with ``configure`` (api.configure); HTTPError(400) says what is wrong.  Also SGLang's
+    ``/dumper/configure`` (dump/sglang.py)."""
     if not isinstance(changes, dict):
         raise HTTPError(400, f"expected a JSON object of settings, got {type(changes).__name__}")
     schema = settings.SCHEMAS["dump"]
@@ -411,7 +423,7 @@ def configure_changes(runtime, changes) -> dict:
             settings.check("dump", key, value)
         except (ValueError, TypeError) as exc:
             raise HTTPError(400, f"{key}: {exc}", key=key) from None
-    config = runtime.configure(**changes)
+    config = configure(**changes)
     return {"ok": True, "changed": sorted(changes), "config": config}
 
 

@@ -50,7 +50,7 @@ def dump_sglang_forward(model, input_ids, positions, forward_batch, cuda_graph: 
     if graph_stage.busy and graph_stage.building():
         return  # a decode graph's warm-up or capture: placeholders, not a forward (its replays are)
     step, _forward_pass = _forward_pass, _forward_pass + 1
-    if not api._enabled:
+    if not api.on:
         return
     try:
         api.dump_step(step=step)
@@ -65,7 +65,7 @@ def dump_sglang_forward(model, input_ids, positions, forward_batch, cuda_graph: 
                                             torch.tensor(rows.lens, dtype=torch.int64))
             api.dump("row_request", index, rids=[str(r) for r in rows.rids], rows_per_request=rows.lens)
     except Exception as exc:  # noqa: BLE001 - a dump must never break serving
-        api._counters.fail("dump_sglang_forward", exc)
+        api.fail("dump_sglang_forward", exc)
 
 
 def dump_sglang_graph_build(runner, key) -> None:
@@ -79,7 +79,7 @@ def dump_sglang_replay(runner, forward_batch) -> None:
     """Before a decode graph's replay (``DecodeCudaGraphRunner.execute``): the forward's
     start as the model's own entry would record it, which a replay does not run; the
     layers' staged tensors follow from the drain (core/sglang_graphs.py)."""
-    if api._enabled:
+    if api.on:
         dump_sglang_forward(runner.model_runner.model, forward_batch.input_ids, forward_batch.positions,
                             forward_batch, cuda_graph=True)
 
@@ -87,8 +87,8 @@ def dump_sglang_replay(runner, forward_batch) -> None:
 def dump_sglang_forward_end(logits_output=None):
     """End of one forward pass: its records are written now, not after the writer's
     linger (SGLang kills its schedulers at shutdown; a finished pass is not lost)."""
-    if api._enabled:
-        api._pipeline.nudge()
+    if api.on:
+        api.nudge()
     return logits_output
 
 
@@ -98,7 +98,7 @@ def _mode_name(forward_batch) -> str:
 
 
 def _write_summary(model) -> None:
-    folder = api._rank_dir(ranks.global_rank())
+    folder = api.rank_dir(ranks.global_rank())
     if folder in _summary_dirs:
         return
     _summary_dirs.add(folder)
@@ -152,7 +152,7 @@ def handle_control(method: str, body: dict) -> dict:
             if key in UNSUPPORTED:
                 raise ValueError(f"{key!r} is not supported: {UNSUPPORTED[key]}")
             changes[SGLANG_NAMES.get(key, key)] = value
-        reply = server.configure_changes(api, changes)
+        reply = server.configure_changes(api.configure, changes)
     elif method in ("get_state", "state"):
         reply = api.state()
     elif method == "reset":

@@ -1,24 +1,11 @@
-"""MoE routing capture and replay.
+"""MoE routing capture and replay (docs/routing.md): the record both sides share, one
+package per framework, and the way between them:
 
-The record (users import it from ``record.py``; the runtime from each name's own module), from the base up:
+    records/   the routing record: the type, its file format, SGLang's routed_experts
+               field, slices for Megatron's CP/SP ranks, Megatron's RouterReplay
+    megatron/  capture and replay in Megatron-Core's routers (patches/routing.yaml)
+    sglang/    capture and replay in SGLang's select_experts (patches/routing.yaml)
+    align.py   lay rollout routes out as the training batch; routing diffs
 
-    record_file.py      the versioned safetensors file format; RoutingRecordError
-    record_sglang.py    SGLang's routed_experts field (base64 int32) <-> tensors
-    record_type.py      RoutingRecord: fields, checks, save/load, from/to SGLang's meta
-    record_slicing.py   slices for Megatron's CP/SP ranks, and back
-    record_megatron.py  Megatron's RouterReplay <-> records
-    record.py           the public names, and the inspect CLI
-
-Megatron-Core's routers (patches/routing.yaml; users import ``megatron.py``):
-
-    megatron.py          control, call sites, the per-step position both sides share
-    megatron_capture.py  host copies, pending records, background saver, index.json
-    megatron_replay.py   records to replay, sliced for this rank, staged on the device
-    megatron_files.py    the on-disk layout (rank folders, index.json), RoutingReplayError
-
-SGLang and the way between:
-
-    sglang.py      capture/replay in SGLang's select_experts (patches/routing.yaml)
-    slot_store.py  the host store of routes keyed by KV-cache slot (sglang.py's capture)
-    align.py       lay rollout routes out as the training batch; routing diffs
+Each package lists its modules in its docstring and imports none of them.
 """

@@ -46,8 +46,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .record_file import RoutingRecordError, _is_int
-from .record_type import RoutingRecord
+from .records.file import RoutingRecordError, is_int
+from .records.record import RoutingRecord
 
 FILLERS = ("spread", "lowest")
 ALIGN_KEY = "aligned"
@@ -58,7 +58,7 @@ class RoutingAlignError(RoutingRecordError):
 
 
 def _check_sid(sid, where: str):
-    if not (isinstance(sid, str) or _is_int(sid)):
+    if not (isinstance(sid, str) or is_int(sid)):
         raise RoutingAlignError(f"{where}: sample id must be a str or int, got {sid!r}")
 
 
@@ -82,7 +82,7 @@ class BatchLayout:
 
     def __post_init__(self):
         err = RoutingAlignError
-        if not _is_int(self.seq_len) or self.seq_len < 1:
+        if not is_int(self.seq_len) or self.seq_len < 1:
             raise err(f"seq_len must be a positive int, got {self.seq_len!r}")
         rows = []
         seen: dict = {}
@@ -93,7 +93,7 @@ class BatchLayout:
                     raise err(f"row {b}: a segment is (sample_id, start, length), got {seg!r}")
                 sid, start, length = seg
                 _check_sid(sid, f"row {b}")
-                if not _is_int(start) or not _is_int(length) or start < 0 or length < 0:
+                if not is_int(start) or not is_int(length) or start < 0 or length < 0:
                     raise err(f"row {b}, sample {sid!r}: start {start!r} and length {length!r} must be "
                               "non-negative ints")
                 if start + length > self.seq_len:
@@ -132,7 +132,7 @@ class BatchLayout:
             m = pad_to_multiple_of
             seq_len = max(m, -(-longest // m) * m)
         for sid, length in samples:
-            if _is_int(length) and length > seq_len:
+            if is_int(length) and length > seq_len:
                 raise RoutingAlignError(f"sample {sid!r} is longer than its slot: {length} tokens, "
                                         f"seq_len {seq_len}")
         return cls(seq_len, tuple(((sid, 0 if side == "right" else seq_len - length, length),)
@@ -146,7 +146,7 @@ class BatchLayout:
         for b, row in enumerate(rows):
             pos, segs = 0, []
             for sid, length in row:
-                if _is_int(length) and pos + length > seq_len:
+                if is_int(length) and pos + length > seq_len:
                     raise RoutingAlignError(f"sample {sid!r} is longer than its slot: {length} tokens from "
                                             f"position {pos} in row {b} of seq_len {seq_len}")
                 segs.append((sid, pos, length))
@@ -162,7 +162,7 @@ class BatchLayout:
         rows: list = [[]]
         used = 0
         for sid, length in samples:
-            if _is_int(length) and length > seq_len:
+            if is_int(length) and length > seq_len:
                 raise RoutingAlignError(f"sample {sid!r} is longer than its slot: {length} tokens, "
                                         f"seq_len {seq_len}")
             if used + length > seq_len and rows[-1]:
@@ -310,7 +310,7 @@ def align_to_megatron(request_records: Iterable[RoutingRecord], layout: BatchLay
         raise err(f"layout must be a BatchLayout, got {type(layout).__name__}")
     if filler not in FILLERS:
         raise err(f"filler must be one of {FILLERS}, got {filler!r}")
-    if not _is_int(missing_tail) or missing_tail < 0:
+    if not is_int(missing_tail) or missing_tail < 0:
         raise err(f"missing_tail must be a non-negative int, got {missing_tail!r}")
     table, first = _request_table(request_records)
     topk, num_experts, layers = first.topk, first.num_experts, first.layers

@@ -1,9 +1,10 @@
 """Live tensor tracing: chosen tensors, compressed on their device, streamed to
 WebSocket clients while a model trains or serves.
 
-    api.py        call sites (trace, trace_step), the hot path, and the state every part
-                  below shares (one place); the control API, importable from this package
-    control.py    the control API (configure, url, state, names, reset, flush, close)
+    api.py        the ground floor: call sites (trace, trace_step), the hot path, and the
+                  state every part above shares (one place), imported by them
+    control.py    the control API (configure, url, state, reset, flush, close); its import
+                  reads the settings
     lifecycle.py  a configuration applied: the hub started, restarted or stopped
     publisher.py  the publisher thread: results fetched to the host, handed to the hub
     device.py     the device stage, and torch's C entry points for streams and events
@@ -19,13 +20,16 @@ WebSocket clients while a model trains or serves.
     view/         the browser page the hub serves
 """
 
-_API = ("trace", "trace_step", "enabled", "configure", "configure_from_settings", "public_config", "url", "state",
-        "names", "reset", "flush", "close")
+# The public API, each name where it is defined (the call sites and the state's readers in
+# api.py, the rest in control.py), exported lazily: the client CLI imports no torch.
+_API = {"trace": "api", "trace_step": "api", "names": "api", "enabled": "control", "configure": "control",
+        "configure_from_settings": "control", "public_config": "control", "url": "control", "state": "control",
+        "reset": "control", "flush": "control", "close": "control"}
 
 
 def __getattr__(name: str):
     if name in _API:
-        from . import api
+        from . import api, control  # control's import reads the settings, before any call
 
-        return getattr(api, name)
+        return getattr(api if _API[name] == "api" else control, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

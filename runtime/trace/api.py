@@ -29,16 +29,17 @@ Design (see docs/trace.md):
 * Failures are counted, logged once per kind, and never raised into training, except
   a call site's own programming error (a value that is not a tensor).
 
-This module holds the call sites, the hot path and all the state the parts share:
-the control API (control.py, re-exported here), the hub lifecycle (lifecycle.py), the
-publisher thread (publisher.py), the device stage (device.py) and the planned due call
-(plan.py) read and write that state here.  Why ~500 lines: what the hot path reads must
-be this module's globals (no attribute lookup on a call site's path).
+This module is the capability's ground floor: the call sites, the hot path and all the
+state the other parts share.  Those (control.py, lifecycle.py, publisher.py, device.py,
+plan.py) import it; it imports none of them but device.py and plan.py, which read none
+of its state.  What the hot path reads stays this module's private globals (no attribute
+lookup on a call site's path; native_launch.cpp reads them from this module's dict);
+what the others read or change is public here: a few globals (``hub``, ``hub_key``,
+``subscribed``) and the functions under "the state, for the capability's other modules".
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 import threading
@@ -48,26 +49,20 @@ from typing import Any
 
 import torch
 
-from ..core import graph_stage, ranks, sglang_graphs, tags as ambient
+from ..core import graph_stage, ranks, tags as ambient
 from ..core.failures import Counters
-from . import control, device, graphs, lifecycle, plan, publisher
-from .control import (close, configure, configure_from_settings, enabled, flush, names, public_config, reset,
-                      state, url)
+from . import device, graphs, plan  # (plan: see _make_plan)
 from .device import (capturing as _capturing, current_stream as _current_stream, event_record as _event_record,
                      know_stream as _know_stream, stage as _device_stage, stage_failed as _compress_failed,
                      stream_of as _stream_of)
-from .plan import Plan as _Plan, make as _make_plan
-from .publisher import Result as _Result
+from .plan import Plan as _Plan
 
-__all__ = ["SETTINGS", "trace", "trace_step", "trace_state", "enabled", "configure", "configure_from_settings",
-           "public_config", "url", "state", "names", "reset", "flush", "close", "set_subscriptions", "current_step"]
-
-SETTINGS = "trace"  # its settings component (the capability contract: core/capability.py)
+__all__ = ["trace", "trace_step", "set_subscriptions", "current_step", "names", "snapshot", "due_call_us", "fail"]
 
 # -- The trace state, in one place.  The hot path reads it as globals of this module
-# (no attribute lookup); control.py, lifecycle.py, publisher.py, device.py and plan.py
-# read and write it here through this module (set as their ``api`` at the end), never
-# through a copy: reset, close and _after_fork_in_child rebind parts of it.
+# (no attribute lookup); the capability's other modules import this one and read and
+# change it through it (its public globals and functions), never through a copy: clear,
+# stop_publisher and _after_fork_in_child rebind parts of it.
 
 # The one thing a disabled call site reads.
 _enabled = False
@@ -92,9 +87,24 @@ class _Table:
         self.plans: dict = {}  # (name, layer) -> _Plan, or False where none applies (see _fast)
 
 
+class Result:
+    """One traced result on its way to the hub: queued by the training thread (_compress,
+    or _seal from a planned call's record), handed over by the publisher (publisher.py)."""
+
+    __slots__ = ("subs", "name", "tags", "step", "time", "host", "event", "start", "shape", "dtype", "slot",
+                 "stream")
+
+    def __init__(self, subs, name, tags, step, stamp, result, event, start, shape, dtype, slot=None):
+        self.subs, self.name, self.tags, self.step, self.time = subs, name, tags, step, stamp
+        self.host, self.event, self.start = result, event, start  # host: on the device until fetched
+        self.shape, self.dtype = shape, dtype  # the traced tensor's (torch.Size, torch.dtype), which the hub writes out
+        self.slot = slot  # (offset, end, dtype, shape) in the shared ring: the bytes are there, not in host
+        self.stream = None  # where the batch's event goes, while the result waits for it (_seal)
+
+
 _table = _Table()
 _seen: dict = {}             # (name, layer) -> (shape, dtype) at first sight
-_subscribed = threading.Event()
+subscribed = threading.Event()  # set while a client subscribes to anything (lifecycle's `wait`)
 
 # -- results on their way to the hub (guarded by _lock; the hot path takes the lock
 # itself, a C call, where the condition's own __enter__ is a Python frame)
@@ -102,15 +112,16 @@ _lock = threading.Lock()
 _cond = threading.Condition(_lock)
 _pending: deque = deque()
 _busy = 0                    # results the publisher has taken but not yet handed over
-_publisher: threading.Thread | None = None
+_publisher: threading.Thread | None = None  # started with the hub (start_publisher: lifecycle.py)
 _stop = False
-_hub = None                  # hub.Hub (or forwarder.Forwarder) while serving: lifecycle.py
 _ring = None                 # ring.Ring the forwarder reads results from (hub: process)
-_hub_key: tuple | None = None
-_shared: tuple = ()          # what publisher.share_state last sent the forwarder
+# The hub (hub.Hub, or forwarder.Forwarder) while serving, and the configuration it serves
+# (its host, port, ...): set by serve and unserve (lifecycle.py), read by the others.
+hub = None
+hub_key: tuple | None = None
 
-_COUNTERS = ("results", "dropped", "skipped", "errors", "compress_errors", "too_large")
-_counters = Counters(_COUNTERS, "source_patch.trace", "trace", lock=_cond)
+COUNTERS = ("results", "dropped", "skipped", "errors", "compress_errors", "too_large")
+_counters = Counters(COUNTERS, "source_patch.trace", "trace", lock=_cond)
 _counts = _counters.counts  # written under _cond, like the queue
 # What tracing costs the process, in seconds: the training thread's time inside due
 # trace() calls (compressor launches, an event), the publisher's CPU time, and (with
@@ -139,7 +150,6 @@ _unsealed: list = []         # results in _pending waiting for their batch's eve
 # queues them (a result object per due call cost it ~2 us cold).
 _records: list = []
 _tracer: int | None = None   # the thread that traced them (the one that may record it)
-_streams: dict = {}  # device index -> the publisher's copy stream (publisher.fetch)
 # What the planned due call (_fast) would check at every call and can check once a step
 # (_arm: at each trace_step and wherever one of them changes): the ring it writes to where
 # every condition for it holds (None: the general path), Triton's launch hooks as the
@@ -198,18 +208,8 @@ def trace_step(success: Any = True, *, step: int | None = None) -> Any:
                 _seal()
                 _wake_publisher()  # the step's results go out together, between steps
     except Exception as exc:  # noqa: BLE001
-        _fail("trace_step", exc)
+        fail("trace_step", exc)
     return success
-
-
-# Names under which the handle exports these (runtime/facade.py).
-trace_state = state
-
-
-def trace_sglang_graph_build(runner, key) -> None:
-    """Before an SGLang decode graph's capture: with tracing on (this module's import has
-    read the settings: SGLang captures before its first forward) the graph gets a stage."""
-    sglang_graphs.sglang_graph_build(runner, key)
 
 
 # ---------------------------------------------------------------- hot path
@@ -329,7 +329,7 @@ def _fast_failed(plan: _Plan, key: tuple, exc: BaseException) -> None:
     path takes this (name, layer) from now on (False: no plan, none made again)."""
     plan.stale = plan.failed = True
     _table.plans[key] = False
-    _fail(f"trace({key[0]!r})", exc)
+    fail(f"trace({key[0]!r})", exc)
 
 
 def _stream_for(plan: _Plan) -> tuple | None:
@@ -371,6 +371,25 @@ def _arm_compiled(ring) -> None:
                    FLUSH_SECONDS, _clock_offset)
 
 
+def _make_plan(routes: tuple, tensor) -> "_Plan | bool | None":
+    """plan.make for this state's ring; a compiled due call in the plan learns where the
+    state is (it reads this module's dict: _arm_compiled), once made.  (The module is
+    imported as a name, ``plan``, which is also _fast's local: CPython compiles a call of
+    an attribute of a name the module imports, ``plan.native_launch(...)`` there, as an
+    attribute load, not LOAD_METHOD, and _fast's bytecode stays what it was measured as.)"""
+    made = plan.make(routes, tensor, _ring)
+    if made and made.due is not None:
+        _arm_compiled(_fast_ring)
+    return made
+
+
+def _copying(exc: BaseException) -> None:
+    """(device.stage) A kernel could not write to the ring: copied there from now on
+    (ring.direct is off), said once; the planned call no longer applies (_arm)."""
+    _arm()
+    fail("a trace kernel writing to the ring (copying instead)", exc)
+
+
 def _hook_lists(hooks) -> tuple:
     """Triton's launch hooks (enter, exit) as lists: a chain's own list, so that a hook a
     profiler adds to it later is seen at the next call (reading the chains from Triton's
@@ -396,7 +415,7 @@ def _emit(routes: tuple, key: tuple, tensor, tags: dict) -> None:
     try:
         _compress(due, key, tensor, tags, step)
     except Exception as exc:  # noqa: BLE001 - tracing must never break the step
-        _fail(f"trace({key[0]!r})", exc)
+        fail(f"trace({key[0]!r})", exc)
     _durations.append(time.perf_counter() - start)
 
 
@@ -424,9 +443,9 @@ def _compress(due: list, key: tuple, tensor: torch.Tensor, tags: dict, step: int
             continue
         start = _record(device, True) if timing else None
         try:
-            result, slot = _device_stage(subs[0].compressor, tensor, _ring)
+            result, slot = _device_stage(subs[0].compressor, tensor, _ring, _copying)
         except Exception as exc:  # noqa: BLE001 - a client's parameters that do not fit
-            _compress_failed(subs, key[0], exc)
+            _count(_compress_failed(subs, key[0], exc, hub))
             continue
         if result is None:
             _count("dropped")  # the forwarder is behind: its ring is full
@@ -438,7 +457,7 @@ def _compress(due: list, key: tuple, tensor: torch.Tensor, tags: dict, step: int
             event = None
         else:
             result, event = _mark(result, timing)
-        item = _Result(subs, key[0], tags, step, stamp, result, event, start, tensor.shape, tensor.dtype, slot)
+        item = Result(subs, key[0], tags, step, stamp, result, event, start, tensor.shape, tensor.dtype, slot)
         if event is None and deferred:
             item.stream = _current_stream(device)
         with _lock:
@@ -475,8 +494,8 @@ def _seal() -> None:
     if not (_unsealed or _records) or _tracer != threading.get_ident() or _capturing():
         return
     for plan, name, tags, step, stamp, offset, end, stream in _records:
-        item = _Result(plan.subs, name, tags, step, stamp, None, None, None, plan.shape, plan.dtype,
-                       (offset, end, "<f4", plan.dims))
+        item = Result(plan.subs, name, tags, step, stamp, None, None, None, plan.shape, plan.dtype,
+                      (offset, end, "<f4", plan.dims))
         item.stream = stream
         _pending.append(item)
         _unsealed.append(item)
@@ -505,17 +524,8 @@ def _take() -> list:
 
 
 def _wake_publisher() -> None:
-    """(caller holds _cond) Start the publisher where it is not running, and wake it."""
-    if _publisher is None or not _publisher.is_alive():
-        _start_publisher()
+    """(caller holds _cond) Wake the publisher (started with the hub: start_publisher)."""
     _cond.notify_all()
-
-
-def _start_publisher() -> None:
-    """(caller holds _cond)"""
-    global _publisher
-    _publisher = threading.Thread(target=publisher.loop, name="source-patch-trace-publisher", daemon=True)
-    _publisher.start()
 
 
 def _mark(result: torch.Tensor, timing: bool = False):
@@ -551,9 +561,9 @@ def set_subscriptions(subs) -> None:
     global _table
     _table = _Table(tuple(subs))
     if subs:
-        _subscribed.set()
+        subscribed.set()
     else:
-        _subscribed.clear()
+        subscribed.clear()
 
 
 def _fold_durations() -> None:
@@ -577,6 +587,190 @@ def current_step() -> int:
     return _step
 
 
+def names() -> list[dict]:
+    """The names traced so far: ``{"name", "layers", "shape", "dtype"}`` each."""
+    grouped: dict = {}
+    for (name, layer), (shape, dtype) in dict(_seen).items():
+        entry = grouped.setdefault(name, {"name": name, "layers": [], "shape": shape, "dtype": dtype})
+        if layer is not None:
+            entry["layers"].append(layer)
+    for entry in grouped.values():
+        entry["layers"] = sorted(entry["layers"], key=lambda v: (not isinstance(v, int), str(v)))
+    return sorted(grouped.values(), key=lambda e: e["name"])
+
+
+def snapshot() -> dict:
+    """What tracing has done in this process: whether it is on, the step, the rank, the
+    counters, the results queued, the latest failure, the series seen, the subscriptions,
+    the cost (the hub's too), the due calls by duration and the ring.  control.state()
+    adds the hub and the configuration; a forwarder's hub answers from it (sent by
+    publisher.share_state)."""
+    with _cond:
+        counts = dict(_counts)
+        queued = len(_pending) + len(_records) + _busy
+        calls = due_call_us()
+        cost = dict(_cost)
+    serving, ring = hub, _ring
+    cost["hub_cpu"] = serving.cpu_seconds() if serving is not None else 0.0
+    return {"enabled": _enabled, "step": _step, "rank": ranks.global_rank(), **counts, "counters": counts,
+            "queued": queued, "last_error": _counters.last_error, "series": len(_seen),
+            "subscriptions": len(_table.subs), "cost_seconds": cost, "due_call_us": calls,
+            "ring": ring.state() if ring is not None else None}
+
+
+# ---------------------------------------------------------------- the state, for the capability's other modules
+# control.py, lifecycle.py and publisher.py change the state through these (each under
+# the state's lock where the hot path's readers need one), never by assigning to it.
+
+
+def config() -> dict:
+    """The configuration applied (lifecycle.apply's): read, never changed in place."""
+    return _config
+
+
+def set_config(applied: dict) -> None:
+    """(lifecycle, under control's lock) Call sites stop tracing while ``applied`` is put in
+    place (set_enabled turns them on again); plans are made again, for the launch it asks for."""
+    global _enabled, _config
+    _enabled = False
+    _config = applied
+    _table.plans.clear()
+
+
+def is_enabled() -> bool:
+    """Whether call sites trace now."""
+    return _enabled
+
+
+def set_enabled(on: bool) -> None:
+    """Call sites trace (or not) from now on; the planned due call armed for it (_arm)."""
+    global _enabled
+    _enabled = on
+    _arm()
+
+
+def serve(started, key: tuple) -> None:
+    """(lifecycle) The hub ``started`` serves the configuration ``key`` (None: it did not
+    start, and is not tried again for that configuration).  Where it reads a ring (a
+    forwarder's), claims of the ring's slices take the queue's lock: the planned due call
+    takes one lock for its slice and its place in the queue."""
+    global hub, hub_key, _ring
+    hub, hub_key = started, key
+    _ring = getattr(started, "ring", None)
+    if _ring is not None:
+        _ring.lock = _lock
+
+
+def unserve():
+    """(lifecycle) Forget the hub, its ring and its clients' subscriptions; the hub (to
+    stop), or None."""
+    global hub, hub_key, _ring
+    stopping, hub, hub_key, _ring = hub, None, None, None
+    _arm()
+    set_subscriptions(())
+    return stopping
+
+
+def start_publisher(loop) -> None:
+    """(lifecycle, with a hub) Run ``loop`` (publisher.loop) as the publisher thread where
+    none is alive: what is queued from now on reaches the hub (and a forwarder gets this
+    process's state whether or not anything is traced)."""
+    global _publisher
+    with _cond:
+        if _publisher is None or not _publisher.is_alive():
+            _publisher = threading.Thread(target=loop, name="source-patch-trace-publisher", daemon=True)
+            _publisher.start()
+
+
+def take_batch() -> list | None:
+    """(the publisher thread) The results it may hand over now, after waiting up to
+    FLUSH_SECONDS for any (maybe none); None once stop_publisher ends it."""
+    global _busy
+    with _cond:
+        items = _take()
+        if not items:
+            if _stop:
+                return None
+            _cond.wait(FLUSH_SECONDS)
+            items = _take()
+        _busy += len(items)
+    _fold_durations()  # bounded however long nobody asks for the state
+    return items
+
+
+def batch_done(cpu: float) -> None:
+    """(the publisher thread) take_batch's batch is handed over (or failed) in ``cpu``
+    seconds of the thread's time: drain's wait goes on."""
+    global _busy
+    with _cond:
+        _busy = 0
+        _cost["publisher_cpu"] += cpu
+        _cond.notify_all()
+
+
+def return_events(waiting: list) -> None:
+    """(the publisher thread, after the waits) Count the device time of timed results and
+    give each event back to its pool (which _record takes from) once."""
+    pooled = {}
+    for item in waiting:
+        if item.start is not None:
+            with _lock:
+                _cost["device_reduce"] += item.start.elapsed_time(item.event) / 1e3
+            _events[(item.event.device.index, True)].append(item.start)
+        pooled[item.event] = item.start is not None
+        item.event = item.start = None
+    for event, timing in pooled.items():
+        _events[(event.device.index, timing)].append(event)
+
+
+def drain(deadline: float) -> bool:
+    """(control.flush) Wait until the queued results are handed to the hub (those waiting
+    for their batch's event sealed first, on the tracing thread; another thread waits for
+    that one to seal them), or no publisher runs; False at ``deadline`` (time.monotonic)."""
+    with _cond:
+        _seal()
+        _cond.notify_all()
+        while _pending or _records or _busy:
+            if not (_publisher and _publisher.is_alive()):
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            _cond.wait(min(remaining, 0.1))
+    return True
+
+
+def stop_publisher() -> None:
+    """(control.close) End the publisher thread (waiting 5 s at most) and drop what is still
+    queued; start_publisher starts one again."""
+    global _publisher, _stop, _unsealed
+    with _cond:
+        thread, _stop = _publisher, True
+        _cond.notify_all()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(5)
+    with _cond:
+        _publisher, _stop = None, False
+        _pending.clear()
+        _unsealed = []
+        _records.clear()
+
+
+def clear() -> None:
+    """(control.reset) Zero the counters, the costs, the step and the names seen; the
+    subscriptions stay (their routes and plans made again)."""
+    global _durations, _step, _table
+    _counters.reset()
+    with _cond:
+        for key in _cost:
+            _cost[key] = 0.0
+        _call_us[:] = [0] * len(_call_us)
+        _durations = []
+    _step = 0
+    _seen.clear()
+    _table = _Table(_table.subs)
+
+
 # ---------------------------------------------------------------- failures
 
 
@@ -584,17 +778,17 @@ def _count(key: str, n: int = 1) -> None:
     _counters.add(key, n)
 
 
-def _fail(where: str, exc: BaseException) -> None:
+def fail(where: str, exc: BaseException) -> None:
     """Count; log the first failure of each kind at WARNING; keep the latest."""
     _counters.fail(where, exc)
 
 
-# ---------------------------------------------------------------- fork and wiring
+# ---------------------------------------------------------------- fork
 
 
 def _after_fork_in_child() -> None:
     """A forked child (a data loader worker) inherits no threads: it does not trace."""
-    global _enabled, _lock, _cond, _pending, _busy, _publisher, _stop, _hub, _hub_key, _table, _counters, _counts, \
+    global _enabled, _lock, _cond, _pending, _busy, _publisher, _stop, hub, hub_key, _table, _counters, _counts, \
         _ring, _unsealed, _records, _tracer, _fast_ring
     _enabled = False
     _fast_ring = None
@@ -602,17 +796,17 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
     _cond = threading.Condition(_lock)
     _unsealed, _records, _tracer = [], [], None
-    _counters = Counters(_COUNTERS, "source_patch.trace", "trace", lock=_cond)
+    _counters = Counters(COUNTERS, "source_patch.trace", "trace", lock=_cond)
     _counts = _counters.counts
     _pending, _busy, _publisher, _stop = deque(), 0, None, False
-    for parents in (_events, _streams, _known_streams):
+    for parents in (_events, _known_streams):
         parents.clear()  # CUDA objects of the parent: unusable here
-    if _hub is not None:
+    if hub is not None:
         try:
-            _hub.close_sockets()
+            hub.close_sockets()
         except Exception:  # noqa: BLE001
             pass
-    _hub = _hub_key = _ring = None
+    hub = hub_key = _ring = None
     ring_module = sys.modules.get(__package__ + ".ring")
     if ring_module is not None:
         ring_module.forget()  # the parent's: writing to it would reach the parent's forwarder
@@ -620,15 +814,9 @@ def _after_fork_in_child() -> None:
     _table = _Table()
 
 
-# ``__sp__.trace`` is the function; it also carries the control API, so a script that
-# holds only the handle can configure tracing (``__sp__.trace.configure(...)``).
-for _api in (configure, configure_from_settings, public_config, url, state, names, reset, flush, close,
-             trace_step):
-    setattr(trace, _api.__name__, _api)
-trace.trace, trace.trace_state = trace, state
-for _part in (control, device, lifecycle, plan, publisher):
-    _part.api = sys.modules[__name__]  # the state's one place (see above)
-configure_from_settings()
-atexit.register(close)
+# ``__sp__.trace`` is the function; it also carries the rest of the call-site API, and
+# control.py gives it the control API (``__sp__.trace.configure(...)``), so that a script
+# holding only the handle reaches all of it.
+trace.trace, trace.trace_step, trace.names = trace, trace_step, names
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)

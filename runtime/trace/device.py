@@ -6,38 +6,33 @@ itself, or copied there asynchronously) or nowhere (a thread hub copies it later
 The rest are torch's C functions for streams and events, each with the public way as
 its fallback: a due call's host time grows with every Python frame it takes.
 
-Failures are counted in api.py's counters and said to clients through its hub: api.py
-is the one place the trace state lives; it hands itself over at import (``api``
-below), so this module never imports it.
+It reads none of the trace state (api.py, which imports it): what it needs of it comes
+as arguments, and what it finds goes back as results (stage_failed names the counter).
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 
 from .ring import Slice
 
-api = None  # runtime/trace/api.py, set by it at import: the one place the trace state lives
 
-
-def stage(compressor, tensor: torch.Tensor, ring) -> tuple:
+def stage(compressor, tensor: torch.Tensor, ring, copying) -> tuple:
     """(result, slot): the compressor's device stage and, with a forwarder's ring, the
     slice of it the result goes to: written there by the kernel itself (fused tiles),
-    or copied there asynchronously; (None, None) when the ring is full."""
+    or copied there asynchronously; (None, None) when the ring is full.  ``copying(exc)``
+    is told once a kernel could not write to the ring (ring.direct is then off)."""
     if ring is None:
         return compressor.reduce(tensor), None
     if ring.direct and tensor.is_cuda and (ring.pinned or ring.pin()):
         head = ring.head
         try:
             result = compressor.reduce(tensor, ring.claim)
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             if ring.head == head:
                 raise  # nothing was claimed: the compressor's own error
             ring.direct = False  # a kernel that cannot write host memory here: copy from now on
-            api._arm()
-            api._fail("a trace kernel writing to the ring (copying instead)", sys.exc_info()[1])
+            copying(exc)
             result = compressor.reduce(tensor)
         if type(result) is Slice:
             return result, result.slot
@@ -49,20 +44,20 @@ def stage(compressor, tensor: torch.Tensor, ring) -> tuple:
     return (result, slot) if slot is not None else (None, None)
 
 
-def stage_failed(subs: list, name: str, exc: Exception) -> None:
+def stage_failed(subs: list, name: str, exc: Exception, hub) -> str:
     """A compressor's device stage raised (a client's parameters that do not fit, a
-    result too large): counted, and said once to each subscription it served."""
+    result too large): said once to each subscription it served, through ``hub`` (where
+    one serves); the counter it counts in."""
     from .compress import TooLarge
 
-    api._count("too_large" if isinstance(exc, TooLarge) else "compress_errors")
     message = f"{name}: {exc}" if isinstance(exc, (ValueError, TypeError, IndexError, RuntimeError)) \
         else f"{name}: {type(exc).__name__}: {exc}"
     for sub in subs:
         if not sub.reported:  # once per subscription
             sub.reported = True
-            hub = api._hub
             if hub is not None:
                 hub.report(sub, message)
+    return "too_large" if isinstance(exc, TooLarge) else "compress_errors"
 
 
 # Whether the current CUDA stream is capturing a graph: torch's own test without its

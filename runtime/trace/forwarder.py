@@ -260,7 +260,7 @@ class Forwarder:
                 try:
                     sub = parse_subscription(canonical, number, self._config["raw_max_elements"])
                 except (ValueError, TypeError, OSError) as exc:
-                    self.runtime._fail("a subscription from the trace forwarder", exc)
+                    self.runtime.fail("a subscription from the trace forwarder", exc)
                     continue
             subs[number] = sub
         self._subs = subs
@@ -270,7 +270,7 @@ class Forwarder:
         if self.closed:
             return
         self.closed = True
-        self.runtime._fail("the trace forwarder process", exc)
+        self.runtime.fail("the trace forwarder process", exc)
         self.runtime.set_subscriptions(())
         for waiter in list(self._answers.values()):
             waiter.answer = None
@@ -293,8 +293,8 @@ class Mirror:
 
     def __init__(self, conn: Connection, write: threading.Lock):
         self.conn, self._write = conn, write
-        self.snapshot: dict = {"step": 0, "rank": 0, "results": 0, "dropped": 0, "skipped": 0, "errors": 0,
-                               "compress_errors": 0, "too_large": 0, "cost_seconds": {}, "due_call_us": []}
+        self.shared: dict = {"step": 0, "rank": 0, "results": 0, "dropped": 0, "skipped": 0, "errors": 0,
+                             "compress_errors": 0, "too_large": 0, "cost_seconds": {}, "due_call_us": []}
         self.series: list = []
         self.by_number: dict = {}   # subscription number -> the hub's Subscription
         self._numbers = itertools.count()
@@ -341,17 +341,17 @@ class Mirror:
         self._waiters = waiting
 
     def current_step(self) -> int:
-        return self.snapshot["step"]
+        return self.shared["step"]
 
     def names(self) -> list:
         return self.series
 
-    def state(self) -> dict:
-        cost = dict(self.snapshot.get("cost_seconds", {}))
+    def snapshot(self) -> dict:
+        cost = dict(self.shared.get("cost_seconds", {}))
         cost["hub_cpu"] = time.process_time()  # this whole process is the hub's cost
-        return {**self.snapshot, "cost_seconds": cost}
+        return {**self.shared, "cost_seconds": cost}
 
-    def _fail(self, where: str, exc: BaseException) -> None:
+    def fail(self, where: str, exc: BaseException) -> None:
         log.warning("source-patch trace forwarder: %s: %s: %s", where, type(exc).__name__, exc)
 
 
@@ -378,7 +378,7 @@ def _frames_of(mirror: Mirror, header: dict, blob: bytes, ring) -> list:
             frames += result_frames(subs, array, item["name"], item["tags"], item["step"], item["time"],
                                     item["shape"], item["dtype"], header["rank"])
         except Exception as exc:  # noqa: BLE001 - one bad result must not lose the batch
-            mirror._fail(f"publishing {item['name']!r}", exc)
+            mirror.fail(f"publishing {item['name']!r}", exc)
     return frames
 
 
@@ -419,7 +419,7 @@ def serve(conn: Connection) -> None:
                 if frames:
                     hub.deliver(frames)
             elif op == "state":
-                mirror.snapshot = message["state"]
+                mirror.shared = message["state"]
                 if message["names"] is not None:
                     mirror.series = message["names"]
             elif op == "report":

@@ -17,7 +17,7 @@ import torch
 from ..core import graph_stage
 
 
-_offer = _fail = None  # api.trace and api._fail (handed over by use(): no import of api here)
+_offer = _fail = None  # api.trace and api.fail (given by use(): api imports this module, not this one api)
 
 
 def use(on: bool, offer, fail) -> None:

@@ -208,8 +208,9 @@ def result_frames(subs: list, array, name: str, tags: dict, step: int, stamp: fl
 
 
 class Hub:
-    """The server thread.  ``runtime`` is the trace module (subscriptions, names, state),
-    or forwarder.Mirror when the hub runs in a process of its own for ``owner_pid``."""
+    """The server thread.  ``runtime`` is the trace state (api.py: set_subscriptions,
+    current_step, names, snapshot, fail), or forwarder.Mirror when the hub runs in a
+    process of its own for ``owner_pid``."""
 
     def __init__(self, runtime, config: dict, owner_pid: int | None = None):
         import websockets  # noqa: F401 - fail here, in the caller, when it is missing
@@ -327,7 +328,7 @@ class Hub:
                 frames += result_frames(item.subs, item.host.numpy(), item.name, tags, item.step, item.time,
                                         list(item.shape), str(item.dtype), rank)
             except Exception as exc:  # noqa: BLE001 - one bad result must not lose the batch
-                self.runtime._fail(f"publishing {item.name!r}", exc)
+                self.runtime.fail(f"publishing {item.name!r}", exc)
         if frames:
             self.deliver(frames)
 
@@ -575,7 +576,7 @@ class Hub:
         client.say({"op": "unsubscribed", "id": sub_id})
 
     def _stats(self, client: Client) -> dict:
-        state = self.runtime.state()
+        state = self.runtime.snapshot()
         return {"frames_sent": self.counts["frames_sent"], "dropped": self.counts["dropped"],
                 "clients": len(self.clients), "clients_dropped": self.counts["clients_dropped"],
                 "rejected": self.counts["rejected"], "step": state["step"], "rank": state["rank"],
@@ -597,6 +598,6 @@ class Hub:
             write_private_json(path, info)
             return path
         except OSError as exc:
-            self.runtime._fail("writing the trace token file", exc)
+            self.runtime.fail("writing the trace token file", exc)
             return None
 

@@ -5,8 +5,8 @@ forwarder's ring (hub: process), launched with the grid and arguments fused.py c
 for the layout: through native.py's compiled launch (the trace setting
 ``triton_launch: native``, where built), else through Triton's compiled launcher.
 
-It reads the ring from api.py, the one place the trace state lives; api hands itself
-over at import (``api`` below), so this module never imports it.
+It reads none of the trace state (api.py, which imports it): :func:`make` is given the
+ring, and api arms a compiled due call once it has a plan with one (api._make_plan).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from __future__ import annotations
 import torch
 
 from .ring import ALIGN
-
-api = None  # runtime/trace/api.py, set by it at import: the one place the trace state lives
 
 
 class Plan:
@@ -42,7 +40,6 @@ class Plan:
             if self.native is not None:
                 module = native.load()
                 self.native_launch, self.due = module.launch, module.due  # api.trace calls due (else api._fast)
-                api._arm_compiled(api._fast_ring)  # (due reads api's state: it needs to know where, once)
                 index = tensor.get_device()
                 self.stream = (device.known_streams.get((index, 0)) or device.know_stream(index, 0))[0]
         call, before, middle, after = launch.compiled  # fused._launcher's
@@ -56,11 +53,11 @@ class Plan:
         self.subs, self.dims = [sub], list(launch.shape)
 
 
-def make(routes: tuple, tensor) -> "Plan | bool | None":
-    """(after a general due call) A plan for this (name, layer), False where none can
-    apply (several subscriptions, another compressor, no ring the device writes to),
-    None where one may later (the kernel is not compiled yet)."""
-    ring = api._ring
+def make(routes: tuple, tensor, ring) -> "Plan | bool | None":
+    """(after a general due call) A plan for this (name, layer) into ``ring`` (the
+    forwarder's, or None), False where none can apply (several subscriptions, another
+    compressor, no ring the device writes to), None where one may later (the kernel is
+    not compiled yet)."""
     fused_spec = getattr(routes[0].compressor, "fused", None)
     if len(routes) != 1 or fused_spec is None or ring is None or not isinstance(tensor, torch.Tensor) \
             or not tensor.is_cuda:

@@ -1,40 +1,30 @@
 """The publisher thread: traced results from the device to the hub.
 
-The training thread only launches: it queues a :class:`Result` (the device result, or
+The training thread only launches: it queues an ``api.Result`` (the device result, or
 the ring slice it goes to) with the event its copy waits for (api.py).  This thread
-takes the queue in batches, waits for the events (:func:`fetch`: never the training
-thread), and hands the batch to the hub: in a forwarder process (forwarder.py) it sends
-a header naming the ring's slices and this process's counters (:func:`share_state`);
-in a thread here it copies the results to pinned memory on its own stream first.
+(started with the hub: lifecycle.py) takes the queue in batches, waits for the events
+(:func:`fetch`: never the training thread), and hands the batch to the hub: in a
+forwarder process (forwarder.py) it sends a header naming the ring's slices and this
+process's counters (:func:`share_state`); in a thread here it copies the results to
+pinned memory on its own stream first.
 
-The queue, its lock and the counters live in api.py, where the hot path reads them as
-module globals; api hands itself over at import (``api`` below), so this module never
-imports it and holds no copy of them.
+The queue, its lock and the counters are api.py's (the trace state): this module takes
+its batches through api.take_batch and api.batch_done, and holds only its own copy
+streams and what it last sent a forwarder.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
 from ..core import ranks
+from . import api
 
-api = None  # runtime/trace/api.py, set by it at import: the one place the trace state lives
-
-
-class Result:
-    """One traced result on its way to the hub."""
-
-    __slots__ = ("subs", "name", "tags", "step", "time", "host", "event", "start", "shape", "dtype", "slot",
-                 "stream")
-
-    def __init__(self, subs, name, tags, step, stamp, result, event, start, shape, dtype, slot=None):
-        self.subs, self.name, self.tags, self.step, self.time = subs, name, tags, step, stamp
-        self.host, self.event, self.start = result, event, start  # host: on the device until fetched
-        self.shape, self.dtype = shape, dtype  # the traced tensor's (torch.Size, torch.dtype), which the hub writes out
-        self.slot = slot  # (offset, end, dtype, shape) in the shared ring: the bytes are there, not in host
-        self.stream = None  # where the batch's event goes, while the result waits for it (api._seal)
+_streams: dict = {}  # device index -> this thread's copy stream (fetch)
+_shared: tuple = ()  # (hub, key) of what share_state last sent (a new hub gets everything)
 
 
 def loop() -> None:
@@ -42,15 +32,9 @@ def loop() -> None:
     or every api.FLUSH_SECONDS.  A wake-up per result would contend for the GIL with the
     training thread at every layer, right when it returns from a device sync."""
     while True:
-        with api._cond:
-            items = api._take()
-            if not items:
-                if api._stop:
-                    return
-                api._cond.wait(api.FLUSH_SECONDS)
-                items = api._take()
-            api._busy += len(items)
-        api._fold_durations()  # bounded however long nobody asks for the state
+        items = api.take_batch()
+        if items is None:
+            return
         if not items:
             share_state()
             continue
@@ -58,17 +42,14 @@ def loop() -> None:
         try:
             fetch(items)  # this thread waits for the copies, never the trainer
             share_state()  # before the frames: a client that got them and asks sees them counted
-            hub = api._hub
+            hub = api.hub
             if hub is not None:
                 hub.publish(items, ranks.global_rank())  # frames here, or sent to the forwarder
         except Exception as exc:  # noqa: BLE001 - the publisher must survive anything
-            api._fail("publishing", exc)
+            api.fail("publishing", exc)
         finally:
             items = None
-            with api._cond:
-                api._busy = 0
-                api._cost["publisher_cpu"] += time.thread_time() - cpu
-                api._cond.notify_all()
+            api.batch_done(time.thread_time() - cpu)
 
 
 def fetch(items: list) -> None:
@@ -89,17 +70,19 @@ def fetch(items: list) -> None:
         done[event] = flat  # the copy's source, referenced until the wait below
     for event in done:
         event.synchronize()
-    _return_events(waiting)
+    for item in waiting:
+        if item.slot is not None:
+            item.host = None
+    api.return_events(waiting)
 
 
 def _copy_to_host(index: int, dtype, group: list) -> tuple:
     """Queue one pinned host copy of ``group``'s results (device ``index``, ``dtype``)
     on the publisher's stream and point each result at its part; (the copy's event,
     the device tensor it copies from)."""
-    streams = api._streams
-    stream = streams.get(index)
+    stream = _streams.get(index)
     if stream is None:
-        stream = streams[index] = torch.cuda.Stream(device=index)
+        stream = _streams[index] = torch.cuda.Stream(device=index)
     with torch.cuda.stream(stream):
         for event in dict.fromkeys(item.event for item in group):
             stream.wait_event(event)
@@ -116,43 +99,32 @@ def _copy_to_host(index: int, dtype, group: list) -> tuple:
     return event, flat
 
 
-def _return_events(waiting: list) -> None:
-    """(after the waits) Count the device time of timed results and give each event back
-    to its pool once."""
-    events = api._events
-    pooled = {}
-    for item in waiting:
-        if item.slot is not None:
-            item.host = None
-        if item.start is not None:
-            with api._lock:
-                api._cost["device_reduce"] += item.start.elapsed_time(item.event) / 1e3
-            events[(item.event.device.index, True)].append(item.start)
-        pooled[item.event] = item.start is not None
-        item.event = item.start = None
-    for event, timing in pooled.items():
-        events[(event.device.index, timing)].append(event)
-
-
 def share_state() -> None:
     """A hub in its own process answers stats, list and hello from a snapshot of this
     process's counters: sent when they changed (the names only when new ones were seen),
     at most once per wake-up."""
-    hub = api._hub
+    global _shared
+    hub = api.hub
     if hub is None or not hasattr(hub, "share_state"):
         return
     try:
-        with api._cond:
-            calls = api.due_call_us()
-            snapshot = {**api._counts, "cost_seconds": dict(api._cost), "due_call_us": calls}
-        ring = api._ring
-        snapshot.update(step=api._step, rank=ranks.global_rank(), series=len(api._seen),
-                        ring=ring.state() if ring is not None else None)
-        key = tuple(snapshot[k] for k in ("step", "series", *api._COUNTERS))
-        shared = api._shared
-        if key != shared:
-            series_changed = not shared or shared[1] != key[1]
-            api._shared = key
+        snapshot = api.snapshot()
+        key = tuple(snapshot[k] for k in ("step", "series", *api.COUNTERS))
+        shared_with, shared = _shared or (None, ())
+        if hub is not shared_with or key != shared:
+            series_changed = hub is not shared_with or shared[1] != key[1]
+            _shared = (hub, key)
             hub.share_state(snapshot, api.names() if series_changed else None)
     except Exception as exc:  # noqa: BLE001 - the publisher must survive anything
-        api._fail("sharing state with the trace forwarder", exc)
+        api.fail("sharing state with the trace forwarder", exc)
+
+
+def _forget() -> None:
+    """(a forked child) The parent's copy streams and forwarder are not this process's."""
+    global _shared
+    _streams.clear()
+    _shared = ()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget)

@@ -23,8 +23,9 @@ from example import counting_forward_step, train_moe  # tests/e2e/example.py
 
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
-from source_patch.runtime.routing import megatron as routing  # noqa: E402
-from source_patch.runtime.routing.megatron_replay import _replay  # noqa: E402
+from source_patch.runtime.routing.megatron import capture as routing_capture, control as routing  # noqa: E402
+from source_patch.runtime.routing.megatron.files import RoutingReplayError  # noqa: E402
+from source_patch.runtime.routing.megatron.replay import _replay  # noqa: E402
 
 
 def run(args, out, prefix, device):
@@ -87,10 +88,10 @@ def main():
             routing.configure(mode=mode, dir=folder)
             run(args, out, str(i), device)
             if mode == "capture" and folder:
-                routing.flush()
+                routing_capture.flush()
                 routing.save()
             status.append({"ok": True})
-        except routing.RoutingReplayError as exc:
+        except RoutingReplayError as exc:
             status.append({"error": type(exc).__name__, "message": str(exc)})
         finally:
             routing.configure(mode="off")

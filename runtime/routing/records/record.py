@@ -6,9 +6,8 @@ between SGLang (per-request generation order) and Megatron (tokens flattened fro
 ``[seq, batch]``, seq-major, then sliced for context and sequence parallelism).
 
 Here: the fields and every check on them, copies and comparison, and the record
-read from and written to its two wire forms: our file (``record_file.py``) and
-SGLang's ``routed_experts`` field (``record_sglang.py``).  Users import all of it
-from ``record.py``.
+read from and written to its two wire forms: our file (``file.py``) and
+SGLang's ``routed_experts`` field (``sglang_field.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from . import record_file, record_sglang
-from .record_file import (DTYPE_NAMES, FORMAT, INDEX_DTYPE, VERSION, RoutingRecordError, _is_int,
+from . import file, sglang_field
+from .file import (DTYPE_NAMES, FORMAT, INDEX_DTYPE, VERSION, RoutingRecordError, is_int,
                           index_dtype_for)
 
 TOKEN_ORDERS = ("megatron-sbh", "requests")
@@ -62,7 +61,7 @@ class RoutingRecord:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if isinstance(self.indices, dict) and self.indices and all(_is_int(k) for k in self.indices):
+        if isinstance(self.indices, dict) and self.indices and all(is_int(k) for k in self.indices):
             if self.layers is None:
                 self.layers = sorted(self.indices)
             first = self.indices[min(self.indices)]
@@ -81,14 +80,14 @@ class RoutingRecord:
         err = RoutingRecordError
         if self.version != VERSION:
             raise err(f"routing record version {self.version!r}: this source-patch handles version {VERSION}")
-        if not _is_int(self.num_experts) or self.num_experts < 1:
+        if not is_int(self.num_experts) or self.num_experts < 1:
             raise err(f"num_experts must be a positive int, got {self.num_experts!r}")
         if not isinstance(self.indices, dict) or not self.indices:
             raise err("indices must be a non-empty dict {layer: [tokens, topk] tensor}")
-        bad = [k for k in self.indices if not _is_int(k) or k < 0]
+        bad = [k for k in self.indices if not is_int(k) or k < 0]
         if bad:
             raise err(f"layer ids must be non-negative ints, got {bad[0]!r}")
-        if not _is_int(self.topk) or not 1 <= self.topk <= self.num_experts:
+        if not is_int(self.topk) or not 1 <= self.topk <= self.num_experts:
             raise err(f"topk must be an int in [1, num_experts={self.num_experts}], got {self.topk!r}")
         if not isinstance(self.layers, (list, tuple)) or list(self.layers) != sorted(self.indices):
             raise err(f"layers {self.layers!r} do not match the layers of indices {sorted(self.indices)}")
@@ -163,7 +162,7 @@ class RoutingRecord:
     def _check_samples(self, tokens: int):
         err = RoutingRecordError
         if self.seq_lens is not None:
-            if not isinstance(self.seq_lens, (list, tuple)) or not all(_is_int(n) and n >= 0 for n in self.seq_lens):
+            if not isinstance(self.seq_lens, (list, tuple)) or not all(is_int(n) and n >= 0 for n in self.seq_lens):
                 raise err(f"seq_lens must be a list of non-negative ints, got {self.seq_lens!r}")
             self.seq_lens = list(self.seq_lens)
             if sum(self.seq_lens) != tokens:
@@ -174,7 +173,7 @@ class RoutingRecord:
                 raise err(f"sample_ids must be a list, got {type(self.sample_ids).__name__}")
             self.sample_ids = list(self.sample_ids)
             for i, sid in enumerate(self.sample_ids):
-                if not (isinstance(sid, str) or _is_int(sid)):
+                if not (isinstance(sid, str) or is_int(sid)):
                     raise err(f"sample_ids[{i}] must be a str or int, got {sid!r}")
             if self.seq_lens is not None and len(self.sample_ids) != len(self.seq_lens):
                 raise err(f"{len(self.sample_ids)} sample_ids but {len(self.seq_lens)} seq_lens")
@@ -186,7 +185,7 @@ class RoutingRecord:
                           f"got {self.padding!r}")
             self.padding = list(self.padding)
             for i, (pad, n) in enumerate(zip(self.padding, self.seq_lens)):
-                if not _is_int(pad) or not 0 <= pad <= n:
+                if not is_int(pad) or not 0 <= pad <= n:
                     raise err(f"padding[{i}] = {pad!r} not in [0, seq_lens[{i}] = {n}]")
 
     def _check_parallel(self):
@@ -199,9 +198,9 @@ class RoutingRecord:
         if not isinstance(p["sp"], bool):
             raise err(f"parallel['sp'] must be a bool, got {p['sp']!r}")
         for size, rank in (("cp", "cp_rank"), ("tp", "tp_rank"), ("ep", None)):
-            if not _is_int(p[size]) or p[size] < 1:
+            if not is_int(p[size]) or p[size] < 1:
                 raise err(f"parallel[{size!r}] must be a positive int, got {p[size]!r}")
-            if rank is not None and (not _is_int(p[rank]) or not 0 <= p[rank] < p[size]):
+            if rank is not None and (not is_int(p[rank]) or not 0 <= p[rank] < p[size]):
                 raise err(f"parallel[{rank!r}] = {p[rank]!r} not in [0, {size} = {p[size]})")
 
     # ------------------------------------------------------------ helpers
@@ -241,7 +240,7 @@ class RoutingRecord:
             tensors[f"layer.{layer}.indices"] = self.indices[layer].detach().to("cpu", disk).contiguous()
             if self.probs is not None:
                 tensors[f"layer.{layer}.probs"] = self.probs[layer].detach().to("cpu").contiguous()
-        return record_file.write(Path(path), tensors, self.metadata())
+        return file.write(Path(path), tensors, self.metadata())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "RoutingRecord":
@@ -261,7 +260,7 @@ def load(path: str | os.PathLike) -> RoutingRecord:
 
     Indices come back as ``torch.int64``; probabilities in their stored dtype."""
     path = Path(path)
-    fields, meta = record_file.read(path)
+    fields, meta = file.read(path)
     try:
         record = RoutingRecord(**fields)
     except RoutingRecordError as exc:
@@ -283,7 +282,7 @@ def from_sglang_meta(meta, *, num_experts: int, num_layers: int, topk: int, laye
     ``start_len``: the request's ``routed_experts_start_len``.  Validated as every record
     is (expert range, duplicates); with a ``meta_info`` the row count must be
     ``prompt_tokens + completion_tokens - 1 - start_len``."""
-    ids, rid = record_sglang.decode(meta, num_layers=num_layers, topk=topk, rid=rid, start_len=start_len)
+    ids, rid = sglang_field.decode(meta, num_layers=num_layers, topk=topk, rid=rid, start_len=start_len)
     layers = list(range(num_layers)) if layers is None else [int(k) for k in layers]
     bad = [k for k in layers if not 0 <= k < num_layers]
     if bad:
@@ -307,4 +306,4 @@ def to_sglang_meta(record: RoutingRecord, *, num_layers: int | None = None) -> s
     out = torch.zeros(record.num_tokens, num_layers, record.topk, dtype=torch.int32)
     for k in record.layers:
         out[:, k] = record.indices[k].to(torch.int32)
-    return record_sglang.encode(out)
+    return sglang_field.encode(out)

@@ -3,7 +3,7 @@
     <dir>/rank-<r>/step-<S>-mb-<M>.safetensors   one RoutingRecord (token_order megatron-sbh)
     <dir>/rank-<r>/index.json                     {"format", "version", "rank", "records": [...]}
 
-Capture writes this layout (``megatron_capture.py``), replay reads it back
+Capture writes this layout (``capture.py``), replay reads it back
 (``load_dir``): the one place both sides agree on it.  ``RoutingReplayError`` is the
 error of both sides.
 """
@@ -14,9 +14,9 @@ import json
 import os
 from pathlib import Path
 
-from ..core import ranks
-from .record_file import RoutingRecordError
-from .record_type import load
+from ...core import ranks
+from ..records.file import RoutingRecordError
+from ..records.record import load
 
 INDEX_FORMAT = "source-patch-routing-index"
 

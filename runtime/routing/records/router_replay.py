@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 
-from .record_file import RoutingRecordError
-from .record_type import RoutingRecord
+from .file import RoutingRecordError
+from .record import RoutingRecord
 
 
 def _router_replay_class():

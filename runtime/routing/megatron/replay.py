@@ -2,11 +2,11 @@
 this rank once and staged on the device once, and the checks of a router call
 against its record.
 
-``megatron.py`` decides which (step, microbatch, layer) a router call is (and feeds a
+``control.py`` decides which (step, microbatch, layer) a router call is (and feeds a
 graphed router's buffer before each replay); ``ids`` returns that call's recorded
 ids, ``probs`` its recorded combine weights.
 
-The state below is this side's alone (``megatron.py`` reads it through the functions
+The state below is this side's alone (``control.py`` reads it through the functions
 here and clears it through ``clear``): one copy, in this module.
 """
 
@@ -16,11 +16,11 @@ import os
 
 import torch
 
-from ..core import ranks
-from .megatron_files import RoutingReplayError, load_dir
-from .record_file import RoutingRecordError
-from .record_slicing import slice_for_rank
-from .record_type import RoutingRecord
+from ...core import ranks
+from ..records.file import RoutingRecordError
+from ..records.record import RoutingRecord
+from ..records.slicing import slice_for_rank
+from .files import RoutingReplayError, load_dir
 
 _replay: dict = {}   # (step, microbatch) -> RoutingRecord (as loaded)
 _sliced: dict = {}   # (step, microbatch) -> RoutingRecord (sliced for this rank)

@@ -1,11 +1,11 @@
 """Routing capture's host side in Megatron: the ids' copies off the device, the
 records pending per (step, microbatch), and the background saver with its index.
 
-``megatron.py`` decides which (step, microbatch, layer) a router call is and hands
+``control.py`` decides which (step, microbatch, layer) a router call is and hands
 the ids here (``add``); a finished step is written off the training thread
-(``save_in_background``) into the layout of ``megatron_files.py``.
+(``save_in_background``) into the layout of ``files.py``.
 
-The state below is this side's alone (``megatron.py`` reads it through the functions
+The state below is this side's alone (``control.py`` reads it through the functions
 here and clears it through ``reset``): one copy, in this module.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from ..core import ranks
-from .megatron_files import RoutingReplayError, record_name, write_index
-from .record_type import RoutingRecord
+from ...core import ranks
+from ..records.record import RoutingRecord
+from .files import RoutingReplayError, record_name, write_index
 
 _lock = threading.Lock()
 # (step, microbatch) -> {layer: (indices _Pending, probs _Pending or None, None)}

@@ -8,7 +8,7 @@ size-checked before it is parsed, parsed bounded in depth (core/bounded.py), and
 tensor's offsets are checked against its shape and the file's size.  Loaded indices are ``torch.int64`` (what
 ``torch.topk`` returns and what Megatron's ``RouterReplay`` gathers with).
 
-This module knows files, not the RoutingRecord type (``record_type.py`` maps its
+This module knows files, not the RoutingRecord type (``record.py`` maps its
 fields to and from what is here), so the type can call it without an import cycle.
 It also holds the error every part of the record raises.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..core import bounded
+from ...core import bounded
 
 FORMAT = "source-patch-routing"
 VERSION = 1
@@ -50,7 +50,7 @@ class RoutingRecordError(ValueError):
     """A routing record, or a file holding one, is malformed."""
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -165,9 +165,9 @@ def safetensors_entry_ok(entry) -> bool:
     if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
         return False
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(_is_int(d) and d >= 0 for d in shape)):
+    if not (isinstance(shape, list) and len(shape) <= _MAX_DIMS and all(is_int(d) and d >= 0 for d in shape)):
         return False
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(x) for x in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(x) for x in offsets)):
         return False
     begin, end = offsets
     size = _ITEM_BYTES.get(entry["dtype"])
@@ -183,7 +183,7 @@ def _checked_metadata(path: Path, text: str) -> dict:
         got = meta.get("format") if isinstance(meta, dict) else meta
         raise err(f"{path}: routing metadata format is {got!r}, expected {FORMAT!r}")
     version = meta.get("version")
-    if not _is_int(version) or version < 1:
+    if not is_int(version) or version < 1:
         raise err(f"{path}: corrupt routing metadata (version {version!r})")
     if version > VERSION:
         raise err(f"{path}: written by a newer source-patch (routing format version {version}); "
@@ -203,7 +203,7 @@ def read(path: Path) -> tuple[dict, dict]:
     err = RoutingRecordError
     try:
         layers = meta["layers"]
-        if not isinstance(layers, list) or not all(_is_int(layer) and layer >= 0 for layer in layers):
+        if not isinstance(layers, list) or not all(is_int(layer) and layer >= 0 for layer in layers):
             raise ValueError("'layers'")  # JSON's 1.0 or Infinity is no layer id
         has_probs = bool(meta["has_probs"])
         fields = {k: meta[k] for k in FIELDS}

@@ -21,14 +21,14 @@ Call sites (``__sp__.<name>``, all cost one flag test when the mode is ``off``):
   entry / returns.
 - ``routing_step(success)``: optimizer step returns; a successful step advances the step.
 
-Python API (``source_patch.runtime.routing.megatron``)::
+Python API (``from source_patch.runtime.routing.megatron import capture, control, files, replay``)::
 
-    configure(mode="capture", dir="routes", probs=False)   # or settings component "routing"
-    records()            # captured RoutingRecords, one per (step, microbatch), in order
-    save(dir=None)       # write pending records + index.json; returns the index
-    load_dir(dir)        # {(step, microbatch): RoutingRecord} from a directory
-    set_replay(records)  # dir, list of records (extra step/microbatch) or {(s, m): record}
-    set_position(step=None, microbatch=None)
+    control.configure(mode="capture", dir="routes", probs=False)   # or settings component "routing"
+    control.save(dir=None)       # write pending records + index.json; returns the index
+    control.set_position(step=None, microbatch=None)
+    capture.records()            # captured RoutingRecords, one per (step, microbatch), in order
+    files.load_dir(dir)          # {(step, microbatch): RoutingRecord} from a directory
+    replay.set_replay(records)   # dir, list of records (extra step/microbatch) or {(s, m): record}
 
 On disk: ``<dir>/rank-<r>/step-<S>-mb-<M>.safetensors`` (one RoutingRecord, token_order
 ``megatron-sbh``, ``extra={"step", "microbatch"}``) and ``<dir>/rank-<r>/index.json``.
@@ -51,9 +51,9 @@ This module is the control surface, the call sites and the per-step state machin
 agree on: that state lives here only, in module globals the call sites test without
 an attribute lookup.  What each side keeps lives in a module of its own:
 
-    megatron_capture.py  host copies (pooled page-locked buffers), pending records, background saver, index
-    megatron_replay.py   the records to replay, sliced for this rank and staged on the device; their checks
-    megatron_files.py    the on-disk layout both sides share (rank folders, index.json), RoutingReplayError
+    capture.py  host copies (pooled page-locked buffers), pending records, background saver, index
+    replay.py   the records to replay, sliced for this rank and staged on the device; their checks
+    files.py    the on-disk layout both sides share (rank folders, index.json), RoutingReplayError
 """
 
 from __future__ import annotations
@@ -65,16 +65,14 @@ from collections import deque
 
 import torch
 
-from ..core import graph_stage
-from ..core.settings import check_all, resolve
-from . import megatron_capture as capture, megatron_replay as replay
-from .megatron_capture import flush, records
-from .megatron_files import RoutingReplayError, load_dir
-from .megatron_replay import set_replay
+from ...core import graph_stage
+from ...core.settings import check_all, resolve
+from . import capture, replay
+from .files import RoutingReplayError
 
 SETTINGS = "routing"  # its settings component (the capability contract: core/capability.py)
-__all__ = ["SETTINGS", "RoutingReplayError", "close", "configure", "configure_from_settings", "enabled", "flush",
-           "load_dir", "records", "reset", "save", "set_position", "set_replay", "state",  # the Python API
+__all__ = ["SETTINGS", "close", "configure", "configure_from_settings", "enabled", "reset", "save", "set_position",
+           "state",  # the Python API (records: capture.py; set_replay: replay.py; load_dir: files.py)
            "routing_enter", "routing_exit", "routing_fused", "routing_microbatch_begin", "routing_microbatch_end",
            "routing_probs", "routing_schedule", "routing_schedule_end", "routing_step", "routing_topk"]  # call sites
 
@@ -113,7 +111,7 @@ def configure(**changes) -> dict:
     _OFF = _config["mode"] == "off"
     graph_stage.use("routing", _unstaged, on=not _OFF)  # Megatron's own CUDA graphs stage / feed for us
     if _config["mode"] == "replay" and not replay.keys() and _config.get("dir"):
-        set_replay(_config["dir"])
+        replay.set_replay(_config["dir"])
     return dict(_config)
 
 
@@ -130,7 +128,7 @@ def enabled() -> bool:
 def reset() -> dict:
     """Forget all captured / replay state and positions (tests); returns state()."""
     global _step, _microbatch, _in_forward, _layer, _shape, _last_idx, _in_router
-    flush()
+    capture.flush()
     _step = _microbatch = 0
     _in_forward = _in_router = False
     _layer = _shape = _last_idx = None
@@ -349,7 +347,7 @@ def _where() -> str:
     return f"step {_step}, microbatch {_microbatch}, layer {_layer}"
 
 
-# ------------------------------------------------------------------ capture (the host side: megatron_capture.py)
+# ------------------------------------------------------------------ capture (the host side: capture.py)
 
 
 def _capture(indices: torch.Tensor) -> None:
@@ -396,7 +394,7 @@ def _unstaged(name, what) -> None:
     _warn_once("capture-unstaged-graph", f"capture: a CUDA graph {why}")
 
 
-# ------------------------------------------------------------------ replay (the record side: megatron_replay.py)
+# ------------------------------------------------------------------ replay (the record side: replay.py)
 
 
 def _replay_topk(scores, result):

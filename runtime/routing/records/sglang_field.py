@@ -3,7 +3,7 @@
 An engine started with ``--enable-return-routed-experts`` returns, per request,
 ``meta_info["routed_experts"]``: base64 of int32 ``[seqlen - 1 - start_len,
 num_layers, topk]`` (logical expert ids, layer ``i`` is SGLang's ``layer_id`` ``i``).
-This module decodes and encodes that field; ``record_type.py`` turns the tensor into
+This module decodes and encodes that field; ``record.py`` turns the tensor into
 a RoutingRecord and back (``RoutingRecord.from_sglang_meta``, ``to_sglang_meta``).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .record_file import RoutingRecordError
+from .file import RoutingRecordError
 
 MAX_META_BYTES = 1 << 30  # a larger base64 routed_experts field is refused
 

@@ -13,9 +13,9 @@ from typing import Iterable
 
 import torch
 
-from ..core import slicing
-from .record_file import RoutingRecordError, _is_int
-from .record_type import RoutingRecord
+from ...core import slicing
+from .file import RoutingRecordError, is_int
+from .record import RoutingRecord
 
 
 def local_seq_positions(seq_len: int, *, cp_size: int, cp_rank: int, tp_size: int = 1,
@@ -42,7 +42,7 @@ def _uniform_seq_len(record: RoutingRecord, batch: int) -> int:
     if record.token_order != "megatron-sbh":
         raise err(f"only a 'megatron-sbh' record can be sliced for a Megatron rank, this one is "
                   f"{record.token_order!r} (align SGLang requests into [seq, batch] first)")
-    if not _is_int(batch) or batch < 1:
+    if not is_int(batch) or batch < 1:
         raise err(f"batch must be a positive int, got {batch!r}")
     if record.num_tokens % batch:
         raise err(f"{record.num_tokens} tokens are not a whole number of [seq, batch={batch}] rows")
@@ -71,7 +71,7 @@ def slice_for_rank(record: RoutingRecord, *, batch: int, cp_size: int, cp_rank: 
     padding = None
     if record.padding is not None:  # right padding: sample b's pad positions are >= seq_len - pad_b
         padding = [int((positions >= seq_len - pad).sum()) for pad in record.padding]
-    if not _is_int(ep_size) or ep_size < 1:
+    if not is_int(ep_size) or ep_size < 1:
         raise RoutingRecordError(f"ep_size must be a positive int, got {ep_size!r}")
     return record.replace(
         indices={k: record.indices[k][rows] for k in record.layers},

@@ -1,0 +1,112 @@
+"""The SGLang side's control surface (the capability contract: core/capability.py):
+configure, state, reset, close, and the mode every call site tests.
+
+Settings: the ``sglang_routing`` component (docs/settings.md), read on first use:
+``SOURCE_PATCH_SGLANG_ROUTING_MODE`` / ``_DIR`` / ``_REPLAY`` over a spec's
+``runtime: sglang_routing:`` over the defaults (off; no dir; no replay source).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import warnings
+from pathlib import Path
+
+from ...core import graph_stage, settings
+from ..records.record import RoutingRecord, load
+from .files import by_request, flush, merge_rank_files
+from .graphs import unstaged
+from .state import S, warn_once
+
+SETTINGS = "sglang_routing"  # its settings component (the capability contract: core/capability.py)
+
+
+def configure(**changes) -> dict:
+    """Change settings (keys of the ``sglang_routing`` schema: ``mode``, ``dir``,
+    ``replay``) and apply them; returns the effective settings.  Two more inputs:
+    ``replay`` may also be a RoutingRecord or a ``{rid: record}`` mapping, and ``rank``
+    names the rank folder capture writes to (default: the process's rank)."""
+    rank = changes.pop("rank", S.rank)
+    objects = changes.pop("replay") if not isinstance(changes.get("replay", ""), (str, os.PathLike)) else None
+    parsed = settings.check_all(SETTINGS, {key: os.fspath(v) if isinstance(v, os.PathLike) else v
+                                           for key, v in changes.items()})
+    config = {**(S.config or settings.resolve(SETTINGS)), **parsed}
+    src = None
+    if config["mode"] == "replay":  # read before any state is set: a bad source fails every call alike
+        src = _replay_source(objects if objects is not None else config["replay"])
+    S.mode, S.replay, S.rank, S.config = config["mode"], src, rank, config
+    S.dir = config["dir"] or None
+    graph_stage.use(SETTINGS, unstaged, on=S.mode != "off")  # SGLang's decode graphs stage / feed for us
+    return dict(config)
+
+
+def configure_from_settings() -> dict:
+    """Re-read the settings (environment > active specs > defaults) and apply them."""
+    S.config = None
+    return configure()
+
+
+def _replay_source(src) -> dict:
+    """``{rid: RoutingRecord}`` of a replay source: a record, a mapping, a file or a folder of rank folders."""
+    if isinstance(src, RoutingRecord):
+        return {src.sample_ids[0] if src.sample_ids and len(src.sample_ids) == 1 else None: src}
+    if isinstance(src, dict):
+        return src
+    if not src:
+        raise ValueError("replay mode needs a record (SOURCE_PATCH_SGLANG_ROUTING_REPLAY)")
+    p = Path(src)
+    if p.is_dir() and not any(p.rglob("*.safetensors")):
+        # as for a request without a record: the router's own routes, said once
+        warn_once("emptydir", f"replay: no routing files under {p}: every request keeps the router's own routes")
+        return {}
+    return merge_rank_files(p) if p.is_dir() else by_request([load(p)])
+
+
+def enabled() -> bool:
+    """Whether the call sites do anything (the settings read first, if not yet)."""
+    return current_mode() != "off"
+
+
+def state() -> dict:
+    with S.lock:
+        rows = sum(e["end"] - e["start"] for e in S.live.values())
+        requests = len(S.live)
+        kv = S.stores["kv"]
+    # Settings not read yet stay unread: the first call site reads them (state() must not).
+    return {"enabled": S.mode not in (None, "off"), "config": dict(S.config or {}), "last_error": S.last_error,
+            "counters": {"requests_held": requests, "rows_held": rows, "records_written": S.written,
+                         "replay_records": len(S.replay or {}), "warnings": len(S.warned),
+                         "slot_store_slots": kv.capacity, "slot_store_bytes": kv.nbytes()}}
+
+
+def reset() -> dict:
+    """Forget everything (settings, ambient batch, captured rows, replay source); returns
+    state(), whose settings are read again on first use."""
+    with S.lock:
+        S.reset()
+    graph_stage.use(SETTINGS, on=False)  # until the settings are read again
+    return state()
+
+
+def close(timeout: float | None = None) -> bool:
+    """Write what is still held (capture with a dir); True when that succeeded.
+    Registered with atexit."""
+    if S.mode == "capture" and S.dir and S.live:
+        try:
+            flush()
+        except Exception as exc:  # never fail interpreter exit
+            S.last_error = f"flush: {type(exc).__name__}: {exc}"
+            warnings.warn(f"source-patch sglang routing: flush at exit failed: {exc}", RuntimeWarning)
+            return False
+    return True
+
+
+def current_mode():
+    """The mode in force (``off``, ``capture`` or ``replay``); the settings are read on first use."""
+    if S.mode is None:
+        configure()
+    return S.mode
+
+
+atexit.register(close)
