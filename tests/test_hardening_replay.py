@@ -13,12 +13,12 @@ failures, which only the worker can see, are the slow tests at the end."""
 
 import json
 import os
-import threading
 import time
 
 import pytest
 import torch
 from test_hardening_dump import named, records, write_dump
+from test_hardening_readers import within_a_second
 
 from source_patch.patcher import cli
 from source_patch.runtime import replay
@@ -265,36 +265,6 @@ def test_logprobs_into_a_missing_folder_is_refused_before_the_replay(tmp_path, c
             said="is a folder")
 
 
-def release(fifo) -> None:
-    """Unblock whoever waits on ``fifo``: a writer gets a reader, a reader a writer."""
-    for flags in (os.O_RDONLY | os.O_NONBLOCK, os.O_WRONLY | os.O_NONBLOCK):
-        try:
-            os.close(os.open(fifo, flags))
-        except OSError:
-            pass
-
-
-def answers_within(call, fifo, seconds=1.0, grace=20.0):
-    """``call()``'s result, which must come within ``seconds``; one still blocked after
-    ``grace`` fails the test instead of hanging it (its FIFO opened to release it)."""
-    box = {}
-
-    def run():
-        started = time.monotonic()
-        box["result"] = call()
-        box["took"] = time.monotonic() - started
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(grace)
-    if thread.is_alive():
-        release(fifo)
-        thread.join(5)
-        pytest.fail(f"still blocked after {grace} s (on {fifo})")
-    assert box["took"] < seconds, box["took"]
-    return box["result"]
-
-
 FIFO_CASES = ["--logprobs", "--html", "--json", "config.json", "model.safetensors", "a routing file"]
 
 
@@ -313,7 +283,7 @@ def test_a_fifo_read_or_written_by_replay_is_refused_within_a_second(tmp_path, c
         fifo.unlink()
     os.mkfifo(fifo)
     argv = ["replay", str(rollout), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"), *map(str, args)]
-    assert answers_within(lambda: cli.main(argv), fifo) == 2
+    assert within_a_second(lambda: cli.main(argv), fifo, grace=20.0) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("replay: ") and "Traceback" not in err, err
     assert str(fifo) in err and not (tmp_path / "out").exists()
