@@ -328,6 +328,24 @@ def test_a_streamed_update_that_is_never_consumed_is_finished_by_close():
     assert check_streamed(loopback_update(tx, rx, data, 256, 2), data) == [n for n, _ in data]
 
 
+def test_close_says_false_when_the_backend_could_not_be_closed(monkeypatch):
+    """The contract: close() returns False where it could not finish, never True by rote
+    (issue 55's item 3), and drops the backend all the same."""
+
+    class Stuck:
+        broken = False
+
+        def close(self):
+            raise OSError("the group would not abort")
+
+    monkeypatch.setattr(weight_sync, "_backend", Stuck())
+    assert weight_sync.close() is False
+    assert weight_sync._backend is None
+    assert "the group would not abort" in weight_sync.state()["last_error"]
+    weight_sync.reset()
+    assert weight_sync.close() is True
+
+
 def test_a_checksum_mismatch_after_the_plan_was_cached_still_fails_and_hands_out_nothing_of_the_bad_bucket(
         monkeypatch):
     data = mixed_tensors()

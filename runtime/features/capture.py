@@ -200,7 +200,7 @@ def _get_publisher() -> _Publisher:
 
 def state() -> dict:
     counts = _counters.snapshot()
-    return {"enabled": bool(_enabled), "config": dict(_config or {}), "counters": counts, "counts": counts,
+    return {"enabled": bool(_enabled), "config": dict(_config or {}), "counters": counts,
             "last_error": _counters.last_error}
 
 

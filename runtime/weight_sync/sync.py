@@ -239,8 +239,14 @@ def close(timeout: float | None = None) -> bool:
     """Close the trainer's backend (the next push opens a new one).  Call it before
     ``torch.distributed.destroy_process_group()`` where receivers wait for the next
     update (a ``receive()`` loop): torch's destroy of every group waits for them, this
-    aborts the update group instead (examples/train_moe.py does)."""
-    disconnect()
+    aborts the update group instead (examples/train_moe.py does).  False when the
+    backend could not be closed (its error is ``state()["last_error"]``); dropped all
+    the same, so the next push opens a new one."""
+    try:
+        disconnect()
+    except Exception as exc:  # noqa: BLE001 - the contract: close() says, never raises
+        _trainer["last_error"] = f"close: {type(exc).__name__}: {exc}"
+        return False
     return True
 
 
