@@ -45,7 +45,6 @@ from pathlib import Path
 SOURCE_PATCH = "SOURCE_PATCH"
 SGLANG_ROUTING_DIR = "SOURCE_PATCH_SGLANG_ROUTING_DIR"
 MAX_ROUTE_BYTES = 1 << 30  # routing files one actor hands over in one call
-MAX_INFO_BYTES = 64 << 10  # a control or token file (a few hundred bytes)
 PATH_KEYS = {"dir"}        # settings that name a folder: made absolute (workers start elsewhere)
 ROUTES_MARK = ".source-patch-routes"  # in a folder merge_route_files made: its actor-<i> folders are its own
 _PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}\Z")  # a file or folder name, never . or ..
@@ -247,10 +246,10 @@ def _family_files(folder: Path, refused: list) -> list:
     """The JSON files in ``folder`` (control or token files, which their processes write
     private: runtime/core/private.py) of this process and its children.  Read only where
     the folder and the file are this user's and no one else can write them, never
-    through a link, never a FIFO (it would hang) or a file over MAX_INFO_BYTES; any
-    other is one line in ``refused``: a file planted there must not choose the URL
-    that ``local_dump_request`` sends a token to."""
-    from source_patch.runtime.core import private
+    through a link, never a FIFO (it would hang) or an oversized file
+    (``endpoint.read_private_json``); any other is one line in ``refused``: a file
+    planted there must not choose the URL that ``local_dump_request`` sends a token to."""
+    from source_patch.runtime.core import endpoint, private
 
     try:
         os.close(private.open_folder(str(folder), []))  # the folder checked once, not per file
@@ -262,26 +261,11 @@ def _family_files(folder: Path, refused: list) -> list:
         return []
     family, out = _family(), []
     for name in names:
-        info = _read_info(folder, name, refused)
+        info = endpoint.read_private_json(folder, name, refused)
         pid = info.get("pid") if info else None
         if type(pid) is int and pid in family:  # a bool is no pid
             out.append({**info, "file": str(folder / name)})
     return out
-
-
-def _read_info(folder: Path, name: str, refused: list) -> dict | None:
-    from source_patch.runtime.core import bounded, private
-
-    try:
-        if os.stat(folder / name, follow_symlinks=False).st_size > MAX_INFO_BYTES:
-            raise ValueError(f"larger than {MAX_INFO_BYTES:,} bytes")
-        data = private.read_private(str(folder), [name])  # no link, regular, this user's
-        return bounded.load_json(data, what="its content", max_bytes=MAX_INFO_BYTES, kind=dict)
-    except FileNotFoundError:
-        return None  # removed meanwhile: its process ended
-    except (OSError, ValueError) as exc:
-        refused.append(f"{folder / name}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}")
-        return None
 
 
 def _public(info: dict) -> dict:

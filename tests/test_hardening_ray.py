@@ -17,6 +17,7 @@ import torch
 
 from source_patch.integrations import ray as sp_ray
 from source_patch.runtime.core import private
+from source_patch.runtime.core.endpoint import MAX_INFO_BYTES
 from source_patch.runtime.routing.records.record import RoutingRecord
 
 BUNDLED = Path(__file__).parent.parent / "patches" / "megatron_topk.yaml"
@@ -207,7 +208,7 @@ def test_files_planted_where_others_can_write_are_not_read(endpoints, endpoint, 
     assert [e["file"] for e in found["dump_control"]] == [str(control / "h-p1.json")]
     assert any("link-p2.json" in r and "symbolic link" in r for r in found["refused"])
     (trace / "deep-p3.json").write_text("[" * 10_000)
-    (trace / "huge-p4.json").write_text(" " * (sp_ray.MAX_INFO_BYTES + 1))
+    (trace / "huge-p4.json").write_text(" " * (MAX_INFO_BYTES + 1))
     refused = " ".join(sp_ray.local_endpoints()["refused"])
     assert "deep-p3.json: its content: nested deeper" in refused and "huge-p4.json: larger than" in refused
 
@@ -235,6 +236,30 @@ def test_a_fifo_among_control_or_token_files_does_not_hang(endpoints, where):
         reader.join(5)
         pytest.fail("local_endpoints hung on a FIFO")
     assert any("h-p1.json" in r and "not a regular file" in r for r in done["found"]["refused"])
+
+
+def test_the_dump_cli_reads_control_files_as_ray_does(tmp_path):
+    """`python -m source_patch.runtime.dump.server DIR state` finds control files through
+    the same private reader (core/endpoint.read_private_json): a FIFO planted beside a
+    real file does not hang it, a link is not followed; each is one line passed over."""
+    from source_patch.runtime.core.endpoint import write_private_json
+    from source_patch.runtime.dump import server
+
+    control = tmp_path / "exp" / "control"
+    write_private_json(control / "h-p1.json", {"url": "http://127.0.0.1:1", "token": "t", "pid": 1})
+    os.mkfifo(control / "h-p2.json")
+    (control / "h-p3.json").symlink_to(control / "h-p1.json")
+    refused, done = [], {}
+    reader = threading.Thread(target=lambda: done.update(found=server.endpoints(tmp_path / "exp", refused)),
+                              daemon=True)
+    reader.start()
+    reader.join(2)
+    if reader.is_alive():
+        os.close(os.open(control / "h-p2.json", os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5)
+        pytest.fail("endpoints hung on a FIFO")
+    assert [info["file"] for info in done["found"]] == [str(control / "h-p1.json")]
+    assert sorted(line.split(":")[0].rsplit("/", 1)[1] for line in refused) == ["h-p2.json", "h-p3.json"]
 
 
 # ------------------------------------------------------------------ runtime_env

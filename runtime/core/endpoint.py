@@ -57,6 +57,28 @@ def write_private_json(path: Path, info: dict) -> None:
     private.write_private_file(path, json.dumps(info))
 
 
+MAX_INFO_BYTES = 64 << 10  # a URL + token file (a few hundred bytes)
+
+
+def read_private_json(folder, name: str, refused: list) -> dict | None:
+    """A URL + token file as ``write_private_json`` wrote it, read back only where its
+    folder and the file are this user's and no one else can write them: never through
+    a link, never a FIFO (it would hang), at most MAX_INFO_BYTES, bounded JSON.  A file
+    planted there must not choose the URL a token is sent to.  None where it is gone
+    (its process ended); any other failure is one line appended to ``refused``."""
+    path = os.path.join(folder, name)
+    try:
+        if os.stat(path, follow_symlinks=False).st_size > MAX_INFO_BYTES:
+            raise ValueError(f"larger than {MAX_INFO_BYTES:,} bytes")
+        data = private.read_private(os.fspath(folder), [name])  # no link, regular, this user's
+        return bounded.load_json(data, what="its content", max_bytes=MAX_INFO_BYTES, kind=dict)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        refused.append(f"{path}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}")
+        return None
+
+
 MAX_JSON_DEPTH = bounded.MAX_DEPTH  # client JSON nests no deeper (json.loads recurses: a deep body is a crash)
 
 

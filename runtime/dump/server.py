@@ -39,7 +39,7 @@ from typing import Callable, NamedTuple
 from urllib.parse import urlsplit
 
 from ..core import settings
-from ..core.endpoint import local_rank, parse_json, write_private_json
+from ..core.endpoint import local_rank, parse_json, read_private_json, write_private_json
 
 log = logging.getLogger("source_patch.dump")
 
@@ -430,18 +430,19 @@ def configure_changes(configure: Callable[..., dict], changes) -> dict:
 # ---------------------------------------------------------------- client CLI
 
 
-def endpoints(folder: str | os.PathLike) -> list[dict]:
-    """The control files under an experiment directory (or a dump root holding several)."""
+def endpoints(folder: str | os.PathLike, refused: list | None = None) -> list[dict]:
+    """The control files under an experiment directory (or a dump root holding several),
+    each read as its process wrote it, privately (``endpoint.read_private_json``: a
+    planted, foreign, linked or FIFO file is not read); those passed over are one line
+    each in ``refused``."""
     root = Path(folder)
     files = sorted(root.glob("control/*.json")) or sorted(root.glob("*/control/*.json"))
+    refused = [] if refused is None else refused
     out = []
     for path in files:
-        try:
-            info = json.loads(path.read_text())
-            info["file"] = str(path)
-            out.append(info)
-        except (OSError, ValueError):
-            continue
+        info = read_private_json(path.parent, path.name, refused)
+        if info is not None:
+            out.append({**info, "file": str(path)})
     return out
 
 
@@ -480,7 +481,10 @@ def main(argv=None) -> int:
     parser.add_argument("settings", nargs="*", metavar="KEY=VALUE",
                         help="for configure: values are JSON where they parse as JSON, else strings")
     args = parser.parse_args(argv)
-    found = endpoints(args.dir)
+    refused: list = []
+    found = endpoints(args.dir, refused)
+    for line in refused:
+        print(f"not read: {line}", file=sys.stderr)
     if not found:
         print(f"no control files under {args.dir} (is port set?)", file=sys.stderr)
         return 1
