@@ -36,7 +36,7 @@ RACY_NS = 2_000_000_000  # a file changed this recently may change again unseen:
 
 _HERE = os.path.dirname(os.path.realpath(__file__))  # the patcher's sources
 BUNDLED_DIR = os.path.join(os.path.dirname(_HERE), "patches")
-SETTINGS_FILE = os.path.join(os.path.dirname(_HERE), "runtime", "core", "settings.py")  # its schemas
+_RUNTIME_DIR = os.path.join(os.path.dirname(_HERE), "runtime")
 SETTINGS_MODULE = "source_patch.runtime.core.settings"
 # The one table of renamed user-facing names: (kind, old name) -> the name now.  An old
 # name still works, with a DeprecationWarning where it is resolved (``renamed``);
@@ -246,7 +246,18 @@ def _tools() -> tuple:
     (their names too: a file added or removed counts) and the settings schemas."""
     names = sorted(n for n in os.listdir(_HERE) if n.endswith(".py"))
     return tuple((n, signature(os.path.join(_HERE, n))) for n in names) + (
-        ("settings", signature(SETTINGS_FILE)),)
+        tuple((f, signature(f)) for f in schema_files()))
+
+
+def schema_files() -> list:
+    """The files the settings schemas are read from: core's parsers and each capability's
+    manifest (runtime/<name>/manifest.py; a capability added or removed counts)."""
+    files = [os.path.join(_RUNTIME_DIR, "core", "settings.py")]
+    for name in sorted(os.listdir(_RUNTIME_DIR)):
+        manifest = os.path.join(_RUNTIME_DIR, name, "manifest.py")
+        if os.path.isfile(manifest):
+            files.append(manifest)
+    return files
 
 
 def _finders() -> tuple:

@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple
 from zlib import crc32
 
 from ..runtime.core.private import Untrusted, open_file, open_folder, read_private, write_private
-from .boot import CHECK_ENV, RACY_NS, SETTINGS_FILE, cache_dir, refuse, signature
+from .boot import CHECK_ENV, RACY_NS, cache_dir, refuse, schema_files, signature
 
 MAGIC = b"SPC2"
 _HEADER = len(MAGIC) + 32 + 8 + 4  # magic, key, payload length, payload CRC-32
@@ -105,11 +105,13 @@ def key(source: bytes, slice_digest: str, file: str, extra: bytes = b"") -> byte
 def spec_key(text: str, file: str) -> bytes:
     """The key of a compiled spec: its text and file (locations name it), this tool's
     sources, and the runtime settings schemas its `runtime:` sections were checked with."""
-    try:
-        with open(SETTINGS_FILE, "rb") as f:
-            schemas = f.read()
-    except OSError:
-        schemas = b"-"
+    schemas = b""
+    for path in schema_files():
+        try:
+            with open(path, "rb") as f:
+                schemas += path.encode("utf-8", "surrogatepass") + b"\0" + f.read() + b"\0"
+        except OSError:
+            schemas += b"-\0"
     return key(b"spec\0" + text.encode("utf-8", "surrogatepass"), "", file, extra=schemas)
 
 

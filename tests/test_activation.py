@@ -107,4 +107,4 @@ def test_a_renamed_call_site_name_resolves_to_its_name_now_with_one_warning(monk
         assert handle.old_emit is emit
     assert vars(handle)["old_emit"] is emit  # cached: the warning once
     renamed = [new for (kind, _), new in boot.RENAMED.items() if kind == "__sp__" and new != "emit"]
-    assert renamed and all(new in facade._EXPORTS for new in renamed)  # each names a call site now
+    assert renamed and all(new in facade.exports() for new in renamed)  # each names a call site now

@@ -69,7 +69,7 @@ def facade_capabilities() -> set:
     """The capabilities the __sp__ facade sends a name to."""
     from source_patch.runtime import facade
 
-    return {target.split(".")[0] for target in facade._EXPORTS.values()} - {"core"}
+    return {target.split(".")[0] for target in facade.exports().values()} - {"core"}
 
 
 def _module_level_imports(tree: ast.Module):

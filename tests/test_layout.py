@@ -25,7 +25,12 @@ ROOT = Path(__file__).parent.parent  # the folder that stands for the package `s
 TOP = "source_patch"
 PACKAGES = ("patcher", "runtime", "testing", "integrations")  # source_patch.patches holds no Python
 RUNTIME = ROOT / "runtime"
-CAPABILITIES = sorted(p.name for p in RUNTIME.iterdir() if (p / "__init__.py").is_file() and p.name != "core")
+def capabilities(top: Path) -> list:
+    """The runtime's capabilities under ``top``: the folders with a manifest.py."""
+    return sorted(p.parent.name for p in (top / "runtime").glob("*/manifest.py"))
+
+
+CAPABILITIES = capabilities(ROOT)
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 IMPORTERS = ("import_module", "__import__")  # importlib.import_module, import_module, __import__
 
@@ -37,9 +42,16 @@ DYNAMIC = {
                 "the public API loads its submodule on first use (PEP 562), so the start hook's "
                 "import of the package imports nothing"),
     "patcher.activation": ((), "import_patched_copy imports the user's target's parent package first"),
-    "runtime.facade": (("_EXPORTS",), "each __sp__ name loads the module that defines it on its first call"),
+    "runtime.facade": (("CORE",), "each __sp__ name loads the module that defines it on its first call: core's "
+                                  "from CORE, a capability's from its manifest (MANIFEST_EDGES)"),
+    "runtime.core.capability": ((), "reads each runtime/<name>/manifest.py it finds; a manifest imports core's "
+                                    "declaration and parsers only (test_manifests_import_core_only)"),
     "runtime.replay": ((), "`--builder package.module:function` imports the user's model builder"),
 }
+
+# Modules that import what the capabilities' manifests name (their `control=` modules and
+# `call_sites` keys), each on first use: the graph gets one edge per named module.
+MANIFEST_EDGES = ("runtime.facade",)
 
 # Modules that hand themselves over (`sys.modules[__name__]` given to another module,
 # which then reads the giver's state: an arrow back up that no import shows).
@@ -200,6 +212,36 @@ def _module_of(name: str | None, modules: dict) -> str | None:
     return name or None
 
 
+def manifest_modules(top: Path) -> set:
+    """The modules the manifests under ``top`` name (see ``_manifested``)."""
+    tree = scan(top)
+    return _manifested(top, tree.modules)
+
+
+def manifest_breaches(top: Path = ROOT) -> list:
+    """Imports of a manifest other than core's declaration and parsers: reading every
+    manifest (the spec loader does) must import no capability's code."""
+    allowed = {"runtime.core", "runtime.core.capability", "runtime.core.settings"}
+    return sorted(f"{imp.where.split(':')[0]} imports {imp.target}" for imp in scan(top).imports
+                  if imp.source.endswith(".manifest") and imp.target is not None and imp.target not in allowed)
+
+
+def _manifested(top: Path, modules: dict) -> set:
+    """The modules the manifests name (runtime/<cap>/manifest.py): every string given as
+    ``control=`` and every key of ``call_sites=``, relative to the capability's package."""
+    found = set()
+    for path in sorted((top / "runtime").glob("*/manifest.py")):
+        package = f"runtime.{path.parent.name}"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            named = []
+            if isinstance(node, ast.keyword) and node.arg == "control" and isinstance(node.value, ast.Constant):
+                named.append(node.value.value)
+            if isinstance(node, ast.keyword) and node.arg == "call_sites" and isinstance(node.value, ast.Dict):
+                named += [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
+            found |= {f"{package}.{n}" if n else package for n in named}
+    return {m for m in found if m in modules}
+
+
 def _tabled(module: str, tables, path: Path, modules: dict) -> set:
     """The modules a DYNAMIC module's tables name: their values' strings, relative to its package."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -231,6 +273,9 @@ def scan(top: Path) -> Tree:
         if module in DYNAMIC:
             found += [Import(module, f"{where} ({', '.join(DYNAMIC[module][0])})", f"{TOP}.{t}", "importlib", False, t)
                       for t in sorted(_tabled(module, DYNAMIC[module][0], path, modules))]
+        if module in MANIFEST_EDGES:
+            found += [Import(module, f"{where} (manifests)", f"{TOP}.{t}", "importlib", False, t)
+                      for t in sorted(_manifested(top, modules))]
     return Tree(top, modules, tuple(found))
 
 
@@ -347,6 +392,10 @@ def test_the_layout_has_the_documented_subpackages():
     for sub in ["core", *CAPABILITIES]:
         assert f"`{sub}/`" in architecture, f"docs/architecture.md does not describe runtime/{sub}/"
     assert "`integrations/`" in architecture, "docs/architecture.md does not describe integrations/"
+
+
+def test_manifests_import_core_only():
+    assert CAPABILITIES and manifest_breaches() == []
 
 
 def test_capabilities_depend_on_core_only():
@@ -550,7 +599,7 @@ CONTRACT_CHECK = r"""
 import importlib, json, sys
 from source_patch.runtime.core import capability
 found = {}
-for component, module in capability.CONTROL.items():
+for component, module in capability.controls().items():
     mod = importlib.import_module(f"source_patch.runtime.{module}")
     problems = capability.violations(mod)
     if not problems:
@@ -582,10 +631,8 @@ def test_each_capability_implements_the_contract():
     from source_patch.runtime.core import capability
 
     problems = _contract_problems()
-    assert sorted(problems) == sorted(capability.CONTROL.values())
+    assert sorted(problems) == sorted(capability.controls().values())
     assert {module: p for module, p in problems.items() if p} == {}
-    assert {c for c in capability.CONTROL} <= set(__import__("source_patch.runtime.core.settings",
-                                                             fromlist=["SCHEMAS"]).SCHEMAS)
 
 
 def test_the_contract_check_can_fail():

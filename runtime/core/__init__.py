@@ -1,8 +1,10 @@
-"""What every capability shares.  Nothing here imports a capability.
+"""What every capability shares.  Nothing here imports a capability's code; capability.py
+reads their manifests (runtime/<name>/manifest.py), which import only core.
 
     settings.py       the runtime settings: schemas, environment > spec > default
     settings_doc.py   docs/settings.md, generated from the schemas
-    capability.py     the control surface every capability exposes, and its checker
+    capability.py     what a capability is: its declaration (each manifest found), the control
+                      surface every capability exposes, and its checker
     events.py         in-process events (emit, subscribe, capture)
     endpoint.py       loopback endpoints: LOCAL_RANK offsets, the 0600 URL+token file, free ports
     private.py        the one writer of every file we write, and the trusted-folder reader

@@ -1,6 +1,16 @@
-"""The control surface every capability exposes, in one shape.
+"""What a capability is: its declaration (``Capability``, one ``manifest.py`` per
+capability folder, found here), and the control surface every capability exposes.
 
-Each settings component has one control module (``CONTROL``), which provides::
+A capability is a folder ``runtime/<name>/`` with a ``manifest.py`` that binds
+``CAPABILITY = Capability(...)``: its settings components (each with its schema and its
+control module), the ``__sp__`` call-site names it defines, its bundled specs and its
+docs page.  Everything that lists capabilities is derived from the manifests:
+``settings.SCHEMAS``, ``controls()`` below, the facade's names (runtime/facade.py),
+``source-patch settings`` and docs/settings.md, the layout test.  A manifest imports
+core only (the settings parsers), so reading every manifest imports no capability's
+code: the spec loader does it to validate ``runtime:`` sections.
+
+Each settings component has one control module, which provides::
 
     SETTINGS                           the settings component it reads (core/settings.py)
     enabled() -> bool                  whether its call sites do anything now
@@ -11,27 +21,85 @@ Each settings component has one control module (``CONTROL``), which provides::
                                        (name -> number), last_error (str or None)
     reset() -> dict                    zero the counters, drop what was collected; keep
                                        the settings; returns state()
+    flush(timeout=None) -> bool        wait until what was handed over is written; True
+                                       when it was in time
     close(timeout=None) -> bool        flush, stop threads, sockets and files; True when
                                        everything went out in time.  Safe to call twice;
                                        a later call site starts them again.
 
 Settings are read the same way everywhere: through ``settings.resolve`` on first use (the
-first call site that reaches the module), and again on ``configure_from_settings()``.  tests/test_layout.py checks every module below.
+first call site that reaches the module), and again on ``configure_from_settings()``.
+tests/test_layout.py checks every control module.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
+import pkgutil
+from dataclasses import dataclass, field
 
-# settings component -> control module, relative to the runtime package
-CONTROL = {
-    "dump": "dump.api",
-    "routing": "routing.megatron.control",
-    "sglang_routing": "routing.sglang.control",
-    "trace": "trace.control",
-    "weight_sync": "weight_sync.sync",
-    "features": "features.capture",
-}
+_RUNTIME = __name__.rsplit(".", 2)[0]  # source_patch.runtime
+
+
+@dataclass(frozen=True)
+class Component:
+    """One settings component: its control module (relative to the capability's
+    package) and its schema (key -> ``settings.Setting``)."""
+
+    control: str
+    settings: dict
+
+
+@dataclass(frozen=True)
+class Capability:
+    """A capability's declaration (its ``manifest.py``)."""
+
+    name: str  # the folder under runtime/, the spec's and the facade prefix's name
+    summary: str  # one line: what it does
+    components: dict  # settings component -> Component
+    call_sites: dict = field(default_factory=dict)  # module (relative) -> the __sp__ names it defines
+    specs: tuple = ()  # bundled specs (patches/<name>.yaml) that insert its call sites
+    page: str = ""  # its docs page (docs/<page>)
+
+    def module(self, relative: str) -> str:
+        """A module of this capability, relative to the runtime package (``dump.api``)."""
+        return f"{self.name}.{relative}" if relative else self.name
+
+
+_FOUND: dict[str, Capability] = {}
+
+
+def capabilities() -> dict[str, Capability]:
+    """Every capability, by name: each ``runtime/<name>/manifest.py`` found on the
+    runtime package's path (read once; sorted by name)."""
+    if not _FOUND:
+        runtime = importlib.import_module(_RUNTIME)
+        found = {}
+        for info in sorted(pkgutil.iter_modules(runtime.__path__), key=lambda i: i.name):
+            if info.ispkg and importlib.util.find_spec(f"{_RUNTIME}.{info.name}.manifest") is not None:
+                declared = importlib.import_module(f"{_RUNTIME}.{info.name}.manifest").CAPABILITY
+                if declared.name != info.name:
+                    raise ImportError(f"runtime/{info.name}/manifest.py declares {declared.name!r}: "
+                                      f"a capability is named after its folder")
+                found[info.name] = declared
+        _FOUND.update(found)  # all or nothing: a manifest that fails to load is raised again next time
+    return _FOUND
+
+
+def controls() -> dict[str, str]:
+    """settings component -> its control module, relative to the runtime package."""
+    return {component: cap.module(declared.control) for cap in capabilities().values()
+            for component, declared in cap.components.items()}
+
+
+def call_sites() -> dict[str, str]:
+    """``__sp__`` name -> the module that defines it, relative to the runtime package."""
+    return {name: cap.module(module) for cap in capabilities().values()
+            for module, names in cap.call_sites.items() for name in names}
+
+
 STATE_KEYS = frozenset({"enabled", "config", "counters", "last_error"})
 _NO_ARGUMENTS = ("enabled", "configure_from_settings", "state", "reset")
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
-from .settings import SCHEMAS
+from .capability import capabilities
 
 HEADER = """# Settings of the runtime's capabilities
 
-Generated from the schemas in `runtime/core/settings.py` by
+Generated from the schemas each capability declares in its manifest
+(`runtime/<capability>/manifest.py`) by
 `source-patch settings --write docs/settings.md`; do not edit by hand (a test fails
 when a schema changes without this page).
 
@@ -38,9 +39,12 @@ def _cell(text: str) -> str:
 
 def markdown() -> str:
     parts = [HEADER]
-    for component in sorted(SCHEMAS):
-        parts.append(f"\n## `{component}`\n\n| key | environment | default | what it does |\n| --- | --- | --- | --- |")
-        for key, setting in SCHEMAS[component].items():
-            env = f"SOURCE_PATCH_{component.upper()}_{key.upper()}"
-            parts.append(f"| `{key}` | `{env}` | {_cell(_default(setting.default))} | {_cell(setting.help)} |")
+    for cap in capabilities().values():
+        for component, declared in sorted(cap.components.items()):
+            parts.append(f"\n## `{component}`\n\n{cap.summary[0].upper()}{cap.summary[1:]} "
+                         f"([{cap.page}]({cap.page})).\n\n"
+                         "| key | environment | default | what it does |\n| --- | --- | --- | --- |")
+            for key, setting in declared.settings.items():
+                env = f"SOURCE_PATCH_{component.upper()}_{key.upper()}"
+                parts.append(f"| `{key}` | `{env}` | {_cell(_default(setting.default))} | {_cell(setting.help)} |")
     return "\n".join(parts) + "\n"

@@ -1,6 +1,7 @@
 """The dump runtime: tensors from call sites to safetensors files and a JSON-lines
 manifest, written asynchronously.
 
+    manifest.py its declaration: settings, control modules, call sites, specs, docs page
     api.py      call sites (dump, dump_context, dump_microbatch, dump_step) and control
                 (configure, state, flush, reset, close); importable from this package.
                 The ground floor: it owns dump's state, which the others reach only

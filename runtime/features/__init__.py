@@ -1,5 +1,6 @@
 """Feature streaming from a rollout engine to a trainer (docs/features.md).
 
+    manifest.py  its declaration: settings, control modules, call sites, specs, docs page
     ref.py       FeatureRef: what a sample's tensors are and where they live (JSON, checked)
     base.py      FeatureStore, the interface both backends implement: put / get / release, counters
     store.py     the shared-directory backend and open_store(url)

@@ -1,6 +1,7 @@
 """Live tensor tracing: chosen tensors, compressed on their device, streamed to
 WebSocket clients while a model trains or serves.
 
+    manifest.py   its declaration: settings, control modules, call sites, specs, docs page
     api.py        the ground floor: call sites (trace, trace_step), the hot path, and the
                   state every part above shares (one place), imported by them
     control.py    the control API (configure, url, state, reset, flush, close); its import

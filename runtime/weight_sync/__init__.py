@@ -1,5 +1,6 @@
 """Weight sync, trainer -> engines, after each optimizer step.
 
+    manifest.py  its declaration: settings, control modules, call sites, specs, docs page
     sync.py      the call sites (attach, step, receive, load_request, loaded, version) and control
     planning.py  what a push sends, planned once per layout
     megatron.py  gathering Megatron's TP/EP-sharded parameters into full tensors

@@ -1,9 +1,9 @@
 """The SGLang side's control surface (the capability contract: core/capability.py):
 configure, state, reset, close, and the mode every call site tests.
 
-Settings: the ``sglang_routing`` component (docs/settings.md), read on first use:
+Settings: the ``routing_sglang`` component (docs/settings.md), read on first use:
 ``SOURCE_PATCH_SGLANG_ROUTING_MODE`` / ``_DIR`` / ``_REPLAY`` over a spec's
-``runtime: sglang_routing:`` over the defaults (off; no dir; no replay source).
+``runtime: routing_sglang:`` over the defaults (off; no dir; no replay source).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from .files import by_request, flush, merge_rank_files
 from .graphs import unstaged
 from .state import S, warn_once
 
-SETTINGS = "sglang_routing"  # its settings component (the capability contract: core/capability.py)
+SETTINGS = "routing_sglang"  # its settings component (the capability contract: core/capability.py)
 
 
 def configure(**changes) -> dict:
-    """Change settings (keys of the ``sglang_routing`` schema: ``mode``, ``dir``,
+    """Change settings (keys of the ``routing_sglang`` schema: ``mode``, ``dir``,
     ``replay``) and apply them; returns the effective settings.  Two more inputs:
     ``replay`` may also be a RoutingRecord or a ``{rid: record}`` mapping, and ``rank``
     names the rank folder capture writes to (default: the process's rank)."""
