@@ -1,9 +1,12 @@
 # Two commands do all the set-up on a fresh machine (see README):
 #   make demo   - build .venv if needed, then train Megatron-Core's GPT-MoE on CPU under
 #                 source patches and show the activations it dumped
-#   make test   - build .venv if needed, then run the test suite
-# and: make rollout - a real SGLang engine on CPU under source patches (examples/rollout_sglang.py)
+#   make test   - build .venv if needed, install the Debian packages the tests need
+#                 (make browser: apt-get, with sudo when not root), then run the test suite
+# and: make rollout [SPECS=my.yaml,...] - a real SGLang engine on CPU under source patches
+#                   (examples/rollout_sglang.py), your own specs in every engine process too
 #      make compat  - check the shipped specs against upstream releases, write docs/compat.md
+#      make browser - only the Debian packages (what make test installs first)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -28,8 +31,10 @@ demo: $(STAMP)
 	SOURCE_PATCH=megatron_cpu,dump SOURCE_PATCH_DUMP_DIR=sp-dumps \
 	  $(BIN)/python examples/train_moe.py --steps 5
 
+# SPECS: more specs for the engine (files or bundled names), separated by commas or spaces.
+SPECS ?=
 rollout: $(STAMP)
-	$(BIN)/python examples/rollout_sglang.py --out sp-rollout
+	$(BIN)/python examples/rollout_sglang.py --out sp-rollout $(addprefix --spec ,$(SPECS))
 
 # -n 2: one worker per core of CI's machine; each file (and the files sharing an SGLang
 # server, tests/conftest.py) stays on one worker.
@@ -55,13 +60,19 @@ compat: $(STAMP)
 
 # Debian packages the tests need: headless Chromium for the trace view's test
 # (tests/test_trace_view.py), and the three libraries the Mooncake wheel links
-# (tests/test_features_store.py starts a real Mooncake master).
+# (tests/test_features_store.py starts a real Mooncake master). make test runs this first
+# and says so in one line; it changes the system (apt-get, sudo when not root) only when
+# a package is missing.
 DEBIAN := chromium chromium-driver libibverbs1 ibverbs-providers libnuma1
 browser:
-	@dpkg -s $(DEBIAN) >/dev/null 2>&1 || { \
+	@if dpkg -s $(DEBIAN) >/dev/null 2>&1; then \
+	  echo "make browser: the Debian packages the tests need are installed ($(DEBIAN))"; \
+	else \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  echo "make browser: installing $(DEBIAN) with $${SUDO:+sudo }apt-get (the trace view's test drives headless Chromium, the feature store's a Mooncake master)"; \
 	  $$SUDO apt-get install -y -q $(DEBIAN) >/dev/null 2>&1 || \
-	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q $(DEBIAN) >/dev/null; }; }
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q $(DEBIAN) >/dev/null; }; \
+	fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info

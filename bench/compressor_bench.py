@@ -418,7 +418,7 @@ def host_costs(device: str, shape, tmp: str, hub: str, reps: int = 30, layers: i
                              host_loop(lambda _: rt._device_stage(TILES, x, ring, rt._copying), device, reps, layers,
                                        ring.reset if ring is not None else None)))
         after = control.state()
-        results = after["results"] - before["results"]
+        results = after["counters"]["results"] - before["counters"]["results"]
         frames = after["hub"]["frames_sent"] - before["hub"]["frames_sent"]
         cost = {k: after["cost_seconds"][k] - before["cost_seconds"][k] for k in after["cost_seconds"]}
         rows += [("publisher CPU per result (this process)", cost["publisher_cpu"] / max(results, 1) * 1e6),

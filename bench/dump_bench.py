@@ -150,6 +150,31 @@ def disabled_call_cost(calls: int) -> dict:
     return results
 
 
+def filtered_call_cost(calls: int, folder: str) -> dict:
+    """ns per call: dump() through the __sp__ handle, dumping on and the record filtered out
+    by its name, its layer or its step (what the whole-cost bench's "dump on, all filtered"
+    pays at each call site; issue 59 item 2), best of 3."""
+    from source_patch.runtime.core import tags
+    from source_patch.patcher.finder import RuntimeHandle
+
+    sp = RuntimeHandle()
+    x = torch.zeros(1)
+    results = {}
+    restore = tags.set_context(phase="fwd_bwd", microbatch=0)  # as in a training schedule
+    try:
+        for key, criterion in (("names", ["nothing_*"]), ("layers", [99]), ("steps", ["100000-"])):
+            D.configure(enable=True, dir=folder, **{"names": None, "layers": None, "steps": None, key: criterion})
+            for _ in range(3):
+                start = time.perf_counter_ns()
+                for _ in range(calls):
+                    sp.dump("attn_output", x, layer=3)
+                results[key] = min(results.get(key, float("inf")), (time.perf_counter_ns() - start) / calls)
+    finally:
+        restore.__exit__(None, None, None)
+        D.configure(enable=False, names=None, layers=None, steps=None)
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
@@ -240,12 +265,12 @@ def main(argv=None) -> int:
                 start = time.perf_counter()
                 D.flush()
                 drains[mode].append(time.perf_counter() - start)
-                st = D.state()
+                st = D.state()["counters"]
                 extra[mode]["dropped"] += st["dropped"]
                 extra[mode]["blocked_s"] += st["blocked_s"]
                 extra[mode]["records"] += st["records"]
                 if st["errors"]:
-                    print(f"  warning: {mode}: {st['errors']} errors, last: {st['last_error']}")
+                    print(f"  warning: {mode}: {st['errors']} errors, last: {D.state()['last_error']}")
                 D.configure(enable=False)
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -286,6 +311,10 @@ def main(argv=None) -> int:
     if base:
         share = per_step * cost["dump_disabled_minus_loop_ns"] * 1e-9 / base
         print(f"  {per_step} disabled calls per step = {share * 100:.4f}% of the median 'none' step")
+    filtered = filtered_call_cost(args.calls, str(root))
+    cost["filtered_ns"] = filtered
+    print(f"dumping on, the record filtered out, {args.calls} calls (best of 3): " + ", ".join(
+        f"by {key} {value:.1f} ns/call" for key, value in filtered.items()))
 
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "rows": rows, "disabled_call": cost}, indent=1))

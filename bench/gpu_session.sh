@@ -211,6 +211,19 @@ echo "== weight sync, trainer side: push() host time on a real Megatron MoE (48 
 timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_weight_sync.py 2>&1 | tail -3
 timeout 200 python3 bench/push_bench.py --profile 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUT/push_bench.txt" | tail -40
 fi
+# `wholecost` (issue 59, by name only): bash bench/gpu_session.sh wholecost, one 10-minute call a model:
+#   WHOLECOST_MODEL=hostbound (default) or gpubound; WHOLECOST_BUDGET seconds for the bench (default 520);
+#   WHOLECOST_VARIANTS "a;b;..." (default all); WHOLECOST_ARGS more flags; WHOLECOST_TAG names the files
+#   ($OUT/whole_cost_<model><tag>.txt and .json: the run, to pool later with --pool)
+if want wholecost; then
+wc_model=${WHOLECOST_MODEL:-hostbound}
+wc_out="$OUT/whole_cost_${wc_model}${WHOLECOST_TAG:-}"
+echo "== the whole cost of each capability (issue 59): one training process, each capability started and stopped"
+echo "   through its public configure/close between blocks, plain and an A/A row; model $wc_model"
+(cd bench && timeout $(( ${WHOLECOST_BUDGET:-520} + 60 )) python3 whole_cost_bench.py --model "$wc_model" \
+  --budget-s ${WHOLECOST_BUDGET:-520} ${WHOLECOST_VARIANTS:+--variants "$WHOLECOST_VARIANTS"} ${WHOLECOST_ARGS:-} \
+  --save "$wc_out.json" 2>&1 | grep -v "Warning\|warnings.warn" | tee "$wc_out.txt" | tail -70)
+fi
 if want newest; then
 echo "== megatron-core 0.19.2 (the newest release): the demo under the shipped specs"
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade .whl/next/megatron_core-0.19.2-*.whl 2>&1 | tail -2

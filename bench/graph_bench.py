@@ -168,7 +168,7 @@ def main() -> None:
             med, low, high = stats.bootstrap(statistics.median, r)
             print(f"  {name:<16} ratio {med:.4f} [{low:.4f}..{high:.4f}]  ({100 * (med - 1):+.2f}%, "
                   f"90% upper end {100 * (high - 1):+.2f}%)")
-    from source_patch.runtime.core import graph_stage
+    from source_patch.runtime.core.adapters import graph_stage
 
     replays = sum(st.replays for st in (graph_stage._stages or {}).values() if st.entries)
     saved = routing.state()["counters"]["records_saved"]

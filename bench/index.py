@@ -59,6 +59,12 @@ BENCHES = [
     Bench("due-call", "due_call_bench.py", "CPU (GPU: --cuts --gpu)", "~10 s",
           "the planned due trace() call with stand-ins for its CUDA parts: bytecodes run, line by line; warm time "
           "and after other work (cold); --cuts: the call cut after each part, cold (--gpu: the real launch)"),
+    Bench("whole-cost", "whole_cost_bench.py", "GPU (CPU: --smoke)", "~9 min a model",
+          "each capability's whole cost in one training process, started and stopped between blocks through its "
+          "public API (threads, forwarder, rings) vs plain, A/A row; CPU of threads and children, memory; --pool"),
+    Bench("call-site-code", "call_site_code.py", "CPU", "~2 s",
+          "each __sp__ call site's compiled code here vs a git revision (instructions, names, constants; "
+          "docstrings and line numbers left out): which call sites changed"),
     Bench("overhead", "overhead_bench.py", "GPU (CPU: --quick)", "~7 min",
           "the Megatron example's step with each capability, and all at once, vs plain: ratio, memory, bytes/step; "
           "the machine's memory, disk and pinned probes; the first-run cliff of dumping; --resident K: blocks "

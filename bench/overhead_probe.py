@@ -85,7 +85,7 @@ def count_calls() -> dict:
     from source_patch.runtime import facade
 
     counts: dict = {}
-    for name, where in facade._EXPORTS.items():
+    for name, where in facade.exports().items():
         try:
             module = importlib.import_module(f"source_patch.runtime.{where}")
         except ImportError:  # a capability whose dependencies this machine lacks: never called here

@@ -184,7 +184,7 @@ def parallel(rank: int, args, port: int) -> None:
     for r in range(args.warmup + args.rounds):
         for windows in ((True, False) if r % 2 == 0 else (False, True)):
             elapsed = push(windows)
-            gathers[windows] = weight_sync.state()["gathers"]
+            gathers[windows] = weight_sync.state()["counters"]["gathers"]
             if rank == 0 and weight_sync.state()["planned"] != windows:  # windows: the program; else by tensor
                 raise SystemExit(f"check: the push with{'out' * (not windows)} windows was "
                                  f"{'not ' * windows}planned")

@@ -119,7 +119,7 @@ class _Ends:
         self.version = 0
         for method in self.links:
             push(method)
-        nbytes = weight_sync.state()["last_bytes"]
+        nbytes = weight_sync.state()["counters"]["last_bytes"]
         self.link.wait(self.link.broadcast(torch.tensor([nbytes], dtype=torch.int64, device=self.link.device)),
                        "size")
         flat = torch.empty(nbytes, dtype=torch.uint8, device=self.link.device)

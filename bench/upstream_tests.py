@@ -162,9 +162,9 @@ def configurations(work: Path, cpu: bool, framework: str = "megatron") -> dict:
         "inert": inert,
         "dump": {**inert, "SOURCE_PATCH_DUMP_ENABLE": "1"},
         "capture": {**inert, "SOURCE_PATCH_ROUTING_MODE": "capture", "SOURCE_PATCH_ROUTING_DIR": routes,
-                    "SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "SOURCE_PATCH_SGLANG_ROUTING_DIR": sglang_routes},
+                    "SOURCE_PATCH_ROUTING_SGLANG_MODE": "capture", "SOURCE_PATCH_ROUTING_SGLANG_DIR": sglang_routes},
         "replay": {**inert, "SOURCE_PATCH_ROUTING_MODE": "replay", "SOURCE_PATCH_ROUTING_DIR": routes,
-                   "SOURCE_PATCH_SGLANG_ROUTING_MODE": "replay", "SOURCE_PATCH_SGLANG_ROUTING_REPLAY": sglang_routes},
+                   "SOURCE_PATCH_ROUTING_SGLANG_MODE": "replay", "SOURCE_PATCH_ROUTING_SGLANG_REPLAY": sglang_routes},
         "trace": {**inert, "SOURCE_PATCH_TRACE_ENABLE": "1", "SOURCE_PATCH_TRACE_PORT": str(free_port()),
                   "SOURCE_PATCH_TRACE_TOKEN": secrets.token_hex(16), "SOURCE_PATCH_TRACE_WAIT": "60"},
         # no engine ever joins: a push gives up after timeout_s and training goes on (on_error: log)

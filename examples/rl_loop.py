@@ -35,6 +35,7 @@ from rl_common import (GROUP, SGLangServer, agreement, agreement_line, build_tra
                        reinforce_backward, replayed_logps, rollout, tiny_checkpoint, twin_logps)
 
 from source_patch.patcher import activate
+from source_patch.runtime.core.commands import command
 from source_patch.runtime.core.endpoint import free_port
 
 
@@ -134,7 +135,7 @@ def main(argv=None) -> None:
 
     checkpoint = tiny_checkpoint()
     print("starting SGLang (sglang_cpu, routing, dump, weight_sync) ...", flush=True)
-    env = {"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(run / "routes"),
+    env = {"SOURCE_PATCH_ROUTING_SGLANG_MODE": "capture", "SOURCE_PATCH_ROUTING_SGLANG_DIR": str(run / "routes"),
            "SOURCE_PATCH_DUMP_DIR": str(run / "dumps"), "SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "120",
            "SOURCE_PATCH_DUMP_EXP_NAME": "startup",  # the harness's readiness probes
            "DUMPER_SERVER_PORT": "reuse"}  # /dumper/configure: each rollout dumps into a run of its own
@@ -175,8 +176,9 @@ def main(argv=None) -> None:
     print(f"dumps: {run / 'dumps'} (a run per rollout: iteration-1 ... iteration-{args.iterations}, final), "
           f"routes: {run / 'routes'}")
     print("the first rollout was served from the checkpoint; replay it through the twin and compare:")
-    print(f"  source-patch replay {run / 'dumps' / 'iteration-1'} --checkpoint {checkpoint} --routes {run / 'routes'} "
-          f"--out {run / 'replay'} --html {run / 'report.html'}", flush=True)
+    replay = command("replay", run / "dumps" / "iteration-1", "--checkpoint", checkpoint, "--routes", run / "routes",
+                     "--out", run / "replay", "--html", run / "report.html")
+    print(f"  {replay}", flush=True)
     os._exit(0)  # the update group's peer is gone; do not wait in its teardown
 
 

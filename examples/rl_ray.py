@@ -41,6 +41,7 @@ from rl_common import (PROMPTS, SGLangServer, agreement, agreement_line, batch_i
                        reinforce_backward, replayed_logps, rollout, seq_len_of, tiny_checkpoint, twin_logps)
 
 from source_patch.integrations import ray as sp_ray
+from source_patch.runtime.core.commands import command
 from source_patch.runtime.core.endpoint import free_port
 
 TRAINER_SPECS = ["megatron_cpu", "routing", "dump", "weight_sync"]
@@ -118,7 +119,7 @@ class Trainer(sp_ray.SourcePatchActor):
                 "plain": mismatch(engine, plain).line(), "replayed": mismatch(engine, torch.cat(train).detach()).line(),
                 "plain_agreement": plain_agreement, "replayed_agreement": replayed_agreement, "reward": reward,
                 "success": bool(success), "grad_norm": float(grad_norm), "version": state["version"],
-                "pushes": state["pushes"], "error": state["last_error"]}
+                "pushes": state["counters"]["pushes"], "error": state["last_error"]}
 
 
 def dump_rows(samples, seq_len: int) -> None:
@@ -173,8 +174,8 @@ def environments(run: Path) -> tuple:
         "weight_sync": {"enable": True, "backend": "gloo", "timeout_s": TIMEOUT}})
     engine = sp_ray.runtime_env(ENGINE_SPECS, settings={
         "dump": {**dumps, "exp_name": "rollout"}, "weight_sync": {"timeout_s": TIMEOUT}},
-        env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "DUMPER_SERVER_PORT": "reuse",
-             "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(run / "routes" / "engine")})
+        env={"SOURCE_PATCH_ROUTING_SGLANG_MODE": "capture", "DUMPER_SERVER_PORT": "reuse",
+             "SOURCE_PATCH_ROUTING_SGLANG_DIR": str(run / "routes" / "engine")})
     return trainer, engine
 
 
@@ -260,13 +261,13 @@ def show_places(ray, run: Path, engine, trainers) -> None:
         for reply in replies:
             state = reply["reply"]
             folder = Path(state["exp_dir"]) / state["config"]["rank_dir"].format(rank=state["rank"])
-            print(f"    dumps {folder} ({state['records']} records) from pid {reply['pid']}, "
+            print(f"    dumps {folder} ({state['counters']['records']} records) from pid {reply['pid']}, "
                   f"control endpoint {reply['url']}", flush=True)
         if place["routes"]:
             print(f"    routes {place['routes']} (SGLang capture)", flush=True)
     print(f"    server log {ray.get(engine.log.remote(), timeout=TIMEOUT)}", flush=True)
     print(f"  every actor's patched modules: {run / 'actors.json'}", flush=True)
-    print(f"compare: source-patch compare {run / 'dumps' / 'rollout'} {run / 'dumps' / 'train'}", flush=True)
+    print(f"compare: {command('compare', run / 'dumps' / 'rollout', run / 'dumps' / 'train')}", flush=True)
 
 
 def main(argv=None) -> int:

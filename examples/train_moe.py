@@ -327,25 +327,34 @@ def name_dump_run(device: torch.device) -> None:
     dumper.configure(exp_name=time.strftime("train_moe-%Y%m%d-%H%M%S", time.gmtime(stamp.item())))
 
 
+def show_dumps(run: Path) -> None:
+    """A run's dumps summarised, and the command that reads them back, runnable as printed
+    from a fresh shell (core/commands.py: `.venv/bin/source-patch` where that is the one)."""
+    from source_patch.runtime.core.commands import command
+    from source_patch.runtime.dump.reader import load, summary
+
+    run = run.resolve()
+    print(f"\ndumps: {run}")
+    try:
+        print(summary(load(run)))
+    except FileNotFoundError:
+        print("no records were written")
+    print(f"read them: {command('dumps', run.parent, '--exp-name', run.name)}")
+
+
 def report_dumps(rank0: bool) -> None:
     """Where this run's dumps went and what they hold."""
     from source_patch.runtime.dump import api as dumper
-    from source_patch.runtime.dump.reader import load, summary
 
     dumper.flush()
     torch.distributed.barrier()  # every rank's records are on disk
     state = dumper.state()
     if not rank0:
         return
-    print(f"\ndumps: {state['exp_dir']}")
-    try:
-        print(summary(load(state["exp_dir"])))
-    except FileNotFoundError:
-        print("no records were written")
-    run = Path(state["exp_dir"])
-    print(f"read them: python -m source_patch.runtime.dump.reader {run.parent} --exp-name {run.name}")
-    if state["errors"] or state["dropped"]:
-        print(f"warning: {state['errors']} write error(s), {state['dropped']} record(s) dropped; "
+    show_dumps(Path(state["exp_dir"]))
+    counters = state["counters"]
+    if counters["errors"] or counters["dropped"]:
+        print(f"warning: {counters['errors']} write error(s), {counters['dropped']} record(s) dropped; "
               f"last error: {state['last_error']}")
 
 

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 SOURCE_PATCH = "SOURCE_PATCH"
-SGLANG_ROUTING_DIR = "SOURCE_PATCH_SGLANG_ROUTING_DIR"
+ROUTING_SGLANG_DIR = "SOURCE_PATCH_ROUTING_SGLANG_DIR"
 MAX_ROUTE_BYTES = 1 << 30  # routing files one actor hands over in one call
 PATH_KEYS = {"dir"}        # settings that name a folder: made absolute (workers start elsewhere)
 ROUTES_MARK = ".source-patch-routes"  # in a folder merge_route_files made: its actor-<i> folders are its own
@@ -187,7 +187,7 @@ def local_endpoints() -> dict:
             "dump_dir": _exp_dir(dump) if dump["enable"] else None,
             "dump_control": [_public(info) for info in _controls(dump, refused)],
             "trace": [_public(info) for info in _family_files(Path(trace["dir"]).expanduser(), refused)],
-            "routes": os.environ.get(SGLANG_ROUTING_DIR) or settings.resolve("routing")["dir"] or None,
+            "routes": os.environ.get(ROUTING_SGLANG_DIR) or settings.resolve("routing")["dir"] or None,
             "refused": refused}
 
 
@@ -300,9 +300,9 @@ def local_route_files(folder: str | None = None, max_bytes: int = MAX_ROUTE_BYTE
     dir, else its Megatron routing dir) as ``{relative path: bytes}``."""
     from source_patch.runtime.core import bounded, settings
 
-    folder = folder or os.environ.get(SGLANG_ROUTING_DIR) or settings.resolve("routing")["dir"]
+    folder = folder or os.environ.get(ROUTING_SGLANG_DIR) or settings.resolve("routing")["dir"]
     if not folder:
-        raise ValueError("no routing folder: pass one, or set SOURCE_PATCH_SGLANG_ROUTING_DIR / routing dir")
+        raise ValueError("no routing folder: pass one, or set SOURCE_PATCH_ROUTING_SGLANG_DIR / routing dir")
     root, files, total = Path(folder), {}, 0
     for path in sorted(root.rglob("*.safetensors")) if root.is_dir() else ():
         if path.is_symlink() or not path.is_file():

@@ -12,22 +12,23 @@ writes that record (boot.write).
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import importlib
 import importlib.util
 import os
 import sys
-import warnings
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Iterable, Iterator
 
 from . import boot
 from . import spec as spec_mod
-from .boot import ENV, ON_ERROR, REPORT, STRICT, flag, split_refs, switch
+from .boot import DEBUG, ENV, ON_ERROR, OTHER_VARIABLES, REPORT, REPORT_DIR, STRICT, VARIABLES, flag, split_refs, switch
 from .cache import CodeCache
-from .errors import ActivationError, NotActivatedError, SourcePatchError, SourcePatchWarning, shorten, show
-from .finder import PatchFinder, PatchingLoader
+from .errors import ActivationError, NotActivatedError, SourcePatchError, shorten, show, warn
+from .finder import PatchFinder, PatchingLoader, Skipped, missing_calls, refuse_if_results_change
 from .locate import NotFound, find_source, nearest_modules
 from .requires import installed_version
 
@@ -82,6 +83,7 @@ def adopt_boot(pending) -> Activation:
         sys.meta_path[sys.meta_path.index(pending)] = finder
     else:
         sys.meta_path.insert(0, finder)
+    _installed(finder)
     return Activation(finder, specs)
 
 
@@ -98,21 +100,90 @@ def _refuse_boot(pending, error: ActivationError) -> Activation:
     return Activation(PatchFinder(CodeCache(Path(pending.recorded.cache_dir))), [])
 
 
-_PATCHER_VARIABLES = frozenset((REPORT, STRICT, ON_ERROR, boot.CACHE_ENV, boot.CHECK_ENV))
+_KNOWN = frozenset(VARIABLES) | frozenset(OTHER_VARIABLES)  # known without the settings schemas
 
 
 def environment_error(environ=os.environ) -> ActivationError | None:
     """SOURCE_PATCH_STRICT and every ``SOURCE_PATCH_<COMPONENT>_<KEY>`` checked at
     activation, so that a bad value stops the job at once with one line instead of a
-    traceback at its first call site (settings.environ_errors)."""
-    errors = []
-    if any(name.startswith("SOURCE_PATCH_") and name not in _PATCHER_VARIABLES for name in environ):
+    traceback at its first call site (settings.environ_errors); and every other
+    SOURCE_PATCH_* variable, which is a typo (it would do nothing, silently): one warning
+    each, an error under SOURCE_PATCH_STRICT=1."""
+    errors, strict = [], False
+    old = renamed_variables(environ)
+    others = sorted(name for name in environ if name.startswith("SOURCE_PATCH_") and name not in _KNOWN
+                    and name not in old)
+    if others:
         errors = spec_mod.settings_errors(environ)  # else no import of the schemas (~5 ms)
     try:
-        switch(environ, STRICT)
+        strict = switch(environ, STRICT)
     except ValueError as exc:
         errors.insert(0, str(exc))
+    unknown = unknown_variables(others)
+    if strict:
+        errors += unknown
+    else:
+        _say_unknown(unknown)
     return ActivationError("; ".join(errors)) if errors else None
+
+
+def renamed_variables(environ) -> set:
+    """The variables of a settings component renamed before 1.0 (boot.RENAMED): each
+    still works as its new name, which wins where both are set, with one warning.  Set
+    in ``environ`` (the process's, so its children see both).  Returns the old names."""
+    found = set()
+    for (kind, was), now in boot.RENAMED.items():
+        prefix = f"SOURCE_PATCH_{was.upper()}_"
+        for name in sorted(n for n in environ if kind == "settings" and n.startswith(prefix)):
+            new = f"SOURCE_PATCH_{now.upper()}_{name[len(prefix):]}"
+            environ.setdefault(new, environ[name])
+            found.add(name)
+            if name not in _unknown_said:
+                _unknown_said.add(name)
+                warn(f"source-patch: {name} is now {new}; the old name goes away in a later release",
+                     DeprecationWarning)
+    return found
+
+
+def unknown_variables(names) -> list[str]:
+    """One line for each of ``names`` that is no source-patch variable (boot.VARIABLES,
+    boot.OTHER_VARIABLES, a runtime setting's), with the nearest known name."""
+    if not names:
+        return []
+    known = _KNOWN | spec_mod.settings_variables()
+    lines = []
+    for name in names:
+        if name not in known:
+            near = _nearest(name, known)
+            hint = f"did you mean {near}?" if near else "the settings are listed in docs/settings.md"
+            lines.append(f"{shorten(name)} is not a source-patch variable ({hint})")
+    return lines
+
+
+def _nearest(name: str, known) -> str | None:
+    """The known variable ``name`` most likely misspells: the same words in another order
+    (SGLANG_ROUTING_MODE), else the closest by difflib.  Compared without the common
+    ``SOURCE_PATCH_``, which would make any two names look alike."""
+    import difflib
+
+    cut = len("SOURCE_PATCH_")
+    words = sorted(name[cut:].split("_"))
+    for other in sorted(known):
+        if sorted(other[cut:].split("_")) == words:
+            return other
+    by_rest = {k[cut:]: k for k in known if k.startswith("SOURCE_PATCH_")}
+    near = difflib.get_close_matches(name[cut:], sorted(by_rest), n=1, cutoff=0.6)
+    return by_rest[near[0]] if near else None
+
+
+_unknown_said: set = set()  # lines said in this process
+
+
+def _say_unknown(lines: list[str]) -> None:
+    for line in lines:
+        if line not in _unknown_said:
+            _unknown_said.add(line)
+            warn(f"source-patch: {line}; it does nothing ({STRICT}=1 makes this an error)")
 
 
 def _finder(cache_dir: str | os.PathLike | None) -> PatchFinder:
@@ -120,7 +191,17 @@ def _finder(cache_dir: str | os.PathLike | None) -> PatchFinder:
     if finder is None:
         finder = PatchFinder(CodeCache(Path(cache_dir) if cache_dir else None))
         sys.meta_path.insert(0, finder)
+        _installed(finder)
     return finder
+
+
+def _installed(finder: PatchFinder) -> None:
+    """What comes with a new finder: the report writer (SOURCE_PATCH_REPORT_DIR) and the
+    excepthook that shows errors at import and in inserted code."""
+    _install_hook()
+    directory = os.environ.get(REPORT_DIR, "").strip()
+    if directory:
+        observe(finder, directory)
 
 
 def activate(specs: Iterable[str | os.PathLike | spec_mod.Spec] | str, *,
@@ -189,7 +270,7 @@ def warn_env_after_start() -> None:
     reason = None if _env_said else env_after_start()
     if reason:
         _env_said = True
-        warnings.warn(f"source-patch: {reason}", SourcePatchWarning, stacklevel=3)
+        warn(f"source-patch: {reason}")
 
 
 def _check_targets(specs: list[spec_mod.Spec], strict: bool) -> dict[str, str | None] | None:
@@ -213,14 +294,15 @@ def _check_targets(specs: list[spec_mod.Spec], strict: bool) -> dict[str, str | 
                 if found is not None:
                     found.setdefault(module, None)
                 continue
+            refuse_if_results_change(missing_calls([Skipped(p, f"it cannot be found ({error})") for p in patches]),
+                                     shorten(module))
             found = None
             near = nearest_modules(error)
             message = (f"{patches[0].location}: spec {s.name!r} patches {shorten(module)}, which cannot "
                        f"be found ({error}); nearest: {', '.join(near) if near else 'none'}")
             if strict:
                 raise ActivationError(message)
-            warnings.warn(f"source-patch: {message} ({STRICT}=1 makes this an error)",
-                          SourcePatchWarning, stacklevel=3)
+            warn(f"source-patch: {message} ({STRICT}=1 makes this an error)")
     return found
 
 
@@ -229,20 +311,250 @@ def _gated(requires) -> bool:
 
 
 def report(finder: PatchFinder, specs: list[spec_mod.Spec]) -> str:
-    """What applied, what was skipped and why, and targets never imported."""
+    """What applied, what was skipped and why, and targets never imported.  With a
+    report folder (SOURCE_PATCH_REPORT_DIR), a patch not imported here says what the
+    other processes that reported there did with it."""
+    others = _elsewhere(read_reports(finder.report_dir)[0]) if finder.report_dir else {}
     lines = []
-    skipped = {id(k.patch): k.reason for k in finder.skipped}
-    for s in specs:
-        lines.append(f"spec {s.name} ({s.file}):")
-        for p in s.patches:
-            if id(p) in skipped:
-                state = f"skipped: {skipped[id(p)].splitlines()[0]}"
-            elif p.module in finder.imported:
-                state = "applied"
-            else:
-                state = "not imported"
-            lines.append(f"  {p.id} ({p.module}): {state}")
+    for row in report_rows(finder, specs):
+        lines.append(f"spec {row['name']} ({row['file']}):")
+        for p in row["patches"]:
+            state = p["state"] + (f": {p['reason'].splitlines()[0]}" if p["reason"] else "")
+            if p["state"] == "not imported" and (row["file"], p["id"]) in others:
+                state = f"not imported here; {others[row['file'], p['id']]}"
+            lines.append(f"  {p['id']} ({p['module']}): {state}")
     return "\n".join(lines)
+
+
+def report_rows(finder: PatchFinder, specs: list[spec_mod.Spec]) -> list[dict]:
+    """Each spec and each of its patches' state in this process: ``applied``,
+    ``skipped`` (with the reason: an unmet requirement, a drifted anchor, a failed
+    import) or ``not imported`` (its target was not imported here)."""
+    skipped = {id(k.patch): k.reason for k in finder.skipped}
+    rows = []
+    for s in specs:
+        patches = []
+        for p in s.patches:
+            state = "skipped" if id(p) in skipped else "applied" if p.module in finder.imported else "not imported"
+            patches.append({"id": p.id, "module": p.module, "state": state, "reason": skipped.get(id(p))})
+        rows.append({"name": s.name, "file": s.file, "patches": patches})
+    return rows
+
+
+# --------------------------------------------------------------------------- reports on disk
+#
+# SOURCE_PATCH_REPORT_DIR: every patched process writes its report, ``<host>-<pid>-<ms>.json``
+# (the first write's time tells a reused pid apart), after each target import, so a
+# process killed later (SGLang's schedulers are, at shutdown) has already reported.
+
+REPORT_FORMAT = 1
+REPORT_MAX_BYTES = 4 << 20  # a report file read back (a spec of ~10,000 patches)
+REPORT_MAX_FILES = 10_000  # report files read from one folder
+
+
+def observe(finder: PatchFinder, directory: str) -> None:
+    """Write this process's report to ``directory`` from now on (absolute, and so in the
+    environment for children started elsewhere); chain a SIGTERM handler the program
+    installed."""
+    import json  # noqa: F401 - now, not first inside the writer's lock, at an import
+
+    directory = os.path.abspath(os.path.expanduser(directory))
+    os.environ[REPORT_DIR] = directory
+    finder.report_dir, finder.observer = directory, _Reporter(directory)
+    _chain_sigterm(finder)
+
+
+class _Reporter:
+    """The finder's observer: the report, written whole (boot.write_report) after each
+    target import.  It never raises: a folder that cannot be written (a full disk, no
+    permission) is said once, and the run goes on."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.names: dict[int, str] = {}  # pid -> its file (a forked child writes its own)
+        self.lock = _thread.allocate_lock()
+        self.said = False
+
+    def __call__(self, finder: PatchFinder, signal_name: str | None = None) -> None:
+        # From a signal handler, the main thread may hold the lock: skip, its write goes on.
+        if not self.lock.acquire(blocking=signal_name is None):
+            return
+        try:
+            self._write(finder, signal_name)
+        except Exception as exc:  # noqa: BLE001 - an observer never breaks the run
+            self._say(exc)
+        finally:
+            self.lock.release()
+
+    def _say(self, exc: Exception) -> None:
+        if self.said:
+            return
+        self.said = True
+        with contextlib.suppress(Exception):  # a warning filter set to "error": still never raised
+            warn(f"source-patch: cannot write the patch report to {self.directory}: "
+                 f"{type(exc).__name__}: {shorten(exc)} (the run goes on without it)", RuntimeWarning)
+
+    def _write(self, finder: PatchFinder, signal_name: str | None) -> None:
+        import json
+
+        pid = os.getpid()
+        if pid not in self.names:
+            self.names[pid] = f"{_host()}-{pid}-{time.time_ns() // 1_000_000}.json"
+        record = {"format": REPORT_FORMAT, "pid": pid, "host": _host(), "argv0": (sys.argv or [""])[0],
+                  "process": _process_name(), "time": time.time(), "signal": signal_name,
+                  "specs": report_rows(finder, finder.specs)}
+        boot.write_report(self.directory, self.names[pid], json.dumps(record, indent=1))
+
+
+def _host() -> str:
+    return os.uname().nodename if hasattr(os, "uname") else os.environ.get("COMPUTERNAME", "host")
+
+
+def _process_name() -> str | None:
+    """What the process calls itself: its title (setproctitle, as SGLang's schedulers
+    set it), else its multiprocessing name; only from modules already imported."""
+    title = sys.modules.get("setproctitle")
+    if title is not None:
+        with contextlib.suppress(Exception):
+            return title.getproctitle()
+    mp = sys.modules.get("multiprocessing")
+    if mp is not None:
+        with contextlib.suppress(Exception):
+            return mp.current_process().name
+    return None
+
+
+def _chain_sigterm(finder: PatchFinder) -> None:
+    """Where the program installed a SIGTERM handler, one that writes the report (saying
+    the signal) and then calls it.  The default action and SIG_IGN are left alone: a
+    Python handler there would keep a process busy in C code from dying on SIGTERM, and
+    the report is on disk since the last target import anyway.  Off the main thread a
+    handler cannot be set: nothing is done."""
+    import signal
+
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+        if not callable(previous) or getattr(previous, "source_patch", False):
+            return
+
+        def on_sigterm(signum, frame):
+            if finder.observer is not None:
+                finder.observer(finder, "SIGTERM")
+            return previous(signum, frame)
+
+        on_sigterm.source_patch = True
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except (AttributeError, ValueError, OSError):  # no SIGTERM here, or not the main thread
+        return
+
+
+def read_reports(directory: str) -> tuple[list[dict], list[str]]:
+    """The reports in ``directory`` (oldest first), and a line for each file that is no
+    report (unreadable, too large, another format).  A folder that cannot be listed
+    gives ([], [why])."""
+    import json
+
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".json") and not n.startswith("."))
+    except OSError as exc:
+        return [], [f"{directory}: {exc.strerror or exc}"]
+    reports, problems = [], []
+    for name in names[:REPORT_MAX_FILES]:
+        path = os.path.join(directory, name)
+        try:
+            record = json.loads(_read_small(path))
+        except (OSError, ValueError) as exc:
+            problems.append(f"{path}: {shorten(exc)}")
+            continue
+        if _is_report(record):
+            reports.append(record)
+        else:
+            problems.append(f"{path}: not a patch report of format {REPORT_FORMAT}")
+    if len(names) > REPORT_MAX_FILES:
+        problems.append(f"{directory}: {len(names) - REPORT_MAX_FILES} more files not read")
+    reports.sort(key=lambda r: r["time"])
+    return reports, problems
+
+
+def _read_small(path: str) -> bytes:
+    """A regular file's bytes, up to REPORT_MAX_BYTES; a FIFO or a device is refused, never waited on."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError("not a regular file")
+        data = f.read(REPORT_MAX_BYTES + 1)
+    if len(data) > REPORT_MAX_BYTES:
+        raise OSError(f"larger than {REPORT_MAX_BYTES >> 20} MiB")
+    return data
+
+
+def _is_report(record) -> bool:
+    """A report as _Reporter writes it, to the types collect() relies on (a file in the
+    folder may be anything)."""
+    return (isinstance(record, dict) and record.get("format") == REPORT_FORMAT
+            and isinstance(record.get("pid"), int) and isinstance(record.get("time"), (int, float))
+            and all(isinstance(record.get(k), (str, type(None))) for k in ("host", "argv0", "process", "signal"))
+            and isinstance(record.get("specs"), list) and all(_is_spec_row(s) for s in record["specs"]))
+
+
+def _is_spec_row(row) -> bool:
+    return (isinstance(row, dict) and isinstance(row.get("name"), str) and isinstance(row.get("file"), str)
+            and isinstance(row.get("patches"), list)
+            and all(isinstance(p, dict) and all(isinstance(p.get(k), str) for k in ("id", "module", "state"))
+                    and isinstance(p.get("reason"), (str, type(None))) for p in row["patches"]))
+
+
+def collect(reports: list[dict]) -> list[dict]:
+    """Every spec any process reported, each patch with the processes that applied it
+    and those that skipped it (and why): ``source-patch report``'s answer."""
+    specs: dict = {}
+    for r in reports:  # each one _is_report
+        process = {"pid": r["pid"], "host": r.get("host"), "argv0": r.get("argv0"), "process": r.get("process")}
+        for s in r["specs"]:
+            row = specs.setdefault(s["file"], {"name": s["name"], "file": s["file"], "patches": {}})
+            for p in s["patches"]:
+                entry = row["patches"].setdefault(p["id"], {"id": p["id"], "module": p["module"],
+                                                            "applied": [], "skipped": []})
+                if p["state"] == "applied":
+                    entry["applied"].append(process)
+                elif p["state"] == "skipped":
+                    entry["skipped"].append({**process, "reason": p.get("reason")})
+    return [{**row, "patches": list(row["patches"].values())} for row in specs.values()]
+
+
+def who(process: dict) -> str:
+    """``pid 4242 (sglang::scheduler_TP0)``: a process as the reports name it."""
+    name = process.get("process")
+    if not name or name == "MainProcess":  # multiprocessing's name for any main process
+        name = process.get("argv0")
+    return f"pid {process['pid']}" + (f" ({shorten(name, 60)})" if name else "")
+
+
+def _elsewhere(reports: list[dict]) -> dict:
+    """(spec file, patch id) -> what the other processes did with it, where one applied
+    or skipped it: for a patch this process never imported."""
+    me = (_host(), os.getpid())
+    others = [r for r in reports if (r.get("host"), r["pid"]) != me]
+    return {(row["file"], p["id"]): describe(p) for row in collect(others) for p in row["patches"]
+            if p["applied"] or p["skipped"]}
+
+
+def describe(patch: dict) -> str:
+    """A collected patch (``collect``) in words: ``applied in pid 4250 (sglang::scheduler_TP0);
+    skipped in pid 4242 (train.py): requires ...``, or ``not imported in any process``."""
+    parts = []
+    if patch["applied"]:
+        parts.append("applied in " + _listed([who(w) for w in patch["applied"]]))
+    if patch["skipped"]:
+        parts.append("skipped in " + _listed([f"{who(w)}: {str(w['reason']).splitlines()[0]}"
+                                              for w in patch["skipped"]]))
+    return "; ".join(parts) or "not imported in any process"
+
+
+def _listed(items: list[str], most: int = 4) -> str:
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 @contextlib.contextmanager
@@ -370,21 +682,60 @@ class FailedActivation:
             self.error)
 
 
-def _trimmed_hook(previous):
-    """sys.excepthook showing a NotActivatedError with the user's frames only: the
-    import statement that was refused, not importlib's frames and ours."""
+# --------------------------------------------------------------------------- how errors are shown
+
+
+def _install_hook() -> None:
+    if not getattr(sys.excepthook, "source_patch", False):
+        sys.excepthook = _hook(sys.excepthook)
+
+
+def _hook(previous):
+    """sys.excepthook for what source-patch is part of; anything else goes to ``previous``
+    untouched.  A NotActivatedError shows the user's frames only (the refused import);
+    another error of ours its message first, then the user's frames (importlib's and
+    the patcher's hidden); an exception raised in inserted code shows the inserted line
+    where the traceback printed the anchor's upstream text.  The last two only where
+    ``previous`` is Python's own (another hook gets the trimmed traceback, or the
+    original).  SOURCE_PATCH_DEBUG=1: everything as Python shows it."""
 
     def hook(kind, value, tb):
-        if isinstance(value, NotActivatedError):
-            tb = _user_frames(tb)
-            value = value.with_traceback(tb)
-        previous(kind, value, tb)
+        shown = None
+        if not flag(os.environ, DEBUG):
+            try:
+                shown = _shown(kind, value, tb, previous is sys.__excepthook__)
+            except Exception:  # noqa: BLE001 - showing an error must never hide it
+                shown = None
+        if isinstance(shown, str):
+            _say(shown.rstrip("\n"))
+        elif shown is not None:
+            previous(kind, value.with_traceback(shown[0]), shown[0])
+        else:
+            previous(kind, value, tb)
 
     hook.source_patch = True
     return hook
 
 
+def _shown(kind, value, tb, ours_to_print: bool):
+    """What the hook prints: a text, (a trimmed traceback,) for ``previous``, or None."""
+    if isinstance(value, NotActivatedError):
+        return (_user_frames(tb),)
+    if isinstance(value, SourcePatchError):
+        return _format(kind, value, tb) if ours_to_print else (_user_frames(tb),)
+    if ours_to_print and any(_inserted(t) for t in _chain_tracebacks(value, tb)):
+        return _format(kind, value, tb)
+    return None
+
+
 _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _internal(tb) -> bool:
+    """A frame of importlib's (import_module's too) or of the patcher's."""
+    name = tb.tb_frame.f_code.co_filename
+    return (name.startswith("<frozen importlib") or name.startswith(_OURS)
+            or tb.tb_frame.f_globals.get("__name__") == "importlib")
 
 
 def _user_frames(tb):
@@ -393,14 +744,108 @@ def _user_frames(tb):
 
     kept = []
     while tb is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if not (name.startswith("<frozen importlib") or name.startswith(_OURS)):
+        if not _internal(tb):
             kept.append(tb)
         tb = tb.tb_next
     out = None
     for frame in reversed(kept):
         out = types.TracebackType(out, frame.tb_frame, frame.tb_lasti, frame.tb_lineno)
     return out
+
+
+def _chain_tracebacks(value, tb):
+    """The tracebacks of an exception and of those it was raised from or during."""
+    seen, todo = set(), [(value, tb)]
+    while todo:
+        exc, tb = todo.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        while tb is not None:
+            yield tb
+            tb = tb.tb_next
+        todo += [(e, e.__traceback__) for e in (exc.__cause__, exc.__context__) if e is not None]
+
+
+def _format(kind, value, tb) -> str:
+    """The traceback as Python prints it, each frame through ``_frame`` (inserted code shows
+    its own line).  An error of ours leaves out importlib's and the patcher's frames and
+    says its first line first, where a long traceback would otherwise bury it; the full
+    message ends the traceback, as always."""
+    import traceback
+
+    ours = isinstance(value, SourcePatchError)
+    te = traceback.TracebackException(kind, value, tb, compact=True)
+    _restack(te, value, tb, ours, set())
+    text = "".join(te.format())
+    if not ours:
+        return text
+    lines = str(value).split("\n")
+    below = "more below" if len(lines) > 1 else "the traceback below"
+    return f"source-patch: error: {lines[0].rstrip(':')} ({below}; {DEBUG}=1 shows source-patch's own frames)\n{text}"
+
+
+def _restack(te, exc, tb, trim: bool, seen: set) -> None:
+    """Each TracebackException of the chain gets the stack ``_frame`` makes."""
+    import traceback
+
+    if te is None or exc is None or id(te) in seen:
+        return
+    seen.add(id(te))
+    te.stack = traceback.StackSummary.from_list(
+        [_frame(t) for t in _walk(tb) if not (trim and _internal(t))])
+    _restack(te.__cause__, exc.__cause__, getattr(exc.__cause__, "__traceback__", None), trim, seen)
+    _restack(te.__context__, exc.__context__, getattr(exc.__context__, "__traceback__", None), trim, seen)
+
+
+def _walk(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def _frame(tb):
+    """A traceback entry as the traceback module summarises it; in inserted code, with the
+    inserted line as its text (carets need columns, which inserted code has none of)."""
+    import linecache
+    import traceback
+
+    frame, code = tb.tb_frame, tb.tb_frame.f_code
+    _, end, col, end_col = _position(code, tb.tb_lasti)
+    text = _inserted(tb) if col is None else None
+    linecache.lazycache(code.co_filename, frame.f_globals)
+    if text is not None:
+        return traceback.FrameSummary(code.co_filename, tb.tb_lineno, code.co_name, lookup_line=False,
+                                      line=f"{text}  # inserted by source-patch", end_lineno=tb.tb_lineno)
+    return traceback.FrameSummary(code.co_filename, tb.tb_lineno, code.co_name, lookup_line=False,
+                                  end_lineno=end, colno=col, end_colno=end_col)
+
+
+def _position(code, lasti: int) -> tuple:
+    """(line, end line, column, end column) of the instruction at ``lasti`` (Python 3.10
+    has no columns: nothing is told apart there)."""
+    if lasti < 0 or not hasattr(code, "co_positions"):
+        return (None, None, None, None)
+    for i, position in enumerate(code.co_positions()):
+        if i == lasti // 2:
+            return position
+    return (None, None, None, None)
+
+
+def _inserted(tb) -> str | None:
+    """The inserted line a traceback entry stands at, or None: in a patched module, an
+    instruction with a line and no columns may be inserted code (linemap._remap); its
+    loader tells which line, if any."""
+    line, _, col, _ = _position(tb.tb_frame.f_code, tb.tb_lasti)
+    if line is None or col is not None:
+        return None
+    loader = tb.tb_frame.f_globals.get("__loader__")
+    if not isinstance(loader, PatchingLoader) or tb.tb_frame.f_code.co_filename != loader.path:
+        return None
+    try:
+        return loader.inserted_line(tb.tb_frame.f_code, tb.tb_lasti)
+    except Exception:  # noqa: BLE001 - the file changed or vanished since: its line as usual
+        return None
 
 
 def _is_third_party(fullname: str) -> bool:
@@ -417,8 +862,7 @@ def _fail(error: SourcePatchError, policy: str) -> None:
         _say(f"source-patch: warning: {error} ({ON_ERROR}=warn: running UNPATCHED)")
         return
     sys.meta_path.insert(0, FailedActivation(error))  # armed before anything that could fail
-    if not getattr(sys.excepthook, "source_patch", False):
-        sys.excepthook = _trimmed_hook(sys.excepthook)
+    _install_hook()
     if policy != "error":
         _say(f"source-patch: {ON_ERROR}={show(policy)} is not 'error' or 'warn': treated as 'error'")
     _say(f"source-patch: error: {error}")

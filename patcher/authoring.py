@@ -326,7 +326,7 @@ patches:
 {requires}    on_drift: error                 # anchors no longer match upstream: error (the import
                                     # fails) | warn (skip this patch, warn) | skip (silently)
     edits:
-      # Anchor kinds (at:), each described in docs/spec.md#edits:
+      # Anchor kinds (at:), each described in docs/spec_edits.md#edits:
       #   at: entry    the start of the body, after the docstring (always one site)
       #   at: return   every `return X` of the function itself: `result = X`, your
       #                code, then `return result` (name it with bind:)

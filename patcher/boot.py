@@ -10,7 +10,7 @@
 
 It imports only modules every interpreter has already imported (os, sys, stat,
 marshal), so a start-up whose boot record holds costs ~1 ms (startup.py).  The code
-cache, its records and its invariant: cache.py and docs/spec.md#the-code-cache.
+cache, its records and its invariant: cache.py and docs/activation.md#the-code-cache.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import stat
 import sys
 
-from ..runtime.core.private import Untrusted, foreign, read_private, write_private
+from ..runtime.core.private import Untrusted, foreign, read_private, write_file, write_private
 
 # --------------------------------------------------------------------------- constants
 
@@ -30,6 +30,22 @@ STRICT = "SOURCE_PATCH_STRICT"  # 1: a target module that cannot be found is an 
 ON_ERROR = "SOURCE_PATCH_ON_ERROR"  # "error" (default) | "warn": what a failed activation does
 CACHE_ENV = "SOURCE_PATCH_CACHE"  # the code cache directory
 CHECK_ENV = "SOURCE_PATCH_CACHE_CHECK"  # "content": no stat keys (hash every source)
+REPORT_DIR = "SOURCE_PATCH_REPORT_DIR"  # a folder: every patched process writes its report there as it patches
+DEBUG = "SOURCE_PATCH_DEBUG"  # 1: tracebacks of source-patch's errors keep its own frames
+VARIABLES = (ENV, REPORT, STRICT, ON_ERROR, CACHE_ENV, CHECK_ENV, REPORT_DIR, DEBUG)  # the patcher's own
+# Every other SOURCE_PATCH_* variable that something reads (or sets for a child) and that is
+# not a runtime setting (those are settings.variable(component, key) over settings.SCHEMAS).
+# Activation warns about any SOURCE_PATCH_* variable that is none of these (a typo would
+# otherwise do nothing, silently: activation.unknown_variables), so a new variable read
+# anywhere goes here; tests/test_edges_variables.py checks the sources for it.
+OTHER_VARIABLES = {
+    "SOURCE_PATCH_NATIVE_DIR": "runtime/trace/native.py: where the trace's native launch is built",
+    "SOURCE_PATCH_SGLANG_CACHE": "testing/sglang.py: the tiny SGLang checkpoints tests and examples build",
+    "SOURCE_PATCH_WORKDIR": "testing/sglang.py: set for an engine harness's processes, their folder",
+    "SOURCE_PATCH_UPSTREAM_TESTS": "bench/upstream_tests.py: Megatron-Core's test files",
+    "SOURCE_PATCH_UPSTREAM_SGLANG_TESTS": "bench/upstream_tests.py: SGLang's test files",
+    "SOURCE_PATCH_TEST_PERTURB": "tests/e2e/twin_replay.py: the layer whose weights it perturbs",
+}
 
 MAX_SPEC_BYTES = 8 << 20  # a spec file's size limit (spec.py has the others)
 RACY_NS = 2_000_000_000  # a file changed this recently may change again unseen: not keyed by its stat
@@ -37,7 +53,10 @@ RACY_NS = 2_000_000_000  # a file changed this recently may change again unseen:
 _HERE = os.path.dirname(os.path.realpath(__file__))  # the patcher's sources
 BUNDLED_DIR = os.path.join(os.path.dirname(_HERE), "patches")
 _RUNTIME_DIR = os.path.join(os.path.dirname(_HERE), "runtime")
-SETTINGS_MODULE = "source_patch.runtime.core.settings"
+# The runtime modules whose first import hands a start-up over to the full patcher: the
+# settings (they read the specs' runtime: sections) and the capability table, which
+# imports the manifests, which import the settings (startup.BootFinder).
+HAND_OVER_MODULES = ("source_patch.runtime.core.settings", "source_patch.runtime.core.capability")
 # The one table of renamed user-facing names: (kind, old name) -> the name now.  An old
 # name still works, with a DeprecationWarning where it is resolved (``renamed``);
 # docs/architecture.md ("Renamed names") shows this table.  Modules and internal names
@@ -46,12 +65,15 @@ SETTINGS_MODULE = "source_patch.runtime.core.settings"
 #           (spec.resolve; `moe`, the mission's name, is a spec file of its own: no rename)
 #   __sp__  a call-site name earlier bundled specs inserted, which a user's copy of such a
 #           spec still calls (finder.RuntimeHandle)
+#   settings  a settings component: its spec section (spec.py) and its environment
+#           variables SOURCE_PATCH_<OLD>_<KEY> (activation.renamed_variables)
 RENAMED = {
     ("spec", "moe_sglang"): "routing", ("spec", "dump_sglang"): "dump", ("spec", "trace_sglang"): "trace",
     ("spec", "weight_sync_sglang"): "weight_sync",
     ("__sp__", "sglang_routing_topk"): "routing_sglang_topk",
     ("__sp__", "sglang_routing_batch"): "routing_sglang_batch",
     ("__sp__", "sglang_routing_release"): "routing_sglang_release",
+    ("settings", "sglang_routing"): "routing_sglang",
 }
 OLD_SPEC_NAMES = frozenset(old for kind, old in RENAMED if kind == "spec")
 
@@ -63,7 +85,8 @@ def renamed(kind: str, name: str, stacklevel: int = 3) -> str:
         return name
     import warnings
 
-    was, now = (f"the bundled spec {name!r}", repr(new)) if kind == "spec" else (f"{kind}.{name}", f"{kind}.{new}")
+    words = {"spec": "the bundled spec", "settings": "the settings component"}
+    was, now = (f"{words[kind]} {name!r}", repr(new)) if kind in words else (f"{kind}.{name}", f"{kind}.{new}")
     warnings.warn(f"source-patch: {was} is now {now}; the old name goes away in a later release",
                   DeprecationWarning, stacklevel=stacklevel)
     return new
@@ -96,8 +119,17 @@ def switch(environ, name: str) -> bool:
                      f"({', '.join(w for w in OFF_WORDS if w)} or empty), in any case")
 
 
+def write_report(directory: str, name: str, data: str) -> None:
+    """A process's patch report (activation.py) in the folder the user named, as every
+    plain file source-patch writes: a temporary file renamed over it
+    (``private.write_file``), so a reader (or a kill) never sees half of one.  The folder
+    is made where missing.  Raises OSError."""
+    os.makedirs(directory, exist_ok=True)
+    write_file(os.path.join(directory, name), data)
+
+
 def signature(path) -> tuple | None:
-    """What the code cache trusts a file or folder by (docs/spec.md#the-code-cache): its
+    """What the code cache trusts a file or folder by (docs/activation.md#the-code-cache): its
     device, inode, size, mtime and ctime (ns); None if it cannot be stat-ed."""
     try:
         st = os.stat(path)
@@ -180,16 +212,16 @@ def refuse(directory: str, reason: str) -> None:
     if key in _REFUSED:
         return
     _REFUSED.add(key)
-    import warnings
+    from .errors import warn  # filed under the user's frame, not a line of ours
 
-    warnings.warn(f"source-patch: not using the code cache {directory}: {reason} (its files would be "
-                  "executed; the imports they serve parse instead). Set SOURCE_PATCH_CACHE to a directory "
-                  "only you can write (or delete this one: it is rebuilt)", RuntimeWarning, stacklevel=3)
+    warn(f"source-patch: not using the code cache {directory}: {reason} (its files would be "
+         "executed; the imports they serve parse instead). Set SOURCE_PATCH_CACHE to a directory "
+         "only you can write (or delete this one: it is rebuilt)", RuntimeWarning)
 
 
 # The cache's files are executed and its boot records decide what is patched: each read
 # and write checks every folder on the way down and the file itself, on every use
-# (docs/spec.md#the-code-cache, "trust"), through the runtime's one writer of files.
+# (docs/activation.md#the-code-cache, "trust"), through the runtime's one writer of files.
 
 
 # --------------------------------------------------------------------------- the boot record

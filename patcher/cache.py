@@ -7,7 +7,7 @@ miss, computed again and rewritten, never an error.
 
 The records (code by content key; :class:`StatEntry`, code by stat key; :class:`Verdict`;
 compiled specs; boot records, which boot.py keeps for the start hook), their keys,
-layout and trust rules are described once, in docs/spec.md#the-code-cache.
+layout and trust rules are described once, in docs/activation.md#the-code-cache.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ and every message is clipped again as a whole (:func:`clip`) as a safety net.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from dataclasses import dataclass
 
 SHOW_LIMIT = 200  # characters of one piece of user text in a message
@@ -122,3 +124,40 @@ class NotActivatedError(ActivationError):
 class SourcePatchWarning(UserWarning):
     """Something a spec author should fix that does not stop the run (SOURCE_PATCH_STRICT=1
     makes the activation-time ones errors)."""
+
+
+# --------------------------------------------------------------------------- warnings
+
+_PATCHER = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_NO_FRAME = "<source-patch>"  # where a warning with no caller outside source-patch points: no source line
+
+
+def warn(message: str, category: type[Warning] = SourcePatchWarning) -> None:
+    """Warn, attributed to the first frame outside the patcher, importlib and ``site``:
+    the user's import (or call of the API), whose line is worth printing under the
+    message, never a line of ours (``activation = _activate(specs, None)``).  At start-up
+    no such frame exists (the start hook runs inside ``site``): the warning then names
+    ``<source-patch>``, which has no source line.  Filters, ``-W`` and ``pytest.warns``
+    see an ordinary warning; other libraries' warnings print as before."""
+    import warnings
+
+    frame = sys._getframe(1)
+    while frame is not None and _internal(frame):
+        frame = frame.f_back
+    if frame is None:
+        warnings.warn_explicit(message, category, _NO_FRAME, 1, module="source_patch", registry=_REGISTRY)
+        return
+    # As warnings.warn files it for that frame (its source line read from the file by
+    # name: no module_globals, whose loader may not give source, as __main__'s under -c).
+    glob = frame.f_globals
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=glob.get("__name__", "<unknown>"), registry=glob.setdefault("__warningregistry__", {}))
+
+
+_REGISTRY: dict = {}  # the start-up warnings' (as a module's __warningregistry__: each said once)
+
+
+def _internal(frame) -> bool:
+    name = frame.f_code.co_filename
+    return (name.startswith(_PATCHER) or name.startswith("<frozen importlib")
+            or frame.f_globals.get("__name__") in ("site", "importlib"))

@@ -15,14 +15,13 @@ import importlib.machinery
 import os
 import importlib.util
 import sys
-import warnings
 from dataclasses import dataclass
 from types import CodeType, ModuleType
 from typing import NamedTuple
 
 from .cache import CodeCache, TargetLookup, slice_parts, spec_names
-from .boot import RENAMED, STRICT, flag, renamed
-from .errors import ActivationError, RequirementError, SourcePatchWarning
+from .boot import DEBUG, RENAMED, STRICT, flag, renamed
+from .errors import ActivationError, RequirementError, SourcePatchError, shorten, warn
 from .requires import judge, site_dir_of
 from .spec import Patch, Spec
 
@@ -74,6 +73,41 @@ class Skipped:
     reason: str
 
 
+def missing_calls(skipped: list[Skipped], applied=()) -> list[tuple[Skipped, frozenset]]:
+    """Each skipped patch with the ``__sp__`` names it calls that no applied patch of the
+    module calls (a version-gated variant that applies in its place leaves none missing)."""
+    present = {name for p in applied for name in _called(p)}
+    found = [(s, frozenset(set(_called(s.patch)) - present)) for s in skipped]
+    return [(s, names) for s, names in found if names]
+
+
+def refuse_if_results_change(missing: list[tuple[Skipped, frozenset]], where: str) -> None:
+    """Fail closed where behaviour changes: call sites missing (their patch did not apply)
+    that the settings in force need for the model to compute what it should (routing
+    replay: the router would route by itself) raise now, naming the patch and why.  An
+    observer's missing call sites (dump, trace, capture) keep their warning."""
+    if not missing:
+        return
+    from ..runtime.core import control  # the manifests say which settings change results
+
+    for s, names in missing:
+        at_stake = control.results_at_stake(names)
+        if at_stake:
+            raise RequirementError(
+                f"{s.patch.location.file}:{s.patch.location.line}: {', '.join(at_stake)} needs patch "
+                f"{s.patch.id!r} of spec {s.patch.spec_name!r}, which did not apply to {where}: "
+                f"{shorten(s.reason.splitlines()[0], 160)} (stopped: the run would compute something else; "
+                f"make the patch apply, or turn the setting off)")
+
+
+def _called(patch: Patch) -> list[str]:
+    """The ``<handle>.name`` attributes a patch's inserted code uses (``__sp__.routing_topk``)."""
+    import re
+
+    pattern = re.compile(rf"(?<![\w.]){re.escape(patch.handle)}\.(\w+)")
+    return [name for edit in patch.edits for name in pattern.findall(edit.code)]
+
+
 class TargetPatches(NamedTuple):
     """What the finder holds for one target module."""
 
@@ -93,8 +127,13 @@ class PatchFinder:
         self._index: dict[str, TargetPatches] = {}
         self.imported: set[str] = set()  # targets seen by an import
         self.skipped: list[Skipped] = []
+        self.missing: list[tuple[Skipped, frozenset]] = []  # skipped patches' call sites no applied one has
         self.applied_dists: set[str] = set()  # distributions required by applied patches
         self._warned: set[int] = set()  # patches whose skip was said (once per process)
+        # Called with the finder after each target import (SOURCE_PATCH_REPORT_DIR: the
+        # activation's report writer); must not raise.  report_dir: that folder.
+        self.observer = None
+        self.report_dir: str | None = None
 
     # -- registry
 
@@ -150,6 +189,7 @@ class PatchFinder:
                 lookup.recall_verdicts()  # one read of the stat entry, which also holds the code
         patches = self._applicable(fullname, entry.by_spec, site_dir)
         if not patches:
+            self.changed()  # every patch skipped: no loader of ours runs to say it
             return spec
         if not plain:
             raise ActivationError(
@@ -179,8 +219,8 @@ class PatchFinder:
                                        f"{fullname} would be imported unpatched (set on_unmet: "
                                        f"skip in the spec to allow that)")
             if problem:
-                warnings.warn(f"source-patch: skipping spec {spec.name!r} for {fullname}: {problem}",
-                              SourcePatchWarning, stacklevel=2)
+                self._left_out([Skipped(p, problem) for p in mine], (), fullname)
+                warn(f"source-patch: skipping spec {spec.name!r} for {fullname}: {problem}")
                 self.skipped += [Skipped(p, problem) for p in mine]
                 continue
             skipped = []
@@ -192,10 +232,19 @@ class PatchFinder:
                     out.append(patch)
                     if spec.requires or patch.requires:
                         self.applied_dists.update(d for d, _ in spec.requires + patch.requires)
+            self._left_out(skipped, [p for p in mine if all(p is not k.patch for k in skipped)], fullname)
             self.skipped += skipped
             if skipped and len(skipped) == len(mine):
                 self._say_skipped(fullname, skipped)
         return out
+
+    def _left_out(self, skipped: list[Skipped], applied, where: str) -> None:
+        """Patches of ``where`` that do not apply: their missing call sites are kept (the
+        runtime refuses a setting that changes results for them later: core/control.py)
+        and refused now where the settings in force change results."""
+        missing = missing_calls(skipped, applied)
+        self.missing += missing
+        refuse_if_results_change(missing, where)
 
     def _say_skipped(self, fullname: str, skipped: list[Skipped]) -> None:
         """None of a spec's patches of an imported module applies: a gate that leaves
@@ -209,12 +258,17 @@ class PatchFinder:
                        f"no patch of that spec applies to the module")
             if flag(os.environ, STRICT):
                 raise RequirementError(message)
-            warnings.warn(f"{message} ({STRICT}=1 makes this an error)", SourcePatchWarning, stacklevel=2)
+            warn(f"{message} ({STRICT}=1 makes this an error)")
 
     def _unmet(self, requires, site_dir: str | None) -> str | None:
         """Why ``requires`` do not hold near the target's site directory (None: they do),
         decided once per process and remembered by the code cache."""
         return self.cache.verdict(requires, site_dir, judge).unmet if requires else None
+
+    def changed(self) -> None:
+        """A target was imported (its patches applied, skipped or failed): tell the observer."""
+        if self.observer is not None:
+            self.observer(self)
 
     def invalidate_caches(self) -> None:
         pass
@@ -251,22 +305,79 @@ class PatchingLoader(importlib.machinery.SourceFileLoader):
     def _drifted(self, dropped) -> None:
         left_out = {id(p) for p, _ in dropped}
         self.applied = [p for p in self.patches if id(p) not in left_out]
+        if self.finder is not None:
+            self.finder._left_out([Skipped(p, f"anchor drifted: {e}") for p, e in dropped], self.applied, self.name)
         for patch, error in dropped:
             if self.finder is not None:
                 self.finder.skipped.append(Skipped(patch, f"anchor drifted: {error}"))
             if patch.on_drift == "warn":
-                warnings.warn(f"source-patch: patch {patch.id!r} of spec {patch.spec_name!r} left out "
-                              f"(on_drift: warn; the module's other patches apply): {error}",
-                              stacklevel=2)
+                warn(f"source-patch: patch {patch.id!r} of spec {patch.spec_name!r} left out "
+                     f"(on_drift: warn; the module's other patches apply): {error}", UserWarning)
 
     def exec_module(self, module: ModuleType) -> None:
-        code = self.get_code(module.__name__)
-        namespace, applied = module.__dict__, []
-        for p in self.applied:
-            namespace[p.handle] = HANDLE
-            applied.append(Applied(p.spec_name, p.id, p.target, p.location.file))
-        module.__source_patches__ = tuple(applied)
-        importlib._bootstrap._call_with_frames_removed(exec, code, module.__dict__)  # as SourceFileLoader
+        __tracebackhide__ = not flag(os.environ, DEBUG)  # noqa: F841 - pytest leaves the frame out
+        try:
+            code = self._code(module.__name__)
+            namespace, applied = module.__dict__, []
+            for p in self.applied:
+                namespace[p.handle] = HANDLE
+                applied.append(Applied(p.spec_name, p.id, p.target, p.location.file))
+            module.__source_patches__ = tuple(applied)
+            importlib._bootstrap._call_with_frames_removed(exec, code, module.__dict__)  # as SourceFileLoader
+        finally:
+            if self.finder is not None:
+                self.finder.changed()
+
+    def _code(self, fullname: str) -> CodeType:
+        """get_code; an error of ours (an anchor that no longer matches) is recorded as
+        the module's patches not applying, and raised without the rewrite's own frames
+        (the cache's, the engine's, libcst's: SOURCE_PATCH_DEBUG=1 keeps them), so its
+        message is not buried under them."""
+        __tracebackhide__ = not flag(os.environ, DEBUG)  # noqa: F841 - pytest leaves the frame out
+        try:
+            return self.get_code(fullname)
+        except SourcePatchError as exc:
+            if self.finder is not None:
+                reason = f"the import failed: {str(exc).splitlines()[0]}"
+                self.finder.skipped += [Skipped(p, reason) for p in self.applied]
+            if flag(os.environ, DEBUG):
+                raise
+            raise exc.with_traceback(None)
+
+    def inserted_line(self, code: CodeType, lasti: int) -> str | None:
+        """For a traceback: the inserted line that the instruction at ``lasti`` of
+        ``code`` (one of this module's) comes from, or None.  Read from a twin of the
+        code that says it in its columns (linemap._remap's ``mark``), compiled from the
+        module rewritten again: the code may have come from the code cache, which keeps
+        no source, so only an error being shown pays for that."""
+        if getattr(self, "_twin", None) is None:
+            from .engine import rewrite
+            from .linemap import _remap, inserted_text
+
+            source = importlib.util.decode_source(self.get_data(self.path))
+            result = rewrite(source, self.patches, module=self.name, file=self.path)
+            twin = compile(_remap(result.source, source, self.path, result.line_map, mark=True), self.path, "exec",
+                           dont_inherit=True)
+            self._twin = (inserted_text, source.splitlines(), result.source.splitlines(), result.line_map, twin)
+        inserted_text, original, patched, line_map, twin = self._twin
+        same = _same_code(twin, code)
+        if same is None:
+            return None
+        line, end, col, end_col = list(same.co_positions())[lasti // 2]
+        if line is None or end != line or col != 0 or end_col is None:
+            return None
+        return inserted_text(original, patched, line_map, line, end_col)
+
+
+def _same_code(top: CodeType, code: CodeType) -> CodeType | None:
+    """The code object in ``top`` (at any depth) with ``code``'s name, first line and bytecode."""
+    todo = [top]
+    while todo:
+        c = todo.pop()
+        if (c.co_qualname, c.co_firstlineno, c.co_code) == (code.co_qualname, code.co_firstlineno, code.co_code):
+            return c
+        todo += [k for k in c.co_consts if isinstance(k, CodeType)]
+    return None
 
 
 def patch_source(source: bytes, patches: list[Patch], module: str, path: str):

@@ -2,6 +2,14 @@
 inserted code reports the line of its anchor (``_line_map``), and the patched
 module's ast carries them (``_remap``), so tracebacks point into the original file.
 
+Inserted spec code has no columns (``_remap``): no printer draws carets under the
+anchor's upstream text for it, and source-patch's excepthook (activation.py) tells it
+apart and prints the inserted line instead (``inserted_text``).  Which inserted line an
+instruction comes from, the display reads from a twin of the code compiled with
+``mark``: the same bytecode, its inserted code spanning the anchor's line and one
+column more per patched line before it that stands for the same anchor line.  (Not the
+end line: Python 3.11+ moves an attribute's instructions to its end line.)
+
 Part of the rewrite (engine.py); names with an underscore are shared by the rewrite
 modules, not a public API.
 """
@@ -12,6 +20,8 @@ import ast
 
 import libcst as cst
 from libcst.metadata import CodeRange, MetadataWrapper, PositionProvider
+
+from .anchors import NOTE_NAME
 
 
 # Node types whose identity means something: libcst may share leaf whitespace
@@ -61,7 +71,7 @@ def _carry(mapping: list[int]) -> list[int]:
     return mapping
 
 
-def _remap(patched: str, original: str, file: str, line_map: list[int]) -> ast.Module:
+def _remap(patched: str, original: str, file: str, line_map: list[int], mark: bool = False) -> ast.Module:
     tree = ast.parse(patched, filename=file)
     new_lines = patched.splitlines()
     old_lines = original.splitlines()
@@ -70,16 +80,68 @@ def _remap(patched: str, original: str, file: str, line_map: list[int]) -> ast.M
         o = line_map[k]
         return 0 < k <= len(new_lines) and 0 < o <= len(old_lines) and new_lines[k - 1] == old_lines[o - 1]
 
+    spec_code, rank = _spec_code(tree), _ranks(line_map)
     for node in ast.walk(tree):
         if not hasattr(node, "lineno") or node.lineno is None:
+            continue
+        if id(node) in spec_code:
+            # The anchor's line (pdb, coverage and tracebacks keep it), no columns; the
+            # twin (mark) spans the line and past its end by 1 + the rank of its patched
+            # line among those standing for the anchor: which inserted line it is.
+            k = node.lineno
+            node.lineno = node.end_lineno = line_map[k]
+            node.col_offset = node.end_col_offset = -1
+            if mark:
+                node.col_offset, node.end_col_offset = 0, len(_line(old_lines, line_map[k]).encode()) + 1 + rank[k]
             continue
         start, end = node.lineno, node.end_lineno or node.lineno
         if not (same_text(start) and same_text(end)):
             # Columns on a rewritten line no longer fit the original text: span the
-            # whole original line, which makes tracebacks print no misleading carets.
-            orig = old_lines[line_map[start] - 1] if 0 < line_map[start] <= len(old_lines) else ""
-            node.col_offset, node.end_col_offset = 0, len(orig.encode())
+            # original line from its first character to its last, which makes tracebacks
+            # (Python's own printer too, which wants exactly that span) print no carets.
+            orig = _line(old_lines, line_map[start])
+            node.end_col_offset = len(orig.rstrip().encode())
+            node.col_offset = min(len(orig.encode()) - len(orig.lstrip().encode()), node.end_col_offset)  # a blank line: 0, 0
             end = start
         node.lineno = line_map[start]
         node.end_lineno = max(line_map[end], node.lineno)
     return tree
+
+
+def _line(lines: list[str], number: int) -> str:
+    return lines[number - 1] if 0 < number <= len(lines) else ""
+
+
+def _spec_code(tree: ast.Module) -> set[int]:
+    """The ids of the nodes of inserted spec code: the body of each ``try`` whose handler
+    notes the patch (anchors._noted), which only inserted code has."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and len(node.handlers) == 1 and node.handlers[0].name == NOTE_NAME:
+            found.update(id(sub) for stmt in node.body for sub in ast.walk(stmt))
+    return found
+
+
+def _ranks(line_map: list[int]) -> list[int]:
+    """For each patched line, how many earlier patched lines stand for the same original line."""
+    seen: dict[int, int] = {}
+    out = []
+    for original in line_map:
+        out.append(seen.get(original, 0))
+        seen[original] = out[-1] + 1
+    return out
+
+
+def inserted_text(original: list[str], patched: list[str], line_map: list[int], line: int,
+                  end_column: int) -> str | None:
+    """The inserted line an instruction at ``line`` of the original file, its span in the
+    twin (_remap's ``mark``) ending at ``end_column``, comes from, stripped; None where it
+    is no inserted code (its span ends within the line, or that patched line is original)."""
+    rank = end_column - len(_line(original, line).encode()) - 1
+    lines = [k for k in range(1, min(len(line_map), len(patched) + 1)) if line_map[k] == line]
+    if not 0 <= rank < len(lines):
+        return None
+    text = patched[lines[rank] - 1]
+    if 0 < line <= len(original) and text == original[line - 1]:
+        return None
+    return text.strip()

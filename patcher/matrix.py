@@ -363,7 +363,8 @@ def table(specs: list[Spec], releases: list[Release], grid: dict) -> str:
     return "\n".join(lines + ([""] + details if details else []))
 
 
-def as_json(specs: list[Spec], releases: list[Release], grid: dict) -> str:
+def as_json(specs: list[Spec], releases: list[Release], grid: dict, code: int | None = None) -> str:
+    """The grid as JSON (``matrix --json`` / ``--json-out``), with the exit code when given."""
     def cell(c: Cell) -> dict:
         return {"summary": c.summary, "refused": c.refused,
                 "patches": {pid: {"state": st, "reason": why} for pid, (st, why) in c.states.items()}}
@@ -371,7 +372,7 @@ def as_json(specs: list[Spec], releases: list[Release], grid: dict) -> str:
     doc = {"releases": [dataclasses.asdict(r) | {"tops": sorted(r.tops)} for r in releases],
            "specs": [{"name": s.name, "file": s.file,
                       "cells": {r.label: cell(grid[s.file, r.label]) for r in releases}} for s in specs]}
-    return json.dumps(doc, indent=1)
+    return json.dumps(doc if code is None else {**doc, "exit": code}, indent=1)
 
 
 def progress_bar(stream=None):

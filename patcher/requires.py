@@ -137,3 +137,67 @@ def metadata_fields(path, names) -> dict[str, str]:
     except OSError:
         pass
     return out
+
+
+# --------------------------------------------------------------------------- misspelled names
+
+NEAR = 0.85  # difflib ratio from which an absent name is taken for a misspelling of an installed one
+
+
+def unknown_distributions(specs, against: str | None = None) -> list[dict]:
+    """Each ``requires`` distribution (a spec's or a patch's) that is not installed (or in
+    ``against``) but whose name is close to one that is: most likely misspelled
+    (``megatron-cor``), where a real distribution that is simply absent (the other side of
+    a two-framework spec) is close to none.  No package index is asked: only names
+    installed here (and in ``against``) are known.  One dict each: the distribution, the
+    nearest installed name, where it is named and a sentence (``note``)."""
+    names = None  # the installed names, listed on the first absent distribution only
+    out, seen = [], set()
+    for s in specs:
+        for where, requires in [(f"spec {s.name!r} ({s.file})", s.requires),
+                                *((f"patch {p.id!r} ({p.location.file}:{p.location.line})", p.requires)
+                                  for p in s.patches)]:
+            for dist, wanted in requires:
+                if (dist, where) in seen or installed_version(dist, against) is not None:
+                    continue
+                seen.add((dist, where))
+                names = installed_names(against) if names is None else names
+                nearest = nearest_name(dist, names)
+                if nearest:
+                    out.append({"distribution": dist, "nearest": nearest, "where": where,
+                                "note": f"unknown distribution {dist!r} in the requires of {where}: not installed "
+                                        f"here, and no installed distribution has that name; nearest installed: "
+                                        f"{nearest} (misspelled? its patches would never apply)"})
+    return out
+
+
+def installed_names(against: str | None = None) -> dict[str, str]:
+    """Normalized name -> name of every distribution installed here (and in ``against``)."""
+    from importlib import metadata
+
+    found = {}
+    for path in ([against], None) if against else (None,):
+        for d in metadata.distributions(path=path) if path else metadata.distributions():
+            name = d.metadata["Name"] if d.metadata else None
+            if name:
+                found.setdefault(_canonical(name), name)
+    return found
+
+
+def nearest_name(dist: str, names: dict[str, str]) -> str | None:
+    """The installed name ``dist`` is most likely a misspelling of; None when it is an
+    installed name (in another spelling) or close to none."""
+    import difflib
+
+    wanted = _canonical(dist)
+    if wanted in names:
+        return None
+    close = difflib.get_close_matches(wanted, list(names), n=1, cutoff=NEAR)
+    return names[close[0]] if close else None
+
+
+def _canonical(name: str) -> str:
+    """PEP 503's normal form: lower case, each run of ``-``, ``_`` and ``.`` one ``-``."""
+    import re
+
+    return re.sub(r"[-_.]+", "-", name).lower()

@@ -221,6 +221,15 @@ def settings_errors(environ) -> list[str]:
     return settings.environ_errors(environ)
 
 
+def settings_variables() -> frozenset:
+    """Every runtime setting's environment variable (``SOURCE_PATCH_DUMP_DIR``, ...):
+    the names activation.py knows besides the patcher's own."""
+    from source_patch.runtime.core import settings  # schemas only: no torch, no I/O
+
+    return frozenset(settings.variable(component, key) for component, schema in settings.SCHEMAS.items()
+                     for key in schema)
+
+
 def _rebuild(cls, values: tuple):
     """A Spec (Patch, Edit) from dataclasses.astuple's nested tuples."""
     kw = {}
@@ -477,12 +486,13 @@ class _Builder:
                           "need source_patch: 1.1", key_node, path)
             if scoped:
                 component = scoped.group(1)
+            component = renamed("settings", component)  # an old component name warns, and counts as the new
             if component not in settings.SCHEMAS:
                 known = ", ".join(sorted(settings.SCHEMAS)) or "none"
                 self.fail(f"unknown runtime component {show(component)} (known: {known})",
                           key_node, path)
             self.mapping(values, path, None)
-            section = out[key_node.value] = {}
+            section = out[key_node.value.replace(scoped.group(1) if scoped else key_node.value, component, 1)] = {}
             for name_node, value_node in values.value:
                 key = name_node.value
                 try:

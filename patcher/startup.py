@@ -48,6 +48,9 @@ def from_record(environ) -> bool:
         if recorded is None or any(t in sys.modules for t in recorded.targets):
             return False  # no record, or too late to patch a target: the full path raises (and arms) the error
         environ[boot.ENV] = ",".join(recorded.paths)  # absolute, for children started elsewhere
+        reports = environ.get(boot.REPORT_DIR, "").strip()
+        if reports:  # the same: every process of a run reports to one folder (activation.observe)
+            environ[boot.REPORT_DIR] = os.path.abspath(os.path.expanduser(reports))
         finder = BootFinder(recorded)
         sys.meta_path.insert(0, finder)
         if boot.flag(environ, boot.REPORT):
@@ -79,7 +82,7 @@ class BootFinder:
         # The runtime's settings find the specs' `runtime:` sections through
         # activation.installed_finder(), looked up in sys.modules: make it be there.
         # (Validating a spec again imports the settings too: not then.)
-        if fullname == boot.SETTINGS_MODULE and self._busy != _thread.get_ident():
+        if fullname in boot.HAND_OVER_MODULES and self._busy != _thread.get_ident():
             self.hand_over()
         return None
 

@@ -14,14 +14,14 @@ CORE = {
     "emit": "core.events",
     "subscribe": "core.events",
     "capture": "core.events",
-    "graph_build": "core.graph_stage",
-    "graph_capture": "core.graph_stage",
-    "graph_captured": "core.graph_stage",
-    "graph_replay": "core.graph_stage",
-    "graph_replayed": "core.graph_stage",
-    "sglang_graph_built": "core.sglang_graphs",
-    "sglang_graph_replay": "core.sglang_graphs",
-    "sglang_graph_replayed": "core.sglang_graphs",
+    "graph_build": "core.adapters.graph_stage",
+    "graph_capture": "core.adapters.graph_stage",
+    "graph_captured": "core.adapters.graph_stage",
+    "graph_replay": "core.adapters.graph_stage",
+    "graph_replayed": "core.adapters.graph_stage",
+    "sglang_graph_built": "core.adapters.sglang_graphs",
+    "sglang_graph_replay": "core.adapters.sglang_graphs",
+    "sglang_graph_replayed": "core.adapters.sglang_graphs",
 }
 _PACKAGE = __name__.rpartition(".")[0]
 

@@ -2,7 +2,7 @@
 training side's dumps of the same tokens, for ``source-patch compare``.
 
     source-patch replay ROLLOUT_DUMPS --checkpoint CKPT [--out sp-replay] [--routes DIR [--replay-probs]]
-                        [--builder MODULE:FUNCTION] [--logprobs FILE] [--compare] [--html F] [--json F]
+                        [--builder MODULE:FUNCTION] [--logprobs FILE] [--compare] [--html F] [--json-out F] [--json]
 
     from source_patch.runtime import replay
     train = replay.replay(rollout_dumps, checkpoint, out="sp-replay")  # a child process; the new run's folder
@@ -36,7 +36,6 @@ the worker starts, and each problem is one line naming the file and the field
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -46,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from .core import bounded
+from .core import bounded, commands
 from .dump import compare, reader
 
 SPECS = ("megatron_cpu", "dump")
@@ -77,30 +76,54 @@ class Stopped(ReplayError):
 def main(argv=None, prog: str = "python -m source_patch.runtime.replay") -> int:
     args = parser(prog).parse_args(argv)
     try:
-        rollout = reader.choose_for_cli(args.rollout, args.exp_name, "replay")
+        rollout = Path(reader.choose_for_cli(args.rollout, args.exp_name)).resolve()
         reader.rank_dirs(rollout)  # dumps there, before anything starts
-        reports = args.compare or args.html or args.json
+        reports = args.compare or args.html or args.json_out
         if reports:
-            for flag, path in (("--json", args.json), ("--html", args.html)):
+            for flag, path in (("--json-out", args.json_out), ("--html", args.html)):
                 compare.check_output(flag, path)  # before the replay, not after it
         train = replay(rollout, args.checkpoint, args.out, builder=args.builder, routes=args.routes,
-                       replay_probs=args.replay_probs, logprobs=args.logprobs)
+                       replay_probs=args.replay_probs, logprobs=args.logprobs,
+                       stdout=sys.stderr if args.json else None)  # under --json, stdout is one object
     except Stopped:
-        return 2
+        return _stopped(args.json)
     except (OSError, ValueError, ReplayError) as exc:
-        return _fail(exc)
-    print(f"training-side dumps: {train}", flush=True)
-    if not reports:
-        print(f"compare: source-patch compare {rollout} {train} --html {train / 'report.html'}")
-        return 0
-    return compare.report(rollout, train, args)
+        return _fail(exc, args.json)
+    return _then(rollout, train, args) if reports else _next_step(rollout, train, args)
 
 
-def parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Replay a rollout's tokens through the Megatron twin of "
-                                "its checkpoint (or your model) under the dump spec: training-side dumps for "
-                                "`source-patch compare`; compare them too with --compare, --html or --json. "
-                                "Exit 0 (with a comparison: 0 no divergence, 1 divergence), 2 on an error.")
+def _then(rollout, train: Path, args) -> int:
+    """--compare, --html, --json-out: the comparison's exit code (under --json one object)."""
+    print(f"training-side dumps: {train}", file=sys.stderr if args.json else sys.stdout, flush=True)
+    said = {"rollout": str(rollout), "training dumps": str(train)}
+    return compare.report(rollout, train, args, wrap=lambda report: {**said, "report": report,
+                                                                     "exit": report["exit"]})
+
+
+def _next_step(rollout, train: Path, args) -> int:
+    """Where the dumps went, and the one command that compares them, as printed."""
+    next_step = compare_command(rollout, args.out)
+    if args.json:
+        print(json.dumps({"rollout": str(rollout), "training dumps": str(train), "compare": next_step,
+                          "exit": commands.OK}, indent=1))
+    else:
+        print(f"training-side dumps: {train}\ncompare them:\n  {next_step}", flush=True)
+    return commands.OK
+
+
+def compare_command(rollout, out) -> str:
+    """The one command that compares a rollout with its replay under ``out`` (the latest run
+    there: the one just made), as printed by `source-patch replay` and by `make rollout`
+    (examples/rollout_sglang.py) alike, runnable as printed (core/commands.py)."""
+    out = Path(out).resolve()
+    return commands.command("compare", Path(rollout).resolve(), out, "--html", out / "report.html")
+
+
+def parser(prog: str = "python -m source_patch.runtime.replay"):
+    p = commands.Parser(prog=prog, description="Replay a rollout's tokens through the Megatron twin of "
+                        "its checkpoint (or your model) under the dump spec: training-side dumps for "
+                        "`source-patch compare`; compare them too with --compare, --html or --json-out. "
+                        "Exit 0 (with a comparison: 0 no divergence, 1 divergence), 2 on an error.")
     p.add_argument("rollout", help="the rollout's dumps: a dump root (its latest run), a run or a rank folder")
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="the Hugging Face checkpoint the engine served")
     p.add_argument("--exp-name", metavar="NAME", help="the rollout's run to read under a dump root")
@@ -114,16 +137,17 @@ def parser(prog: str) -> argparse.ArgumentParser:
                         f"default {TWIN})")
     p.add_argument("--logprobs", metavar="FILE", help="write the model's per-token log-probs here as JSON")
     p.add_argument("--compare", action="store_true", help="then compare the rollout with the replay "
-                   "(--html and --json imply it)")
+                   "(--html and --json-out imply it)")
     compare.add_report_arguments(p)
     return p
 
 
 def replay(rollout, checkpoint, out="sp-replay", *, builder: str | None = None, routes=None,
-           replay_probs: bool = False, logprobs=None, exp_name: str | None = None) -> Path:
+           replay_probs: bool = False, logprobs=None, exp_name: str | None = None, stdout=None) -> Path:
     """Replay ``rollout`` (a run or rank folder of rollout dumps) through the model of
-    ``checkpoint`` in a child process; returns the new run's folder under ``out``.  The
-    inputs (:func:`check_inputs`) and the ``logprobs`` target are checked here first."""
+    ``checkpoint`` in a child process (its output to ``stdout``, by default this process's);
+    returns the new run's folder under ``out``.  The inputs (:func:`check_inputs`) and the
+    ``logprobs`` target are checked here first."""
     compare.check_output("--logprobs", logprobs)  # before the replay, not after it
     if routes is not None and not Path(routes).is_dir():
         raise ReplayError(f"--routes {routes}: no such folder")
@@ -133,7 +157,7 @@ def replay(rollout, checkpoint, out="sp-replay", *, builder: str | None = None, 
            "builder": builder, "routes": routes and str(Path(routes).resolve()), "replay_probs": replay_probs,
            "logprobs": logprobs and str(Path(logprobs).resolve()), "dir": str(run.parent), "exp_name": run.name}
     env = {**os.environ, "SOURCE_PATCH": ",".join(SPECS + (("routing",) if routes else ()))}
-    code = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(job)], env=env).returncode
+    code = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(job)], env=env, stdout=stdout).returncode
     if code == KEPT:  # the run is whole; only the log-probs could not be written (said on stderr)
         raise Stopped(f"--logprobs {logprobs}: not written; the replayed run is kept: {run}")
     if code:  # no half run left behind to be read as the latest
@@ -231,9 +255,15 @@ def _forwards(dump, model, requests: dict, records: dict, replay_probs: bool, wh
     return logps
 
 
-def _fail(exc) -> int:
-    print(f"replay: {str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__}", file=sys.stderr)
-    return 2
+def _fail(exc, as_json: bool = False) -> int:
+    return commands.error(commands.first_line(exc), as_json=as_json)
+
+
+def _stopped(as_json: bool) -> int:
+    """The worker stopped and said why on stderr: under --json, stdout still gets its object."""
+    if as_json:
+        print(json.dumps({"error": "the replay stopped; its reason is on stderr", "exit": commands.USAGE}))
+    return commands.USAGE
 
 
 def _said(exc: BaseException) -> str:
@@ -495,7 +525,7 @@ def _build(builder: str | None, checkpoint):
 
     if "__sp__" not in vars(layer):
         raise ReplayError("Megatron's TransformerLayer is not patched: SOURCE_PATCH=megatron_cpu,dump must apply "
-                          "before Megatron imports (is the start hook installed? `source-patch hook status`)")
+                          f"before Megatron imports (is the start hook installed? {commands.command('hook', 'status')})")
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():

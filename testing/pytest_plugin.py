@@ -6,12 +6,17 @@ and the ``source_patch_import`` fixture for patched-module tests:
 
     def test_capture(source_patch_import):
         moe_utils = source_patch_import("megatron.core.transformer.moe.moe_utils", "routing")
+        topk = source_patch_import("sglang.srt.layers.moe.topk", "sglang_cpu", "mine.yaml")
+
+(a spec that patches none of the module, such as ``sglang_cpu``, is activated for the
+session before the module's package is imported: docs/authoring.md, "Testing a patch of
+SGLang code").
 
 A real SGLang engine with specs active in its processes (testing/sglang.py;
 skipped when SGLang is not installed; ``sglang_cpu`` is always added):
 
     def test_routes(sglang_server):
-        server = sglang_server(specs=["routing"], env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture"})
+        server = sglang_server(specs=["routing"], env={"SOURCE_PATCH_ROUTING_SGLANG_MODE": "capture"})
         server.generate(input_ids=[1, 2, 3], max_new_tokens=4)
 
 ``sglang_server(specs, args, env, model)`` starts ``python -m sglang.launch_server``,
@@ -60,16 +65,62 @@ def pytest_report_header(config):
 def source_patch_import(tmp_path_factory):
     """``source_patch_import(module, *specs)``: a fresh patched copy of ``module``.
 
-    The already-imported module (if any) and ``sys.modules`` are left untouched.
+    The already-imported module (if any) and ``sys.modules`` are left untouched.  A
+    spec among ``specs`` that patches none of ``module`` (``sglang_cpu``, or
+    ``megatron_cpu`` beside a module it leaves alone) is the test's environment: it is
+    activated for the rest of the session before the module's package is imported, as
+    ``--source-patch`` would, since its patches must apply as their modules first import.
     """
+    from source_patch.patcher import spec as spec_mod
     from source_patch.patcher.activation import import_patched_copy
 
     cache_dir = tmp_path_factory.mktemp("source-patch-cache")
 
     def load(module: str, *specs):
-        return import_patched_copy(module, *near_caller(specs), cache_dir=cache_dir)
+        loaded = [s if isinstance(s, spec_mod.Spec) else spec_mod.load(s) for s in near_caller(specs)]
+        if any(p.module == module for s in loaded for p in s.patches):  # else the copy says so
+            for environment in [s for s in loaded if all(p.module != module for p in s.patches)]:
+                activate_environment(environment, module)
+        try:  # the copy imports the module's package first, as a plain import would
+            return import_patched_copy(module, *loaded, cache_dir=cache_dir)
+        except RuntimeError as exc:
+            error = exc
+        sglang_without_cpu_spec(module, error)  # outside the except: no chained traceback
 
     return load
+
+
+def activate_environment(spec, module: str) -> None:
+    """Activate ``spec`` for the session (a no-op where it is active already); fail the
+    test in one line where a module it patches was imported without it."""
+    import sys
+
+    from source_patch.patcher.activation import activate, installed_finder
+
+    finder = installed_finder()
+    if finder and any((s.name, str(s.file)) == (spec.name, str(spec.file)) for s in finder.specs):
+        return
+    late = sorted({p.module for p in spec.patches if p.module in sys.modules
+                   and not _applied(sys.modules[p.module], spec.name, p.id)})
+    if late:
+        pytest.fail(f"source_patch_import({module!r}): {', '.join(late)} was imported before spec "
+                    f"{spec.name!r} could patch it: run pytest with --source-patch {spec.name} "
+                    f"(it applies before any import)", pytrace=False)
+    activate([spec])
+
+
+def _applied(module, spec: str, patch: str) -> bool:
+    return any((a.spec, a.patch) == (spec, patch) for a in getattr(module, "__source_patches__", ()))
+
+
+def sglang_without_cpu_spec(module: str, error: RuntimeError) -> None:
+    """SGLang's package imported on a CPU-only torch without ``sglang_cpu``: one line
+    that says to add it (else the error as it was)."""
+    if "torchvision::" not in str(error) or not module.startswith("sglang"):
+        raise error
+    pytest.fail(f"source_patch_import({module!r}): importing SGLang failed ({error}): on a CPU-only "
+                f"torch add the bundled spec 'sglang_cpu' to the specs (source_patch_import({module!r}, "
+                f"'sglang_cpu', ...)) or run pytest with --source-patch sglang_cpu", pytrace=False)
 
 
 def near_caller(specs, depth: int = 2) -> list:

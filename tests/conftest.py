@@ -319,7 +319,7 @@ def instrumented_sglang(sglang_cpu, sglang_server, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("instrumented")
     trace_port, token = free_port(), "instrumented-test-token"
-    env = {"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture", "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(root / "routes"),
+    env = {"SOURCE_PATCH_ROUTING_SGLANG_MODE": "capture", "SOURCE_PATCH_ROUTING_SGLANG_DIR": str(root / "routes"),
            "SOURCE_PATCH_DUMP_DIR": str(root / "dumps"), "SOURCE_PATCH_DUMP_EXP_NAME": "serve",
            "DUMPER_SERVER_PORT": "reuse", "SOURCE_PATCH_TRACE_PORT": str(trace_port),
            "SOURCE_PATCH_TRACE_TOKEN": token, "SOURCE_PATCH_TRACE_DIR": str(root / "trace"),

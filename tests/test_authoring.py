@@ -249,7 +249,9 @@ def test_the_cli_writes_a_skeleton_once_and_lists_anchors(tmp_path, capsys, monk
 
     monkeypatch.chdir(tmp_path)
     assert cli.main(["new", "probe", "--module", "spfix.basic", "--target", "add"]) == 0
-    assert capsys.readouterr().out == "wrote probe.yaml; check it with: source-patch check probe.yaml\n"
+    from source_patch.runtime.core.commands import command
+
+    assert capsys.readouterr().out == f"wrote probe.yaml; check it with: {command('check', 'probe.yaml')}\n"
     assert "target: add" in (tmp_path / "probe.yaml").read_text()
     assert cli.main(["new", "probe"]) == 2  # never overwrites
     assert "probe.yaml exists; choose another name or -o FILE" in capsys.readouterr().err

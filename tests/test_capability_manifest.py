@@ -157,7 +157,7 @@ def test_one_name_per_capability(name):
     assert all(component == name or component.startswith(name + "_") for component in cap.components)
     names = [n for module, group in cap.call_sites.items() for n in group]
     assert names and all(n == name or n.startswith(name + "_") for n in names), names
-    assert cap.page and (ROOT / "docs" / cap.page).is_file() and cap.page.startswith(name), cap.page
+    assert cap.page and (ROOT / "docs" / cap.page).is_file() and cap.page == f"{name}.md", cap.page
     assert f"({cap.page})" in (ROOT / "docs" / "index.md").read_text(), "docs/index.md does not link it"
     for spec in cap.specs:
         assert (ROOT / "patches" / spec).is_file(), spec

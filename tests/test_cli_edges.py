@@ -239,16 +239,17 @@ def test_the_old_module_entry_points_keep_working():
 
 
 def test_stream_status_reads_a_missing_db_as_an_error(tmp_path, capsys):
-    assert cli.main(["stream-status", "--db", str(tmp_path / "none.db")]) == 1
-    assert capsys.readouterr().err.startswith("error: ")
+    assert cli.main(["stream-status", "--db", str(tmp_path / "none.db")]) == 2  # unusable input
+    assert capsys.readouterr().err.startswith("source-patch: error: no control db at ")
 
 
 def test_bash_completion_lists_every_command(capsys):
     assert cli.main(["completion", "bash"]) == 0
     script = capsys.readouterr().out
     assert script.endswith("complete -o filenames -F _source_patch source-patch\n")
-    for command in ("check", "diff", "anchors", "dumps", "trace", "stream-status", "completion", "--version"):
-        assert f" {command} " in script or f'"{command} ' in script
+    (top,) = [line for line in script.splitlines() if "COMP_CWORD\" -eq 1" not in line and "compgen -W '" in line]
+    offered = top.split("'")[1].split()
+    assert {"check", "diff", "anchors", "dumps", "trace", "stream-status", "completion", "--version", "-V"} <= set(offered)
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 

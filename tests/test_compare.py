@@ -74,7 +74,7 @@ def test_the_twin_and_the_engine_agree_on_every_layer(rollout, replayed, tmp_pat
     out = tmp_path / "report.json"
     from source_patch.patcher import cli
 
-    assert cli.main(["compare", str(rollout), str(train), "--json", str(out)]) == 0
+    assert cli.main(["compare", str(rollout), str(train), "--json-out", str(out)]) == 0
     assert json.loads(out.read_text())["first_divergent"] is None
 
 

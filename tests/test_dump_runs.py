@@ -35,7 +35,7 @@ def test_the_reader_reads_the_latest_run_of_a_kind_and_says_which(tmp_path, caps
     assert reader.main([str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert "1 records" in captured.out
-    assert captured.err.startswith(f"reader: {tmp_path} holds 2 runs; reading the latest, {new.name} "
+    assert captured.err.startswith(f"source-patch: note: {tmp_path} holds 2 runs; reading the latest, {new.name} "
                                    f"(others: {old.name} (")
     assert "pick one with --exp-name NAME" in captured.err and "exp_name=" not in captured.err
     assert reader.main([str(tmp_path), "--exp-name", old.name]) == 0
@@ -50,15 +50,15 @@ def test_runs_of_different_kinds_are_listed_not_guessed(tmp_path, capsys):
                                                r"train \(.*\); pick one with exp_name=NAME"):  # newest first
         reader.load(tmp_path)
 
-    assert reader.main([str(tmp_path)]) == 1
+    assert reader.main([str(tmp_path)]) == 2  # unusable input, as compare says it
     err = capsys.readouterr().err
-    assert err.startswith(f"reader: {tmp_path} holds 2 runs of different kinds: rollout (") and "train (" in err
+    assert err.startswith(f"source-patch: error: {tmp_path} holds 2 runs of different kinds: rollout (") and "train (" in err
     assert "pick one with --exp-name NAME" in err and "exp_name=" not in err
 
     assert cli.main(["compare", str(tmp_path), str(tmp_path)]) == 2
     captured = capsys.readouterr()
     lines = captured.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"compare: {tmp_path} holds 2 runs of different kinds")
+    assert len(lines) == 1 and lines[0].startswith(f"source-patch: error: {tmp_path} holds 2 runs of different kinds")
     assert "--exp-name NAME" in lines[0] and "exp_name=" not in lines[0] and captured.out == ""
 
     assert cli.main(["compare", str(tmp_path), str(tmp_path), "--exp-name", "rollout", "--exp-name", "train"]) == 0
@@ -74,7 +74,7 @@ def test_compare_takes_the_latest_training_run_by_default(tmp_path, capsys):
     assert cli.main(["compare", str(rollout), str(replays)]) == 1  # the latest, changed, diverges
     captured = capsys.readouterr()
     assert "first divergent: mlp_output layer 0" in captured.out
-    assert captured.err.startswith(f"compare: {replays} holds 2 runs; reading the latest, replay-20261125-120000-2 ")
+    assert captured.err.startswith(f"source-patch: note: {replays} holds 2 runs; reading the latest, replay-20261125-120000-2 ")
     # Once, --exp-name names the run under either side's dump root (the rollout is a run already).
     assert cli.main(["compare", str(rollout), str(replays), "--exp-name", "replay-20261125-120000"]) == 0
     assert capsys.readouterr().err == ""
@@ -82,9 +82,9 @@ def test_compare_takes_the_latest_training_run_by_default(tmp_path, capsys):
 
 def test_a_missing_run_lists_the_runs_there(tmp_path, capsys):
     run(tmp_path, "train_moe-20261124-094143")
-    assert reader.main([str(tmp_path), "--exp-name", "train_moe-2026"]) == 1
+    assert reader.main([str(tmp_path), "--exp-name", "train_moe-2026"]) == 2
     assert capsys.readouterr().err.startswith(
-        f"reader: no run 'train_moe-2026' under {tmp_path} (its runs: train_moe-20261124-094143 (")
+        f"source-patch: error: no run 'train_moe-2026' under {tmp_path} (its runs: train_moe-20261124-094143 (")
     assert cli.main(["compare", str(tmp_path), str(tmp_path), "--exp-name", "a", "--exp-name", "b",
                      "--exp-name", "c"]) == 2
     assert "--exp-name: at most twice" in capsys.readouterr().err

@@ -73,7 +73,7 @@ def test_roundtrip_with_tags_values_and_manifest(dumper, sp):
     assert dumper.flush(10)
 
     st = dumper.state()
-    assert (st["records"], st["errors"], st["dropped"], st["queue_depth"]) == (15, 0, 0, 0)
+    assert (st["counters"]["records"], st["counters"]["errors"], st["counters"]["dropped"], st["queue_depth"]) == (15, 0, 0, 0)
     rank_dir = exp_dir(dumper) / "rank-0"
     files = sorted(p.name for p in rank_dir.iterdir())
     assert "manifest.jsonl" in files and all(f == "manifest.jsonl" or f.endswith(".safetensors") for f in files)
@@ -133,7 +133,7 @@ def test_loader_filters_and_cli(dumper, capsys):
     assert dump_reader.main([str(root)]) == 0
     out = capsys.readouterr().out
     assert "attn_out" in out and "0-2" in out and "0-3" in out and "51 records" in out
-    assert dump_reader.main([str(root / "missing")]) == 1
+    assert dump_reader.main([str(root / "missing")]) == 2  # unusable input
 
 
 def test_reused_experiment_directory_keeps_both_runs(dumper, monkeypatch):
@@ -176,7 +176,7 @@ def test_files_are_published_before_their_manifest_lines(dumper, monkeypatch):
     dumper.configure(fsync=True)
     dumper.dump("y", torch.ones(3))
     dumper.flush(10)
-    assert seen and all(seen) and dumper.state()["records"] == 6
+    assert seen and all(seen) and dumper.state()["counters"]["records"] == 6
 
 
 def test_safetensors_files_are_self_describing(dumper):
@@ -270,7 +270,7 @@ def test_filter_semantics(dumper):
     kept = [(line["name"], line["tags"]["step"], line["tags"]["layer"]) for line in manifest_lines(dumper)]
     expected = [(n, s, l) for s in (0, 2, 3) for l in (0, 1, 5) for n in ("attn_out", "qkv.1")]
     assert kept == expected
-    assert dumper.state()["filtered"] == 4 * (4 * 4 + 1) + 1 - len(expected)
+    assert dumper.state()["counters"]["filtered"] == 4 * (4 * 4 + 1) + 1 - len(expected)
 
     dumper.configure(ranks=[1, 2], names=None, layers=None, steps=None, phases=None)
     dumper.dump("attn_out", torch.zeros(1), layer=0)  # this process is rank 0
@@ -360,7 +360,7 @@ def test_disabled_queues_nothing(dumper, sp, monkeypatch):
     sp.dump_microbatch()
     sp.dump_step()
     st = dumper.state()
-    assert called == [] and (st["records"], st["queue_depth"], st["filtered"], st["errors"]) == (0, 0, 0, 0)
+    assert called == [] and (st["counters"]["records"], st["queue_depth"], st["counters"]["filtered"], st["counters"]["errors"]) == (0, 0, 0, 0)
     assert st["step"] == 1  # steps are still counted, so enabling later tags the right step
     assert not exp_dir(dumper).exists()
 
@@ -385,11 +385,11 @@ def test_full_queue_drops_and_counts(dumper, sp, monkeypatch):
     for _ in range(10):
         assert sp.dump("x", x) is x
     st = dumper.state()
-    assert (st["dropped"], st["queue_depth"], st["queue_bytes"]) == (8, 2, 800)
+    assert (st["counters"]["dropped"], st["queue_depth"], st["queue_bytes"]) == (8, 2, 800)
     gate.set()
     assert dumper.flush(10)
     st = dumper.state()
-    assert (st["records"], st["dropped"], st["queue_depth"], st["queue_bytes"]) == (2, 8, 0, 0)
+    assert (st["counters"]["records"], st["counters"]["dropped"], st["queue_depth"], st["queue_bytes"]) == (2, 8, 0, 0)
 
 
 def test_full_queue_blocks_until_room(dumper, monkeypatch, caplog):
@@ -411,7 +411,7 @@ def test_full_queue_blocks_until_room(dumper, monkeypatch, caplog):
         thread.join(10)
     assert done.is_set() and dumper.flush(10)
     st = dumper.state()
-    assert (st["records"], st["dropped"]) == (4, 0) and st["blocked_s"] > 0.2
+    assert (st["counters"]["records"], st["counters"]["dropped"]) == (4, 0) and st["counters"]["blocked_s"] > 0.2
     # The writer fell behind: counted per wait, said once, with the rates in and out.
     assert st["counters"]["waits"] >= 1 and st["counters"]["write_s"] > 0
     behind = [r.getMessage() for r in caplog.records if "falling behind" in r.getMessage()]
@@ -422,7 +422,7 @@ def test_record_larger_than_queue_passes_alone(dumper):
     dumper.configure(queue_bytes=16, on_full="drop")
     dumper.dump("big", torch.zeros(100))
     dumper.flush(10)
-    assert dumper.state()["records"] == 1 and dumper.state()["dropped"] == 0
+    assert dumper.state()["counters"]["records"] == 1 and dumper.state()["counters"]["dropped"] == 0
 
 
 def _fs_type(path) -> str:
@@ -530,7 +530,7 @@ def test_unsupported_values_are_counted_not_raised(dumper, sp, caplog):
         c = torch.zeros(2, dtype=torch.complex64)
         assert sp.dump("c", c) is c
     st = dumper.state()
-    assert st["errors"] == 4 and "complex" in st["last_error"]
+    assert st["counters"]["errors"] == 4 and "complex" in st["last_error"]
     assert sum("cannot dump a str" in r.getMessage() for r in caplog.records) == 1  # logged once
 
 
@@ -545,7 +545,7 @@ def test_enospc_is_counted_and_logged_once(dumper, sp, monkeypatch, caplog):
             assert sp.dump("x", x) is x
             dumper.flush(10)
     st = dumper.state()
-    assert (st["records"], st["lost"], st["errors"]) == (0, 3, 3)
+    assert (st["counters"]["records"], st["counters"]["lost"], st["counters"]["errors"]) == (0, 3, 3)
     assert "No space left on device" in st["last_error"]
     assert sum("No space left" in r.getMessage() for r in caplog.records) == 1
     rank_dir = exp_dir(dumper) / "rank-0"
@@ -553,7 +553,7 @@ def test_enospc_is_counted_and_logged_once(dumper, sp, monkeypatch, caplog):
     monkeypatch.undo()
     sp.dump("after", x)
     dumper.flush(10)
-    assert names_written(dumper) == ["after"] and dumper.state()["records"] == 1
+    assert names_written(dumper) == ["after"] and dumper.state()["counters"]["records"] == 1
 
 
 def test_failed_write_midway_leaves_no_file(dumper, monkeypatch):
@@ -570,7 +570,7 @@ def test_failed_write_midway_leaves_no_file(dumper, monkeypatch):
     dumper.dump("x", torch.ones(4))
     dumper.flush(10)
     assert list((exp_dir(dumper) / "rank-0").iterdir()) == []
-    assert dumper.state()["lost"] == 1
+    assert dumper.state()["counters"]["lost"] == 1
 
 
 def test_manifest_failure_removes_the_file_and_truncates_partial_lines(dumper, monkeypatch, tmp_path):
@@ -640,7 +640,7 @@ def test_read_only_directory(dumper):
             result = json.loads(json.dumps(attempt(), default=str))
         st = result["state"]
         assert result["returned"] == [True] * 3
-        assert st["records"] == 0 and st["lost"] == 3 and st["errors"] >= 1
+        assert st["counters"]["records"] == 0 and st["counters"]["lost"] == 3 and st["counters"]["errors"] >= 1
         assert "Permission denied" in st["last_error"] or "Read-only" in st["last_error"]
         assert list(readonly.iterdir()) == []
     finally:
@@ -657,7 +657,7 @@ def test_unwritable_dir_path_is_a_file(dumper, tmp_path):
     assert dumper.dump("x", 5) == 5
     dumper.flush(10)
     st = dumper.state()
-    assert st["lost"] == 1 and ("NotADirectoryError" in st["last_error"] or "FileExistsError" in st["last_error"])
+    assert st["counters"]["lost"] == 1 and ("NotADirectoryError" in st["last_error"] or "FileExistsError" in st["last_error"])
 
 
 # ---------------------------------------------------------------- HTTP control endpoint
@@ -702,9 +702,9 @@ def test_control_state_configure_reset(control, dumper):
     assert names_written(dumper) == ["a_first", "b_kept"]
     dumper.dump_step()
     status, st = control("GET", "/dumper/get_state")  # SGLang's path
-    assert status == 200 and st["records"] == 2 and st["filtered"] == 1 and st["step"] == 1
+    assert status == 200 and st["counters"]["records"] == 2 and st["counters"]["filtered"] == 1 and st["step"] == 1
     status, body = control("POST", "/reset")
-    assert status == 200 and body["state"]["records"] == 0 and body["state"]["step"] == 0
+    assert status == 200 and body["state"]["counters"]["records"] == 0 and body["state"]["step"] == 0
     status, _ = control("POST", "/configure", {"enable": False, "max_request_bytes": 100})
     assert status == 200 and dumper.state()["enabled"] is False
     status, body = control("POST", "/configure", {"names": ["x" * 200]})  # the same server, new limit
@@ -855,7 +855,7 @@ def test_cuda_async_copies(dumper, gpu_copy):
     torch.cuda.synchronize()
     assert dumper.flush(60)
     st = dumper.state()
-    assert st["errors"] == 0 and st["records"] == 21, st
+    assert st["counters"]["errors"] == 0 and st["counters"]["records"] == 21, st
     for r in dump_reader.load(exp_dir(dumper)):
         if r.name == "z":
             assert torch.equal(r.tensor, torch.arange(10))
@@ -879,4 +879,4 @@ def test_cuda_graph_capture_is_skipped_not_broken(dumper):
     graph.replay()
     torch.cuda.synchronize()
     assert dumper.flush(10)
-    assert dumper.state()["records"] == 0 and "graph capture" in dumper.state()["last_error"]
+    assert dumper.state()["counters"]["records"] == 0 and "graph capture" in dumper.state()["last_error"]

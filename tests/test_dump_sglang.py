@@ -51,8 +51,8 @@ def test_dumper_control_speaks_sglangs_names_and_validates_as_a_whole(dumper):
     dumper.dump("b", torch.ones(1), layer=1)
     dumper.flush(10)
     state = dump_sglang.handle_control("get_state", {})
-    assert (state["records"], state["filtered"]) == (1, 1)
-    assert dump_sglang.handle_control("reset", {})["records"] == 0
+    assert (state["counters"]["records"], state["counters"]["filtered"]) == (1, 1)
+    assert dump_sglang.handle_control("reset", {})["counters"]["records"] == 0
     with pytest.raises(ValueError, match="unknown method"):
         dump_sglang.handle_control("explode", {})
 
@@ -144,6 +144,6 @@ def test_dumper_endpoints_on_sglangs_own_server_control_every_scheduler(instrume
         new = wait_for(lambda: reader.load(dumps)[before:], lambda rs: len(rs) >= 4)
         assert {r.name for r in new} == {"router_logits"} and len(new) == 4  # 2 passes x 2 layers
         status, state = server.post("/dumper/get_state")
-        assert status == 200 and state[0]["enabled"] and state[0]["filtered"] > 0
+        assert status == 200 and state[0]["enabled"] and state[0]["counters"]["filtered"] > 0
     finally:
         server.post("/dumper/configure", {"enable": True, "names": []})

@@ -365,4 +365,4 @@ def test_status_cli(tmp_path):
     bare = subprocess.run(cli, capture_output=True, text=True, check=True).stdout.splitlines()
     assert bare[:3] == ["committed: 5", "in_flight: 3", "acked: 2"]
     missing = subprocess.run(cli[:-1] + [str(tmp_path / "none.db")], capture_output=True, text=True)
-    assert missing.returncode == 1 and "no control db" in missing.stderr
+    assert missing.returncode == 2 and missing.stderr.startswith("source-patch: error: no control db")

@@ -1,4 +1,4 @@
-"""Graph-safe call sites (runtime/core/graph_stage.py, issue 31 build item 1): a call site
+"""Graph-safe call sites (runtime/core/adapters/graph_stage.py, issue 31 build item 1): a call site
 under CUDA graph capture stages its tensor in the graph; every replay is drained into the
 same writer an eager call uses, padding rows excluded, tagged cuda_graph; an undrained
 replay is an error.  Captured in torch.cuda.graph and replayed with new inputs (gpu);
@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from source_patch.runtime.core import graph_stage  # noqa: E402
-from source_patch.runtime.core.graph_stage import GraphStage, GraphStageError  # noqa: E402
+from source_patch.runtime.core.adapters import graph_stage  # noqa: E402
+from source_patch.runtime.core.adapters.graph_stage import GraphStage, GraphStageError  # noqa: E402
 from source_patch.runtime.routing.megatron import capture as routing_capture, control as routing  # noqa: E402
 from source_patch.runtime.routing.megatron import replay as routing_replay  # noqa: E402
 

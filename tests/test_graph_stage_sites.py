@@ -1,5 +1,5 @@
 """Dump and trace call sites under CUDA graphs (issue 31, build item 1): the same
-GraphStage mechanism routing uses (runtime/core/graph_stage.py).  Under capture a
+GraphStage mechanism routing uses (runtime/core/adapters/graph_stage.py).  Under capture a
 call site stages a copy in the graph; the drain after each replay writes the rows
 (padding excluded) through the eager writer, tagged cuda_graph, with the step as it is
 then; a Megatron graph's warm-up passes record nothing.  The GPU test captures dump,
@@ -13,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from source_patch.runtime.core import graph_stage  # noqa: E402
+from source_patch.runtime.core.adapters import graph_stage  # noqa: E402
 from source_patch.runtime.core.endpoint import free_port  # noqa: E402
-from source_patch.runtime.core.graph_stage import GraphStage, GraphStageError  # noqa: E402
+from source_patch.runtime.core.adapters.graph_stage import GraphStage, GraphStageError  # noqa: E402
 from source_patch.runtime.dump.reader import load  # noqa: E402
 from source_patch.runtime.routing.megatron import capture as routing_capture, control as routing  # noqa: E402
 from source_patch.runtime.trace import api, control, graphs  # noqa: E402
@@ -129,11 +129,11 @@ def test_a_graph_built_while_dumping_was_off_says_so_once(dumper, caplog):
     finally:
         graph_stage.use("test", on=False)
         graph_stage.use("dump", dumper._unstaged)
-    before = dumper.state()["errors"]
+    before = dumper.state()["counters"]["errors"]
     for _ in range(3):
         graph_stage.graph_replay(runner)
         graph_stage.graph_replayed(runner)
-    assert dumper.state()["errors"] == before + 1
+    assert dumper.state()["counters"]["errors"] == before + 1
     assert "MoETransformerLayer 5: its CUDA graph was built while dumping was off" in dumper.state()["last_error"]
 
 

@@ -62,7 +62,7 @@ def test_200_idle_half_requests_do_not_delay_the_token_holder(endpoint, dumper, 
         start = time.perf_counter()
         status, state = get_state(endpoint)  # before: ~60 s (200 / 16 workers x 5 s)
         assert status == 200 and time.perf_counter() - start < 1.0
-        assert state["errors"] == 0
+        assert state["counters"]["errors"] == 0
     finally:
         for sock in idle:
             sock.close()
@@ -359,7 +359,7 @@ def test_a_malformed_dump_is_one_clean_line_and_exit_2(tmp_path, capsys, case):
     assert run_cli(rollout, train) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("compare: "), captured.err
+    assert len(lines) == 1 and lines[0].startswith("source-patch: error: "), captured.err
     assert CASES[case][3] in lines[0]
     assert "Traceback" not in captured.err and captured.out == ""
 
@@ -390,7 +390,7 @@ def test_the_real_cli_neither_hangs_nor_opens_what_a_manifest_points_at(tmp_path
     train = write_dump(tmp_path / "train", records(True), after)
     result = cli_subprocess(rollout, train)
     lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("compare: "), result.stderr
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("source-patch: error: "), result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -398,7 +398,7 @@ def test_reports_into_a_missing_folder_or_onto_a_folder_are_clean_errors(tmp_pat
     rollout = write_dump(tmp_path / "rollout", records(False))
     train = write_dump(tmp_path / "train", records(True))
     for flag, target, said in (("--html", tmp_path / "no" / "such" / "r.html", "no folder"),
-                               ("--json", tmp_path / "missing" / "r.json", "no folder"),
+                               ("--json-out", tmp_path / "missing" / "r.json", "no folder"),
                                ("--html", tmp_path, "is a folder")):
         assert run_cli(rollout, train, flag, target) == 2
         captured = capsys.readouterr()
@@ -413,7 +413,7 @@ def test_json_reports_hold_no_bare_nan(tmp_path, capsys):
     named(train, "layer_input")[2] = torch.zeros(4, 8)  # a zero reference: relative L2 is infinite
     dirs = [write_dump(tmp_path / "rollout", rollout), write_dump(tmp_path / "train", train)]
     out = tmp_path / "report.json"
-    assert run_cli(*dirs, "--json", out, "--html", tmp_path / "report.html") == 1
+    assert run_cli(*dirs, "--json-out", out, "--html", tmp_path / "report.html") == 1
 
     def no_bare_constants(name):
         raise AssertionError(f"bare {name} in the JSON report")

@@ -209,16 +209,16 @@ def test_new_into_a_missing_folder(tmp_path):
 
 def test_run_a_command_that_is_not_there(write_spec, tmp_path):
     proc = child([*CLI, "run", "-s", str(write_spec(SPEC)), "--", str(tmp_path / "nonexistent")])
-    one_line_error(proc, f"source-patch run: cannot run {tmp_path}/nonexistent: No such file or directory", 127)
+    one_line_error(proc, f"source-patch: error: run: cannot run {tmp_path}/nonexistent: No such file or directory", 127)
     proc = child([*CLI, "run", "-s", str(write_spec(SPEC)), "--", str(tmp_path)])
-    one_line_error(proc, f"source-patch run: cannot run {tmp_path}: Permission denied", 126)
+    one_line_error(proc, f"source-patch: error: run: cannot run {tmp_path}: Permission denied", 126)
 
 
 @pytest.mark.parametrize("content, says", [
-    (None, "error: trace recording: cannot open {path}: No such file or directory"),
-    (b"not a trace", "error: {path}: not a trace recording (no b'SPTRACE1' header)"),
-    (b"SPTRACE1\xff\xff\xff\xff", "error: {path}: a frame of 4,294,967,295 bytes at offset 8"),
-    (b"SPTRACE1\x05\x00\x00\x00abcde", "error: {path}: the frame at offset 8: frame of 5 bytes is shorter"),
+    (None, "source-patch: error: trace recording: cannot open {path}: No such file or directory"),
+    (b"not a trace", "source-patch: error: {path}: not a trace recording (no b'SPTRACE1' header)"),
+    (b"SPTRACE1\xff\xff\xff\xff", "source-patch: error: {path}: a frame of 4,294,967,295 bytes at offset 8"),
+    (b"SPTRACE1\x05\x00\x00\x00abcde", "source-patch: error: {path}: the frame at offset 8: frame of 5 bytes is shorter"),
 ])
 def test_trace_summary_of_a_missing_or_wrong_file(tmp_path, content, says):
     path = tmp_path / "run.sptrace"
@@ -226,7 +226,7 @@ def test_trace_summary_of_a_missing_or_wrong_file(tmp_path, content, says):
         path.write_bytes(content)
     for command in ("summary", "show"):
         proc = child([*CLI, "trace", command, str(path)])
-        one_line_error(proc, says.format(path=path), 1)
+        one_line_error(proc, says.format(path=path), 2)  # unusable input
 
 
 def test_fifos_are_refused_at_once(tmp_path, capsys, no_hang):
@@ -234,7 +234,7 @@ def test_fifos_are_refused_at_once(tmp_path, capsys, no_hang):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     for args, code, says, why in (
-            (["trace", "summary", str(fifo)], 1, "error: trace recording: ", "is not a regular file"),
+            (["trace", "summary", str(fifo)], 2, "source-patch: error: trace recording: ", "is not a regular file"),
             (["settings", "--write", str(fifo)], 2, f"source-patch: error: cannot write {fifo}: ", "not a regular file"),
             (["new", "x", "-o", str(fifo)], 2, f"source-patch: error: {fifo} exists", "choose another name")):
         start = time.perf_counter()

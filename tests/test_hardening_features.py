@@ -51,9 +51,9 @@ def within(fn, seconds=10.0):
 
 
 def status_cli(*args):
-    """The status command: exit 1 and one clean line, never a traceback or a hang."""
+    """The status command: exit 2 (unusable input) and one clean line, never a traceback or a hang."""
     out = subprocess.run(STATUS + [str(a) for a in args], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1 and out.stderr.startswith("error: "), out.stderr
+    assert out.returncode == 2 and out.stderr.startswith("source-patch: error: "), out.stderr
     assert "Traceback" not in out.stderr
     return out.stderr
 

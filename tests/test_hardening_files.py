@@ -420,7 +420,7 @@ def test_an_unusable_native_dir_is_one_line(where, tmp_path, monkeypatch, fake_c
         native._loaded.clear()
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(err)
-    assert err[-1].startswith(f"source-patch build-native: cannot build into {root}: ")
+    assert err[-1].startswith(f"source-patch: error: build-native: cannot build into {root}: ")
     assert len(err) == (2 if where != "foreign" else 3)  # compiling ...; (the refusal;) the error
     if where == "foreign":
         assert f"owned by uid {OTHER}" in err[0] and f"owned by uid {OTHER}" in err[-1]

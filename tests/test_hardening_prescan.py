@@ -272,7 +272,7 @@ def test_the_endpoint_serves_a_client_while_16_token_holders_post_64_kb_escaped_
     finally:
         for sock in peers:
             sock.close()
-    assert dumper.state()["errors"] == 0
+    assert dumper.state()["counters"]["errors"] == 0
 
 
 def test_token_holders_trickling_a_body_hold_no_worker_and_are_cut_at_the_deadline(endpoint, monkeypatch):

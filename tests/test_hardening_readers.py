@@ -134,9 +134,9 @@ def test_the_reader_still_reads_a_good_file_and_its_cli_says_bad_ones_in_one_lin
     path = a_record(tmp_path)
     assert load(path).indices[0].tolist() == [[0, 1], [1, 2], [2, 3]]
     rewrite(path, set_offsets(["0", "6"]))
-    assert describe.main([str(path)]) == 1
+    assert describe.main([str(path)]) == 2  # unusable input
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1 and "corrupt safetensors entry" in err
+    assert err.startswith("source-patch: error: ") and err.count("\n") == 1 and "corrupt safetensors entry" in err
 
 
 def test_sglang_replay_says_a_rank_that_is_not_an_integer_in_one_line(tmp_path):
@@ -171,7 +171,7 @@ def dumps(tmp_path):
     return write_dump(tmp_path / "rollout", records(False)), write_dump(tmp_path / "train", records(True))
 
 
-@pytest.mark.parametrize("flag", ["--json", "--html"])
+@pytest.mark.parametrize("flag", ["--json-out", "--html"])
 def test_a_fifo_or_a_device_as_the_report_is_refused_within_a_second(tmp_path, capsys, dumps, flag):
     fifo = tmp_path / "report.fifo"
     os.mkfifo(fifo)
@@ -192,7 +192,7 @@ def test_the_html_writer_refuses_a_fifo_itself(tmp_path):
 def test_a_report_replaces_a_link_at_its_path_never_writes_through_it(tmp_path, capsys, dumps):
     victim = tmp_path / "victim.txt"
     victim.write_text("untouched")
-    for flag, name in (("--json", "r.json"), ("--html", "r.html")):
+    for flag, name in (("--json-out", "r.json"), ("--html", "r.html")):
         link = tmp_path / name
         link.symlink_to(victim)
         assert cli.main(["compare", *map(str, dumps), flag, str(link)]) == 0

@@ -74,7 +74,7 @@ def refused(tmp_path, capture, *args, said, limit=None, worker=False):
     took = time.monotonic() - started
     captured = capture.readouterr()
     lines = captured.err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("replay: "), captured.err[-3000:]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("source-patch: error: "), captured.err[-3000:]
     assert said in lines[0], lines[0]
     assert "Traceback" not in captured.err
     assert not (tmp_path / "out").exists() or worker and not any((tmp_path / "out").iterdir())
@@ -265,7 +265,7 @@ def test_logprobs_into_a_missing_folder_is_refused_before_the_replay(tmp_path, c
             said="is a folder")
 
 
-FIFO_CASES = ["--logprobs", "--html", "--json", "config.json", "model.safetensors", "a routing file"]
+FIFO_CASES = ["--logprobs", "--html", "--json-out", "config.json", "model.safetensors", "a routing file"]
 
 
 @pytest.mark.parametrize("where", FIFO_CASES)
@@ -285,7 +285,7 @@ def test_a_fifo_read_or_written_by_replay_is_refused_within_a_second(tmp_path, c
     argv = ["replay", str(rollout), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out"), *map(str, args)]
     assert within_a_second(lambda: cli.main(argv), fifo, grace=20.0) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("replay: ") and "Traceback" not in err, err
+    assert err.count("\n") == 1 and err.startswith("source-patch: error: ") and "Traceback" not in err, err
     assert str(fifo) in err and not (tmp_path / "out").exists()
 
 

@@ -69,8 +69,10 @@ PATCHER_TO_RUNTIME = {
     ("cache", "core/private"),  # the code cache's private files, written and checked as every file we write
     ("spec", "core/settings"),  # validates a spec's `runtime:` sections against the schemas
     ("finder", "facade"),  # the __sp__ handle resolves each name there, on first use
+    ("finder", "core/control"),  # which settings change results (a skipped patch then fails closed)
     ("matrix", "core/bounded"),  # size-limited reads of wheels and their members
     ("cli", "core/settings_doc"),  # the `settings` command
+    ("cli", "core/commands"),  # the grammar every verb shares: exit codes, the error line, the parser, printed commands
     ("cli", "core/private"),  # outputs the user named (`new -o`, `settings --write`), written whole
     ("cli", "dump/compare"),  # the `compare` command's entry
     ("cli", "replay"),  # the `replay` command's entry
@@ -87,6 +89,8 @@ PATCHER_TO_RUNTIME = {
 RUNTIME_TO_PATCHER = {
     ("core/settings", "activation"): ("lookup", "the active specs' `runtime:` sections, from the installed "
                                                 "finder, where the patcher has been imported"),
+    ("core/control", "activation"): ("lookup", "call sites whose patch did not apply, from the installed finder: "
+                                               "a setting that changes results is refused for them"),
 }
 
 
@@ -609,6 +613,7 @@ for component, module in capability.controls().items():
         for call in ("state", "reset"):
             problems += [f"{call}(): {p}" for p in capability.state_violations(getattr(mod, call)())]
         problems += ["enabled() is not a bool"] * (not isinstance(mod.enabled(), bool))
+        problems += ["flush() did not return a bool"] * (not isinstance(mod.flush(timeout=1.0), bool))
         problems += ["close() did not return a bool"] * (not isinstance(mod.close(timeout=1.0), bool))
     found[module] = problems
 print(json.dumps(found))
@@ -644,7 +649,7 @@ def test_the_contract_check_can_fail():
                                 configure_from_settings=lambda: {}, state=lambda: {}, close=lambda: True)
     assert capability.violations(bad) == ["reset(): missing", "configure(): must be callable without arguments "
                                           "(requires mode)", "configure(): must take **changes",
-                                          "close(): must take timeout="]
+                                          "flush(): missing", "close(): must take timeout="]
     assert capability.state_violations({"enabled": 1, "counters": {"a": "x"}}) == [
         "state: no 'config'", "state: no 'last_error'", "state: 'counters' must map names to numbers",
         "state: 'enabled' must be a bool"]

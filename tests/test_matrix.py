@@ -70,7 +70,7 @@ def releases(tmp_path, monkeypatch):
 def test_matrix_prints_the_table_and_exits_1_on_a_broken_anchor(releases, capsys, tmp_path):
     spec, paths = releases
     code = cli.main(["matrix", str(spec), "--releases", *paths, "--write", str(tmp_path / "compat.md"),
-                     "--json", str(tmp_path / "m.json")])
+                     "--json-out", str(tmp_path / "m.json")])
     out, err = capsys.readouterr()
     assert code == 1
     lines = out.splitlines()

@@ -5,7 +5,7 @@ dispatcher) trained with ``cuda_graph_impl="local"`` and ``cuda_graph_scope=["mo
 each layer's router (pre-MLP norm, router, dispatch preprocessing) is a CUDA graph that
 Megatron records in step 0 (eager), builds at the end of step 0 (eager warm-up passes,
 then the capture) and replays from step 1 on.  patches/routing.yaml gives each graph a
-GraphStage (runtime/core/graph_stage.py): capture stages the top-k ids in the graph and
+GraphStage (runtime/core/adapters/graph_stage.py): capture stages the top-k ids in the graph and
 drains them after every replay; replay feeds the recorded ids into a static buffer the
 graphed router reads.  Learning rate 0: every step routes with the same weights, so a
 difference between two runs can only come from how the routes were taken.
@@ -278,13 +278,13 @@ def main(out: str, mode: str, graphs: str, seed: str, folder: str) -> None:
             routing.save(folder)
     if mode == "dump":
         dump.flush()
-        summary["dump_errors"] = dump.state()["errors"]
+        summary["dump_errors"] = dump.state()["counters"]["errors"]
         summary["dump_last_error"] = dump.state()["last_error"]
-        summary["dump_records"] = dump.state()["records"]
+        summary["dump_records"] = dump.state()["counters"]["records"]
     if mode == "trace":
         tracer.flush()
-        frames = client.close(tracer.state()["results"])
-        summary["trace_errors"] = tracer.state()["errors"]
+        frames = client.close(tracer.state()["counters"]["results"])
+        summary["trace_errors"] = tracer.state()["counters"]["errors"]
         summary["frames"] = sorted(f"{f.step}/{f.meta['name']}/{f.layer}" for f in frames)
         summary["cuda_graph"] = sorted(f"{f.step}/{f.meta['name']}/{f.layer}" for f in frames
                                        if f.meta.get("cuda_graph"))

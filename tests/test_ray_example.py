@@ -104,9 +104,9 @@ def test_the_ray_rl_loop_patches_every_actor_replays_routes_and_serves_the_pushe
     for folder in folders:
         names = {record.name for record in reader.load(folder)}
         assert {"layer_input", "mlp_output", "logits"} <= names, (folder, names)
-    command = next(line for line in lines if line.startswith("compare: source-patch compare "))
-    rollout, train = command.split()[-2:]
-    compared = subprocess.run([sys.executable, "-m", "source_patch.patcher", "compare", rollout, train],
-                              capture_output=True, text=True, timeout=300)
+    from test_printed_commands import fresh_shell, printed
+
+    (command,) = [line for line in printed("\n".join(lines)) if " compare " in line]
+    compared = fresh_shell(command, Path.cwd(), tmp_path, timeout=300)  # as printed, from a fresh shell
     assert compared.returncode == 0 and "no divergence" in compared.stdout, compared.stdout + compared.stderr
     assert "routing agreement      0" in compared.stdout

@@ -27,13 +27,13 @@ def test_runtime_env_carries_specs_and_settings_as_strings_the_runtime_reads_bac
     env = sp_ray.runtime_env(["routing", "mine.yaml"], settings={
         "dump": {"enable": True, "dir": "dumps", "layers": "0-3,7", "names": ["attn_*", "logits"], "port": 0},
         "weight_sync": {"timeout_s": 30, "bucket_bytes": "64M", "backend": "gloo"}},
-        env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture"}, base={"env_vars": {"A": "1"}, "pip": ["x"]})
+        env={"SOURCE_PATCH_ROUTING_SGLANG_MODE": "capture"}, base={"env_vars": {"A": "1"}, "pip": ["x"]})
     variables = env["env_vars"]
     assert env["pip"] == ["x"] and variables["A"] == "1"
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in variables.items())
     assert variables["SOURCE_PATCH"] == f"routing,{spec}"  # a bundled name stays a name, a file becomes absolute
     assert variables["SOURCE_PATCH_DUMP_DIR"] == str(tmp_path / "dumps")  # workers start in another folder
-    assert variables["SOURCE_PATCH_SGLANG_ROUTING_MODE"] == "capture"
+    assert variables["SOURCE_PATCH_ROUTING_SGLANG_MODE"] == "capture"
     dump = settings.resolve("dump", variables)
     assert (dump["enable"], dump["layers"], dump["names"]) == (True, ["0-3", 7], ["attn_*", "logits"])
     sync = settings.resolve("weight_sync", variables)
@@ -112,7 +112,7 @@ def test_an_actor_lists_its_own_endpoints_without_their_tokens(tmp_path, monkeyp
     for key, value in {"ENABLE": "1", "DIR": str(tmp_path / "dumps"), "EXP_NAME": "train"}.items():
         monkeypatch.setenv(f"SOURCE_PATCH_DUMP_{key}", value)
     monkeypatch.setenv("SOURCE_PATCH_TRACE_DIR", str(tmp_path / "trace"))
-    monkeypatch.setenv("SOURCE_PATCH_SGLANG_ROUTING_DIR", str(tmp_path / "routes"))
+    monkeypatch.setenv("SOURCE_PATCH_ROUTING_SGLANG_DIR", str(tmp_path / "routes"))
     control, trace = tmp_path / "dumps" / "train" / "control", tmp_path / "trace"
     control.mkdir(parents=True), trace.mkdir()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -38,7 +38,7 @@ def test_help_shows_every_option(command, capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: source-patch {command} ")
-    for option in ("--exp-name", "--rtol", "--layer-offset", "--json", "--html"):
+    for option in ("--exp-name", "--rtol", "--layer-offset", "--json", "--json-out", "--html"):
         assert option in out, option
     if command == "replay":
         for option in ("--checkpoint", "--out", "--routes", "--replay-probs", "--builder", "--logprobs", "--compare"):
@@ -49,7 +49,7 @@ def test_options_may_come_before_the_folders(tmp_path, capsys):
     """Before, `compare --rtol 1 A B` lost --rtol (argparse.REMAINDER): now it reaches compare."""
     assert cli.main(["compare", "--rtol", "1", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("compare: no dump manifests under ") and err.count("\n") == 1
+    assert err.startswith("source-patch: error: no dump manifests under ") and err.count("\n") == 1
 
 
 def test_replay_errors_are_one_line_before_anything_runs(tmp_path, capsys):
@@ -62,7 +62,7 @@ def test_replay_errors_are_one_line_before_anything_runs(tmp_path, capsys):
     for args, said in cases:
         assert cli.main(["replay", *args]) == 2
         captured = capsys.readouterr()
-        assert captured.err.startswith("replay: ") and captured.err.count("\n") == 1 and said in captured.err, args
+        assert captured.err.startswith("source-patch: error: ") and captured.err.count("\n") == 1 and said in captured.err, args
     assert not (tmp_path / "sp-replay").exists()  # nothing started, nothing made
 
 
@@ -98,24 +98,30 @@ def wait_for(run, lengths: dict, timeout=60.0):
 
 
 @pytest.mark.slow
-def test_the_printed_commands_take_the_rollout_to_no_divergence(rollout, sglang_checkpoint, capsys):
+def test_the_printed_commands_take_the_rollout_to_no_divergence(rollout, sglang_checkpoint, capsys, tmp_path,
+                                                                shared_code_cache):
+    """What `make rollout` prints, run as printed from a fresh shell (tests/test_printed_commands.py)."""
+    from test_printed_commands import fresh_shell, printed
+
     example, run = rollout
     assert example.show(run, sglang_checkpoint) == 0
-    printed = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  source-patch ")]
-    assert [words[1] for words in printed] == ["replay", "compare"]
-    replayed = source_patch(*printed[0][1:])
+    lines = printed(capsys.readouterr().out)
+    assert len(lines) == 2 and " replay " in lines[0]
+    assert lines[1] == replay.compare_command(run / "dumps" / "rollout", run / "replay")
+    replayed = fresh_shell(lines[0], Path.cwd(), tmp_path, shared_code_cache, timeout=600)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert re.search(r"^replayed 4 requests \(\d+ tokens\) through source_patch\.runtime\.weight_sync\.twin:build in "
                      r"[\d.]+ s; routes: expert ids of 4 of 4 requests replayed from ", replayed.stdout, re.M)
     assert "Traceback" not in replayed.stderr and "UserWarning" not in replayed.stderr
 
-    compared = source_patch(*printed[1][1:])
+    assert printed(replayed.stdout) == lines[1:]  # the same compare command as the rollout's
+    compared = fresh_shell(lines[1], Path.cwd(), tmp_path, shared_code_cache)
     assert compared.returncode == 0 and compared.stdout.endswith("no divergence\n"), compared.stdout + compared.stderr
     assert "routing agreement      0     " in compared.stdout and "100.00%" in compared.stdout
-    page = (run / "report.html").read_text()
+    page = (run / "replay" / "report.html").read_text()
     assert "no divergence past rtol" in page
     inputs = dict(re.findall(r"<tr><td>([^<]+)</td><td class='input'>([^<]*)</td></tr>", page))
-    train = next((run / "replay").iterdir())
+    (train,) = [folder for folder in (run / "replay").iterdir() if folder.is_dir()]
     assert inputs["rollout dumps"] == str(run / "dumps" / "rollout") and inputs["training dumps"] == str(train)
     assert inputs["checkpoint"] == str(sglang_checkpoint)
     assert inputs["model builder"] == "source_patch.runtime.weight_sync.twin:build"
@@ -136,7 +142,7 @@ def test_a_perturbed_twin_weight_is_placed_at_its_layer(rollout, sglang_checkpoi
     out = tmp_path / "sp-replay"
     result = source_patch("replay", dumps, "--checkpoint", sglang_checkpoint, "--out", out, "--builder",
                           f"{PERTURBED}:perturbed", "--logprobs", tmp_path / "logps.json",
-                          "--json", tmp_path / "r.json", "--html", tmp_path / "r.html")
+                          "--json-out", tmp_path / "r.json", "--html", tmp_path / "r.html")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "first divergent: attention_output layer 1" in result.stdout
     report = json.loads((tmp_path / "r.json").read_text())

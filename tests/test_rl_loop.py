@@ -31,7 +31,9 @@ def test_three_iterations_serve_weight_versions_1_2_3_and_replay_removes_the_mis
     # Each rollout dumped into a run of its own; the first one's replay command is printed.
     dumps = next(tmp_path.glob("rl-*")) / "dumps"
     assert sorted(d.name for d in dumps.iterdir()) == ["final", "iteration-1", "iteration-2", "iteration-3", "startup"]
-    assert lines[-1].startswith(f"  source-patch replay {dumps / 'iteration-1'} --checkpoint "), lines[-1]
+    from source_patch.runtime.core import commands  # the command as printed: runnable from a fresh shell
+
+    assert lines[-1].startswith(f"  {commands.command('replay', dumps / 'iteration-1', '--checkpoint')} "), lines[-1]
     assert sum("success True" in line for line in lines) == 3
     # The engine computes what the trainer computes, with the trainer's pushed weights.
     for label in ("mismatch", "replay ids", "replay ids+weights"):

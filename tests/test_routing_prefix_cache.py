@@ -33,8 +33,8 @@ def cached_server(sglang_cpu, sglang_server, tmp_path_factory):
     # chunked prefill of 8 tokens: the 14-token prompt is prefilled in two chunks (cache off too)
     server = sglang_server(specs=["routing"], args=["--enable-return-routed-experts", "--skip-server-warmup",
                                                     "--chunked-prefill-size", "8"],
-                           env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture",
-                                "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(routes)})
+                           env={"SOURCE_PATCH_ROUTING_SGLANG_MODE": "capture",
+                                "SOURCE_PATCH_ROUTING_SGLANG_DIR": str(routes)})
     return server, routes
 
 
@@ -140,8 +140,8 @@ def replayed(cached_server, sglang_server, tmp_path_factory):
     rec.replace(sample_ids=["rp-same"], probs=None).save(folder / "same.safetensors")
     rec.replace(sample_ids=["rp-prefix-moved"], indices=moved, probs=None).save(folder / "moved.safetensors")
     replay = sglang_server(specs=["routing"], args=["--disable-radix-cache", "--skip-server-warmup"],
-                           env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "replay",
-                                "SOURCE_PATCH_SGLANG_ROUTING_REPLAY": str(folder)})
+                           env={"SOURCE_PATCH_ROUTING_SGLANG_MODE": "replay",
+                                "SOURCE_PATCH_ROUTING_SGLANG_REPLAY": str(folder)})
     return replay, out["output_ids"]
 
 

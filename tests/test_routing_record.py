@@ -1,6 +1,7 @@
 """Routing records: validation, the on-disk format, CP/SP slicing against Megatron-Core's
 own helpers, interop with Megatron's native RouterReplay, and the CLI."""
 
+import errno
 import json
 import os
 import struct
@@ -126,12 +127,16 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     path = make_record().save(tmp_path / "r.st")
     before = path.read_bytes()
 
-    def broken(*args, **kwargs):
-        raise OSError("disk full")
+    real_write = os.write
 
-    monkeypatch.setattr("safetensors.torch.save_file", broken)
-    with pytest.raises(OSError, match="disk full"):
-        make_record(tokens=20).save(path)
+    def broken(fd, data):  # the temporary file gets a part, then the disk is full
+        real_write(fd, bytes(data[:10]))
+        raise OSError(errno.ENOSPC, "disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "write", broken)
+        with pytest.raises(OSError, match="disk full"):
+            make_record(tokens=20).save(path)
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["r.st"]
 
 
@@ -409,5 +414,5 @@ def test_cli(tmp_path, capsys):
 
     bad = tmp_path / "bad.st"
     bad.write_bytes(path.read_bytes()[:40])
-    assert describe.main([str(bad)]) == 1
-    assert "error:" in capsys.readouterr().err
+    assert describe.main([str(bad)]) == 2  # unusable input (the exit-code table, core/commands.py)
+    assert "source-patch: error:" in capsys.readouterr().err

@@ -133,7 +133,7 @@ def test_capture_then_replay_by_request_and_position(topk_mod, tmp_path):
     _, ids_p = _select(topk_mod, torch.randn(5, E), layer=0)
     rs_batch.set_batch(["a"], [1], [3])
     _, ids_d = _select(topk_mod, torch.randn(1, E), layer=0)
-    rs_files.flush()
+    rs_files.write_held()
     rs.reset()
     rs.configure(mode="replay", replay=tmp_path)
     rs_batch.set_batch(["b", "a"], [2, 1], [0, 3])
@@ -192,8 +192,8 @@ def test_replay_errors_are_clear(topk_mod):
 def test_replay_of_an_empty_capture_folder_routes_unchanged(topk_mod, tmp_path, monkeypatch):
     """Issue 30: SGLang's own tests under capture write no record (no request finishes), so
     replay reads an empty folder: upstream's routes, one warning, never an exception."""
-    monkeypatch.setenv("SOURCE_PATCH_SGLANG_ROUTING_MODE", "replay")
-    monkeypatch.setenv("SOURCE_PATCH_SGLANG_ROUTING_REPLAY", str(tmp_path))
+    monkeypatch.setenv("SOURCE_PATCH_ROUTING_SGLANG_MODE", "replay")
+    monkeypatch.setenv("SOURCE_PATCH_ROUTING_SGLANG_REPLAY", str(tmp_path))
     logits = torch.randn(4, E)
     with pytest.warns(RuntimeWarning, match="no routing files under"):
         _, ids = _select(topk_mod, logits, layer=0)
@@ -205,8 +205,8 @@ def test_replay_of_an_empty_capture_folder_routes_unchanged(topk_mod, tmp_path, 
 def test_a_bad_replay_source_fails_every_call_alike(topk_mod, monkeypatch):
     """A missing source stays a clear error, at every call (it once left the mode set and
     the records unset: a TypeError from the second call on)."""
-    monkeypatch.setenv("SOURCE_PATCH_SGLANG_ROUTING_MODE", "replay")
-    monkeypatch.delenv("SOURCE_PATCH_SGLANG_ROUTING_REPLAY", raising=False)
+    monkeypatch.setenv("SOURCE_PATCH_ROUTING_SGLANG_MODE", "replay")
+    monkeypatch.delenv("SOURCE_PATCH_ROUTING_SGLANG_REPLAY", raising=False)
     for _ in range(2):
         with pytest.raises(ValueError, match="replay mode needs a record"):
             _select(topk_mod, torch.randn(4, E), layer=0)
@@ -236,11 +236,11 @@ def test_merge_rank_files(tmp_path):
         rs_files.merge_rank_files(tmp_path / "nothing")
 
 
-def test_flush_writes_per_rank_files(topk_mod, tmp_path):
+def test_write_held_writes_per_rank_files(topk_mod, tmp_path):
     rs.configure(mode="capture", dir=tmp_path, rank=3)
     rs_batch.set_batch(["req/1", "b"], [2, 1], [0, 0])
     _select(topk_mod, torch.randn(3, E))
-    paths = rs_files.flush()
+    paths = rs_files.write_held()
     assert sorted(p.name for p in paths) == ["b.safetensors", "req_1.safetensors"]
     assert {p.parent.name for p in paths} == {"rank3"}
     merged = rs_files.merge_rank_files(tmp_path)
@@ -292,8 +292,8 @@ def replay_server(instrumented_sglang, sglang_server, tmp_path_factory):
     rec.replace(sample_ids=["moved"], indices=moved).save(folder / "moved.safetensors")
     dumps = tmp_path_factory.mktemp("replay-dumps")
     server = sglang_server(specs=["routing", "dump"], args=["--disable-radix-cache", "--skip-server-warmup"],
-                           env={"SOURCE_PATCH_SGLANG_ROUTING_MODE": "replay",
-                                "SOURCE_PATCH_SGLANG_ROUTING_REPLAY": str(folder),
+                           env={"SOURCE_PATCH_ROUTING_SGLANG_MODE": "replay",
+                                "SOURCE_PATCH_ROUTING_SGLANG_REPLAY": str(folder),
                                 "SOURCE_PATCH_DUMP_DIR": str(dumps), "SOURCE_PATCH_DUMP_NAMES": "topk_ids,row_request"})
     return server, prompt, new, captured["output_ids"], moved, dumps / "default"
 
@@ -334,8 +334,8 @@ def test_tensor_parallel_ranks_capture_and_dump_the_same_routes(instrumented_sgl
     root = tmp_path_factory.mktemp("tp2")
     server = sglang_server(specs=["routing", "dump"],
                            args=["--tp-size", "2", "--disable-radix-cache", "--skip-server-warmup"],
-                           env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SOURCE_PATCH_SGLANG_ROUTING_MODE": "capture",
-                                "SOURCE_PATCH_SGLANG_ROUTING_DIR": str(root / "routes"),
+                           env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SOURCE_PATCH_ROUTING_SGLANG_MODE": "capture",
+                                "SOURCE_PATCH_ROUTING_SGLANG_DIR": str(root / "routes"),
                                 "SOURCE_PATCH_DUMP_DIR": str(root / "dumps"),
                                 "SOURCE_PATCH_DUMP_NAMES": "mlp_output,row_request"})
     try:

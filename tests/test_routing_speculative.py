@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed", allow_module_level=True)
 
-from source_patch.runtime.core.sglang_batch import DRAFT, BatchRows, Unattributed, batch_rows  # noqa: E402
+from source_patch.runtime.core.adapters.sglang_batch import DRAFT, BatchRows, Unattributed, batch_rows  # noqa: E402
 from source_patch.runtime.routing.sglang import batch as rs_batch, call_sites as rs_sites  # noqa: E402
 from source_patch.runtime.routing.sglang import capture as rs_capture, control as rs  # noqa: E402
 from source_patch.runtime.routing.records.record import load  # noqa: E402
@@ -194,7 +194,7 @@ def test_dumps_tag_a_draft_models_forward_as_draft(dumper, sglang_cpu):
         dump_sglang.dump_sglang_forward_end()
     dumper.flush(10)
     modes = {(r.name, r.step): r.tags.get("forward_mode") for r in reader.load(dumper.state()["exp_dir"])}
-    assert dumper.state()["errors"] == 0
+    assert dumper.state()["counters"]["errors"] == 0
     first, second = sorted({step for _, step in modes})
     assert {mode for (_, step), mode in modes.items() if step == first} == {"draft"}
     assert {mode for (_, step), mode in modes.items() if step == second} == {"target_verify"}

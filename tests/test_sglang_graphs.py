@@ -1,5 +1,5 @@
 """Capture under SGLang's decode CUDA graphs (issue 31, build item 2;
-runtime/core/sglang_graphs.py, the decode-graph-* patches of routing.yaml, dump.yaml
+runtime/core/adapters/sglang_graphs.py, the decode-graph-* patches of routing.yaml, dump.yaml
 and trace.yaml).
 
 No machine here runs SGLang's DecodeCudaGraphRunner: SGLang 0.5.23 needs torch 2.14
@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from source_patch.runtime.core import graph_stage, sglang_graphs  # noqa: E402
+from source_patch.runtime.core.adapters import graph_stage, sglang_graphs  # noqa: E402
 from source_patch.runtime.dump import sglang as dump_sglang  # noqa: E402
 from source_patch.runtime.dump.reader import load  # noqa: E402
 from source_patch.runtime.routing.sglang import batch as rs_batch, call_sites as rs_sites  # noqa: E402
@@ -198,7 +198,7 @@ def test_a_dumped_forward_start_is_not_a_warmup(dumper):
     dump_sglang.dump_sglang_graph_build(runner, PAD)
     dump_sglang.dump_sglang_forward(None, None, None, None)  # would fail on None if it ran
     sglang_graphs.sglang_graph_built(runner, PAD)
-    assert dump_sglang._forward_pass == before and dumper.state()["errors"] == 0
+    assert dump_sglang._forward_pass == before and dumper.state()["counters"]["errors"] == 0
 
 
 # --------------------------------------------------------------------------- GPU

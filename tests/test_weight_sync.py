@@ -1176,7 +1176,7 @@ def three_exact_updates(runs, name: str, ep: int) -> list:
         assert differ(got[update], expected) == []
     assert differ(got[3], got[1]) != []  # the steps do change the weights
     trainer = json.loads((tmp / f"{name}.trainer.rank0.json").read_text())
-    assert [s["version"] for s in trainer] == [1, 2, 3] and trainer[-1]["pushes"] == 3
+    assert [s["version"] for s in trainer] == [1, 2, 3] and trainer[-1]["counters"]["pushes"] == 3
     return trainer
 
 
@@ -1187,7 +1187,7 @@ def test_after_each_step_the_receiver_gets_the_trainers_weights_bitwise(runs):
     assert {s["sent_from"] for s in trainer} == {"tensors"}  # gathered over EP: packed
     # The 8 local expert parameters (2 layers x 2 experts x fc1, fc2) come in windows of
     # DDP's expert buffer: a layout check and one window, not a gather per parameter.
-    assert [s["gathers"] for s in trainer] == [2, 2, 2]
+    assert [s["counters"]["gathers"] for s in trainer] == [2, 2, 2]
 
 
 def test_without_gathers_the_weights_go_from_megatrons_parameter_buffers_bitwise(runs):
@@ -1201,7 +1201,7 @@ def test_an_engine_killed_mid_update_fails_the_push_with_a_clear_error(runs):
     tmp, codes, logs = runs
     assert codes["control"] == [17, 0, 0], logs
     trainer = json.loads((tmp / "control.trainer.rank0.json").read_text())
-    assert trainer[1]["failures"] == 1 and trainer[1]["version"] == 1
+    assert trainer[1]["counters"]["failures"] == 1 and trainer[1]["version"] == 1
     assert "v2: WeightSyncError" in trainer[1]["last_error"] and "a peer failed" in trainer[1]["last_error"]
     assert trainer[1]["step_seconds"] < TIMEOUT_S / 2  # a dead peer is noticed at once, not at the timeout
 

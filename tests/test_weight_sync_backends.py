@@ -111,7 +111,7 @@ def test_a_wrong_checksum_is_refused_and_the_previous_weights_stay(pushed, sglan
     assert failed["version"] == 1 and "ChecksumMismatch" in failed["last_error"], failed
     assert "checksum mismatch in bucket(s) 1 of" in failed["last_error"]
     assert tokens(failed["generated"]) == tokens(states[0]["generated"]) and versions(failed["generated"]) == {"1"}
-    assert states[2]["version"] == 3 and states[2]["pushes"] == 2  # the next step syncs again
+    assert states[2]["version"] == 3 and states[2]["counters"]["pushes"] == 2  # the next step syncs again
 
 
 def test_a_trainer_killed_mid_update_leaves_the_server_on_the_previous_weights(pushed, sglang_cpu):

@@ -256,7 +256,7 @@ def test_colocated_a_trainer_over_two_devices_feeds_an_engine_receiver_on_each_b
     assert codes == [0, 0, 0, 0], text
     trainer = json.loads(Path(f"{out}.trainer.json").read_text())
     # three pushes (the last after every parameter changed in place), by the packed push's program
-    assert trainer["pushes"] == 3 and trainer["failures"] == 0 and trainer["gathers"] > 0, trainer
+    assert trainer["counters"]["pushes"] == 3 and trainer["counters"]["failures"] == 0 and trainer["counters"]["gathers"] > 0, trainer
     assert trainer["planned"] is True, trainer
     for d in range(2):
         engine = json.loads(Path(f"{out}.engine{d}.json").read_text())

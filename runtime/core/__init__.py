@@ -13,8 +13,10 @@ reads their manifests (runtime/<name>/manifest.py), which import only core.
     ranks.py          the process's global and parallel ranks, from what is already initialised
     slicing.py        how Megatron splits a sequence over context/sequence-parallel ranks (zigzag)
     failures.py       failure counting: counted, the first of each kind logged, the latest kept
-    sglang_batch.py   which request and position each row of an SGLang batch is
-    graph_stage.py    graph-safe call sites: staged under CUDA graph capture, drained after each
-                      replay (imports torch)
-    sglang_graphs.py  graph_stage.py driven from SGLang's decode graph runner
+    commands.py       what every CLI shares: exit codes, the one error line (JSON under --json),
+                      the parser, printed commands
+    control.py        the capability contract implemented once (Control): each control module
+                      supplies what differs
+    adapters/         what several capabilities need to know of a framework's machinery: CUDA
+                      graph staging, SGLang's graph runner and batch rows (may import torch)
 """

@@ -10,7 +10,8 @@ docs page.  Everything that lists capabilities is derived from the manifests:
 core only (the settings parsers), so reading every manifest imports no capability's
 code: the spec loader does it to validate ``runtime:`` sections.
 
-Each settings component has one control module, which provides::
+Each settings component has one control module, which provides (core/control.py
+implements it once; a control module supplies what differs)::
 
     SETTINGS                           the settings component it reads (core/settings.py)
     enabled() -> bool                  whether its call sites do anything now
@@ -50,6 +51,9 @@ class Component:
 
     control: str
     settings: dict
+    # key -> the values under which this component changes what the model computes (routing
+    # replay); it then fails closed where its call sites did not apply (changes_results below)
+    changes_results: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,28 @@ def call_sites() -> dict[str, str]:
             for module, names in cap.call_sites.items() for name in names}
 
 
+def component_of(name: str) -> str | None:
+    """The settings component an ``__sp__`` name belongs to: the longest component name
+    it starts with (``routing_sglang_topk`` -> routing_sglang), among its capability's."""
+    owner = next((cap for cap in capabilities().values() for names in cap.call_sites.values() if name in names),
+                 None)
+    if owner is None:
+        return None
+    fits = [c for c in owner.components if name == c or name.startswith(c + "_")]
+    return max(fits, key=len) if fits else None
+
+
+def changes_results(component: str, config: dict) -> str | None:
+    """Why ``config`` makes ``component`` change what the model computes (``mode=replay``),
+    or None: then a call site of it that did not apply is an observer's loss, not a wrong run."""
+    declared = next((cap.components[component] for cap in capabilities().values()
+                     if component in cap.components), None)
+    for key, values in (declared.changes_results.items() if declared else ()):
+        if config.get(key) in values:
+            return f"{component} {key}={config[key]}"
+    return None
+
+
 STATE_KEYS = frozenset({"enabled", "config", "counters", "last_error"})
 _NO_ARGUMENTS = ("enabled", "configure_from_settings", "state", "reset")
 
@@ -109,7 +135,7 @@ def violations(module) -> list[str]:
     found = []
     if not isinstance(getattr(module, "SETTINGS", None), str):
         found.append("SETTINGS: missing (the settings component it reads)")
-    for name in (*_NO_ARGUMENTS, "configure", "close"):
+    for name in (*_NO_ARGUMENTS, "configure", "flush", "close"):
         function = getattr(module, name, None)
         if not callable(function):
             found.append(f"{name}(): missing")
@@ -121,8 +147,8 @@ def violations(module) -> list[str]:
             found.append(f"{name}(): must be callable without arguments (requires {', '.join(required)})")
         if name == "configure" and not any(p.kind is p.VAR_KEYWORD for p in params):
             found.append("configure(): must take **changes")
-        if name == "close" and "timeout" not in inspect.signature(function).parameters:
-            found.append("close(): must take timeout=")
+        if name in ("flush", "close") and "timeout" not in inspect.signature(function).parameters:
+            found.append(f"{name}(): must take timeout=")
     return found
 
 

@@ -23,7 +23,7 @@ capability's page says what the settings do together.
 An environment value is checked against its schema when the specs are activated:
 one that is refused stops the start-up with one line naming the variable, the value
 and what is allowed (`SOURCE_PATCH_DUMP_PORT='abc': expected a port number 0-65535,
-got 'abc'`; see [spec.md](spec.md#activation-source_patch-and-the-api)).
+got 'abc'`; see [activation.md](activation.md#activation-source_patch-and-the-api)).
 """
 
 
@@ -35,6 +35,18 @@ def _default(value) -> str:
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def as_json() -> dict:
+    """Every setting as data (``source-patch settings --json``): component -> key ->
+    variable, default (JSON), meaning; with each component's capability and page."""
+    out = {}
+    for cap in capabilities().values():
+        for component, declared in sorted(cap.components.items()):
+            out[component] = {"capability": cap.name, "page": f"docs/{cap.page}", "settings": {
+                key: {"variable": f"SOURCE_PATCH_{component.upper()}_{key.upper()}", "default": setting.default,
+                      "help": setting.help} for key, setting in declared.settings.items()}}
+    return out
 
 
 def markdown() -> str:

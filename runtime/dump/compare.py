@@ -1,7 +1,7 @@
 """Compare a rollout's dumps (SGLang, patches/dump.yaml) with a training
 framework's dumps of the same tokens (Megatron, patches/dump.yaml), layer by layer.
 
-    source-patch compare ROLLOUT_DIR TRAIN_DIR [--exp-name NAME]... [--json r.json] [--html r.html] [--rtol 1e-4]
+    source-patch compare ROLLOUT_DIR TRAIN_DIR [--exp-name NAME]... [--json] [--json-out r.json] [--html r.html] [--rtol 1e-4]
 
     import source_patch.runtime.dump.compare as dump_compare
     report = dump_compare.compare("sp-dumps/rollout", "sp-dumps/train")
@@ -27,14 +27,14 @@ Megatron's ``layer_number`` 1-based (``layer_offset``, default 1).
 Exit codes of the CLI: 0 no divergence, 1 divergence, 2 anything that stops the
 comparison (a failed layout self-test, unreadable or malformed dumps, a report that
 cannot be written, a dump root whose runs are of different kinds), always as one line
-on stderr.  A dump root is read at its latest run (reader.choose); the reports record
+``source-patch: error: ...`` on stderr (and as JSON on stdout under ``--json``, which
+prints the report as JSON instead of the table).  A dump root is read at its latest run (reader.choose); the reports record
 their inputs (:func:`describe_inputs`).  Torch is imported when a comparison runs, not
 with this module (``source-patch replay --help`` reads its options).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from ..core import commands
 from . import reader
 
 # rollout name -> training name: the quantities both specs dump with the same meaning
@@ -359,55 +360,68 @@ def add_report_arguments(p) -> None:
     p.add_argument("--rtol", type=float, default=1e-4, metavar="R",
                    help="relative L2 above which a layer diverges (default 1e-4)")
     p.add_argument("--layer-offset", type=int, default=1, metavar="N",
-                   help="training layer = rollout layer + this (default 1)")
-    p.add_argument("--json", metavar="FILE", help="write the report here as JSON (NaN and infinities as strings)")
+                   help="training layer = rollout layer + this (default 1: SGLang's layer ids are 0-based, "
+                        "Megatron's layer numbers 1-based; the table shows the rollout's)")
+    p.add_argument("--json", action="store_true", help="the report as JSON on stdout instead of the table "
+                   "(an error too: {\"error\": ..., \"exit\": 2})")
+    p.add_argument("--json-out", metavar="FILE", help="write the report here as JSON (NaN and infinities as strings)")
     p.add_argument("--html", metavar="FILE", help="write the report here as a self-contained HTML page with plots")
 
 
-def main(argv=None, prog: str = "python -m source_patch.runtime.dump.compare") -> int:
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+def parser(prog: str = "python -m source_patch.runtime.dump.compare"):
+    p = commands.Parser(prog=prog, description=DESCRIPTION)
     p.add_argument("rollout", help="the rollout's dumps: a dump root (its latest run), a run or a rank folder")
     p.add_argument("train", help="the training side's dumps, the same way")
     p.add_argument("--exp-name", action="append", metavar="NAME",
                    help="the run to read under a dump root: once for both sides, twice for the rollout's "
                         "then the training side's")
     add_report_arguments(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None, prog: str = "python -m source_patch.runtime.dump.compare") -> int:
+    args = parser(prog).parse_args(argv)
     try:
         names = args.exp_name or [None]
         if len(names) > 2:
             raise ValueError("--exp-name: at most twice (the rollout's run, then the training side's)")
-        rollout = reader.choose_for_cli(args.rollout, names[0], "compare")
-        train = reader.choose_for_cli(args.train, names[-1], "compare")
+        rollout = reader.choose_for_cli(args.rollout, names[0])
+        train = reader.choose_for_cli(args.train, names[-1])
     except (OSError, ValueError) as exc:
-        return _fail(exc)
+        return _fail(exc, args.json)
     return report(rollout, train, args)
 
 
-def report(rollout, train, args) -> int:
+def report(rollout, train, args, wrap=None) -> int:
     """Compare two dump folders with ``args``' options (:func:`add_report_arguments`),
-    print the table, write the reports; the exit code (0, 1, 2; errors one line)."""
+    write the reports, print the table (under --json the report, through ``wrap``: what
+    replay puts around it); the exit code (0, 1, 2; errors one line)."""
     try:
-        for flag, path in (("--json", args.json), ("--html", args.html)):
+        for flag, path in (("--json-out", args.json_out), ("--html", args.html)):
             check_output(flag, path)
         result = compare(rollout, train, rtol=args.rtol, layer_offset=args.layer_offset)
-        inputs = describe_inputs(rollout, train) if args.json or args.html else {}
+        inputs = describe_inputs(rollout, train) if args.json or args.json_out or args.html else {}
     except (LayoutError, OSError, ValueError) as exc:  # DumpError is a ValueError
-        return _fail(exc)
+        return _fail(exc, args.json)
     except Exception as exc:  # noqa: BLE001 - a malformed dump nothing above foresaw: still exit 2, no traceback
-        return _fail(f"unreadable dumps ({type(exc).__name__}: {exc})")
-    print(result.table())
-    data = {**result.to_json(), "inputs": inputs}
-    try:
-        if args.json:
-            write_report(args.json, json.dumps(json_safe(data), indent=1, allow_nan=False))
+        return _fail(f"unreadable dumps ({type(exc).__name__}: {exc})", args.json)
+    data = json_safe({**result.to_json(), "inputs": inputs})
+    code = 0 if result.first_divergent is None else 1
+    try:  # before anything is printed: under --json, stdout holds one object, the report or the error
+        if args.json_out:
+            write_report(args.json_out, json.dumps(data, indent=1, allow_nan=False))
         if args.html:
             from . import compare_html
 
-            compare_html.write(data, args.html)
+            compare_html.write({**result.to_json(), "inputs": inputs}, args.html)
     except OSError as exc:
-        return _fail(f"cannot write the report: {exc}")
-    return 0 if result.first_divergent is None else 1
+        return _fail(f"cannot write the report: {exc}", args.json)
+    if args.json:
+        shown = {**data, "exit": code}
+        print(json.dumps(wrap(shown) if wrap else shown, indent=1, allow_nan=False))
+    else:
+        print(result.table())
+    return code
 
 
 def describe_inputs(rollout, train) -> dict:
@@ -474,11 +488,8 @@ def write_report(path, text: str) -> None:
     private.write_file(path, text.encode("utf-8"))
 
 
-def _fail(message) -> int:
-    lines = str(message).strip().splitlines() or [type(message).__name__]
-    text = lines[0] if len(lines[0]) <= 500 else lines[0][:497] + "..."
-    print(f"compare: {text}", file=sys.stderr)
-    return 2
+def _fail(message, as_json: bool = False) -> int:
+    return commands.error(commands.first_line(message), as_json=as_json)
 
 
 def json_safe(value):

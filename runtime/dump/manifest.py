@@ -1,4 +1,4 @@
-"""dump: tensors from call sites to safetensors files, asynchronously (docs/dumps.md)."""
+"""dump: tensors from call sites to safetensors files, asynchronously (docs/dump.md)."""
 
 from __future__ import annotations
 
@@ -64,5 +64,5 @@ CAPABILITY = Capability(
                    "dump_sglang_graph_build"),
     },
     specs=("dump.yaml",),
-    page="dumps.md",
+    page="dump.md",
 )

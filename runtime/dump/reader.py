@@ -10,14 +10,17 @@ access.  Both go through the bounded reader (core/bounded.py): a manifest line o
 tensor header that is too large, too deep, malformed or points outside its rank
 directory, and a FIFO, device or symlink where a file should be, are a
 :class:`DumpError` naming the file, never a hang, a ``RecursionError`` or a crash.
-CLI summary (of a dump root's latest run, or ``--exp-name NAME``)::
+CLI summary (of a dump root's latest run, or ``--exp-name NAME``; ``--json``: the same as
+JSON on stdout; exit 2 with one line when the dumps cannot be read)::
 
-    python -m source_patch.runtime.dump.reader sp-dumps [--exp-name NAME] [--name 'attn_*'] [--step 0]
+    source-patch dumps sp-dumps [--exp-name NAME] [--name 'attn_*'] [--step 0] [--json]
+    python -m source_patch.runtime.dump.reader ...      # the same
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
 import os
 import re
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..core import bounded
+from ..core import bounded, commands
 
 MANIFEST = "manifest.jsonl"
 MAX_LINE = 1 << 20              # bytes in one manifest line (ours: a few hundred)
@@ -165,7 +168,7 @@ def choose(path: str | Path, exp_name: str | None = None) -> tuple[Path, list]:
     return found[-1].path, found
 
 
-def choose_for_cli(path, exp_name, prog: str, flag: str = "--exp-name ") -> Path:
+def choose_for_cli(path, exp_name, flag: str = "--exp-name ") -> Path:
     """:func:`choose` for a command line: errors name ``flag``, and when it took the latest
     of several runs a note on stderr says which and lists the others."""
     try:
@@ -174,8 +177,8 @@ def choose_for_cli(path, exp_name, prog: str, flag: str = "--exp-name ") -> Path
         raise RunsError(exc.root, exc.runs, flag) from None
     if found:
         others = [r for r in found if r.path != folder]
-        print(f"{prog}: {Path(path)} holds {len(found)} runs; reading the latest, {folder.name} "
-              f"(others: {_listing(others)}; pick one with {flag}NAME)", file=sys.stderr)
+        commands.note(f"{Path(path)} holds {len(found)} runs; reading the latest, {folder.name} "
+                      f"(others: {_listing(others)}; pick one with {flag}NAME)")
     return folder
 
 
@@ -366,10 +369,8 @@ def _ranges(values) -> str:
     return ",".join(parts + others) or "-"
 
 
-def summary(records: list[Record]) -> str:
-    """A table: one row per name, with its steps, ranks, layers, count, shapes, dtypes."""
-    if not records:
-        return "no records"
+def _rows(records: list[Record]) -> dict:
+    """name -> its records' count, steps, ranks, layers, shapes, dtypes and bytes."""
     rows: dict = {}
     for r in records:
         row = rows.setdefault(r.name, {"n": 0, "steps": set(), "ranks": set(), "layers": set(),
@@ -382,6 +383,23 @@ def summary(records: list[Record]) -> str:
         row["shapes"].add(r.shape)
         row["dtypes"].add(r.dtype)
         row["bytes"] += int(r.line.get("bytes", 0))
+    return rows
+
+
+def _totals(records: list[Record]) -> tuple:
+    """(files, bytes, the most writing processes of one rank directory)."""
+    sessions: dict = {}  # rank directory -> writing processes
+    for r in records:
+        sessions.setdefault(r.file.parent, set()).add(r.session)
+    reused = max((len(v) for v in sessions.values()), default=0)
+    return len({r.file for r in records}), sum(int(r.line.get("bytes", 0)) for r in records), reused
+
+
+def summary(records: list[Record]) -> str:
+    """A table: one row per name, with its steps, ranks, layers, count, shapes, dtypes."""
+    if not records:
+        return "no records"
+    rows = _rows(records)
     header = ("name", "records", "steps", "ranks", "layers", "shape", "dtype", "MiB")
     table = [header]
     for name in sorted(rows):
@@ -393,40 +411,59 @@ def summary(records: list[Record]) -> str:
                       f"{row['bytes'] / 2**20:.2f}"))
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in table]
-    sessions: dict = {}  # rank directory -> writing processes
-    for r in records:
-        sessions.setdefault(r.file.parent, set()).add(r.session)
-    reused = max(len(v) for v in sessions.values())
-    files = {r.file for r in records}
-    total = sum(int(r.line.get("bytes", 0)) for r in records)
-    foot = (f"{len(records)} records, {len(rows)} names, {len(files)} files, {total / 2**20:.2f} MiB"
+    files, total, reused = _totals(records)
+    foot = (f"{len(records)} records, {len(rows)} names, {files} files, {total / 2**20:.2f} MiB"
             + (f"; up to {reused} sessions in one rank directory (it was reused: see load(session=...))"
                if reused > 1 else ""))
     return "\n".join(lines + [foot])
 
 
-def main(argv=None, prog: str = "python -m source_patch.runtime.dump.reader") -> int:
-    import argparse
+def summary_json(records: list[Record]) -> dict:
+    """What :func:`summary` shows, as data (``source-patch dumps --json``): a row per name
+    (its steps, ranks and layers as sorted values), then the totals."""
+    files, total, reused = _totals(records)
+    names = [{"name": name, "records": row["n"], "steps": _values(row["steps"]), "ranks": _values(row["ranks"]),
+              "layers": _values(row["layers"]), "shapes": sorted(map(list, row["shapes"])),
+              "dtypes": sorted(row["dtypes"]), "bytes": row["bytes"]}
+             for name, row in sorted(_rows(records).items())]
+    return {"names": names, "records": len(records), "files": files, "bytes": total,
+            "most_sessions_in_a_rank_directory": reused}
 
-    parser = argparse.ArgumentParser(prog=prog,
-                                     description="Summarise a dump directory.")
-    parser.add_argument("dir", help="a dump root (its latest run, when its runs are of one kind), "
-                        "an experiment (run) directory or a rank directory")
-    parser.add_argument("--exp-name", metavar="NAME", help="the run (experiment directory) to read under a dump root")
-    parser.add_argument("--name", action="append", help="fnmatch glob (repeatable)")
-    parser.add_argument("--step", type=int, action="append")
-    parser.add_argument("--rank", type=int, action="append")
-    parser.add_argument("--layer", type=int, action="append")
-    parser.add_argument("--phase", action="append")
-    args = parser.parse_args(argv)
+
+def _values(values) -> list:
+    """A tag's values, sorted: integers first, then the others by their text."""
+    def number(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    return sorted(filter(number, values)) + sorted((v for v in values if not number(v)), key=str)
+
+
+def parser(prog: str = "python -m source_patch.runtime.dump.reader"):
+    p = commands.Parser(prog=prog, description="Summarise a dump directory: a row per dumped name.")
+    p.add_argument("dir", help="a dump root (its latest run, when its runs are of one kind), "
+                   "an experiment (run) directory or a rank directory")
+    p.add_argument("--exp-name", metavar="NAME", help="the run (experiment directory) to read under a dump root")
+    p.add_argument("--name", action="append", help="fnmatch glob (repeatable)")
+    p.add_argument("--step", type=int, action="append")
+    p.add_argument("--rank", type=int, action="append")
+    p.add_argument("--layer", type=int, action="append")
+    p.add_argument("--phase", action="append")
+    p.add_argument("--json", action="store_true", help="the summary as JSON on stdout (an error too)")
+    return p
+
+
+def main(argv=None, prog: str = "python -m source_patch.runtime.dump.reader") -> int:
+    args = parser(prog).parse_args(argv)
     try:
-        folder = choose_for_cli(args.dir, args.exp_name, "reader")
+        folder = choose_for_cli(args.dir, args.exp_name)
         records = load(folder, name=args.name, step=args.step, rank=args.rank, layer=args.layer, phase=args.phase)
-    except (OSError, ValueError) as exc:  # DumpError is a ValueError
-        print(f"reader: {exc}", file=sys.stderr)
-        return 1
-    print(summary(records))
-    return 0
+    except (OSError, ValueError) as exc:  # DumpError is a ValueError: unusable input, exit 2 as compare
+        return commands.error(commands.first_line(exc), as_json=args.json)
+    if args.json:
+        print(json.dumps({"dir": str(folder), **summary_json(records), "exit": commands.OK}, indent=1))
+    else:
+        print(summary(records))
+    return commands.OK
 
 
 if __name__ == "__main__":

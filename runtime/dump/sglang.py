@@ -11,7 +11,7 @@ Each forward pass of the model is one dump ``step`` (counted per process), tagge
 ``phase=inference``, ``forward_mode`` (extend | decode | ...) and ``cuda_graph``: a
 decode CUDA graph's replay runs no Python, so its start is recorded by
 :func:`dump_sglang_replay` and its layers' tensors, staged in the graph at capture,
-come from the drain after it (core/sglang_graphs.py), the real tokens' rows only.
+come from the drain after it (core/adapters/sglang_graphs.py), the real tokens' rows only.
 Per pass it records ``input_ids``, ``positions`` and ``row_request`` (for every row,
 the index of its request in the ``rids`` tag), so any dumped row maps back to a
 (request, token position).  Once per process it writes ``model.json`` (class,
@@ -31,8 +31,9 @@ import sys
 
 import torch
 
-from ..core import graph_stage, ranks, sglang_graphs
-from ..core.sglang_batch import DRAFT, BatchRows, batch_rows
+from ..core import ranks
+from ..core.adapters import graph_stage, sglang_graphs
+from ..core.adapters.sglang_batch import DRAFT, BatchRows, batch_rows
 from . import api, server
 
 _forward_pass = 0
@@ -71,14 +72,14 @@ def dump_sglang_forward(model, input_ids, positions, forward_batch, cuda_graph: 
 def dump_sglang_graph_build(runner, key) -> None:
     """Before a decode graph's capture (``capture_one_shape``): with dumping on (this
     module's import has read the settings: SGLang captures before its first forward),
-    the graph gets a stage (core/sglang_graphs.py)."""
+    the graph gets a stage (core/adapters/sglang_graphs.py)."""
     sglang_graphs.sglang_graph_build(runner, key)
 
 
 def dump_sglang_replay(runner, forward_batch) -> None:
     """Before a decode graph's replay (``DecodeCudaGraphRunner.execute``): the forward's
     start as the model's own entry would record it, which a replay does not run; the
-    layers' staged tensors follow from the drain (core/sglang_graphs.py)."""
+    layers' staged tensors follow from the drain (core/adapters/sglang_graphs.py)."""
     if api.on:
         dump_sglang_forward(runner.model_runner.model, forward_batch.input_ids, forward_batch.positions,
                             forward_batch, cuda_graph=True)

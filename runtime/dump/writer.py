@@ -154,7 +154,7 @@ class Pipeline:
     def _cuda_snapshot(self, source: torch.Tensor):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("dump() under CUDA graph capture outside GraphStage.capture() records nothing "
-                               "(runtime/core/graph_stage.py: capture in one to dump every replay)")
+                               "(runtime/core/adapters/graph_stage.py: capture in one to dump every replay)")
         device = source.device
         current = torch.cuda.current_stream(device)
         side = self.side_streams.get(device.index)

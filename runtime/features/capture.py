@@ -23,9 +23,10 @@ import logging
 from dataclasses import dataclass, field
 
 from ..core import settings
+from ..core.control import Control
 from ..core.failures import Counters
 from ..core.ranks import global_rank
-from ..core.sglang_batch import BatchRows, batch_rows, is_probe
+from ..core.adapters.sglang_batch import BatchRows, batch_rows, is_probe
 
 SETTINGS = "features"  # its settings component (the capability contract: core/capability.py)
 _log = logging.getLogger("source_patch.features")
@@ -67,25 +68,13 @@ def _apply(config: dict) -> dict:
         _log.error("source-patch features: enabled without a store and a stream "
                    "(SOURCE_PATCH_FEATURES_STORE, SOURCE_PATCH_FEATURES_STREAM): nothing is captured")
     if _publisher is not None and config != _config:
-        close()  # the next publication opens the new store and stream
+        _stop()  # the next publication opens the new store and stream
     _config, _enabled = config, on
-    return dict(config)
+    return config
 
 
 def enabled() -> bool:
     return bool(_on())
-
-
-def configure(**changes) -> dict:
-    """Change settings (keys of the ``features`` schema), all validated first; returns
-    the effective settings."""
-    parsed = settings.check_all(SETTINGS, changes)
-    return _apply({**(_config or settings.resolve(SETTINGS)), **parsed})
-
-
-def configure_from_settings() -> dict:
-    """Re-read the settings (environment > active specs > defaults) and apply them."""
-    return _apply(settings.resolve(SETTINGS))
 
 
 def features_forward(model, input_ids, positions, forward_batch) -> None:
@@ -198,28 +187,22 @@ def _get_publisher() -> _Publisher:
     return _publisher
 
 
-def state() -> dict:
-    counts = _counters.snapshot()
-    return {"enabled": bool(_enabled), "config": dict(_config or {}), "counters": counts,
-            "last_error": _counters.last_error}
-
-
-def reset() -> dict:
-    """Zero the counters and drop the batch in flight; returns state()."""
+def _clear() -> None:
+    """reset(): the counters, and the batch in flight."""
     global _batch
     _counters.reset()
     _batch = None
-    return state()
 
 
-def close(timeout: float | None = None) -> bool:
-    """Close the stream producer and the store (the next publication opens them again)."""
+def _stop(_timeout: float | None = None) -> bool:
+    """close(): the stream producer and the store (the next publication opens them again)."""
     global _publisher
     publisher, _publisher = _publisher, None
     if publisher is not None:
-        try:
-            publisher.close()
-        except Exception as exc:  # noqa: BLE001
-            _counters.fail("close", exc)
-            return False
+        publisher.close()
     return True
+
+
+_control = Control(SETTINGS, apply=_apply, enabled=lambda: bool(_enabled), counters=lambda: _counters.snapshot(),
+                   last_error=lambda: _counters.last_error, clear=_clear, stop=_stop)
+configure, configure_from_settings, state, reset, flush, close = _control.surface()

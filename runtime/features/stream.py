@@ -29,12 +29,13 @@ The end marker is final: a reader stops at the first one, and a producer refuses
 a stream that has one.  Keep ``high_watermark`` above the consumer's ack batch, or
 the producer waits for acks that wait for refs (the reader then reports idle).
 
-CLI: ``python -m source_patch.runtime.features.stream status --db PATH [--stream PATH] [--json]``.
+CLI: ``source-patch stream-status --db PATH [--stream PATH] [--json]`` (also ``python -m
+source_patch.runtime.features.stream status ...``): exit 1 when the stream is corrupt, 2 when
+the db or the stream cannot be read (one line ``source-patch: error: ...``; JSON under --json).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sqlite3
@@ -42,6 +43,7 @@ import sys
 import time
 from typing import Iterable, Iterator
 
+from ..core import commands
 from .control_plane import _DUPLICATE, _FULL, ControlPlane
 from .ref import FeatureRef
 from .stream_format import StreamCorrupt, StreamError
@@ -272,26 +274,31 @@ def status(db_path, stream_path=None) -> dict:
     return out
 
 
-def main(argv=None, prog: str = "python -m source_patch.runtime.features.stream") -> int:
-    parser = argparse.ArgumentParser(prog=prog,
-                                     description="the feature ref stream and its control plane")
-    sub = parser.add_subparsers(dest="command", required=True)
-    st = sub.add_parser("status", help="counts: committed, in flight, acked, lost; stream size and offset")
+def parser(prog: str = "python -m source_patch.runtime.features.stream"):
+    p = commands.Parser(prog=prog, description="the feature ref stream and its control plane")
+    sub = p.add_subparsers(dest="command", required=True)
+    # `source-patch stream-status` hides the word `status`: its usage line says what the user typed
+    st = sub.add_parser("status", help="counts: committed, in flight, acked, lost; stream size and offset",
+                        prog=prog if prog.endswith("stream-status") else None)
     st.add_argument("--db", required=True, help="the control plane's SQLite file")
     st.add_argument("--stream", help="the ref stream file (adds lost, unstreamed, stream size)")
-    st.add_argument("--json", action="store_true", help="one JSON object instead of lines")
-    args = parser.parse_args(argv)
+    st.add_argument("--json", action="store_true", help="one JSON object instead of lines (an error too)")
+    return p
+
+
+def main(argv=None, prog: str = "python -m source_patch.runtime.features.stream") -> int:
+    args = parser(prog).parse_args(argv)
     try:
         out = status(args.db, args.stream)
-    except (StreamError, OSError, sqlite3.Error) as e:  # bad input: a message, never a traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (StreamError, OSError, sqlite3.Error) as e:  # unusable input: one line, never a traceback
+        return commands.error(commands.first_line(e), as_json=args.json)
+    code = commands.FINDINGS if out.get("corrupt") else commands.OK
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps({**out, "exit": code}))
     else:
         for key, value in out.items():
             print(f"{key}: {value}")
-    return 1 if out.get("corrupt") else 0
+    return code
 
 
 if __name__ == "__main__":

@@ -35,8 +35,10 @@ CAPABILITY = Capability(
     name="routing",
     summary="MoE routing captured in SGLang and Megatron, and replayed in training (R3)",
     components={
-        "routing": Component(control="megatron.control", settings=MEGATRON),
-        "routing_sglang": Component(control="sglang.control", settings=SGLANG),
+        "routing": Component(control="megatron.control", settings=MEGATRON,
+                             changes_results={"mode": ("replay",)}),
+        "routing_sglang": Component(control="sglang.control", settings=SGLANG,
+                                    changes_results={"mode": ("replay",)}),
     },
     call_sites={
         "megatron.control": ("routing_enter", "routing_exit", "routing_topk", "routing_probs", "routing_fused",

@@ -18,7 +18,7 @@ SETTINGS = {
                        "how updates reach the engines: nccl / gloo broadcast over the update group (auto: nccl "
                        "when CUDA is available, else gloo); ipc: colocated, engines copy from the trainer's "
                        "exported memory (CUDA IPC; shared memory on CPU); mooncake: engines read the trainer's "
-                       "registered memory through a Mooncake TransferEngine (docs/weight_sync.md, Backends)"),
+                       "registered memory through a Mooncake TransferEngine (docs/weight_sync_backends.md)"),
     "engines": Setting(None, string_list, "trainer, ipc / mooncake: the engines' HTTP URLs "
                        "(http://127.0.0.1:30000,...); each update is posted to each as SGLang's "
                        "update_weights_from_tensor with load_format source_patch"),

@@ -186,7 +186,7 @@ def _rule(name: str, layer_offset: int) -> tuple:
     raise UnmappedParameter(
         f"no engine name for Megatron parameter {name!r} (supported: GPT / Qwen3-MoE style "
         "embedding, attention with fused QKV, q/k layernorm, dense or gated MLP, router, "
-        "SequentialMLP / TEGroupedMLP experts; see docs/weight_sync.md)")
+        "SequentialMLP / TEGroupedMLP experts; see docs/weight_sync_trainer.md)")
 
 
 def plan(named_shapes, layout: Layout, layer_offset: int = 0) -> Iterator[tuple[str, tuple, torch.dtype]]:

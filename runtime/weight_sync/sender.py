@@ -3,7 +3,7 @@ layout: cached views, one ``_foreach_copy_`` per dtype, on a GPU a replayed grap
 or taking buckets straight from parameter buffers (``plan_buffers``), and, for the
 broadcast backends, the protocol's sender side over a ``Link``.
 
-One update on the group, in order (docs/weight_sync.md, "Wire format"):
+One update on the group, in order (docs/weight_sync_backends.md, "Wire format"):
 
 1. handshake (all-gather of int64[ROW] per rank, wire.handshake_row): the sender's
    ``[MAGIC, FORMAT, version, layout digest, its status]``, each receiver's digests of

@@ -35,7 +35,7 @@ import time
 import weakref
 from typing import Any
 
-from ..core import settings
+from ..core.control import Control
 from . import backend as weight_backend
 from . import link as weight_link
 from . import receiver as weight_receiver
@@ -53,20 +53,10 @@ def enabled() -> bool:
     return _enabled
 
 
-def configure(**changes) -> dict:
-    """Change settings (validated as a whole; same keys as the ``weight_sync`` schema)."""
+def _apply(config: dict) -> dict:
     global _config, _enabled
-    parsed = settings.check_all(SETTINGS, changes)
-    _config = {**_config, **parsed}
-    _enabled = _config["enable"]
-    return dict(_config)
-
-
-def configure_from_settings() -> dict:
-    """Re-read the settings (environment > active specs > defaults) and apply them."""
-    global _config
-    _config = settings.resolve(SETTINGS)
-    return configure()
+    _config, _enabled = config, config["enable"]
+    return config
 
 
 # ------------------------------------------------------------------ trainer
@@ -216,38 +206,40 @@ _TRAINER_COUNTERS = ("step", "pushes", "failures", "last_bytes", "gathers")
 _ENGINE_COUNTERS = ("updates", "failures")
 
 
-def state() -> dict:
-    """The trainer's counters and the link, the engine's served version (each process
-    is one or the other; the other side's counters stay 0)."""
+def _counters() -> dict:
     counters = {key: _trainer[key] for key in _TRAINER_COUNTERS}
     counters.update({f"engine_{key}": _engine[key] for key in _ENGINE_COUNTERS})
-    return {**_trainer, "enabled": _enabled, "connected": _backend is not None and not _backend.broken,
-            "broken": _backend.broken if _backend is not None else None, "engine": engine_state(),
-            "config": dict(_config), "counters": counters,
-            "last_error": _trainer["last_error"] or _engine["last_error"]}
+    return counters
 
 
-def reset() -> dict:
-    """Zero the trainer's and the engine's counters (not the link, nor the version
-    served); returns state()."""
+def _details() -> dict:
+    """The trainer's push (its counters are under ``counters``), the link, the engine's
+    served version (each process is one or the other)."""
+    trainer = {key: value for key, value in _trainer.items() if key not in (*_TRAINER_COUNTERS, "last_error")}
+    return {**trainer, "connected": _backend is not None and not _backend.broken,
+            "broken": _backend.broken if _backend is not None else None, "engine": engine_state()}
+
+
+def _clear() -> None:
+    """reset(): the trainer's and the engine's counters (not the link, nor the version served)."""
     _trainer.update(step=0, pushes=0, failures=0, last_error=None, last_push_s=None, last_bytes=0, gathers=0)
     _engine.update(updates=0, failures=0, last_error=None)
-    return state()
 
 
-def close(timeout: float | None = None) -> bool:
-    """Close the trainer's backend (the next push opens a new one).  Call it before
+def _stop(_timeout: float | None) -> bool:
+    """close(): the trainer's backend (the next push opens a new one).  Call it before
     ``torch.distributed.destroy_process_group()`` where receivers wait for the next
     update (a ``receive()`` loop): torch's destroy of every group waits for them, this
-    aborts the update group instead (examples/train_moe.py does).  False when the
-    backend could not be closed (its error is ``state()["last_error"]``); dropped all
-    the same, so the next push opens a new one."""
-    try:
-        disconnect()
-    except Exception as exc:  # noqa: BLE001 - the contract: close() says, never raises
-        _trainer["last_error"] = f"close: {type(exc).__name__}: {exc}"
-        return False
+    aborts the update group instead (examples/train_moe.py does).  A backend that could
+    not be closed is dropped all the same (close() says False, its error in state())."""
+    disconnect()
     return True
+
+
+_control = Control(SETTINGS, apply=_apply, enabled=enabled, counters=_counters,
+                   last_error=lambda: _trainer["last_error"] or _engine["last_error"], details=_details,
+                   clear=_clear, stop=_stop)
+configure, configure_from_settings, state, reset, flush, close = _control.surface()
 
 
 # ------------------------------------------------------------------ engine

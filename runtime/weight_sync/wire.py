@@ -10,7 +10,7 @@ no special case.  ``plan`` lays out tensors to be packed; ``plan_buffers`` lays 
 views of a few contiguous buffers (Megatron's parameter buffers) as they lie in
 memory, so buckets can be sent from the buffers themselves.
 
-How the bytes move is the backends' business (docs/weight_sync.md, "Backends"):
+How the bytes move is the backends' business (docs/weight_sync_backends.md):
 ``broadcast`` (sender.py / receiver.py over link.py's group), ``ipc`` and
 ``mooncake`` (an engine request that carries this manifest).
 """
@@ -61,7 +61,7 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
 
 
 class WeightSyncError(RuntimeError):
-    """An update failed (docs/weight_sync.md, "Failure behaviour", says what the engine then serves)."""
+    """An update failed (docs/weight_sync_troubleshooting.md, "Failure behaviour", says what the engine then serves)."""
 
 
 class WeightSyncTimeout(WeightSyncError):

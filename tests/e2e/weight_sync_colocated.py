@@ -75,9 +75,9 @@ def trainer(out: str, tp: int, ep: int, cuda: bool) -> None:
     weight_sync.push([model], version=7)
     state = weight_sync.state()
     if rank == 0:
-        Path(f"{out}.trainer.json").write_text(json.dumps({k: state[k] for k in ("pushes", "failures",
-                                                                                  "last_error", "gathers",
-                                                                                  "planned")}))
+        Path(f"{out}.trainer.json").write_text(json.dumps({"counters": state["counters"],
+                                                           "last_error": state["last_error"],
+                                                           "planned": state["planned"]}))
     dist.barrier()
     weight_sync.close()
 

@@ -68,14 +68,14 @@ def main():
         version, bucket = (int(x) for x in cli.die_after.split(":"))
 
         def after_send(k, data):
-            if weight_sync.state()["step"] == version and k == bucket:
+            if weight_sync.state()["counters"]["step"] == version and k == bucket:
                 os._exit(17)
         weight_sender.after_send = after_send
     if cli.tamper:  # as if bucket K of update V were corrupted in transit: its checksum no longer matches
         tampered = tuple(int(x) for x in cli.tamper.split(":"))
 
         def before_sum_send(k, checksum):
-            if (weight_sync.state()["step"], k) == tampered:
+            if (weight_sync.state()["counters"]["step"], k) == tampered:
                 checksum.add_(1)
         weight_sender.before_sum_send = before_sum_send
 

@@ -1,5 +1,5 @@
 """Routing capture and replay in Megatron-Core's routers (patches/routing.yaml, the
-Megatron side; docs/routing.md):
+Megatron side; docs/routing_megatron.md):
 
     control.py  control (configure, state, save, ...), the call sites and the per-step
                 position (step, microbatch, layer) both sides share

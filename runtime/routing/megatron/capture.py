@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ...core import ranks
+from ..records.file import index_dtype_for, write_bytes
 from ..records.record import RoutingRecord
 from .files import RoutingReplayError, record_name, write_index
 
@@ -38,6 +39,7 @@ _host_pool: dict = {}
 _POOL_SHAPES = 32  # more distinct (shape, dtype) than this (token counts that vary): start the pool afresh
 _saver = None        # the background thread that writes captured steps (ThreadPoolExecutor)
 _last_error: str | None = None  # the latest failure to save captured routes
+_folders: dict = {}  # (root, rank) -> its rank folder, made once (see _folder)
 
 
 class _Pending:
@@ -108,16 +110,18 @@ def add_probs(key, layer, routing_probs: torch.Tensor, indices: torch.Tensor) ->
         _pending[key][layer] = (entry[0], _Pending(*_to_host(probs)), None)
 
 
-def _build(key, copy: bool = True) -> RoutingRecord:
-    """The record of (step, microbatch) ``key``; ``copy=False`` (save(), which recycles the
-    pooled buffers after writing) lets it hold the pending host tensors themselves."""
+def _build(key) -> RoutingRecord:
+    """The record of (step, microbatch) ``key``: copies of its ids (int64) and probs, validated."""
     layers = _pending[key]
+    indices = {layer: _resolve(idx).to(torch.int64, copy=True) for layer, (idx, _, _) in sorted(layers.items())}
+    probs = {layer: _resolve(prob).clone() for layer, (_, prob, _) in sorted(layers.items()) if prob is not None}
+    return RoutingRecord(indices=indices, probs=probs if len(probs) == len(indices) else None,
+                         **_fields(key, indices))
+
+
+def _fields(key, indices: dict) -> dict:
+    """The record's fields of (step, microbatch) ``key`` but its tensors."""
     meta = _meta.get(key, {})
-    indices, probs = {}, {}
-    for layer, (idx, prob, _) in sorted(layers.items()):
-        indices[layer] = _resolve(idx).to(torch.int64, copy=copy)
-        if prob is not None:
-            probs[layer] = _resolve(prob).clone() if copy else _resolve(prob)
     num_experts = meta.get("num_experts") or int(max(int(t.max()) for t in indices.values()) + 1)
     batch = meta.get("batch")
     tokens = next(iter(indices.values())).shape[0]
@@ -127,11 +131,23 @@ def _build(key, copy: bool = True) -> RoutingRecord:
     if cp > 1 or sp:
         parallel_ = {"cp": cp, "sp": sp, "tp": tp, "ep": 1, "cp_rank": cp_rank, "tp_rank": tp_rank}
     seq_lens = [tokens // batch] * batch if batch and tokens % batch == 0 else None
-    return RoutingRecord(indices=indices, probs=probs if len(probs) == len(indices) else None,
-                         num_experts=int(num_experts), token_order="megatron-sbh", seq_lens=seq_lens,
-                         parallel=parallel_, source="megatron",
-                         extra={"step": key[0], "microbatch": key[1], **({"cuda_graph": True} if meta.get("cuda_graph")
-                                                                          else {})})
+    return dict(num_experts=int(num_experts), token_order="megatron-sbh", seq_lens=seq_lens, parallel=parallel_,
+                source="megatron", extra={"step": key[0], "microbatch": key[1],
+                                          **({"cuda_graph": True} if meta.get("cuda_graph") else {})})
+
+
+def _to_save(key) -> RoutingRecord:
+    """(saver) The record of ``key`` as its file holds it: each layer's ids converted once,
+    from the pending host copy straight to the dtype stored on disk, and its probs the
+    pending host tensors themselves (written before save() recycles them).  Not validated:
+    built here from the router's own top-k (RoutingRecord.trusted)."""
+    layers = _pending[key]
+    ids = {layer: _resolve(idx) for layer, (idx, _, _) in sorted(layers.items())}
+    fields = _fields(key, ids)
+    disk = index_dtype_for(fields["num_experts"])
+    probs = {layer: _resolve(prob) for layer, (_, prob, _) in sorted(layers.items()) if prob is not None}
+    return RoutingRecord.trusted(indices={layer: t.to(disk) for layer, t in ids.items()},
+                                 probs=probs if len(probs) == len(ids) else None, **fields)
 
 
 def records(steps=None) -> list:
@@ -153,14 +169,13 @@ def _save(root, steps, index: bool) -> None:
     if not root:
         raise RoutingReplayError("routing save: no directory (set routing dir or pass dir=)")
     rank = ranks.global_rank()
-    folder = Path(root) / f"rank-{rank}"
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = _folder(root, rank)
     with _lock:
         # list(): the training thread may add keys of later steps meanwhile.
         for key in sorted(k for k in list(_pending) if steps is None or k[0] in steps):
-            rec = _build(key, copy=False)
+            rec = _to_save(key)
             name = record_name(key)
-            rec.save(folder / name)
+            write_bytes(folder / name, rec.encode(check=False))  # one write, through core/private.py
             _recycle(_pending[key])
             _saved[key] = {"step": key[0], "microbatch": key[1], "file": name, "layers": rec.layers,
                            "tokens": rec.num_tokens, "num_experts": rec.num_experts, "topk": rec.topk}
@@ -172,6 +187,20 @@ def _save(root, steps, index: bool) -> None:
             _write_index(folder, rank)
 
 
+def _folder(root, rank: int) -> Path:
+    """``<root>/rank-<rank>``, made the first time it is asked for (then remembered: one
+    mkdir a folder, not two a record; a record written after it went missing makes it
+    again: records/file.py)."""
+    folder = _folders.get((root, rank))
+    if folder is None:
+        folder = Path(root) / f"rank-{rank}"
+        folder.mkdir(parents=True, exist_ok=True)
+        if len(_folders) > 64:
+            _folders.clear()
+        _folders[root, rank] = folder
+    return folder
+
+
 def _index_entries() -> list:
     """(caller holds _lock) The index's entries, sorted by (step, microbatch)."""
     return [_saved[key] for key in sorted(_saved)]
@@ -179,14 +208,15 @@ def _index_entries() -> list:
 
 def _write_index(folder, rank: int) -> None:
     """Rewrite index.json whole; the background writer waits at least 50 times this write's
-    time before the next (at least a second): a growing index then takes under 2% of a core,
-    and of the GIL, where rewriting it every step took 16 ms a step at 1,000 records and
-    260 ms at 10,000 (CPU, 2026-11-26)."""
+    CPU time before the next (at least a second): a growing index then takes under 2% of a
+    core, and of the GIL, where rewriting it every step took 16 ms a step at 1,000 records
+    and 260 ms at 10,000 (CPU, 2026-11-26).  Its CPU time, not its wall time: the write is
+    synced to disk (core/private.py), a wait that holds neither a core nor the GIL."""
     global _index_written, _index_dirty, _index_every
-    start = time.monotonic()
+    start = time.thread_time()
     write_index(folder, rank, _index_entries())
     _index_written, _index_dirty = time.monotonic(), False
-    _index_every = max(1.0, 50 * (_index_written - start))
+    _index_every = max(1.0, 50 * (time.thread_time() - start))
 
 
 def _write_index_if_dirty() -> None:
@@ -217,20 +247,28 @@ def _save_reporting(root, steps) -> None:
               file=sys.stderr)
 
 
-def flush() -> None:
-    """Wait until every step handed to the background writer is on disk, its index too."""
-    if _saver is not None:
-        try:
-            _saver.submit(_write_index_if_dirty).result()
-        except RuntimeError:  # at interpreter exit: the executor was shut down, its work done
-            _write_index_if_dirty()
+def flush(timeout: float | None = None) -> bool:
+    """Wait until every step handed to the background writer is on disk, its index too;
+    False when that did not finish in ``timeout`` seconds (None: as long as it takes)."""
+    if _saver is None:
+        return True
+    try:
+        future = _saver.submit(_write_index_if_dirty)
+    except RuntimeError:  # at interpreter exit: the executor was shut down, its work done
+        _write_index_if_dirty()
+        return True
+    try:
+        future.result(timeout)
+    except TimeoutError:
+        return False
+    return True
 
 
-def close(root) -> bool:
+def close(root, timeout: float | None = None) -> bool:
     """Save what is pending under ``root`` (None: nothing to save) and stop the background
-    writer; True when no save failed."""
+    writer; True when no save failed and everything finished in ``timeout`` seconds."""
     global _saver, _last_error
-    flush()
+    finished = flush(timeout)
     if root and _pending:
         try:
             save(root)
@@ -239,14 +277,19 @@ def close(root) -> bool:
             print(f"source-patch routing: could not save captured routes: {exc}", file=sys.stderr)
     saver, _saver = _saver, None
     if saver is not None:
-        saver.shutdown(wait=True)
-    return _last_error is None
+        done = saver.submit(lambda: None)  # after every save handed over
+        saver.shutdown(wait=False)
+        try:
+            done.result(timeout)
+        except TimeoutError:
+            finished = False  # its thread finishes the saves by itself; the process does not wait here
+    return finished and _last_error is None
 
 
 def reset() -> None:
     """Forget what was captured and saved (the index's timing and folder are kept)."""
     global _last_error
-    _pending.clear(); _meta.clear(); _saved.clear(); _host_pool.clear()
+    _pending.clear(); _meta.clear(); _saved.clear(); _host_pool.clear(); _folders.clear()
     _last_error = None
 
 

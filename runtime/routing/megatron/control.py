@@ -40,7 +40,7 @@ routed by upstream unchanged, with one ``RuntimeWarning`` per process and cause.
 Outside any schedule each forward is its own microbatch (``_free_key``), so a bare
 model's forwards are recorded one record each and replayed in the same order.
 
-Under CUDA graphs (``core/graph_stage.py``; megatron-core's own graphs through the
+Under CUDA graphs (``core/adapters/graph_stage.py``; megatron-core's own graphs through the
 spec's ``graph-build`` / ``graph-replay`` patches) capture stages the ids inside the
 graph and ``_drained`` records them after each replay, tagged ``cuda_graph``; replay
 returns a fed static buffer that ``_fill`` refills before each replay; the eager
@@ -65,13 +65,14 @@ from collections import deque
 
 import torch
 
-from ...core import graph_stage
-from ...core.settings import check_all, resolve
+from ...core.adapters import graph_stage
+from ...core.control import Control
 from . import capture, replay
 from .files import RoutingReplayError
 
 SETTINGS = "routing"  # its settings component (the capability contract: core/capability.py)
-__all__ = ["SETTINGS", "close", "configure", "configure_from_settings", "enabled", "reset", "save", "set_position",
+__all__ = ["SETTINGS", "close", "configure", "configure_from_settings", "enabled", "flush", "reset", "save",
+           "set_position",
            "state",  # the Python API (records: capture.py; set_replay: replay.py; load_dir: files.py)
            "routing_enter", "routing_exit", "routing_fused", "routing_microbatch_begin", "routing_microbatch_end",
            "routing_probs", "routing_schedule", "routing_schedule_end", "routing_step", "routing_topk"]  # call sites
@@ -85,7 +86,7 @@ _config: dict = {}
 _step = 0
 _microbatch = 0
 _in_forward = False  # inside a schedule's forward_step
-_draining = False    # a replayed CUDA graph's rows are being drained (runtime/core/graph_stage.py)
+_draining = False    # a replayed CUDA graph's rows are being drained (runtime/core/adapters/graph_stage.py)
 _layer = None        # ambient MoE layer (TopKRouter.routing); None: no record can address the call
 _in_router = False   # inside TopKRouter.routing (its router may still have no layer_number)
 _shape = None        # (seq, batch) of the router's logits
@@ -103,30 +104,23 @@ _free_tokens = None
 _warned: set = set()  # causes already warned about (one RuntimeWarning per process and cause)
 
 
-def configure(**changes) -> dict:
-    """Set settings (mode, dir, probs), all validated before any is applied; returns the
-    effective settings."""
+def _apply(config: dict) -> dict:
     global _OFF
-    _config.update(check_all(SETTINGS, changes))
-    _OFF = _config["mode"] == "off"
+    _config.clear()
+    _config.update(config)
+    _OFF = config["mode"] == "off"
     graph_stage.use("routing", _unstaged, on=not _OFF)  # Megatron's own CUDA graphs stage / feed for us
-    if _config["mode"] == "replay" and not replay.keys() and _config.get("dir"):
-        replay.set_replay(_config["dir"])
-    return dict(_config)
-
-
-def configure_from_settings() -> dict:
-    """Re-read the settings (environment > active specs > defaults) and apply them."""
-    _config.update(resolve("routing"))
-    return configure()
+    if config["mode"] == "replay" and not replay.keys() and config.get("dir"):
+        replay.set_replay(config["dir"])
+    return _config
 
 
 def enabled() -> bool:
     return not _OFF
 
 
-def reset() -> dict:
-    """Forget all captured / replay state and positions (tests); returns state()."""
+def _clear() -> None:
+    """reset(): forget all captured / replay state and positions (tests)."""
     global _step, _microbatch, _in_forward, _layer, _shape, _last_idx, _in_router
     capture.flush()
     _step = _microbatch = 0
@@ -136,22 +130,24 @@ def reset() -> dict:
     _forwards.clear()
     capture.reset()
     replay.clear()
-    return state()
 
 
-def state() -> dict:
-    pending, replaying = capture.pending_keys(), replay.keys()
-    counters = {"records_saved": capture.saved_count(), "pending": len(pending),
-                "replay_records": len(replaying), "warnings": len(_warned)}
-    return {"enabled": not _OFF, "mode": _config["mode"], "step": _step, "microbatch": _microbatch,
-            "layer": _layer, "pending": pending, "replay": replaying,
-            "config": dict(_config), "counters": counters, "last_error": capture.last_error()}
+def _counters() -> dict:
+    return {"records_saved": capture.saved_count(), "pending": len(capture.pending_keys()),
+            "replay_records": len(replay.keys()), "warnings": len(_warned)}
 
 
-def close(timeout: float | None = None) -> bool:
-    """Save what was captured (capture with a dir) and stop the background writer; True
-    when nothing failed.  Registered with atexit."""
-    return capture.close(_config.get("dir") if _config.get("mode") == "capture" else None)
+def _details() -> dict:
+    return {"mode": _config.get("mode", "off"), "step": _step, "microbatch": _microbatch, "layer": _layer,
+            "pending": capture.pending_keys(), "replay": replay.keys()}
+
+
+_control = Control(SETTINGS, apply=_apply, enabled=enabled, counters=_counters, last_error=capture.last_error,
+                   details=_details, clear=_clear, drain=capture.flush,
+                   # close: what was captured saved (capture with a dir), the background writer stopped
+                   stop=lambda timeout: capture.close(_config.get("dir") if _config.get("mode") == "capture"
+                                                      else None, timeout))
+configure, configure_from_settings, state, reset, flush, close = _control.surface()
 
 
 atexit.register(close)
@@ -373,7 +369,7 @@ def _capture(indices: torch.Tensor) -> None:
 
 
 def _drained(key, indices, *, layer, cuda_graph, replay, **_):
-    """A replayed graph's router rows (runtime/core/graph_stage.py): captured as the eager
+    """A replayed graph's router rows (runtime/core/adapters/graph_stage.py): captured as the eager
     call of this layer would have been, and the record tagged ``cuda_graph``."""
     global _layer, _draining
     saved, _layer, _draining = _layer, layer, cuda_graph
@@ -384,7 +380,7 @@ def _drained(key, indices, *, layer, cuda_graph, replay, **_):
 
 
 def _unstaged(name, what) -> None:
-    """A Megatron CUDA graph built while routing was off is replayed (core/graph_stage.py)."""
+    """A Megatron CUDA graph built while routing was off is replayed (core/adapters/graph_stage.py)."""
     why = ("was built (at the end of the first step) while routing was off, so its routers are not "
            f"{'captured' if _config['mode'] == 'capture' else 'replayed'} ({what}); "
            "turn routing on "
@@ -418,7 +414,7 @@ def _replay_topk(scores, result):
 
 def _fill(key, buffer, *, layer, experts, **_):
     """Before a graph replay: this layer's recorded ids for the current micro-batch into
-    the buffer its router reads (runtime/core/graph_stage.py)."""
+    the buffer its router reads (runtime/core/adapters/graph_stage.py)."""
     global _layer
     saved, _layer = _layer, layer
     try:

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from ...core import ranks
+from ...core import private, ranks
 from ..records.file import RoutingRecordError
 from ..records.record import load
 
@@ -31,12 +31,17 @@ def record_name(key) -> str:
 
 
 def write_index(folder: Path, rank: int, entries: list) -> None:
-    """Rewrite ``folder/index.json`` whole and atomically.  Compact JSON: json's C encoder
-    (``indent`` takes the pure-Python one, 7x slower)."""
-    tmp = folder / "index.json.tmp"
-    tmp.write_text(json.dumps({"format": INDEX_FORMAT, "version": 1, "rank": rank, "records": entries},
-                              separators=(",", ":")))
-    os.replace(tmp, folder / "index.json")
+    """Rewrite ``folder/index.json`` whole and atomically, through core/private.py's writer
+    of plain files (a temporary file ``O_EXCL|O_NOFOLLOW``, synced, renamed: a link or a
+    name planted at the temporary name is never written through).  Compact JSON: json's
+    C encoder (``indent`` takes the pure-Python one, 7x slower)."""
+    data = json.dumps({"format": INDEX_FORMAT, "version": 1, "rank": rank, "records": entries},
+                      separators=(",", ":")).encode()
+    try:
+        private.write_file(Path(folder) / "index.json", data)
+    except FileNotFoundError:  # the folder went missing since capture made it (no record written since)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        private.write_file(Path(folder) / "index.json", data)
 
 
 def load_dir(dir: str | os.PathLike) -> dict:

@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from ...core import commands
 from .file import FORMAT, RoutingRecordError, disk_dtypes, read_header
 from .record import load
 
@@ -47,9 +48,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         print(describe(args.file))
-    except RoutingRecordError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except (RoutingRecordError, OSError) as exc:  # a record that cannot be read: unusable input
+        return commands.error(exc)
     return 0
 
 

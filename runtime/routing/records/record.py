@@ -12,6 +12,7 @@ SGLang's ``routed_experts`` field (``sglang_field.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -231,16 +232,49 @@ class RoutingRecord:
             same = same and all(torch.equal(self.probs[k], other.probs[k]) for k in self.layers)
         return same
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write to ``path`` atomically (a temp file in the same directory, then rename)."""
-        self.validate()
+    def encode(self, *, check: bool = True) -> bytes:
+        """The bytes of this record's file (what :meth:`save` writes).  ``check=False``
+        skips :meth:`validate`: only for a record built by :meth:`trusted`."""
+        if check:
+            self.validate()
         disk = index_dtype_for(self.num_experts)
         tensors = {}
         for layer in self.layers:
-            tensors[f"layer.{layer}.indices"] = self.indices[layer].detach().to("cpu", disk).contiguous()
+            ids = self.indices[layer]
+            tensors[f"layer.{layer}.indices"] = ids if ids.dtype == disk else ids.detach().to(disk)
             if self.probs is not None:
-                tensors[f"layer.{layer}.probs"] = self.probs[layer].detach().to("cpu").contiguous()
-        return file.write(Path(path), tensors, self.metadata())
+                tensors[f"layer.{layer}.probs"] = self.probs[layer]
+        return file.encode(tensors, self.metadata())  # (on the CPU, contiguous: file.encode)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write to ``path`` atomically (a temp file in the same directory, then rename)."""
+        return file.write_bytes(Path(path), self.encode())
+
+    @classmethod
+    def trusted(cls, **fields) -> "RoutingRecord":
+        """A record of ``fields`` as :class:`RoutingRecord` takes them, not validated: for
+        a record its builder makes from ids it just copied off the router (routing
+        capture's saver, which writes it as it is: ``encode(check=False)``).  Validating
+        took about half the saver's CPU (two validations a record, a dozen tensor ops a
+        layer each, every op giving the GIL up; 2026-12-07).  Records read from a file,
+        or given by a caller, are validated."""
+        unknown = set(fields) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"RoutingRecord has no field(s) {sorted(unknown)}")
+        record = cls.__new__(cls)
+        for name, spec in cls.__dataclass_fields__.items():
+            if name in fields:
+                value = fields[name]
+            elif spec.default is not dataclasses.MISSING:
+                value = spec.default
+            else:
+                value = spec.default_factory()
+            setattr(record, name, value)
+        if record.layers is None:
+            record.layers = sorted(record.indices)
+        if record.topk is None:
+            record.topk = int(record.indices[record.layers[0]].shape[1])
+        return record
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "RoutingRecord":

@@ -1,5 +1,5 @@
 """Routing capture and replay in SGLang's ``select_experts`` (patches/routing.yaml, the
-SGLang side; docs/routing.md), from the ground floor up:
+SGLang side; docs/routing_sglang.md), from the ground floor up:
 
     slot_store.py  the host store of routes keyed by KV-cache slot
     state.py       the state every module here shares (S), warn_once, the rank

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ...core import graph_stage, sglang_graphs
-from ...core.sglang_batch import DRAFT, BatchRows, Unattributed, batch_rows, is_probe
+from ...core.adapters import graph_stage, sglang_graphs
+from ...core.adapters.sglang_batch import DRAFT, BatchRows, Unattributed, batch_rows, is_probe
 from .batch import ambient_rows, clear_batch, kv_slots, set_batch
 from .capture import capture_layer, request_record
 from .control import current_mode
@@ -120,6 +120,6 @@ def routing_sglang_release(req, tree_cache=None) -> None:
 def routing_sglang_graph_build(runner, key) -> None:
     """Before a decode graph's capture (``capture_one_shape``): the settings are read now
     (SGLang captures before its first forward), so with routing on the graph gets a
-    stage (core/sglang_graphs.py)."""
+    stage (core/adapters/sglang_graphs.py)."""
     current_mode()
     sglang_graphs.sglang_graph_build(runner, key)

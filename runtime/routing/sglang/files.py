@@ -1,5 +1,5 @@
 """Record files: each request's record written to ``<dir>/rank<R>/<rid>.safetensors``
-(at its release: call_sites.py; what is left: :func:`flush`, at exit), waited for
+(at its release: call_sites.py; what is left: :func:`write_held`, at close), waited for
 (:func:`wait_record`), and the rank folders merged by request
 (:func:`merge_rank_files`).
 """
@@ -35,11 +35,11 @@ def safe_name(rid) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", str(rid))[:128] or "_"
 
 
-def flush(dir=None, *, clear: bool = True) -> list:
+def write_held(dir=None, *, clear: bool = True) -> list:
     """Write each captured request to ``<dir>/rank<R>/<rid>.safetensors``; returns the paths."""
     dir = dir if dir is not None else S.dir
     if dir is None:
-        raise ValueError("no directory to write to (SOURCE_PATCH_SGLANG_ROUTING_DIR)")
+        raise ValueError("no directory to write to (SOURCE_PATCH_ROUTING_SGLANG_DIR)")
     recs = records()
     folder = Path(dir) / f"rank{this_rank()}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -100,7 +100,7 @@ def by_request(recs, rank_of=None) -> dict:
 
 def merge_rank_files(dir) -> dict:
     """``{rid: RoutingRecord}`` from every ``*.safetensors`` under ``dir`` (the
-    ``rank<R>`` folders :func:`flush` writes). A request seen by several ranks (TP
+    ``rank<R>`` folders :func:`write_held` writes). A request seen by several ranks (TP
     replicas) must be identical on all of them; the lowest rank's record is kept."""
     files = sorted(Path(dir).rglob("*.safetensors"))
     if not files:

@@ -1,4 +1,4 @@
-"""Under SGLang's decode CUDA graphs (core/sglang_graphs.py, core/graph_stage.py): capture
+"""Under SGLang's decode CUDA graphs (core/adapters/sglang_graphs.py, core/adapters/graph_stage.py): capture
 stages the routed columns in the graph and records them after each replay; replay
 feeds the recorded ids into a static buffer before each replay.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core import graph_stage
+from ...core.adapters import graph_stage
 from .batch import ambient_rows
 from .capture import capture_layer
 from .replay import check_ids, recorded_rows, replay_weights
@@ -15,7 +15,7 @@ from .state import S, warn_once
 
 
 def in_graph(topk_ids, topk_weights, router_logits, topk_config, layer: int, k: int, mode: str) -> bool:
-    """(a graph is being built: core/sglang_graphs.py) True when this call must do
+    """(a graph is being built: core/adapters/sglang_graphs.py) True when this call must do
     nothing more now: a warm-up pass; or the capture, where capture stages the routed
     columns in the graph (:func:`_drained` after each replay) and replay routes by ids
     fed before each replay (:func:`_fill`): recorded rows replaced, the others (no

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core.sglang_batch import is_probe
+from ...core.adapters.sglang_batch import is_probe
 from ..records.file import RoutingRecordError
 from .state import S, warn_once
 

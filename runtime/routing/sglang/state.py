@@ -4,7 +4,7 @@ it downward; none assigns itself into another.
 ``S`` holds the settings in force (``mode``, ``dir``, ``replay``: control.py sets
 them), the ambient batch (batch.py), the rows captured per forward and the requests'
 places in the slot stores (capture.py), the replay source (replay.py) and the causes
-already warned about; ``S.lock`` guards what the release and flush paths read while a
+already warned about; ``S.lock`` guards what the release and write_held paths read while a
 forward writes.
 """
 

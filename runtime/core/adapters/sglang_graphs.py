@@ -1,6 +1,6 @@
 """Graph-safe call sites under SGLang's decode CUDA graphs (issue 31, build item 2).
 
-The mechanism is core/graph_stage.py's; this module drives it from SGLang's
+The mechanism is core/adapters/graph_stage.py's; this module drives it from SGLang's
 ``DecodeCudaGraphRunner`` (sglang 0.5.23, ``model_executor/runner/``), whose hooks
 ``patches/dump.yaml``, ``routing.yaml`` and ``trace.yaml`` each carry (every spec
 works alone; with several active the repeats do nothing):
