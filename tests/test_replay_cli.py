@@ -105,7 +105,9 @@ def test_the_printed_commands_take_the_rollout_to_no_divergence(rollout, sglang_
 
     example, run = rollout
     assert example.show(run, sglang_checkpoint) == 0
-    lines = printed(capsys.readouterr().out)
+    report, *lines = printed(capsys.readouterr().out)
+    reported = fresh_shell(report, Path.cwd(), tmp_path)  # every engine process's patches, the schedulers' too
+    assert reported.returncode == 0 and "applied" in reported.stdout, reported.stdout + reported.stderr
     assert len(lines) == 2 and " replay " in lines[0]
     assert lines[1] == replay.compare_command(run / "dumps" / "rollout", run / "replay")
     replayed = fresh_shell(lines[0], Path.cwd(), tmp_path, shared_code_cache, timeout=600)

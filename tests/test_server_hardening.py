@@ -44,7 +44,7 @@ def request(port, method, path, body=None):
 def test_a_deeply_nested_body_is_a_400_and_not_the_runtimes_error(endpoint, dumper, capfd):
     status, reply = request(endpoint, "POST", "/configure", DEEP)
     assert status == 400 and "nested deeper than 32" in reply["error"]
-    assert dumper.state()["errors"] == 0
+    assert dumper.state()["counters"]["errors"] == 0
     assert "Traceback" not in capfd.readouterr().err
 
 
@@ -91,7 +91,7 @@ def test_a_deeply_nested_hello_is_refused_quietly(hub, capfd):
     assert run(main()) in (4401, 1009)  # unauthorized, or over max_message: refused either way
     from source_patch.runtime.trace import control as trace
 
-    assert trace.state()["errors"] == 0
+    assert trace.state()["counters"]["errors"] == 0
     err = capfd.readouterr().err
     assert "Traceback" not in err and "RecursionError" not in err
 

@@ -439,3 +439,50 @@ def test_a_planned_launch_hands_the_c_launch_what_the_launchers_call_would(launc
     launcher(*launch.grid, 1, 77, 0xF00, ("meta",), None, None, None, 1024, 2048, *launch.args)
     call(*before, 77, *middle, 1024, 2048, *after)
     assert len(launcher.calls) == 2 and launcher.calls[0] == launcher.calls[1], launcher.calls
+
+
+def test_parsing_and_the_host_stage_need_no_torch(tmp_path):
+    """What the trace forwarder runs of a compressor (its parameters' checks, the host
+    stage) imports numpy only: the forwarder starts without torch (~3 s of a core and
+    ~200-500 MiB less a traced rank).  A projection's vector is read with numpy there,
+    bfloat16 and the float8s widened from their bits: the same values and the same
+    refusals as torch reads."""
+    vectors = {"f32": torch.randn(48), "bf16": torch.randn(48, dtype=torch.bfloat16),
+               "e5m2": torch.randn(48).to(torch.float8_e5m2), "e4m3": (torch.randn(48) * 50).to(torch.float8_e4m3fn),
+               "zero": torch.zeros(48, dtype=torch.bfloat16)}
+    path = tmp_path / "v.safetensors"
+    save_file(vectors, str(path))
+    x = torch.randn(6, 48)
+    specs = [{"kind": "tiles", "tiles": 5, "stats": list(tc.TILE_STATS)}, {"kind": "histogram", "bins": 7},
+             {"kind": "topk", "k": 4}, {"kind": "raw"}]
+    specs += [{"kind": "projection", "file": str(path), "key": key} for key in ("f32", "bf16", "e5m2", "e4m3")]
+    reduced = [tc.parse(spec).reduce(x).numpy().tolist() for spec in specs]  # the device stage's output, here
+    script = f"""
+import json, sys
+import numpy as np
+from source_patch.runtime.trace import compress as tc
+specs, reduced = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+out = []
+for spec, values in zip(specs, reduced):
+    c = tc.parse(spec)
+    values = np.asarray(values, dtype=np.float64 if spec["kind"] == "topk" else np.float32)
+    out.append(c.finish(values, (6, 48)).tolist())
+vectors = {{key: tc.load_vector({str(path)!r}, key, False)[0].tolist() for key in ("f32", "bf16", "e5m2", "e4m3")}}
+try:
+    tc.parse({{"kind": "projection", "file": {str(path)!r}, "key": "zero"}})
+    refused = None
+except ValueError as exc:
+    refused = str(exc)
+print(json.dumps({{"torch": "torch" in sys.modules, "out": out, "vectors": vectors, "refused": refused}}))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH")}
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(specs), json.dumps(reduced)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["torch"] is False
+    for spec, out in zip(specs, got["out"]):
+        np.testing.assert_allclose(np.asarray(out), tc.parse(spec)(x).numpy(), rtol=1e-6, atol=1e-6, err_msg=str(spec))
+    for key, values in got["vectors"].items():
+        assert np.array_equal(np.asarray(values, dtype=np.float32), vectors[key].float().numpy()), key
+    assert got["refused"] is not None and "has norm 0.0; cannot normalize" in got["refused"]

@@ -322,7 +322,7 @@ def test_compressor_errors_are_reported_once_per_subscription(hub, tmp_path):
     assert "has 5 elements, the tensor's dim -1 has 6" in next(e for e in errors if e["id"] == "p")["error"]
     assert "over max_elements 4; not sent" in next(e for e in errors if e["id"] == "r")["error"]
     s = state()
-    assert s["compress_errors"] == 3 and s["too_large"] == 3 and s["errors"] == 0
+    assert s["counters"]["compress_errors"] == 3 and s["counters"]["too_large"] == 3 and s["counters"]["errors"] == 0
 
 
 # ---------------------------------------------------------------- slow clients
@@ -601,13 +601,13 @@ def test_a_port_in_use_means_no_hub_and_training_goes_on(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        before = state()["errors"]
+        before = state()["counters"]["errors"]
         configure(enable=True, port=taken.getsockname()[1], token=TOKEN, dir=str(tmp_path), ranks=[0])
         try:
             x = torch.ones(2)
             assert trace("hidden", x, layer=0) is x
             s = state()
-            assert not s["enabled"] and url() is None and s["errors"] == before + 1
+            assert not s["enabled"] and url() is None and s["counters"]["errors"] == before + 1
             assert "starting the trace hub" in s["last_error"] and "in use" in s["last_error"]
         finally:
             configure(enable=False, port=0)

@@ -49,7 +49,8 @@ from typing import Any
 
 import torch
 
-from ..core import graph_stage, ranks, tags as ambient
+from ..core import ranks, tags as ambient
+from ..core.adapters import graph_stage
 from ..core.failures import Counters
 from . import device, graphs, plan  # (plan: see _make_plan)
 from .device import (capturing as _capturing, current_stream as _current_stream, event_record as _event_record,
@@ -71,7 +72,8 @@ _step = 0
 _config: dict = {}
 MAX_NAMES = 1 << 14  # (name, layer) pairs remembered; more are traced but not listed
 BATCH = 64            # results that wake the publisher before the step ends
-FLUSH_SECONDS = 0.2   # ... or this long after the last publication (no trace_step, e.g. SGLang)
+FLUSH_SECONDS = 0.2   # ... or this long after the batch's first result (see take_batch)
+DURATIONS = 4096      # due calls' durations kept unfolded at most (see _durations), where no batch goes out
 
 
 class _Table:
@@ -114,6 +116,15 @@ _pending: deque = deque()
 _busy = 0                    # results the publisher has taken but not yet handed over
 _publisher: threading.Thread | None = None  # started with the hub (start_publisher: lifecycle.py)
 _stop = False
+# The publisher sleeps without a timeout while it has nothing to hand over (take_batch):
+# _idle says so.  _wakes counts the wake-ups that ask it to take what waits now (a step's
+# end, a full batch, a due call FLUSH_SECONDS after the batch's first result, a flush:
+# _wake_publisher); a result that waits for no event of its batch (one on the host, with
+# device_timing, before the first trace_step), queued while it sleeps, nudges it instead,
+# and it gives that result's batch FLUSH_SECONDS.
+_idle = False
+_wakes = 0
+_taken_at = 0  # _wakes when the publisher last took what waited
 _ring = None                 # ring.Ring the forwarder reads results from (hub: process)
 # The hub (hub.Hub, or forwarder.Forwarder) while serving, and the configuration it serves
 # (its host, port, ...): set by serve and unserve (lifecycle.py), read by the others.
@@ -207,6 +218,8 @@ def trace_step(success: Any = True, *, step: int | None = None) -> Any:
             with _lock:
                 _seal()
                 _wake_publisher()  # the step's results go out together, between steps
+        elif len(_durations) > DURATIONS:  # due calls whose results were all dropped: no batch folds them
+            _fold_durations()
     except Exception as exc:  # noqa: BLE001
         fail("trace_step", exc)
     return success
@@ -417,6 +430,8 @@ def _emit(routes: tuple, key: tuple, tensor, tags: dict) -> None:
     except Exception as exc:  # noqa: BLE001 - tracing must never break the step
         fail(f"trace({key[0]!r})", exc)
     _durations.append(time.perf_counter() - start)
+    if len(_durations) > DURATIONS:  # results all dropped, and no trace_step: no batch folds them
+        _fold_durations()
 
 
 def _compress(due: list, key: tuple, tensor: torch.Tensor, tags: dict, step: int) -> None:
@@ -468,6 +483,8 @@ def _compress(due: list, key: tuple, tensor: torch.Tensor, tags: dict, step: int
             if _publisher is None or len(_pending) >= BATCH or (_unsealed and stamp - _unsealed[0].time > FLUSH_SECONDS):
                 _seal()
                 _wake_publisher()
+            elif _idle and item.stream is None and not _unsealed:  # ready now (a host result, device_timing, no
+                _cond.notify_all()  # trace_step yet), the publisher asleep: a nudge, it gives the batch FLUSH_SECONDS
 
 
 def _by_compressor(due: list) -> tuple:
@@ -524,7 +541,10 @@ def _take() -> list:
 
 
 def _wake_publisher() -> None:
-    """(caller holds _cond) Wake the publisher (started with the hub: start_publisher)."""
+    """(caller holds _cond) Wake the publisher (started with the hub: start_publisher) to
+    take what waits now."""
+    global _wakes
+    _wakes += 1
     _cond.notify_all()
 
 
@@ -603,8 +623,8 @@ def snapshot() -> dict:
     """What tracing has done in this process: whether it is on, the step, the rank, the
     counters, the results queued, the latest failure, the series seen, the subscriptions,
     the cost (the hub's too), the due calls by duration and the ring.  control.state()
-    adds the hub and the configuration; a forwarder's hub answers from it (sent by
-    publisher.share_state)."""
+    adds the hub and the configuration; a forwarder's hub answers from it (asked for
+    when a client wants it: forwarder.Forwarder._share_state)."""
     with _cond:
         counts = dict(_counts)
         queued = len(_pending) + len(_records) + _busy
@@ -673,8 +693,7 @@ def unserve():
 
 def start_publisher(loop) -> None:
     """(lifecycle, with a hub) Run ``loop`` (publisher.loop) as the publisher thread where
-    none is alive: what is queued from now on reaches the hub (and a forwarder gets this
-    process's state whether or not anything is traced)."""
+    none is alive: what is queued from now on reaches the hub."""
     global _publisher
     with _cond:
         if _publisher is None or not _publisher.is_alive():
@@ -683,18 +702,39 @@ def start_publisher(loop) -> None:
 
 
 def take_batch() -> list | None:
-    """(the publisher thread) The results it may hand over now, after waiting up to
-    FLUSH_SECONDS for any (maybe none); None once stop_publisher ends it."""
-    global _busy
+    """(the publisher thread) The next results to hand over; None once stop_publisher
+    ends it.  What waits is taken when the tracing thread hands a batch over (a step's
+    end, a full batch, a due call FLUSH_SECONDS after the batch's first result: _wakes),
+    or at a flush or a stop.  Results that wait for no event of their batch (_seal: a
+    host result, device_timing, no trace_step yet) are taken FLUSH_SECONDS after the
+    publisher finds them, or at the step's end if sooner; queued while it sleeps, they
+    nudge it.  With nothing to take it sleeps without a timeout: no client, or no
+    results, and it never wakes (issue 59: a timed wait woke it 5 times a second to
+    find nothing)."""
+    global _busy, _idle, _taken_at
     with _cond:
-        items = _take()
+        while True:
+            if _wakes != _taken_at or _stop:  # handed over, a flush, a stop: take what waits now
+                _taken_at = _wakes
+                items = _take()
+                if items or _stop:
+                    break
+            elif _pending and not (_unsealed and _pending[0] is _unsealed[0]):  # ready, not handed over yet
+                _cond.wait(FLUSH_SECONDS)  # the rest of their batch (a step's end cuts it short)
+                _taken_at = _wakes
+                items = _take()
+                if items:
+                    break
+                continue
+            _idle = True
+            try:
+                _cond.wait()  # until a batch is handed over, a result nudges it, a flush or a stop
+            finally:
+                _idle = False
         if not items:
-            if _stop:
-                return None
-            _cond.wait(FLUSH_SECONDS)
-            items = _take()
+            return None  # stopped
         _busy += len(items)
-    _fold_durations()  # bounded however long nobody asks for the state
+    _fold_durations()  # bounded: each batch folds its due calls' durations (trace_step, _emit: where none goes out)
     return items
 
 
@@ -729,7 +769,7 @@ def drain(deadline: float) -> bool:
     that one to seal them), or no publisher runs; False at ``deadline`` (time.monotonic)."""
     with _cond:
         _seal()
-        _cond.notify_all()
+        _wake_publisher()
         while _pending or _records or _busy:
             if not (_publisher and _publisher.is_alive()):
                 break
@@ -746,7 +786,7 @@ def stop_publisher() -> None:
     global _publisher, _stop, _unsealed
     with _cond:
         thread, _stop = _publisher, True
-        _cond.notify_all()
+        _wake_publisher()
     if thread is not None and thread is not threading.current_thread():
         thread.join(5)
     with _cond:
@@ -789,7 +829,7 @@ def fail(where: str, exc: BaseException) -> None:
 def _after_fork_in_child() -> None:
     """A forked child (a data loader worker) inherits no threads: it does not trace."""
     global _enabled, _lock, _cond, _pending, _busy, _publisher, _stop, hub, hub_key, _table, _counters, _counts, \
-        _ring, _unsealed, _records, _tracer, _fast_ring
+        _ring, _unsealed, _records, _tracer, _fast_ring, _idle
     _enabled = False
     _fast_ring = None
     _arm_compiled(None)
@@ -798,7 +838,7 @@ def _after_fork_in_child() -> None:
     _unsealed, _records, _tracer = [], [], None
     _counters = Counters(COUNTERS, "source_patch.trace", "trace", lock=_cond)
     _counts = _counters.counts
-    _pending, _busy, _publisher, _stop = deque(), 0, None, False
+    _pending, _busy, _publisher, _stop, _idle = deque(), 0, None, False, False
     for parents in (_events, _known_streams):
         parents.clear()  # CUDA objects of the parent: unusable here
     if hub is not None:

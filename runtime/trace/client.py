@@ -7,7 +7,7 @@
         async for frame in c:                     # frame.Frame: header, meta, array (numpy)
             print(frame.step, frame.name, frame.layer, frame.array.shape)
 
-CLI::
+CLI (also ``source-patch trace ...``; an error is one line ``source-patch: error: ...``, exit 2)::
 
     python -m source_patch.runtime.trace.client record --url URL [--token T | --token-file F] \\
         --name layer_output [--layers 0-3] [--compressor tiles] [--param tiles=32] [--every 1] \\
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 from urllib.parse import urlsplit
 
+from ..core import commands
 from ..core.bounded import open_regular, read_regular
 from .frame import Frame, FrameError, decode, split
 
@@ -338,7 +339,7 @@ def _token(args) -> tuple[str, str | None]:
         try:  # the hub's file is a few hundred bytes; a FIFO or a folder is refused, not waited on
             text = read_regular(args.token_file, max_bytes=64 << 10, what="token file").decode().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise SystemExit(f"error: {exc}") from None
+            raise ValueError(str(exc)) from None
         try:
             info = json.loads(text)
         except ValueError:
@@ -349,13 +350,12 @@ def _token(args) -> tuple[str, str | None]:
         else:
             token = token or text
     if not target:
-        raise SystemExit("error: give --url (or a --token-file written by the hub)")
+        raise ValueError("give --url (or a --token-file written by the hub)")
     return target, token
 
 
-def main(argv=None, prog: str = "python -m source_patch.runtime.trace.client") -> int:
-    p = argparse.ArgumentParser(prog=prog,
-                                description="Record a live trace stream, and read recordings back.")
+def parser(prog: str = "python -m source_patch.runtime.trace.client"):
+    p = commands.Parser(prog=prog, description="Record a live trace stream, and read recordings back.")
     sub = p.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="subscribe and write frames to a file")
     rec.add_argument("--url", help="http://HOST:PORT/#token=..., ws://HOST:PORT/ws or HOST:PORT")
@@ -379,25 +379,24 @@ def main(argv=None, prog: str = "python -m source_patch.runtime.trace.client") -
             reader.add_argument("--name")
             reader.add_argument("--layer", type=int)
             reader.add_argument("--limit", type=int, default=50)
-    args = p.parse_args(argv)
+    return p
 
-    if args.command == "record":
-        target, token = _token(args)
-        compressor = {"kind": args.compressor, **dict(args.param)}
-        try:
-            n = asyncio.run(record(target, token, args.out, names=args.name, compressor=compressor,
-                                   layers=args.layers, every=args.every, frames=args.frames,
-                                   seconds=args.seconds, retry=args.retry))
-        except (TraceError, ValueError, OSError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        print(f"{n} frames written to {args.out}", file=sys.stderr)
-        return 0
+
+def main(argv=None, prog: str = "python -m source_patch.runtime.trace.client") -> int:
+    args = parser(prog).parse_args(argv)
     try:
-        return _read_back(args)
-    except (ValueError, OSError) as exc:  # FrameError too: one line, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return _record(args) if args.command == "record" else _read_back(args)
+    except (TraceError, ValueError, OSError) as exc:  # FrameError too: one line, not a traceback
+        return commands.error(commands.first_line(exc))
+
+
+def _record(args) -> int:
+    target, token = _token(args)
+    compressor = {"kind": args.compressor, **dict(args.param)}
+    n = asyncio.run(record(target, token, args.out, names=args.name, compressor=compressor, layers=args.layers,
+                           every=args.every, frames=args.frames, seconds=args.seconds, retry=args.retry))
+    print(f"{n} frames written to {args.out}", file=sys.stderr)
+    return 0
 
 
 def _read_back(args) -> int:

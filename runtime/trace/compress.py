@@ -23,6 +23,11 @@ the same compressor applied offline to a saved tensor gives what a frame carries
 
 No expression strings, no pickle: a projection vector is read from a safetensors
 file.
+
+The trace forwarder process (forwarder.py) parses compressors (a client's parameters are
+checked there) and runs their host stage, with numpy only: this module imports torch at
+the device stage's first use (:class:`_Torch`), which only the traced process runs, so
+the forwarder starts in a fraction of the time and memory torch takes.
 """
 
 from __future__ import annotations
@@ -31,10 +36,26 @@ import functools
 import json
 import math
 import os
+import sys
 from typing import Any, Callable
 
 import numpy as np
-import torch
+
+
+class _Torch:
+    """This module's ``torch`` until first used: then imported (in the traced process it
+    already is), and the global is the module itself from then on, so the device stage
+    pays nothing for it after its first call.  Parsing and the host stage never use it."""
+
+    def __getattr__(self, name: str):
+        global torch
+        import torch as module
+
+        torch = module
+        return getattr(module, name)
+
+
+torch = _Torch()
 
 TILE_STATS = ("mean", "absmax", "rms", "min", "max")
 MAX_TILES = 4096
@@ -351,8 +372,11 @@ def _projection(params: dict, _raw_max: int) -> Compressor:
     on_device: dict = {}
 
     def project(x: torch.Tensor) -> torch.Tensor:
+        nonlocal vector
         v = on_device.get(x.device)
         if v is None:
+            if isinstance(vector, np.ndarray):  # read where torch was not imported (see load_vector)
+                vector = _pinned(torch.from_numpy(vector))
             v = on_device[x.device] = vector.to(x.device, non_blocking=True)
         width = x.shape[dim]
         if width != v.numel():
@@ -363,15 +387,18 @@ def _projection(params: dict, _raw_max: int) -> Compressor:
     return Compressor("projection", canonical, project)
 
 
-def load_vector(path: str, key: str | None, normalize: bool) -> tuple[torch.Tensor, str]:
-    """A 1-D float32 vector from a safetensors file (safetensors reads no code);
-    pinned when CUDA is there so its one copy to each device is asynchronous."""
+def load_vector(path: str, key: str | None, normalize: bool) -> tuple[Any, str]:
+    """A 1-D float32 vector from a safetensors file (safetensors reads no code): a torch
+    tensor, pinned when CUDA is there so its one copy to each device is asynchronous; in
+    a process without torch (the forwarder, which only checks it) a numpy array, which
+    the device stage makes a tensor of at its first use."""
     from safetensors import safe_open
 
     if not os.path.isfile(path):
         raise ValueError(f"compressor projection: no such file {path!r}")
+    with_torch = "torch" in sys.modules
     try:
-        with safe_open(path, framework="pt") as f:
+        with safe_open(path, framework="pt" if with_torch else "numpy") as f:
             keys = list(f.keys())
             if key is None:
                 if len(keys) != 1:
@@ -386,19 +413,55 @@ def load_vector(path: str, key: str | None, normalize: bool) -> tuple[torch.Tens
             if len(shape) != 1 or not 0 < shape[0] <= MAX_VECTOR:
                 raise ValueError(f"compressor projection: {key!r} must be a 1-D vector of at most "
                                  f"{MAX_VECTOR} elements, got shape {shape}")
-            vector = f.get_tensor(key).float()
+            if with_torch:
+                vector = f.get_tensor(key).float()
+            else:
+                vector = _numpy_vector(f, path, key, sliced.get_dtype())
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - a bad file is a bad parameter
         raise ValueError(f"compressor projection: cannot read {path}: {type(exc).__name__}: {exc}") from None
     if normalize:
-        norm = float(vector.norm())
+        norm = float(vector.norm()) if with_torch else float(np.linalg.norm(vector))
         if not math.isfinite(norm) or norm == 0:
             raise ValueError(f"compressor projection: {key!r} has norm {norm}; cannot normalize")
-        vector = vector / norm
-    if torch.cuda.is_available():
-        vector = vector.pin_memory()
-    return vector, key
+        vector = vector / (norm if with_torch else np.float32(norm))
+    return (_pinned(vector) if with_torch else vector), key
+
+
+def _pinned(vector):
+    """``vector`` in page-locked memory where CUDA is there."""
+    return vector.pin_memory() if torch.cuda.is_available() else vector
+
+
+def _numpy_vector(f, path: str, key: str, dtype: str) -> np.ndarray:
+    """The float32 values of a vector without torch (the forwarder's check of the
+    parameters): numpy reads most dtypes; bfloat16 and the 8-bit floats, which it has
+    not, are widened from their bits."""
+    if dtype not in _WIDENED:
+        return f.get_tensor(key).astype(np.float32)
+    with open(path, "rb") as file:  # the format: u64 header size, the JSON header, the data (safe_open checked it)
+        size = int.from_bytes(file.read(8), "little")
+        begin, end = json.loads(file.read(size))[key]["data_offsets"]
+        file.seek(8 + size + begin)
+        raw = file.read(end - begin)
+    return _WIDENED[dtype](raw)
+
+
+def _e4m3_values() -> np.ndarray:
+    """float32 of each float8 e4m3fn byte (no infinities; S.1111.111 is NaN)."""
+    bits = np.arange(256)
+    exponent, mantissa = (bits >> 3) & 15, bits & 7
+    values = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    values = np.where((exponent == 15) & (mantissa == 7), np.nan, values)
+    return np.where(bits >> 7, -values, values).astype(np.float32)
+
+
+_WIDENED = {
+    "BF16": lambda raw: (np.frombuffer(raw, "<u2").astype("<u4") << 16).view("<f4"),  # a float32's upper half
+    "F8_E5M2": lambda raw: (np.frombuffer(raw, "u1").astype("<u2") << 8).view("<f2").astype("<f4"),  # a float16's
+    "F8_E4M3": lambda raw: _e4m3_values()[np.frombuffer(raw, "u1")],
+}
 
 
 # ---------------------------------------------------------------- raw

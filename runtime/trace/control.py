@@ -5,88 +5,66 @@ these and the call sites through the package (``source_patch.runtime.trace``).
 Importing it reads the settings (environment > active specs > defaults) and applies
 them: the package's exports and the ``__sp__`` names that need them (runtime/facade.py)
 import it first.  The state lives in api.py, which this module imports and changes
-through api's functions; it holds none of it but its own configuration lock.
+through api's functions; its contract is core/control.py's, given what tracing does.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import threading
 import time
 
-from ..core import settings, sglang_graphs
+from ..core.adapters import sglang_graphs
+from ..core.control import Control
 from . import api, lifecycle
 
 SETTINGS = "trace"  # its settings component (the capability contract: core/capability.py)
-_config_lock = threading.RLock()
+_CONTRACT_KEYS = ("enabled", "counters", "last_error", *api.COUNTERS)  # the contract's, and the counters flat
 
 
-def enabled() -> bool:
-    return api.is_enabled()
+def _apply(config: dict) -> dict:
+    lifecycle.apply(config)
+    return api.config()  # as applied (its folder made absolute)
 
 
-def configure(**changes) -> dict:
-    """Change settings (keys of the ``trace`` schema); all are validated before any
-    is applied (KeyError names the valid keys).  Returns the effective configuration."""
-    with _config_lock:
-        parsed = settings.check_all("trace", changes)
-        lifecycle.apply({**api.config(), **parsed})
-        return public_config()
+def _details() -> dict:
+    """trace's own keys of state(): api.snapshot's (step, rank, queue, series, costs,
+    due calls, ring) and the hub's."""
+    details = {key: value for key, value in api.snapshot().items() if key not in _CONTRACT_KEYS}
+    hub = api.hub
+    return {**details, "hub": hub.stats() if hub is not None else None, "url": hub.url if hub is not None else None}
 
 
-def configure_from_settings(environ=None) -> dict:
-    """Re-read the settings (environment > active specs > defaults) and apply them."""
-    with _config_lock:
-        lifecycle.apply(settings.resolve("trace", os.environ if environ is None else environ))
-        return public_config()
+def _drain(timeout: float | None) -> bool:
+    """flush: the traced results handed to the hub, and the clients' queues sent."""
+    deadline = float("inf") if timeout is None else time.monotonic() + timeout
+    if not api.drain(deadline):
+        return False
+    hub = api.hub
+    # None: the hub closes a client stalled for stall_timeout, so its queues drain in bounded time
+    return hub.drain(60.0 if timeout is None else max(0.0, deadline - time.monotonic())) if hub is not None \
+        else True
 
 
-def public_config() -> dict:
-    return settings.redacted(api.config())
+def _stop(_timeout: float | None) -> bool:
+    """close, after the drain: the clients (1001), the hub and the publisher."""
+    lifecycle.stop_hub()
+    api.stop_publisher()
+    return True
+
+
+_control = Control(SETTINGS, apply=_apply, enabled=api.is_enabled, counters=lambda: api.snapshot()["counters"],
+                   last_error=lambda: api.snapshot()["last_error"], details=_details, clear=api.clear,
+                   drain=_drain, quiesce=lambda: api.set_enabled(False), stop=_stop, close_timeout=2.0)
+configure, configure_from_settings, state, reset, flush, close = _control.surface()
+public_config = _control.public_config
+enabled = api.is_enabled
 
 
 def url() -> str | None:
     """The page of this process's hub with its token in the fragment, or None."""
     hub = api.hub
     return hub.page_url if hub is not None else None
-
-
-def state(with_hub: bool = True) -> dict:
-    """Counters, hub and configuration (api.snapshot with the hub's own)."""
-    hub = api.hub
-    return {**api.snapshot(), "hub": hub.stats() if hub is not None and with_hub else None,
-            "url": hub.url if hub is not None else None, "config": public_config()}
-
-
-def reset() -> dict:
-    """Zero the counters, the step and the names seen (not the subscriptions)."""
-    api.clear()
-    return state()
-
-
-def flush(timeout: float = 5.0) -> bool:
-    """Wait until traced results have reached the clients' queues and those are sent."""
-    deadline = time.monotonic() + timeout
-    if not api.drain(deadline):
-        return False
-    hub = api.hub
-    return hub.drain(max(0.0, deadline - time.monotonic())) if hub is not None else True
-
-
-def close(timeout: float | None = None) -> bool:
-    """Send what is queued (up to ``timeout``, default 2 s), close the clients (1001) and
-    the hub, stop the publisher; True when everything queued went out.  Registered with
-    atexit; configuring again restarts them."""
-    api.set_enabled(False)
-    sent = False
-    try:
-        sent = flush(2.0 if timeout is None else timeout)
-    except Exception as exc:  # noqa: BLE001
-        api.fail("flush at close", exc)
-    lifecycle.stop_hub()
-    api.stop_publisher()
-    return sent
 
 
 # Names under which the handle exports these (runtime/facade.py).

@@ -5,23 +5,32 @@ stage, whose result lands in a page-locked ring this process maps too (ring.py),
 records an event (api.py); the publisher thread waits for the events and sends a
 header naming the ring's slices (results the ring does not take: their bytes).  This process, a child
 of the traced one, runs the compressors' host stage, encodes the frames and serves
-the WebSocket hub (hub.py, unchanged): that CPU time no longer competes for the
-training process's GIL.
+the WebSocket hub (hub.py): that CPU time no longer competes for the training
+process's GIL.
 
-    traced process                            forwarder (python -c ENTRY FD)
+    traced process                            forwarder (python -c ENTRY IN OUT)
     Forwarder.publish(items)  --results-->    read the ring, finish, encode, Hub.deliver
-    Ring.release(upto)        <--released--   (the slices are free again)
+    Ring.released (shared)    <--written---   Tail.release: the slices are free again
     set_subscriptions(...)    <--subs-----    Hub (subscribe / unsubscribe)
-    state snapshots           --state---->    Mirror: names, step, counters for stats/list
-    drain / report / config   --op------->    Hub.drain / report / config
+    api.snapshot, names       <--want_state-  Mirror.refresh: before a stats, list or hello
+                              --state---->    Mirror: names, step, counters
+    drain / stats / report    --op------->    Hub.drain / stats / report / config
 
-The wire is a socketpair carrying length-prefixed messages
+Nothing goes either way on a timer: with no client the traced process's publisher and
+reader threads sleep until a result, a step or a request (docs/bench-notes/overhead.md,
+issue 59).  The child imports no torch: the compressors' host stage and their
+parameters' checks are numpy (compress.py imports torch at the device stage's first
+use, which only the traced process runs).
+
+The wire is two socketpairs, one each way, carrying length-prefixed messages
 (``multiprocessing.connection``'s ``send_bytes``, never its pickling ``send``): a
-JSON object, and for ``results`` one more message with the results' bytes back to
-back.  The child starts with no SOURCE_PATCH* variables (it patches and traces
-nothing itself) and without the current folder on ``sys.path`` (ENTRY), exits when the
-socket closes (its parent ended or stopped it), and writes the token file under the
-parent's pid.
+JSON object, and for ``results`` whose bytes are not in the ring one more message with
+them back to back.  One way each: a socket's readers and writers sleep on one wait
+queue, so on one socket both ways the reader thread here woke (and slept again) each
+time the child read a batch, with nothing for it.  The child starts with no
+SOURCE_PATCH* variables (it patches and traces nothing itself) and without the current
+folder on ``sys.path`` (ENTRY), exits when its inbound socket closes (its parent ended
+or stopped it), and writes the token file under the parent's pid.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from multiprocessing.connection import Connection
 
 log = logging.getLogger("source_patch.trace")
 
-START_TIMEOUT_S = 60.0        # the child imports torch (compressors) before it serves
+START_TIMEOUT_S = 60.0        # the child starts its hub before it answers (no torch: well under this)
 MAX_MESSAGE = 1 << 30         # bytes: the parent is trusted, but every input is bounded
 # The child's code.  `python -m` and `-c` put the current folder first on sys.path, and
 # every trace-enabled job starts this child wherever it was started: a json.py or a
@@ -83,24 +92,29 @@ class Forwarder:
 
         self.runtime = runtime
         self.ring = shared()
-        ours, theirs = socket.socketpair()
+        out, their_in = socket.socketpair()   # to the child
+        their_out, inbox = socket.socketpair()  # from it
         env = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH")}
         env["RANK"] = str(global_rank())  # the rank the hub reports, as the parent knows it
-        fds = [theirs.fileno()] + ([self.ring.fd] if self.ring else [])
+        fds = [their_in.fileno(), their_out.fileno()] + ([self.ring.fd] if self.ring else [])
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", ENTRY, str(theirs.fileno())],
+                [sys.executable, "-c", ENTRY, str(their_in.fileno()), str(their_out.fileno())],
                 pass_fds=fds, env=env, stdin=subprocess.DEVNULL)
         except OSError as exc:
-            ours.close()
+            out.close()
+            inbox.close()
             raise ForwarderUnavailable(f"cannot start the trace forwarder: {exc}") from exc
         finally:
-            theirs.close()
-        self.conn = Connection(ours.detach())
+            their_in.close()
+            their_out.close()
+        self.conn = Connection(out.detach(), readable=False)  # what this process sends
+        self.inbox = Connection(inbox.detach(), writable=False)  # what the child sends (_read)
         self._write = threading.Lock()   # publisher, training (report) and control threads all send
         self._subs: dict = {}            # child's subscription number -> parsed Subscription
         self._stats: dict = {}
         self._cpu = 0.0
+        self._series_sent = -1         # the names the child has: sent again when more were seen
         self._answers: dict = {}       # request number -> Event with .answer
         self._numbers = itertools.count()
         self.closed = self.stopping = False
@@ -113,13 +127,13 @@ class Forwarder:
 
     def _start(self, config: dict) -> dict:
         try:
-            ring = {"ring": [self.ring.fd, self.ring.size]} if self.ring else {}
+            ring = {"ring": [self.ring.fd, self.ring.size, self.ring.released_at]} if self.ring else {}
             if self.ring:
                 self.ring.reset()
             self._send({"op": "start", "config": config, "pid": os.getpid(), **ring})
-            if not self.conn.poll(START_TIMEOUT_S):
+            if not self.inbox.poll(START_TIMEOUT_S):
                 raise ForwarderUnavailable(f"the trace forwarder did not answer within {START_TIMEOUT_S:g} s")
-            ready = _recv(self.conn)
+            ready = _recv(self.inbox)
         except (OSError, EOFError, ValueError) as exc:
             self._kill()
             raise ForwarderUnavailable(f"the trace forwarder failed to start: {exc}") from exc
@@ -144,6 +158,8 @@ class Forwarder:
         result's bytes are (a slice of the ring, or the blob that follows), one blob."""
         from ..core.tags import tag_value
 
+        if self.ring is not None:
+            self.ring.refresh()  # the slices the child has read since the last batch: free again
         header, blobs, release = [], [], 0
         for item in items:
             meta = {"subs": [sub.client for sub in item.subs], "name": item.name,
@@ -160,11 +176,9 @@ class Forwarder:
         message = {"op": "results", "items": header, "rank": rank}
         if release:
             message["release"] = release
-        self._try_send(message, b"".join(blobs))
-
-    def share_state(self, state: dict, names: list | None) -> None:
-        """(publisher thread) What the child's hub answers ``stats``, ``list`` and hello with."""
-        self._try_send({"op": "state", "state": state, "names": names})
+        if blobs:
+            message["blob"] = True  # one message more: the results' bytes
+        self._try_send(message, b"".join(blobs) if blobs else None)
 
     def report(self, sub, message: str) -> None:
         self._try_send({"op": "report", "sub": sub.client, "error": message})
@@ -174,7 +188,12 @@ class Forwarder:
         return bool(answer and answer["ok"])
 
     def cpu_seconds(self) -> float:
-        return self._cpu
+        """The child's CPU time so far: read from its process CPU clock (no message), else
+        the figure of its last answer."""
+        try:
+            return time.clock_gettime(((~self.proc.pid) << 3) | 2)  # Linux: MAKE_PROCESS_CPUCLOCK(pid, SCHED)
+        except (OSError, OverflowError, ValueError):  # ended, or not Linux
+            return self._cpu
 
     def stats(self) -> dict:
         """The child's hub statistics, asked for now (cached ones if it does not answer in 2 s)."""
@@ -201,14 +220,16 @@ class Forwarder:
             self._kill()
         self.closed = True
         self.conn.close()
+        self.inbox.close()
         self.thread.join(5)
 
     def close_sockets(self) -> None:
-        """In a forked child: let go of the parent's socket without a word on it."""
-        try:
-            os.close(self.conn.fileno())
-        except OSError:
-            pass
+        """In a forked child: let go of the parent's sockets without a word on them."""
+        for conn in (self.conn, self.inbox):
+            try:
+                os.close(conn.fileno())
+            except OSError:
+                pass
 
     # -- internals
 
@@ -230,13 +251,13 @@ class Forwarder:
         """(forwarder thread) Subscriptions, statistics and drain answers from the child."""
         try:
             while True:
-                message = _recv(self.conn)
+                message = _recv(self.inbox)
                 op = message.get("op")
                 if op == "subs":
                     self._set_subscriptions(message["subs"])
                     self._try_send({"op": "applied", "seq": message["seq"]})
-                elif op == "released":
-                    self.ring.release(message["upto"])
+                elif op == "want_state":
+                    self._share_state(message["id"])
                 elif op == "stats":
                     self._stats, self._cpu = message["stats"], message["cpu"]
                 elif op == "answer":
@@ -247,6 +268,20 @@ class Forwarder:
         except (OSError, EOFError, ValueError) as exc:
             if not (self.closed or self.stopping):
                 self._lost(exc)
+
+    def _share_state(self, number: int) -> None:
+        """(reader thread) What the child's hub answers ``stats``, ``list`` and a hello with,
+        asked for by the child before each (Mirror.refresh): this process's snapshot, and
+        its names where more were seen since last sent."""
+        try:
+            state = self.runtime.snapshot()
+            names = None
+            if state["series"] != self._series_sent:
+                names, self._series_sent = self.runtime.names(), state["series"]
+        except Exception as exc:  # noqa: BLE001 - the reader must survive anything
+            self.runtime.fail("sharing state with the trace forwarder", exc)
+            state, names = None, None
+        self._try_send({"op": "state", "id": number, "state": state, "names": names})
 
     def _set_subscriptions(self, wanted: list) -> None:
         # Subscriptions the child still has keep their objects (and so their
@@ -287,9 +322,13 @@ class Forwarder:
 # ---------------------------------------------------------------- the forwarder process
 
 
+REFRESH_TIMEOUT_S = 2.0  # a parent that does not answer a state request: the last copy answers
+
+
 class Mirror:
     """The runtime as the child's hub sees it: subscriptions go to the parent, and
-    names, step and counters come from the parent's latest snapshot."""
+    names, step and counters come from the parent's snapshot, asked for before each
+    request that shows them (refresh), never sent on a timer."""
 
     def __init__(self, conn: Connection, write: threading.Lock):
         self.conn, self._write = conn, write
@@ -301,6 +340,8 @@ class Mirror:
         self.hub = None
         self.sent = self.acked = 0  # subscription sets sent to / applied by the parent (loop thread)
         self._waiters: list = []
+        self.asked = self.answered = 0  # state requests sent to / answered by the parent (loop thread)
+        self._fresh = None  # the future of the request in flight, which later askers share
 
     def set_subscriptions(self, subs) -> None:
         """(hub loop) Number each subscription once; tell the parent the current set."""
@@ -340,6 +381,37 @@ class Mirror:
                 waiting.append((sent, waiter))
         self._waiters = waiting
 
+    async def refresh(self) -> None:
+        """(hub loop) The parent's current state, asked for now: what a ``stats``, ``list``
+        or hello answers with (at most REFRESH_TIMEOUT_S; then the last copy).  Requests
+        made while one is in flight share its answer."""
+        import asyncio
+
+        fresh = self._fresh
+        if fresh is None or fresh.done():
+            fresh = self._fresh = asyncio.get_running_loop().create_future()
+            self.asked += 1
+            try:
+                with self._write:
+                    _send(self.conn, {"op": "want_state", "id": self.asked})
+            except (OSError, ValueError):
+                fresh.set_result(None)  # the parent is gone: the main loop ends this process
+        try:
+            await asyncio.wait_for(asyncio.shield(fresh), REFRESH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            pass
+
+    def refreshed(self, number: int, state: dict | None, names: list | None) -> None:
+        """(hub loop) The parent's answer to state request ``number``."""
+        if state is not None:
+            self.shared = state
+        if names is not None:
+            self.series = names
+        self.answered = max(self.answered, number)
+        fresh = self._fresh
+        if fresh is not None and not fresh.done() and self.answered >= self.asked:
+            fresh.set_result(None)
+
     def current_step(self) -> int:
         return self.shared["step"]
 
@@ -353,6 +425,25 @@ class Mirror:
 
     def fail(self, where: str, exc: BaseException) -> None:
         log.warning("source-patch trace forwarder: %s: %s: %s", where, type(exc).__name__, exc)
+
+
+class Tail:
+    """How far the forwarder has read a ring, written into the ring's memory (the page
+    after the slices: ring.Ring.released), mapped writable here, where the traced
+    process's publisher reads it before each batch (Ring.refresh).  Written in place of a
+    message per batch, which woke the traced process's reader thread."""
+
+    def __init__(self, fd: int, at: int):
+        import numpy as np
+
+        self._map = mmap.mmap(fd, mmap.PAGESIZE, offset=at)
+        self._released = np.frombuffer(self._map, dtype=np.int64, count=1)
+
+    def release(self, upto: int) -> None:
+        """Slices up to ``upto`` are read (copied out: _frames_of): the traced process may
+        reuse them.  One aligned 8-byte store; its only writer while this process runs."""
+        if upto > self._released[0]:
+            self._released[0] = upto
 
 
 def _frames_of(mirror: Mirror, header: dict, blob: bytes, ring) -> list:
@@ -382,13 +473,14 @@ def _frames_of(mirror: Mirror, header: dict, blob: bytes, ring) -> list:
     return frames
 
 
-def serve(conn: Connection) -> None:
-    """The child's loop: start the hub as told, then act on each message until EOF or stop."""
+def serve(inbox: Connection, conn: Connection) -> None:
+    """The child's loop: start the hub as told (``inbox``: from the parent, ``conn``: to
+    it), then act on each message until EOF or stop."""
     from .hub import Hub
 
     write = threading.Lock()
     mirror = Mirror(conn, write)
-    start = _recv(conn)
+    start = _recv(inbox)
     try:
         hub = Hub(mirror, start["config"], owner_pid=start["pid"])
     except Exception as exc:  # noqa: BLE001 - e.g. the port is in use: the parent reports it
@@ -396,32 +488,29 @@ def serve(conn: Connection) -> None:
             _send(conn, {"op": "error", "error": f"{type(exc).__name__}: {exc}"})
         return
     mirror.hub = hub
-    ring = None
+    ring = tail = None
     if "ring" in start:
-        fd, size = start["ring"]
+        fd, size, at = start["ring"]
         ring = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        tail = Tail(fd, at)
     with write:
         _send(conn, {"op": "ready", "url": hub.url, "ws": hub.ws_url, "page": hub.page_url, "token": hub.token})
-    # The compressors import torch (~1 s): do it now, not when the first client subscribes.
+    # The compressors' checks and host stage (numpy, no torch): imported now, not when the
+    # first client subscribes.
     threading.Thread(target=__import__, args=("source_patch.runtime.trace.compress",), daemon=True).start()
-    last_stats = 0.0
     try:
-        while True:
-            op = None
-            if conn.poll(0.2):
-                message = _recv(conn)
-                op = message.get("op")
+        while True:  # blocks until the parent says something: nothing here runs on a timer
+            message = _recv(inbox)
+            op = message.get("op")
             if op == "results":
-                frames = _frames_of(mirror, message, conn.recv_bytes(MAX_MESSAGE), ring)
+                blob = inbox.recv_bytes(MAX_MESSAGE) if message.get("blob") else b""
+                frames = _frames_of(mirror, message, blob, ring)
                 if "release" in message:
-                    with write:
-                        _send(conn, {"op": "released", "upto": message["release"]})
+                    tail.release(message["release"])  # the slices are copied out: free again
                 if frames:
                     hub.deliver(frames)
             elif op == "state":
-                mirror.shared = message["state"]
-                if message["names"] is not None:
-                    mirror.series = message["names"]
+                hub.loop.call_soon_threadsafe(mirror.refreshed, message["id"], message["state"], message["names"])
             elif op == "report":
                 sub = mirror.by_number.get(message["sub"])
                 if sub is not None:
@@ -437,11 +526,6 @@ def serve(conn: Connection) -> None:
                 hub.config = message["config"]
             elif op == "stop":
                 break
-            now = time.monotonic()
-            if now - last_stats > 0.2:  # the parent's state() shows these
-                last_stats = now
-                with write:
-                    _send(conn, {"op": "stats", "stats": hub.stats(), "cpu": time.process_time()})
     except (EOFError, OSError):
         pass  # the traced process ended
     finally:
@@ -451,10 +535,11 @@ def serve(conn: Connection) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    conn = Connection(int(argv[0]))
+    inbox, conn = Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False)
     try:
-        serve(conn)
+        serve(inbox, conn)
     finally:
+        inbox.close()
         conn.close()
     return 0
 

@@ -1,4 +1,4 @@
-"""trace() under CUDA graphs (core/graph_stage.py, issue 31).
+"""trace() under CUDA graphs (core/adapters/graph_stage.py, issue 31).
 
 A replayed graph runs no Python, so a trace call site captured in it would never be
 offered to a client again.  While a graph is being built or captured somewhere
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import graph_stage
+from ..core.adapters import graph_stage
 
 
 _offer = _fail = None  # api.trace and api.fail (given by use(): api imports this module, not this one api)

@@ -1,7 +1,7 @@
 """The trace hub: a WebSocket server (``websockets``, asyncio) in a daemon thread.
 
 One hub per tracing process, on ``host`` (127.0.0.1 by default) and ``port +
-LOCAL_RANK``.  The protocol (v2) is in docs/trace.md; in short:
+LOCAL_RANK``.  The protocol (v2) is in docs/trace_clients.md; in short:
 
 * HTTP ``GET /``, ``/view.js``, ``/view.css``: the browser view (static files, no
   data, no token needed); every other path but ``/ws`` is 404.
@@ -500,6 +500,7 @@ class Hub:
         name = hello.get("client")
         client = Client(self, ws, name[:64] if isinstance(name, str) else "anonymous")
         self.clients.add(client)
+        await self._refresh()
         runtime = self.runtime
         client.say({"op": "welcome", "version": PROTOCOL_VERSION, "rank": global_rank(),
                     "step": runtime.current_step(), "names": sorted({e["name"] for e in runtime.names()}),
@@ -537,8 +538,10 @@ class Hub:
             elif op == "unsubscribe":
                 await self._unsubscribe(client, request)
             elif op == "list":
+                await self._refresh()
                 client.say({"op": "names", "names": self.runtime.names(), "step": self.runtime.current_step()})
             elif op == "stats":
+                await self._refresh()
                 client.say({"op": "stats", **self._stats(client)})
             elif op == "hello":
                 raise ValueError("already authenticated")
@@ -565,6 +568,13 @@ class Hub:
         applied = getattr(self.runtime, "applied", None)
         if applied is not None:
             await applied()
+
+    async def _refresh(self) -> None:
+        """A forwarder's runtime asks the traced process for its state now (it sends
+        none on its own), so a stats, list or welcome shows it as it is."""
+        refresh = getattr(self.runtime, "refresh", None)
+        if refresh is not None:
+            await refresh()
 
     async def _unsubscribe(self, client: Client, request: dict) -> None:
         sub_id = request.get("id")

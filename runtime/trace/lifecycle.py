@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..core import ranks, settings
+from ..core import commands, ranks, settings
 from . import api, graphs, publisher
 
 
@@ -57,7 +57,7 @@ def _native_built(asked: bool) -> bool:
     if not _native_said:
         _native_said = True
         print(f"source-patch trace: triton_launch: native: {reason}; launching directly instead "
-              "(build it with: source-patch build-native)", file=sys.stderr)
+              f"(build it with: {commands.command('build-native')})", file=sys.stderr)
     return False
 
 
@@ -82,7 +82,7 @@ def _sync_hub(config: dict, serve: bool) -> bool:
         api.fail("starting the trace hub", exc)
         return False
     api.serve(hub, key)
-    api.start_publisher(publisher.loop)  # with a forwarder, it sends this process's state, traced or not
+    api.start_publisher(publisher.loop)  # asleep until there is something to hand over
     return True
 
 

@@ -52,7 +52,7 @@ def _root() -> str:
 
 # The build is executed by every trace-enabled process that finds it (``auto``, the
 # default): its folders and file follow the code cache's trust rules (core/private.py,
-# docs/spec.md#the-code-cache), or a library another user planted runs as this user.
+# docs/activation.md#the-code-cache), or a library another user planted runs as this user.
 
 
 def build(verbose: bool = False) -> Path:

@@ -4,13 +4,15 @@ The training thread only launches: it queues an ``api.Result`` (the device resul
 the ring slice it goes to) with the event its copy waits for (api.py).  This thread
 (started with the hub: lifecycle.py) takes the queue in batches, waits for the events
 (:func:`fetch`: never the training thread), and hands the batch to the hub: in a
-forwarder process (forwarder.py) it sends a header naming the ring's slices and this
-process's counters (:func:`share_state`); in a thread here it copies the results to
-pinned memory on its own stream first.
+forwarder process (forwarder.py) it sends a header naming the ring's slices; in a
+thread here it copies the results to pinned memory on its own stream first.  With
+nothing to hand over it sleeps without a timeout (api.take_batch): a process with no
+client, or between its steps, does not wake it.  A forwarder asks for this process's
+counters when a client wants them (forwarder.Forwarder._share_state).
 
 The queue, its lock and the counters are api.py's (the trace state): this module takes
 its batches through api.take_batch and api.batch_done, and holds only its own copy
-streams and what it last sent a forwarder.
+streams.
 """
 
 from __future__ import annotations
@@ -24,24 +26,22 @@ from ..core import ranks
 from . import api
 
 _streams: dict = {}  # device index -> this thread's copy stream (fetch)
-_shared: tuple = ()  # (hub, key) of what share_state last sent (a new hub gets everything)
 
 
 def loop() -> None:
     """Publish in batches: at each step end (trace_step), when api.BATCH results wait,
-    or every api.FLUSH_SECONDS.  A wake-up per result would contend for the GIL with the
-    training thread at every layer, right when it returns from a device sync."""
+    or api.FLUSH_SECONDS after a result that waits for no event (api.take_batch).  A
+    wake-up per result would contend for the GIL with the training thread at every
+    layer, right when it returns from a device sync."""
     while True:
         items = api.take_batch()
         if items is None:
             return
         if not items:
-            share_state()
             continue
         cpu = time.thread_time()
         try:
             fetch(items)  # this thread waits for the copies, never the trainer
-            share_state()  # before the frames: a client that got them and asks sees them counted
             hub = api.hub
             if hub is not None:
                 hub.publish(items, ranks.global_rank())  # frames here, or sent to the forwarder
@@ -99,31 +99,9 @@ def _copy_to_host(index: int, dtype, group: list) -> tuple:
     return event, flat
 
 
-def share_state() -> None:
-    """A hub in its own process answers stats, list and hello from a snapshot of this
-    process's counters: sent when they changed (the names only when new ones were seen),
-    at most once per wake-up."""
-    global _shared
-    hub = api.hub
-    if hub is None or not hasattr(hub, "share_state"):
-        return
-    try:
-        snapshot = api.snapshot()
-        key = tuple(snapshot[k] for k in ("step", "series", *api.COUNTERS))
-        shared_with, shared = _shared or (None, ())
-        if hub is not shared_with or key != shared:
-            series_changed = hub is not shared_with or shared[1] != key[1]
-            _shared = (hub, key)
-            hub.share_state(snapshot, api.names() if series_changed else None)
-    except Exception as exc:  # noqa: BLE001 - the publisher must survive anything
-        api.fail("sharing state with the trace forwarder", exc)
-
-
 def _forget() -> None:
-    """(a forked child) The parent's copy streams and forwarder are not this process's."""
-    global _shared
+    """(a forked child) The parent's copy streams are not this process's."""
     _streams.clear()
-    _shared = ()
 
 
 if hasattr(os, "register_at_fork"):

@@ -6,9 +6,11 @@ few hundred KB) into the next free slice of this ring, asynchronously on its own
 stream; the memory is page-locked (``cuMemHostRegister``) so the copy is a real DMA
 that returns at once.  The publisher thread then only waits for the copies' events
 (without the GIL) and sends the forwarder a short header naming the slices; the
-forwarder reads the bytes from its own mapping of the same memory and says how far it
-has read (``release``).  Nothing is joined, allocated, pinned or serialised in the
-traced process per result.
+forwarder reads the bytes from its own mapping of the same memory and writes how far it
+has read into the same memory (``released``, the page after the slices): no message
+back per batch, so nothing wakes in the traced process.  The publisher takes that as
+the ring's tail before each batch it hands over (``refresh``).  Nothing is joined,
+allocated, pinned or serialised in the traced process per result.
 
 One ring per process, created on first use and kept until exit: an in-flight copy
 must never land in unmapped memory, so it is neither unmapped nor unpinned, and a
@@ -50,21 +52,28 @@ class _Cursor:
 
 class Ring:
     head = _Cursor(0)  # bytes handed out, ever (the training thread's)
-    tail = _Cursor(1)  # bytes given back, ever (set by the forwarder's answers)
+    tail = _Cursor(1)  # bytes given back, ever (refresh: what the forwarder has released)
 
     def __init__(self, size: int = SIZE):
         self.size = size
         self.fd = os.memfd_create("source-patch-trace-ring", 0)  # anonymous: nothing to clean up
-        os.ftruncate(self.fd, size)
-        self._map = mmap.mmap(self.fd, size)
-        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        # The page after the slices holds how far the forwarder has read (``released``):
+        # it maps that page writable, the slices read-only (forwarder.Tail).
+        self.released_at = at = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        os.ftruncate(self.fd, at + mmap.PAGESIZE)
+        self._map = mmap.mmap(self.fd, at + mmap.PAGESIZE)
+        self._released = ctypes.c_int64.from_buffer(self._map, at)
+        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=size)
         self.floats = self.bytes.view(torch.float32)
         self.address = self.bytes.data_ptr()
         self.device_address: int | None = None  # where kernels see it, once pinned (None: unknown)
         self.lock = threading.Lock()  # any thread may trace (api's trace queue lock where it serves)
         self.direct = True  # kernels may write here (cleared if a launch refuses host memory)
         # [head, tail] (above), two int64 that the compiled due call reads and writes too
-        # (native_launch.cpp, at ``cursor_address``)
+        # (native_launch.cpp, at ``cursor_address``).  In this process's own memory, inline
+        # in the ctypes object, not in the shared page: a due call runs cold, and that page
+        # would be one more for it to find (on the CPU VM, where a TLB miss walks two page
+        # tables, 0.999-1.025x of a cold call: not resolved, not risked).
         self.cursor = (ctypes.c_int64 * 2)()
         self.cursor_address = ctypes.addressof(self.cursor)
         self.pinned: bool | None = None  # None: not tried yet
@@ -105,30 +114,44 @@ class Ring:
 
     def _take(self, nbytes: int) -> tuple:
         # (caller holds lock) api._fast and native_launch.cpp's claim_and_launch run this
-        # inline: keep the three in step.
+        # inline: keep the three in step (but for the refresh where full: theirs wait for
+        # the publisher's, before its next batch).
         start = self.head
         offset = start % self.size
         if offset + nbytes > self.size:  # a slice never wraps: skip to the ring's start
             start += self.size - offset
             offset = 0
         end = start + -(-nbytes // ALIGN) * ALIGN
-        if end - self.tail > self.size:
+        if end - self.tail > self.size and end - self.refresh() > self.size:  # (read now, where it is full)
             return None, None
         self.head = end
         return offset, end
 
     def release(self, upto: int) -> None:
-        """(the forwarder's reader thread) Slices up to ``upto`` have been read."""
+        """Slices up to ``upto`` have been read: free again."""
         if upto > self.tail:
             self.tail = upto
 
+    @property
+    def released(self) -> int:
+        """How far the forwarder has read, as it wrote it into the shared page."""
+        return self._released.value
+
+    def refresh(self) -> int:
+        """(the publisher, before each batch; state) The tail moved up to what the
+        forwarder has released: the slices it read are free again (between two
+        refreshes a claim sees them taken, so the ring holds up to a batch less); the tail."""
+        self.release(self._released.value)
+        return self.tail
+
     def state(self) -> dict:
+        self.refresh()
         return {"bytes": self.size, "pinned": self.pinned, "in_use": self.head - self.tail,
                 "written": self.head}
 
     def reset(self) -> None:
         """A new forwarder starts reading: everything handed out so far is forgotten."""
-        self.tail = self.head
+        self.tail = self._released.value = self.head
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,5 +1,5 @@
 // source-patch live trace view: talks trace protocol v2 to the hub that served this page
-// (docs/trace.md), decodes its binary frames and draws them on canvases. Plain ES2020.
+// (docs/trace_clients.md), decodes its binary frames and draws them on canvases. Plain ES2020.
 "use strict";
 (() => {
   const HISTORY = 500;                     // time-series points kept per layer
@@ -37,7 +37,7 @@
 
   // ------------------------------------------------------------------ frames
 
-  /** The frame at byte `at` of a message (header table in docs/trace.md) ->
+  /** The frame at byte `at` of a message (header table in docs/trace_clients.md) ->
    *  {seq, step, time, shape, meta, data, end}; `end`: the byte after its data. */
   function decodeFrame(buf, at = 0) {
     if (buf.byteLength - at < HEADER) throw new Error(`frame of ${buf.byteLength - at} bytes is shorter than its header`);
