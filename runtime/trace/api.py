@@ -643,6 +643,15 @@ def snapshot() -> dict:
 # the state's lock where the hot path's readers need one), never by assigning to it.
 
 
+def counts() -> dict:
+    """(control.state) The counters alone, under the state's lock: not a whole snapshot."""
+    return _counters.snapshot()
+
+
+def last_error() -> str | None:
+    return _counters.last_error
+
+
 def config() -> dict:
     """The configuration applied (lifecycle.apply's): read, never changed in place."""
     return _config

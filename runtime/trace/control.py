@@ -53,8 +53,8 @@ def _stop(_timeout: float | None) -> bool:
     return True
 
 
-_control = Control(SETTINGS, apply=_apply, enabled=api.is_enabled, counters=lambda: api.snapshot()["counters"],
-                   last_error=lambda: api.snapshot()["last_error"], details=_details, clear=api.clear,
+_control = Control(SETTINGS, apply=_apply, enabled=api.is_enabled, counters=api.counts,
+                   last_error=api.last_error, details=_details, clear=api.clear,
                    drain=_drain, quiesce=lambda: api.set_enabled(False), stop=_stop, close_timeout=2.0)
 configure, configure_from_settings, state, reset, flush, close = _control.surface()
 public_config = _control.public_config
