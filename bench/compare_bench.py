@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from source_patch.runtime.dump import api as dump
-from source_patch.runtime.dump import compare
+from source_patch.runtime.verdict import compare
 
 import stats  # bench/
 

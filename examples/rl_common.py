@@ -47,7 +47,7 @@ def build_trainer(checkpoint, lr: float = 1e-2):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from source_patch.runtime.weight_sync import twin
+    from source_patch.runtime.verdict import twin
 
     torch.manual_seed(0)
     model = twin.build(checkpoint).train()
@@ -90,7 +90,7 @@ def twin_logps(model, samples, seq_len: int | None = None) -> list:
     graph for backward)."""
     import torch
 
-    from source_patch.runtime.dump.logprobs import token_logprobs
+    from source_patch.runtime.verdict.logprobs import token_logprobs
 
     seq_len = seq_len or seq_len_of(samples)
     ids = batch_ids(samples, seq_len)

@@ -89,7 +89,7 @@ def measure(model, samples, records, routes: dict):
 
 
 def report(engine, measured, prefix: str = "") -> None:
-    from source_patch.runtime.dump.logprobs import mismatch
+    from source_patch.runtime.verdict.logprobs import mismatch
 
     plain, ids, both, agree = measured
     print(f"  {prefix}mismatch:            {mismatch(engine, plain).line()}", flush=True)
@@ -131,7 +131,7 @@ def main(argv=None) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from source_patch.runtime.dump.logprobs import rollout_logprobs
+    from source_patch.runtime.verdict.logprobs import rollout_logprobs
 
     checkpoint = tiny_checkpoint()
     print("starting SGLang (sglang_cpu, routing, dump, weight_sync) ...", flush=True)

@@ -92,7 +92,7 @@ class Trainer(sp_ray.SourcePatchActor):
         import torch
 
         from source_patch.runtime.dump import api as dump
-        from source_patch.runtime.dump.logprobs import mismatch, rollout_logprobs
+        from source_patch.runtime.verdict.logprobs import mismatch, rollout_logprobs
         from source_patch.runtime.weight_sync import sync as weight_sync
 
         seq_len = seq_len_of(samples)  # one shape on every rank: expert parallelism gathers their tokens

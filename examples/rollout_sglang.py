@@ -95,7 +95,7 @@ def roll_out(engine, prompts: int, new_tokens: int) -> list:
 def show(run: Path, checkpoint) -> int:
     """The dumps' summary, one routing record, and the commands that take them to a verdict
     (each runnable as printed: core/commands.py; the compare command is replay's own)."""
-    from source_patch.runtime import replay
+    from source_patch.runtime.verdict import replay
     from source_patch.runtime.core.commands import command
     from source_patch.runtime.dump import reader
     from source_patch.runtime.routing.records.describe import describe

@@ -172,13 +172,13 @@ def _reason(exc: OSError) -> str:
 
 
 def _compare(args) -> int:
-    from source_patch.runtime.dump import compare  # torch: only when it compares
+    from source_patch.runtime.verdict import compare  # torch: only when it compares
 
     return compare.main(args.args, prog="source-patch compare")
 
 
 def _compare_parser():
-    from source_patch.runtime.dump import compare
+    from source_patch.runtime.verdict import compare
 
     return compare.parser("source-patch compare")
 
@@ -220,7 +220,7 @@ def _stream_status_parser():
 
 
 def _replay_parser():
-    from source_patch.runtime import replay
+    from source_patch.runtime.verdict import replay
 
     return replay.parser("source-patch replay")
 
@@ -422,7 +422,7 @@ _SHELLS = {"bash": _bash, "zsh": _zsh, "fish": _fish}
 
 
 def _replay(args) -> int:
-    from source_patch.runtime import replay  # light; its worker process imports Megatron
+    from source_patch.runtime.verdict import replay  # light; its worker process imports Megatron
 
     return replay.main(args.args, prog="source-patch replay")
 

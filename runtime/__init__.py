@@ -8,8 +8,10 @@
     trace/     live tracing: call-site API, compressors, frames, WebSocket hub, client, browser view
     weight_sync/ weight sync trainer -> engines: sync API, transport, Megatron gathering, name mapping
     features/  feature streaming rollout -> trainer: refs, stores, the ref stream, hidden-state capture
+    verdict/   after the fact, not a capability: compare two runs' dumps, replay a rollout, the twin
 
-Capabilities depend on ``core`` only, never on each other (tests/test_layout.py).
+Capabilities depend on ``core`` only, never on each other; ``verdict`` reads them and nothing
+of theirs imports it (tests/test_layout.py).
 Submodules load on first use.  ``source_patch.runtime.emit``, ``.subscribe`` and
 ``.capture`` (in-process events, ``core/events.py``) are kept as shortcuts.
 """

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from source_patch.runtime.dump import compare
+from source_patch.runtime.verdict import compare
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.usefixtures("in_shared_code_cache")  # the twin's replays: tests/conftest.py
@@ -92,7 +92,7 @@ def test_a_perturbed_layer_is_the_first_divergent_one(sglang_checkpoint, rollout
 def test_the_engines_log_probs_equal_the_twins(served, replayed):
     """SGLang's returned log-probs of its generated tokens against the Megatron twin's on the
     same tokens: the figures RL users track (|dlogp|, k3 KL, TIS) show no mismatch."""
-    from source_patch.runtime.dump import logprobs
+    from source_patch.runtime.verdict import logprobs
 
     (_, reply), (_, twin) = served, replayed
     engine, train = [], []
@@ -220,7 +220,7 @@ def test_next_token_log_probs_come_from_both_sides_logits():
     """Logits at (request, p) with the token at p + 1 known: each side's log-prob of it."""
     import torch
 
-    from source_patch.runtime.dump.logprobs import mismatch, token_logprobs
+    from source_patch.runtime.verdict.logprobs import mismatch, token_logprobs
 
     torch.manual_seed(0)
     tokens, logits = torch.tensor([3, 1, 4, 1]), torch.randn(4, 8)

@@ -4,7 +4,7 @@ import math
 import re
 import xml.etree.ElementTree as ET
 
-from source_patch.runtime.dump import compare_html
+from source_patch.runtime.verdict import compare_html
 
 HOSTILE = "<script>alert(1)</script>"
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from source_patch.runtime import replay
+from source_patch.runtime.verdict import replay
 from source_patch.runtime.core.endpoint import free_port
 from source_patch.runtime.trace import close, configure, reset, state, url
 

@@ -23,7 +23,7 @@ import torch
 from test_hardening_dump import records, write_dump
 
 from source_patch.patcher import cli
-from source_patch.runtime.dump import compare_html
+from source_patch.runtime.verdict import compare_html
 from source_patch.runtime.routing.records import describe
 from source_patch.runtime.routing.records.file import METADATA_KEY, RoutingRecordError, read_header
 from source_patch.runtime.routing.records.record import RoutingRecord, load

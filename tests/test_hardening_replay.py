@@ -21,7 +21,7 @@ from test_hardening_dump import named, records, write_dump
 from test_hardening_readers import within_a_second
 
 from source_patch.patcher import cli
-from source_patch.runtime import replay
+from source_patch.runtime.verdict import replay
 
 # A tiny Qwen3-MoE config.json the twin could build; its tensors from the same sizes.
 CONFIG = {"model_type": "qwen3_moe", "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16,

@@ -31,6 +31,9 @@ def capabilities(top: Path) -> list:
 
 
 CAPABILITIES = capabilities(ROOT)
+# Rooms of the runtime above the capabilities, read after the fact: they may import any
+# capability, and nothing but the CLI imports them (no call-site process loads them).
+TOOL_ROOMS = ("verdict",)
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 IMPORTERS = ("import_module", "__import__")  # importlib.import_module, import_module, __import__
 
@@ -46,7 +49,7 @@ DYNAMIC = {
                                   "from CORE, a capability's from its manifest (MANIFEST_EDGES)"),
     "runtime.core.capability": ((), "reads each runtime/<name>/manifest.py it finds; a manifest imports core's "
                                     "declaration and parsers only (test_manifests_import_core_only)"),
-    "runtime.replay": ((), "`--builder package.module:function` imports the user's model builder"),
+    "runtime.verdict.replay": ((), "`--builder package.module:function` imports the user's model builder"),
 }
 
 # Modules that import what the capabilities' manifests name (their `control=` modules and
@@ -74,8 +77,8 @@ PATCHER_TO_RUNTIME = {
     ("cli", "core/settings_doc"),  # the `settings` command
     ("cli", "core/commands"),  # the grammar every verb shares: exit codes, the error line, the parser, printed commands
     ("cli", "core/private"),  # outputs the user named (`new -o`, `settings --write`), written whole
-    ("cli", "dump/compare"),  # the `compare` command's entry
-    ("cli", "replay"),  # the `replay` command's entry
+    ("cli", "verdict/compare"),  # the `compare` command's entry
+    ("cli", "verdict/replay"),  # the `replay` command's entry
     ("cli", "dump/reader"),  # the `dumps` command's entry
     ("cli", "trace/client"),  # the `trace` command's entry
     ("cli", "features/stream"),  # the `stream-status` command's entry
@@ -351,9 +354,20 @@ def cross_imports(top: Path = ROOT) -> list:
     for imp in tree.imports:
         here, there = (tree.file(m).split("/")[0] if m and m.split(".")[0] == "runtime" else None
                        for m in (imp.source, imp.target))
+        if here in TOOL_ROOMS and there not in TOOL_ROOMS:
+            continue  # the verdict reads what the capabilities wrote
         if here in rooms and there is not None and there not in (here, "core"):
             bad.append(f"{imp.where} imports {imp.name}")
     return bad
+
+
+def tool_room_importers(top: Path = ROOT) -> list:
+    """Imports of a tool room (verdict/) from anywhere of ours but itself and the CLI."""
+    tree = scan(top)
+    return [f"{imp.where} imports {imp.name}" for imp in tree.imports
+            if imp.target and imp.target.split(".")[0] == "runtime" and tree.file(imp.target).split("/")[0] in TOOL_ROOMS
+            and not (imp.source.split(".")[0] == "runtime" and tree.file(imp.source).split("/")[0] in TOOL_ROOMS)
+            and imp.source != "patcher.cli"]
 
 
 def relative_breaches(top: Path = ROOT) -> list:
@@ -393,7 +407,7 @@ def _write(top: Path, files: dict) -> Path:
 def test_the_layout_has_the_documented_subpackages():
     assert CAPABILITIES == ["dump", "features", "routing", "trace", "weight_sync"]
     architecture = ARCHITECTURE.read_text()
-    for sub in ["core", *CAPABILITIES]:
+    for sub in ["core", *CAPABILITIES, *TOOL_ROOMS]:
         assert f"`{sub}/`" in architecture, f"docs/architecture.md does not describe runtime/{sub}/"
     assert "`integrations/`" in architecture, "docs/architecture.md does not describe integrations/"
 
@@ -420,6 +434,21 @@ def test_the_check_catches_a_cross_capability_import(tmp_path):
                                        "runtime/trace/api.py:1 imports source_patch.runtime.dump.api",
                                        "runtime/trace/api.py:5 imports source_patch.runtime.dump",
                                        "runtime/trace/api.py:7 imports source_patch.runtime.facade.trace"]
+
+
+def test_nothing_but_the_cli_imports_the_verdict():
+    bad = tool_room_importers()
+    assert not bad, "runtime/verdict/ is imported by nothing at call-site time:\n" + "\n".join(bad)
+
+
+def test_the_verdict_check_can_fail(tmp_path):
+    _write(tmp_path, {"runtime/__init__.py": "", "runtime/dump/__init__.py": "", "runtime/verdict/__init__.py": "",
+                      "runtime/verdict/compare.py": "from ..dump import reader\n", "runtime/dump/reader.py": "",
+                      "runtime/dump/api.py": "def f():\n    from ..verdict import compare\n",
+                      "patcher/__init__.py": "", "patcher/cli.py": "from ..runtime.verdict import compare\n"})
+    assert tool_room_importers(tmp_path) == ["runtime/dump/api.py:2 imports source_patch.runtime.verdict.compare"]
+    # the verdict may read the dump; the dump may not import the verdict
+    assert cross_imports(tmp_path) == ["runtime/dump/api.py:2 imports source_patch.runtime.verdict.compare"]
 
 
 def test_imports_inside_the_runtime_are_relative():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from source_patch.runtime.dump import logprobs as lp
+from source_patch.runtime.verdict import logprobs as lp
 
 E = math.e
 

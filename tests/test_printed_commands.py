@@ -22,7 +22,7 @@ import torch
 from test_hardening_dump import write_dump
 from test_hardening_replay import make_checkpoint, save_route
 
-from source_patch.runtime import replay
+from source_patch.runtime.verdict import replay
 from source_patch.runtime.core import commands
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from source_patch.patcher import cli
-from source_patch.runtime import replay
-from source_patch.runtime.dump import compare
+from source_patch.runtime.verdict import replay
+from source_patch.runtime.verdict import compare
 
 REPO = Path(__file__).resolve().parent.parent
 PERTURBED = REPO / "tests" / "e2e" / "twin_replay.py"
@@ -112,7 +112,7 @@ def test_the_printed_commands_take_the_rollout_to_no_divergence(rollout, sglang_
     assert lines[1] == replay.compare_command(run / "dumps" / "rollout", run / "replay")
     replayed = fresh_shell(lines[0], Path.cwd(), tmp_path, shared_code_cache, timeout=600)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert re.search(r"^replayed 4 requests \(\d+ tokens\) through source_patch\.runtime\.weight_sync\.twin:build in "
+    assert re.search(r"^replayed 4 requests \(\d+ tokens\) through source_patch\.runtime\.verdict\.twin:build in "
                      r"[\d.]+ s; routes: expert ids of 4 of 4 requests replayed from ", replayed.stdout, re.M)
     assert "Traceback" not in replayed.stderr and "UserWarning" not in replayed.stderr
 
@@ -126,7 +126,7 @@ def test_the_printed_commands_take_the_rollout_to_no_divergence(rollout, sglang_
     (train,) = [folder for folder in (run / "replay").iterdir() if folder.is_dir()]
     assert inputs["rollout dumps"] == str(run / "dumps" / "rollout") and inputs["training dumps"] == str(train)
     assert inputs["checkpoint"] == str(sglang_checkpoint)
-    assert inputs["model builder"] == "source_patch.runtime.weight_sync.twin:build"
+    assert inputs["model builder"] == "source_patch.runtime.verdict.twin:build"
     assert inputs["routes"] == f"expert ids of 4 of 4 requests replayed from {run / 'routes'}"
     assert inputs["requests"] == "4" and "replayed rollout" not in inputs  # the one compared
     for key in ("replay versions", "compare versions"):

@@ -76,7 +76,7 @@ needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, re
 @needs_sglang
 @pytest.mark.slow
 def test_sglang_meta_equals_our_capture_and_routes_the_twin(instrumented_sglang, sglang_checkpoint, tmp_path):
-    from source_patch.runtime import replay
+    from source_patch.runtime.verdict import replay
     from source_patch.runtime.dump import reader
 
     server = instrumented_sglang.server

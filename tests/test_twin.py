@@ -35,7 +35,7 @@ def test_the_twin_computes_transformers_logits(sglang_checkpoint, hf_qwen3, tmp_
 
 def test_config_the_twin_cannot_match_is_refused():
     pytest.importorskip("transformers")
-    from source_patch.runtime.weight_sync import twin
+    from source_patch.runtime.verdict import twin
 
     base = {"model_type": "qwen3_moe", "num_attention_heads": 4, "hidden_size": 64}
     with pytest.raises(ValueError, match="model_type qwen3_moe, not 'llama'"):

@@ -11,9 +11,7 @@ manifest, written asynchronously.
     server.py   the loopback, token-protected HTTP control endpoint (and its CLI)
     reader.py   load dumps back (and its CLI)
     sglang.py   inside SGLang: forward-pass tags, row map, model summary, the /dumper/* handler
-    compare.py  a rollout's dumps against training's, layer by layer (source-patch compare)
-    compare_html.py  the comparison as one self-contained HTML page
-    logprobs.py      per-token log-probability mismatch, rollout vs training
+(comparing dumps: runtime/verdict/)
 
 ``source_patch.runtime.dump.configure`` (and the rest of the control API) loads
 api.py (and torch) on first use; ``dump.reader`` alone does not.

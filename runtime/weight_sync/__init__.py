@@ -13,5 +13,4 @@
     backend.py   the backend interface: broadcast.py (nccl, gloo), ipc.py, mooncake.py
     request.py   the engine request of the ipc and mooncake backends
     transport.py the broadcast transport's public API in one import (nothing here imports it)
-    twin.py      a Megatron-Core twin of a Hugging Face Qwen3-MoE checkpoint
 """

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import save_file
 
-from source_patch.runtime.weight_sync import names, twin
+from source_patch.runtime.verdict import twin
+from source_patch.runtime.weight_sync import names
 
 
 def main():

@@ -4,7 +4,7 @@ weight of Megatron layer ``SOURCE_PATCH_TEST_PERTURB`` (1-based, default 2) scal
 
     source-patch replay ROLLOUT_DUMPS --checkpoint CKPT --builder tests/e2e/twin_replay.py:perturbed --html r.html
 
-Run as a script it is the replay in this process (``source_patch.runtime.replay.replay_here``,
+Run as a script it is the replay in this process (``source_patch.runtime.verdict.replay.replay_here``,
 the worker of ``source-patch replay``), as tests/test_compare.py runs it::
 
     SOURCE_PATCH=megatron_cpu,dump SOURCE_PATCH_DUMP_DIR=D \\
@@ -17,8 +17,8 @@ import argparse
 import json
 import os
 
-from source_patch.runtime import replay
-from source_patch.runtime.weight_sync import twin
+from source_patch.runtime.verdict import replay
+from source_patch.runtime.verdict import twin
 
 
 def perturbed(checkpoint):

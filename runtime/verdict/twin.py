@@ -1,6 +1,6 @@
 """A Megatron-Core twin of a Hugging Face Qwen3-MoE checkpoint (the model SGLang serves).
 
-    import source_patch.runtime.weight_sync.twin as twin
+    import source_patch.runtime.verdict.twin as twin
     model = twin.build("path/to/checkpoint")         # parallel state initialised, tp = ep = 1
     logits = twin.logits(model, [[1, 2, 3, 4]])      # [batch, tokens, vocab]
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .names import Layout, from_hf
+from ..weight_sync.names import Layout, from_hf
 
 
 def hf_config(checkpoint) -> dict:
@@ -134,7 +134,7 @@ def _local_experts(config) -> tuple:
 
 
 def _prefix_of(name: str) -> str:
-    from .names import _rule
+    from ..weight_sync.names import _rule
 
     return _rule(name, 0)[0]
 

@@ -4,7 +4,7 @@ training side's dumps of the same tokens, for ``source-patch compare``.
     source-patch replay ROLLOUT_DUMPS --checkpoint CKPT [--out sp-replay] [--routes DIR [--replay-probs]]
                         [--builder MODULE:FUNCTION] [--logprobs FILE] [--compare] [--html F] [--json-out F] [--json]
 
-    from source_patch.runtime import replay
+    from source_patch.runtime.verdict import replay
     train = replay.replay(rollout_dumps, checkpoint, out="sp-replay")  # a child process; the new run's folder
 
 Each request of the rollout (its tokens read back from the rollout's ``input_ids`` /
@@ -15,7 +15,7 @@ pairs every row.  With ``routes`` (the rollout's routing records, ``routing`` ca
 request is routed as the engine routed it: its expert ids replayed, the combine weights
 recomputed from the model's scores, or the engine's own with ``replay_probs``.
 
-The model is the Megatron twin of the checkpoint (``weight_sync/twin.py``) unless a builder
+The model is the Megatron twin of the checkpoint (``verdict/twin.py``) unless a builder
 is given, ``package.module:function`` or ``path/to/file.py:function``: called as
 ``function(checkpoint)`` once Megatron's parallel state is initialised (world size 1), it
 returns a model called as ``model(input_ids, position_ids, attention_mask=None)`` (both
@@ -45,11 +45,12 @@ import sys
 import time
 from pathlib import Path
 
-from .core import bounded, commands
-from .dump import compare, reader
+from ..core import bounded, commands
+from ..dump import reader
+from . import compare
 
 SPECS = ("megatron_cpu", "dump")
-TWIN = "source_patch.runtime.weight_sync.twin:build"
+TWIN = "source_patch.runtime.verdict.twin:build"
 # Limits of what a replay takes, checked before anything is built or allocated (docs/compare.md):
 MAX_TOKENS = 16384              # tokens of one request (and at most the config's max_position_embeddings):
                                 # the CPU forward's attention scores grow with its square
@@ -62,7 +63,7 @@ KEPT = 3                        # the worker's exit code: the run is complete, o
 # `site` ran: nothing came from it yet): a json.py or megatron/ where the replay starts
 # must not run in it.  PYTHONPATH and the user's site stay (they may be where Megatron is).
 _WORKER = ("import sys\nif sys.path[:1] == ['']: del sys.path[0]\n"
-           "from source_patch.runtime.replay import work; sys.exit(work(sys.argv[1]))")
+           "from source_patch.runtime.verdict.replay import work; sys.exit(work(sys.argv[1]))")
 
 
 class ReplayError(RuntimeError):
@@ -73,7 +74,7 @@ class Stopped(ReplayError):
     """The worker process stopped and has said why on stderr, in one line."""
 
 
-def main(argv=None, prog: str = "python -m source_patch.runtime.replay") -> int:
+def main(argv=None, prog: str = "python -m source_patch.runtime.verdict.replay") -> int:
     args = parser(prog).parse_args(argv)
     try:
         rollout = Path(reader.choose_for_cli(args.rollout, args.exp_name)).resolve()
@@ -119,7 +120,7 @@ def compare_command(rollout, out) -> str:
     return commands.command("compare", Path(rollout).resolve(), out, "--html", out / "report.html")
 
 
-def parser(prog: str = "python -m source_patch.runtime.replay"):
+def parser(prog: str = "python -m source_patch.runtime.verdict.replay"):
     p = commands.Parser(prog=prog, description="Replay a rollout's tokens through the Megatron twin of "
                         "its checkpoint (or your model) under the dump spec: training-side dumps for "
                         "`source-patch compare`; compare them too with --compare, --html or --json-out. "
@@ -198,7 +199,7 @@ def work(job: str) -> int:
     except Exception as exc:  # noqa: BLE001 - nothing above foresaw it: still one line, no traceback
         return _fail(f"unexpected {type(exc).__name__}: {exc}")
     if job["logprobs"]:
-        from .core import private
+        from ..core import private
 
         try:
             private.write_file(job["logprobs"], json.dumps(logps))
@@ -214,7 +215,7 @@ def replay_here(rollout, checkpoint, *, builder: str | None = None, routes=None,
     """The replay in this process, which Megatron must import into patched by ``megatron_cpu``
     and ``dump`` (and ``routing`` with routes).  Dumps into ``dir``/``exp_name`` (else where the
     dump settings say); returns ``{rid: [log p(token i | tokens before it) for i >= 1]}``."""
-    from .dump import api as dump
+    from ..dump import api as dump
 
     started = time.monotonic()
     requests, records = check_inputs(rollout, checkpoint, builder=builder, routes=routes)
@@ -235,7 +236,7 @@ def _forwards(dump, model, requests: dict, records: dict, replay_probs: bool, wh
     """One forward and one dump step per request (by request id); their log-probs."""
     import torch
 
-    from .dump.logprobs import token_logprobs
+    from .logprobs import token_logprobs
 
     dump.dump_context(phase="fwd_only")
     logps = {}
@@ -462,7 +463,7 @@ def _safetensors_entries(path: Path) -> dict:
     """``{name: (shape, dtype)}`` of one safetensors file, from its header alone: a
     regular file (a FIFO is refused, not waited on), the header bounded, each entry's
     bytes inside the file and as many as its shape needs."""
-    from .routing.records.file import safetensors_entry_ok
+    from ..routing.records.file import safetensors_entry_ok
 
     with bounded.open_regular(path, what="--checkpoint", error=ReplayError) as f:
         size = os.fstat(f.fileno()).st_size
@@ -551,7 +552,7 @@ def _forward(model, tokens: list, who: str):
     anything else is a ReplayError (its log-probs would be an IndexError)."""
     import torch
 
-    from .weight_sync import twin
+    from . import twin
 
     out = twin.logits(model, [tokens])
     if not (isinstance(out, torch.Tensor) and out.dim() == 3 and tuple(out.shape[:2]) == (1, len(tokens))
@@ -566,7 +567,7 @@ def _routes(folder, requests: dict, config: dict | None = None) -> dict:
     """``{rid: RoutingRecord}`` of the rollout's requests that have one (SGLang's own
     probes, for one, have none: they run as the model routes them), each checked against
     its request's length and, for the twin, the config's experts and layers."""
-    from .routing.sglang.files import merge_rank_files
+    from ..routing.sglang.files import merge_rank_files
 
     try:
         records = merge_rank_files(folder)
@@ -605,8 +606,8 @@ def _replaying(record, length: int, probs: bool):
     if record is None:
         yield
         return
-    from .routing.align import BatchLayout, align_to_megatron
-    from .routing.megatron import control as routing, replay as routing_replay
+    from ..routing.align import BatchLayout, align_to_megatron
+    from ..routing.megatron import control as routing, replay as routing_replay
 
     layout = BatchLayout.padded([(record.sample_ids[0], length)])
     # The engine never feeds back its last token: a record may be one token short.

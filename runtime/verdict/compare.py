@@ -3,7 +3,7 @@ framework's dumps of the same tokens (Megatron, patches/dump.yaml), layer by lay
 
     source-patch compare ROLLOUT_DIR TRAIN_DIR [--exp-name NAME]... [--json] [--json-out r.json] [--html r.html] [--rtol 1e-4]
 
-    import source_patch.runtime.dump.compare as dump_compare
+    import source_patch.runtime.verdict.compare as dump_compare
     report = dump_compare.compare("sp-dumps/rollout", "sp-dumps/train")
     print(report.table()); report.first_divergent     # (name, layer) or None
 
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..core import commands
-from . import reader
+from ..dump import reader
 
 # rollout name -> training name: the quantities both specs dump with the same meaning
 NAMES = {"layer_input": "layer_input", "attention_output": "attention_output",
@@ -368,7 +368,7 @@ def add_report_arguments(p) -> None:
     p.add_argument("--html", metavar="FILE", help="write the report here as a self-contained HTML page with plots")
 
 
-def parser(prog: str = "python -m source_patch.runtime.dump.compare"):
+def parser(prog: str = "python -m source_patch.runtime.verdict.compare"):
     p = commands.Parser(prog=prog, description=DESCRIPTION)
     p.add_argument("rollout", help="the rollout's dumps: a dump root (its latest run), a run or a rank folder")
     p.add_argument("train", help="the training side's dumps, the same way")
@@ -379,7 +379,7 @@ def parser(prog: str = "python -m source_patch.runtime.dump.compare"):
     return p
 
 
-def main(argv=None, prog: str = "python -m source_patch.runtime.dump.compare") -> int:
+def main(argv=None, prog: str = "python -m source_patch.runtime.verdict.compare") -> int:
     args = parser(prog).parse_args(argv)
     try:
         names = args.exp_name or [None]

@@ -2,7 +2,7 @@
 and training (Megatron, the current policy): the figures RL users track (slime/miles
 ``train_rollout_logprob_abs_diff``, the k3 KL estimate, truncated importance sampling).
 
-    from source_patch.runtime.dump import logprobs
+    from source_patch.runtime.verdict import logprobs
     rollout = logprobs.rollout_logprobs(result["meta_info"]["output_token_logprobs"])
     train = logprobs.vocab_parallel_logprobs(logit_shards, targets)  # or token_logprobs(logits, targets)
     m = logprobs.mismatch(rollout, train, tis_clip=2.0)
