@@ -11,6 +11,12 @@ HOOK = Path("patcher", "source_patch.pth")  # also package data, for `source-pat
 
 
 class BuildWithStartHook(build_py):
+    def find_package_modules(self, package, package_dir):
+        # The repository root is the package `source_patch` (its __init__.py: the public
+        # names); this file sits there too and is no module of it.
+        modules = super().find_package_modules(package, package_dir)
+        return [m for m in modules if not (m[0] == "source_patch" and m[1] == "setup")]
+
     def run(self):
         super().run()
         self.copy_file(str(Path(__file__).parent / HOOK), str(Path(self.build_lib) / HOOK.name))

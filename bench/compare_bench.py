@@ -7,8 +7,8 @@ Both sides are written by the real dump runtime (safetensors + manifest), laid o
 the specs lay them out: the rollout side SGLang-style (one row per token, 0-based
 layers), the training side Megatron-style ([s, b] rows, 1-based layers), the same
 values with a little noise on the training side.  Each round times a whole
-`compare(rollout, train)` (read, index, pair, compare; the page cache is warm after the
-first); the table gives min and median over the rounds, in records/s and GiB/s.
+`compare(rollout, train)` (read, join, index, pair, compare, drill down; the page cache is
+warm after the first); the table gives min and median over the rounds, in records/s and GiB/s.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def main(argv=None) -> None:
         report = compare.compare(root / "rollout", root / "train", rtol=1e-4)
         times.append(time.perf_counter() - start)
         assert report.first_divergent is None and report.tokens == steps * seq * batch
+        assert report.token_view["requests"] and all(r.percentiles and r.worst for r in report.rows)  # drilled
     med = statistics.median(times)
     print(f"{'rounds':>6} {'seconds: ' + stats.HEADER:>40} {'records/s (median)':>19} {'GiB/s (median)':>15}")
     print(f"{args.rounds:>6} {stats.cells(times):>40} {n / med:>19.0f} {size / (1 << 30) / med:>15.3f}")

@@ -6,7 +6,7 @@
 #           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
 #           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
 #           folders copied into .upstream/ (git-ignored): mkdir -p .upstream && cp -r ../shared/upstream/megatron-lm .upstream/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [duecall] [native] [native_training] [bias] [overhead] [overhead_processes] [hostbound] [swap] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [duecall] [native] [native_training] [bias] [overhead] [overhead_processes] [hostbound] [swap] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream] [verdict]
 #           (default: all; `overhead_processes` first on a fresh machine to see the first-run cliff; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
 #            `upstream` installs each release of $UPSTREAM_RELEASES, default "0.16.1 0.19.2", in turn)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
@@ -254,4 +254,45 @@ for v in ${UPSTREAM_RELEASES:-0.16.1 0.19.2}; do
   tail -60 $work.log
   (cd /tmp && tar -czf "$OUT/upstream-$v.tgz" sp-upstream-$v.log sp-upstream-$v/*.xml)
 done
+fi
+if want verdict; then
+echo "== verdict (issue 53 item 5): real mismatches between two training runs of one checkpoint (examples/verdict_runs.py:"
+echo "   Megatron's schedule, 2 micro-batches, forward+backward), compared layer by layer by source-patch compare:"
+echo "   bf16 on the GPU against fp32 on the CPU (megatron-core 0.16.1), then 0.16.1 against 0.19.2 (fp32 on the GPU)"
+# VERDICT_DEVICE=cpu: every GPU run on the CPU instead (the same commands, a dry path on a machine without a GPU)
+vd=${VERDICT_DIR:-/tmp/sp-verdict}; vdev=${VERDICT_DEVICE:-cuda}
+rm -rf "$vd"; mkdir -p "$vd"
+if [ "$(python3 -c "import importlib.metadata as m; print(m.version('megatron-core'))")" != 0.16.1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --force-reinstall .whl/megatron_core-0.16.1-*.whl 2>&1 | tail -2
+fi
+vrun() {  # vrun NAME [flags]: one run of the checkpoint, dumps under $vd/dumps/NAME, its output in $OUT
+  local name=$1; shift
+  timeout 300 python3 examples/verdict_runs.py --checkpoint "$vd/ckpt" --make-checkpoint --out "$vd/dumps" \
+    --name "$name" "$@" > "$OUT/verdict_run_$name.log" 2>&1; local code=$?
+  grep -v "Warning\|warnings.warn" "$OUT/verdict_run_$name.log" | tail -6; echo "exit $code"
+}
+vcompare() {  # vcompare A B REPORT: the verdict of run A against run B (the reference), table printed, JSON and HTML in $OUT
+  python3 -m source_patch.patcher compare "$vd/dumps" "$vd/dumps" --exp-name "$1" --exp-name "$2" \
+    --json-out "$OUT/verdict_$3.json" --html "$OUT/verdict_$3.html" 2>&1 | tee "$OUT/verdict_$3.txt"
+  echo "exit ${PIPESTATUS[0]} (0: no divergence, 1: divergence, 2: cannot compare)"
+}
+echo "-- megatron-core 0.16.1: fp32 on the CPU, bf16 (Float16Module) on $vdev"
+vrun fp32-cpu --dtype fp32 --device cpu --megatron-version 0.16.1
+vrun bf16-$vdev --dtype bf16 --device "$vdev" --megatron-version 0.16.1
+echo "-- verdict: bf16 on $vdev against fp32 on the CPU"
+vcompare "bf16-$vdev" fp32-cpu "bf16_${vdev}_vs_fp32_cpu"
+echo "-- megatron-core 0.16.1 against 0.19.2, ${VERDICT_VERSION_DTYPE:-fp32} on $vdev"
+vrun "mcore-0.16.1-$vdev" --dtype "${VERDICT_VERSION_DTYPE:-fp32}" --device "$vdev" --megatron-version 0.16.1
+next=$(ls .whl/next/megatron_core-0.19.2-*.whl 2>/dev/null | head -1)
+if [ -z "$next" ]; then
+  echo "no .whl/next/megatron_core-0.19.2-*.whl: the 0.19.2 run is skipped (see the header: pip download it here)"
+else
+  rm -rf "$vd/mcore-0.19.2"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$vd/mcore-0.19.2" "$next" 2>&1 | tail -2
+  PYTHONPATH="$vd/mcore-0.19.2${PYTHONPATH:+:$PYTHONPATH}" \
+    vrun "mcore-0.19.2-$vdev" --dtype "${VERDICT_VERSION_DTYPE:-fp32}" --device "$vdev" --megatron-version 0.19.2
+  echo "-- verdict: megatron-core 0.19.2 against 0.16.1"
+  vcompare "mcore-0.19.2-$vdev" "mcore-0.16.1-$vdev" "megatron_0.19.2_vs_0.16.1_$vdev"
+fi
+(cd "$vd" && tar -czf "$OUT/verdict_dumps.tgz" dumps)
 fi

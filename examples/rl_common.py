@@ -14,6 +14,11 @@ from __future__ import annotations
 
 from source_patch.testing.sglang import SGLangServer, tiny_checkpoint  # noqa: F401 - the harness, here only
 
+try:
+    from source_patch import batch as sp_batch  # one call per micro-batch names its rows
+except ImportError:  # an install from before the package's root module
+    from source_patch.runtime.core.rows import batch as sp_batch
+
 GROUP = "source_patch_weights"
 PROMPTS = [[5, 9, 2, 7, 7, 1], [300, 4, 8], [11, 12, 13, 14]]
 
@@ -102,22 +107,30 @@ def twin_logps(model, samples, seq_len: int | None = None) -> list:
     return out
 
 
+def name_rows(samples, seq_len: int | None = None):
+    """``source_patch.batch`` for a ``[batch, seq_len]`` right-padded forward of ``samples``:
+    the dumps get its row map (request ids, positions, token ids), routing replay aligns
+    the engine's records to it.  One call per micro-batch."""
+    seq_len = seq_len or seq_len_of(samples)
+    return sp_batch([s["rid"] for s in samples], [len(s["prompt"]) for s in samples],
+                    [len(s["output"]) for s in samples], seq_len=seq_len, input_ids=batch_ids(samples, seq_len))
+
+
 def replayed_logps(model, samples, records, seq_len: int | None = None, weights: bool = False,
                    grad: bool = False) -> list:
     """:func:`twin_logps` with the engine's routes replayed: ids (weights recomputed
-    from the twin's scores, so the router still learns), or ids and the engine's weights."""
+    from the twin's scores, so the router still learns), or ids and the engine's weights.
+    ``records``: the engine's routing records of ``samples`` (by request id), aligned by
+    the runtime to the batch :func:`name_rows` names (the last generated token, never fed
+    back to the engine, has no route: ``missing_tail``)."""
     import torch
 
-    from source_patch.runtime.routing.align import BatchLayout, align_to_megatron
     from source_patch.runtime.routing.megatron import control as routing, replay as routing_replay
 
     seq_len = seq_len or seq_len_of(samples)
-    layout = BatchLayout.padded([(r.sample_ids[0], len(s["prompt"]) + len(s["output"]))
-                                 for s, r in zip(samples, records)], seq_len=seq_len)
-    # The last generated token is never fed back: the engine has no route for it.
-    aligned = align_to_megatron(list(records), layout, layer_offset=1, missing_tail=1)
-    routing_replay.set_replay({(0, 0): aligned})
-    routing.set_position(step=0, microbatch=0)
+    routing_replay.set_requests([r if r.sample_ids == [s["rid"]] else r.replace(sample_ids=[s["rid"]])
+                                 for s, r in zip(samples, records)], layer_offset=1, missing_tail=1)
+    name_rows(samples, seq_len)
     routing.configure(mode="replay", replay_probs=weights)
     try:
         with torch.enable_grad() if grad else torch.no_grad():

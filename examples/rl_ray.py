@@ -37,7 +37,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from rl_common import (PROMPTS, SGLangServer, agreement, agreement_line, batch_ids, build_trainer, join_update,
+from rl_common import (PROMPTS, SGLangServer, agreement, agreement_line, build_trainer, join_update,
                        reinforce_backward, replayed_logps, rollout, seq_len_of, tiny_checkpoint, twin_logps)
 
 from source_patch.integrations import ray as sp_ray
@@ -107,8 +107,7 @@ class Trainer(sp_ray.SourcePatchActor):
         with torch.no_grad():
             plain = torch.cat(twin_logps(self.ddp, mine, seq_len))
         plain_agreement = agreement(records, self.routes)
-        dump.configure(enable=True)
-        dump_rows(mine, seq_len)
+        dump.configure(enable=True)  # replayed_logps names the rows (source_patch.batch): the dumps pair
         train = replayed_logps(self.ddp, mine, records, seq_len, grad=True)
         replayed_agreement = agreement(records, self.routes)
         reward = reinforce_backward(self.ddp, mine, train)
@@ -120,21 +119,6 @@ class Trainer(sp_ray.SourcePatchActor):
                 "plain_agreement": plain_agreement, "replayed_agreement": replayed_agreement, "reward": reward,
                 "success": bool(success), "grad_norm": float(grad_norm), "version": state["version"],
                 "pushes": state["counters"]["pushes"], "error": state["last_error"]}
-
-
-def dump_rows(samples, seq_len: int) -> None:
-    """The batch's row map in Megatron's [seq, batch] layout, so that `source-patch
-    compare` pairs every training row with the rollout's (-1: padding)."""
-    import torch
-
-    from source_patch.runtime.dump import api as dump
-
-    lengths = torch.tensor([len(s["prompt"]) + len(s["output"]) for s in samples])
-    positions = torch.arange(seq_len).unsqueeze(1).expand(seq_len, len(samples))
-    rows = torch.where(positions < lengths, torch.arange(len(samples)), -1).to(torch.int32)
-    dump.dump("input_ids", batch_ids(samples, seq_len).T.contiguous())
-    dump.dump("positions", positions.contiguous())
-    dump.dump("row_request", rows, rids=[s["rid"] for s in samples])
 
 
 class Engine(sp_ray.SourcePatchActor):

@@ -31,7 +31,8 @@ _SAME_SERVER = {"test_hardening_weights.py": "sglang-weight-sync-server",
 _LONGEST_FIRST = ("sglang-session-servers", "test_weight_sync.py", "test_upstream_tests.py::sglang",
                   "sglang-weight-sync-server", "test_ray_example.py", "test_rl_loop.py",
                   "test_routing_prefix_cache.py", "test_upstream_tests.py::megatron",
-                  "test_replay_cli.py", "test_features_e2e.py", "test_dump_e2e.py", "test_megatron_cpu.py",
+                  "test_replay_cli.py", "test_verdict_e2e.py", "test_replay_radix.py", "test_verdict_runs.py",
+                  "test_batch_rows.py", "test_features_e2e.py", "test_dump_e2e.py", "test_megatron_cpu.py",
                   "test_engine_regions.py", "test_overhead_bench.py", "test_weight_sync_request_backends.py",
                   "test_trace_e2e.py", "test_trace_view.py", "test_trace_benches.py")
 

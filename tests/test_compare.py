@@ -118,7 +118,7 @@ def test_a_misaligned_batch_fails_the_layout_self_test():
         return [compare.Rec("input_ids", tags, torch.tensor(tokens)), compare.Rec("positions", tags, torch.tensor(order)),
                 compare.Rec("row_request", {**tags, "rids": ["r"]}, torch.zeros(len(tokens), dtype=torch.int32))]
 
-    with pytest.raises(compare.LayoutError, match="request 'r' position 0: token 7 in the rollout, 9 in training"):
+    with pytest.raises(compare.LayoutError, match="request 'r' position 0: token 7 in A, 9 in B"):
         compare.compare(side([7, 8, 9], [0, 1, 2]), side([7, 8, 9], [2, 1, 0]))
 
 

@@ -41,7 +41,8 @@ def test_help_shows_every_option(command, capsys):
     for option in ("--exp-name", "--rtol", "--layer-offset", "--json", "--json-out", "--html"):
         assert option in out, option
     if command == "replay":
-        for option in ("--checkpoint", "--out", "--routes", "--replay-probs", "--builder", "--logprobs", "--compare"):
+        for option in ("--checkpoint", "--out", "--routes", "--replay-probs", "--builder", "--logprobs", "--compare",
+                       "--tokens"):
             assert option in out, option
 
 

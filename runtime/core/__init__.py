@@ -12,6 +12,8 @@ reads their manifests (runtime/<name>/manifest.py), which import only core.
     tags.py           ambient tags (phase, microbatch) and JSON-safe tag values
     ranks.py          the process's global and parallel ranks, from what is already initialised
     slicing.py        how Megatron splits a sequence over context/sequence-parallel ranks (zigzag)
+    rows.py           which request and position each row of a training micro-batch is
+                      (source_patch.batch): kept ambient, pulled by the dump and routing replay
     failures.py       failure counting: counted, the first of each kind logged, the latest kept
     commands.py       what every CLI shares: exit codes, the one error line (JSON under --json),
                       the parser, printed commands

@@ -36,6 +36,7 @@ tests/test_layout.py checks every control module.
 from __future__ import annotations
 
 import importlib
+import os
 import importlib.util
 import inspect
 import pkgutil
@@ -82,7 +83,7 @@ def capabilities() -> dict[str, Capability]:
         runtime = importlib.import_module(_RUNTIME)
         found = {}
         for info in sorted(pkgutil.iter_modules(runtime.__path__), key=lambda i: i.name):
-            if info.ispkg and importlib.util.find_spec(f"{_RUNTIME}.{info.name}.manifest") is not None:
+            if info.ispkg and _has_manifest(info):
                 declared = importlib.import_module(f"{_RUNTIME}.{info.name}.manifest").CAPABILITY
                 if declared.name != info.name:
                     raise ImportError(f"runtime/{info.name}/manifest.py declares {declared.name!r}: "
@@ -90,6 +91,14 @@ def capabilities() -> dict[str, Capability]:
                 found[info.name] = declared
         _FOUND.update(found)  # all or nothing: a manifest that fails to load is raised again next time
     return _FOUND
+
+
+def _has_manifest(info) -> bool:
+    """Whether a runtime subpackage holds a manifest.py, looked up without importing the
+    package (a room that is not a capability, such as verdict/, stays unloaded)."""
+    spec = info.module_finder.find_spec(f"{_RUNTIME}.{info.name}")
+    return any(os.path.isfile(os.path.join(folder, "manifest.py"))
+               for folder in (spec.submodule_search_locations or ()) if spec is not None)
 
 
 def controls() -> dict[str, str]:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ..core import ranks, settings, tags as ambient
+from ..core import ranks, rows as batch_rows, settings, tags as ambient
 from ..core.adapters import graph_stage
 from ..core.control import Control
 from ..core.failures import Counters
@@ -87,6 +87,9 @@ def dump(name: str, value: Any, /, **tags) -> Any:
         return value
     try:
         if not (graph_stage.busy and _in_graph(name, value, tags)):
+            if batch_rows.version and (batch_rows.version != _rows_seen[0] or ambient.context() is not _rows_seen[1]
+                                       or _step != _rows_seen[2]):
+                _write_rows(value)
             _record(name, value, tags)
     except Exception as exc:  # noqa: BLE001 - a dump must never break the caller
         _counters.fail(f"dump({name!r})", exc)
@@ -98,6 +101,8 @@ def dump_context(**tags) -> ambient.Restore:
     a tag set to None is removed.  ``with dump_context(phase="eval"): ...`` restores
     the previous tags on exit."""
     try:
+        if tags.get("microbatch") == 0:  # a schedule starts: counted micro-batches start again
+            batch_rows.schedule_begin()
         return ambient.set_context(**tags)
     except Exception as exc:  # noqa: BLE001
         _counters.fail("dump_context", exc)
@@ -132,6 +137,7 @@ def dump_step(success: Any = True, *, step: int | None = None) -> Any:
                 return success
             _step += 1
         ambient.end_step()
+        batch_rows.step_end()
     except Exception as exc:  # noqa: BLE001
         _counters.fail("dump_step", exc)
     return success
@@ -160,9 +166,10 @@ def _details() -> dict:
 
 def _clear() -> None:
     """reset() (``POST /reset``): the counters, the last error and the step."""
-    global _step
+    global _step, _rows_seen, _rows_written
     _counters.reset()
     _step = 0
+    _rows_seen, _rows_written = (0, None, None), None
 
 
 def _stop(timeout: float | None) -> bool:
@@ -259,6 +266,52 @@ def _tag(key: str, tags: dict, context: dict, default: Any) -> Any:
         return context.get(key, default)
     value = tags[key]
     return value if type(value) is int or type(value) is str else ambient.tag_value(value)
+
+
+# ---------------------------------------------------------------- the micro-batch's row map (core/rows.py)
+
+# (rows version, ambient context, step) at the last look: while none changes, no dump call
+# looks again (an int compare, an identity test: the ambient context is replaced, never
+# mutated).  _rows_written: (Rows, step, phase, microbatch) whose row map went out last.
+_rows_seen: tuple = (0, None, None)
+_rows_written: tuple | None = None
+ROW_NAMES = ("row_request", "positions", "input_ids")
+
+
+def _write_rows(value: Any) -> None:
+    """The first dump call of a micro-batch whose Rows (``source_patch.batch``) has no row
+    map written yet: ``row_request`` (tag ``rids``), ``positions`` and ``input_ids`` of this
+    rank's part, tagged as the call's records are.  The rank, step and phase criteria of
+    the filter apply; names and layers do not (compare needs the map of every record)."""
+    global _rows_seen, _rows_written
+    context = ambient.context()
+    _rows_seen = (batch_rows.version, context, _step)
+    microbatch = context.get("microbatch")
+    rows = batch_rows.current(context.get("phase"), microbatch if type(microbatch) is int else None)
+    if rows is None:
+        return
+    key = (rows, _step, context.get("phase"), microbatch)
+    if key == _rows_written:
+        return
+    _rows_written = key
+    sp = rows.sequence_parallel
+    if sp is None and rows.tp_size > 1:  # the first tensor of the micro-batch says how long its part is
+        first = next((t for _, t in _leaves("", value, 0) if t.dim() >= 1), None) if value is not None else None
+        sp = rows.infer_sequence_parallel(int(first.shape[0])) if first is not None else False
+    view = rows.view(sp)
+    filt = _filter
+    rank = ranks.global_rank()
+    record_tags = _record_tags({}, rank)
+    if (filt.ranks is not None and rank not in filt.ranks) or (filt.steps is not None and record_tags["step"] not in
+                                                               filt.steps) or (
+            filt.phases is not None and record_tags["phase"] not in filt.phases):
+        _counters.add("filtered", len(ROW_NAMES))
+        return
+    folder = rank_dir(rank)
+    _pipeline.enqueue("row_request", view["row_request"], {**record_tags, "rids": list(rows.request_ids)}, folder)
+    _pipeline.enqueue("positions", view["positions"], record_tags, folder)
+    if view["input_ids"] is not None:
+        _pipeline.enqueue("input_ids", view["input_ids"], record_tags, folder)
 
 
 # ---------------------------------------------------------------- under CUDA graphs

@@ -1,36 +1,45 @@
-"""Compare a rollout's dumps (SGLang, patches/dump.yaml) with a training
-framework's dumps of the same tokens (Megatron, patches/dump.yaml), layer by layer.
+"""Compare two runs' dumps layer by layer, token by token: a rollout (SGLang) or a
+training run (Megatron) on either side (patches/dump.yaml dumps both alike).
 
-    source-patch compare ROLLOUT_DIR TRAIN_DIR [--exp-name NAME]... [--json] [--json-out r.json] [--html r.html] [--rtol 1e-4]
+    source-patch compare A B [--exp-name NAME]... [--json] [--json-out r.json] [--html r.html] [--rtol 1e-4]
 
     import source_patch.runtime.verdict.compare as dump_compare
     report = dump_compare.compare("sp-dumps/rollout", "sp-dumps/train")
     print(report.table()); report.first_divergent     # (name, layer) or None
 
-Every row on both sides is mapped to (request id, token position) first:
+The steps, each its own module:
 
-* rollout: each forward pass's ``row_request`` (+ its ``rids`` tag) and ``positions``;
-* training: each step's ``row_request`` / ``positions`` records of the same ``[s, b]``
-  layout as the activations (written by whoever builds the batch; -1 marks padding),
-  per rank: a context-parallel (zigzag) or sequence-parallel rank dumps the row map of
-  its own slice, and the pieces reassemble by (request, position) (layout.py);
-  vocab-parallel logits (one vocabulary slice per TP rank) are joined first.
-
-A layout self-test runs before any number is compared: the token id of every paired
-(request, position) must be the same on both sides, or the comparison stops with the
-first mismatch (a misaligned batch can have matching shapes and still pair the wrong
-tokens).  Then, per (name, layer) in layer order: the rows compared, max |a - b|,
-relative L2 ``||a - b|| / ||b||`` and cosine similarity; the first pair whose relative
-L2 exceeds ``rtol`` is the first divergent layer.  SGLang's ``layer_id`` is 0-based,
-Megatron's ``layer_number`` 1-based (``layer_offset``, default 1).
+* each side's kind and layer numbering, from its records (sides.py): every layer in a
+  report is numbered from 0 (SGLang's ``layer_id``; Megatron's ``layer_number - 1``);
+* shards joined: tensor-parallel copies, slices and partial sums, expert-parallel
+  pieces in global expert order, vocab-parallel logits (join.py);
+* rows keyed by (request id, token position) through each pass's ``row_request`` (+ its
+  ``rids`` tag) and ``positions``, context- and sequence-parallel slices reassembling by
+  their keys (rows.py); where both sides name their rows, the rows of each (name, layer)
+  are paired by key, after the layout self-test: the token id of every paired (request,
+  position) must be the same on both sides, or the comparison stops with the first
+  mismatch (a misaligned batch can have matching shapes and still pair the wrong
+  tokens); where neither does, tensors are paired by (step, micro-batch, name, layer)
+  and compared element by element when their shapes are equal;
+* per (name, layer), in layer order: rows compared, max |a - b|, relative L2 ``||a - b||
+  / ||b||``, cosine, and the drill-down (drill.py): where the largest |a - b| is, its
+  percentiles, the worst tokens; the first row past ``rtol`` is the first divergent
+  layer, and its tokens, every one, make the report's per-token view;
+* routing agreement and next-token log-probs (agreement.py);
+* what could not be compared, one line each naming the side and what it lacks: a name
+  or layer only one side dumped, a side with no row map where the other has one, tensors
+  of different shapes, rows only one side holds; the positions a rollout took from its
+  prefix cache (radix cache on: the engine dumps only what it computed) are counted and
+  said, never an error.  Nothing comparable at all is an error.
 
 Exit codes of the CLI: 0 no divergence, 1 divergence, 2 anything that stops the
-comparison (a failed layout self-test, unreadable or malformed dumps, a report that
-cannot be written, a dump root whose runs are of different kinds), always as one line
-``source-patch: error: ...`` on stderr (and as JSON on stdout under ``--json``, which
-prints the report as JSON instead of the table).  A dump root is read at its latest run (reader.choose); the reports record
-their inputs (:func:`describe_inputs`).  Torch is imported when a comparison runs, not
-with this module (``source-patch replay --help`` reads its options).
+comparison (a failed layout self-test, nothing that pairs, unreadable or malformed
+dumps, a report that cannot be written, a dump root whose runs are of different kinds),
+always as one line ``source-patch: error: ...`` on stderr (and as JSON on stdout under
+``--json``, which prints the report as JSON instead of the table).  A dump root is read
+at its latest run (reader.choose); the reports record their inputs
+(:func:`describe_inputs`).  Torch is imported when a comparison runs, not with this
+module (``source-patch replay --help`` reads its options).
 """
 
 from __future__ import annotations
@@ -41,317 +50,245 @@ import os
 import stat
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 from ..core import commands
 from ..dump import reader
+from . import agreement, drill, join, records, rows, sides
+from .records import MAPS, DumpError, LayoutError, Rec, load  # noqa: F401 - the public names of a comparison
+from .report import Report, Row  # noqa: F401
 
-# rollout name -> training name: the quantities both specs dump with the same meaning
-NAMES = {"layer_input": "layer_input", "attention_output": "attention_output",
-         "pre_mlp_residual": "pre_mlp_residual", "mlp_output": "mlp_output",
-         "final_hidden": "final_hidden", "logits": "logits"}
-# Routing: SGLang's top-k expert ids per token against Megatron's routing map
-# ([tokens, experts] bool): the same routing when the sets of experts are equal.
-ROUTING = ("topk_ids", "routing_map")
-
-
-class Rec(NamedTuple):
-    """A record with its tensor in memory (reader.Record reads the file at each access)."""
-
-    name: str
-    tags: dict
-    tensor: torch.Tensor
-    where: str = ""  # its manifest line, for errors
+# The quantities both dump specs write with the same meaning, in the order a layer computes
+# them: the table's order within a layer (other names follow, alphabetically).
+NAMES = ("layer_input", "attention_output", "pre_mlp_residual", "mlp_output", "final_hidden", "logits")
+ROUTING = agreement.ROUTING
+_ORDER = {name: i for i, name in enumerate(NAMES)}
+# Names without a layer computed before the first layer: the table (and the first
+# divergent row) puts them first, the others without a layer last.
+BEFORE_LAYERS = ("embedding_output", "embeddings")
 
 
-def load(path, names=None) -> list:
-    """The records of a dump directory that a comparison needs, tensors read once
-    (each file's header once, through reader.read_tensors)."""
-    wanted = set(NAMES) | set(ROUTING) | {"input_ids", "positions", "row_request"} if names is None else set(names)
-    records = [r for r in reader.load(path) if r.name in wanted]
-    keys: dict = {}
-    for r in records:
-        keys.setdefault(r.file, []).append(r.key)
-    tensors = {file: reader.read_tensors(file, wanted_keys) for file, wanted_keys in keys.items()}
-    return [Rec(r.name, r.tags, tensors[r.file][r.key], f"{r.file.parent / reader.MANIFEST} record {r.seq}")
-            for r in records]
+def _table_order(key) -> tuple:
+    name, layer = key
+    place = 0 if name in BEFORE_LAYERS else 2 if layer is None else 1
+    return place, layer or 0, _ORDER.get(name, len(NAMES)), name
 
 
-class LayoutError(ValueError):
-    """The two sides do not hold the same tokens at the rows they claim."""
-
-
-DumpError = reader.DumpError  # malformed dumps: exit 2, as unreadable ones
-
-
-def _where(rec: Rec) -> str:
-    return f"{rec.name} ({rec.where})" if rec.where else rec.name
-
-
-def _tag(rec: Rec, key: str):
-    """An integer tag the comparison groups or orders by (step, rank, layer, tp), or None."""
-    value = rec.tags.get(key)
-    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-        return value
-    raise DumpError(f"{_where(rec)}: tag '{key}' is {reader.shown(value)}, expected an integer")
-
-
-@dataclass
-class Row:
-    name: str
-    layer: int | None           # the rollout's layer id
-    rows: int                   # (request, position) pairs compared
-    max_abs: float
-    rel_l2: float
-    cosine: float
-    ok: bool
-
-
-@dataclass
-class Report:
-    rows: list = field(default_factory=list)
-    tokens: int = 0             # (request, position) pairs both sides hold
-    requests: int = 0
-    rtol: float = 1e-4
-    routing: list = field(default_factory=list)  # [{"layer", "tokens", "agreement"}], rollout layers
-    routing_any_differ: float | None = None      # fraction of tokens routed differently in >= 1 layer
-    logprobs: dict | None = None                 # logprobs.Mismatch.to_json() of the next tokens
-
-    @property
-    def first_divergent(self):
-        bad = next((r for r in self.rows if not r.ok), None)
-        return None if bad is None else (bad.name, bad.layer)
-
-    def table(self) -> str:
-        lines = [f"{self.requests} requests, {self.tokens} tokens paired; rtol {self.rtol:g}",
-                 f"{'name':18} {'layer':>5} {'rows':>6} {'max|a-b|':>10} {'rel L2':>10} {'cosine':>9}  ok"]
-        for r in self.rows:
-            layer = "-" if r.layer is None else str(r.layer)
-            lines.append(f"{r.name:18} {layer:>5} {r.rows:>6} {r.max_abs:>10.3g} {r.rel_l2:>10.3g} "
-                         f"{r.cosine:>9.6f}  {'ok' if r.ok else 'DIVERGES'}")
-        for r in self.routing:
-            lines.append(f"{'routing agreement':18} {r['layer']:>5} {r['tokens']:>6} {r['agreement']:>10.2%}")
-        if self.routing_any_differ is not None:
-            lines.append(f"tokens routed differently in at least one layer: {self.routing_any_differ:.2%}")
-        if self.logprobs is not None:
-            lines.append(f"next-token log-probs: {self.logprobs['line']}")
-        first = self.first_divergent
-        lines.append("no divergence" if first is None else f"first divergent: {first[0]} layer {first[1]}")
-        return "\n".join(lines)
-
-    def to_json(self) -> dict:
-        out = {"requests": self.requests, "tokens": self.tokens, "rtol": self.rtol,
-               "first_divergent": self.first_divergent, "rows": [asdict(r) for r in self.rows]}
-        if self.routing:
-            out["routing"] = {"per_layer": self.routing, "tokens_differing_any_layer": self.routing_any_differ}
-        if self.logprobs is not None:
-            out["logprobs"] = self.logprobs
-        return out
-
-
-def _by_step(records) -> dict:
-    """Records by (step, rank): each rank's row map describes its own rows (a context-
-    or sequence-parallel rank holds a slice of the sequence; see layout.py)."""
-    steps: dict = {}
-    for r in records:
-        _tag(r, "layer")
-        steps.setdefault((_tag(r, "step"), _tag(r, "rank")), []).append(r)
-    return steps
-
-
-def _keys(row_map, positions) -> list:
-    """(rid, position) of every element of a row map; None for padding (-1).  A row map
-    without its ``rids``, empty, not integers, pointing past its rids or of another
-    size than its positions is a DumpError (it would pair the wrong rows)."""
-    import torch
-
-    rids = row_map.tags.get("rids")
-    if not (isinstance(rids, list) and rids and all(isinstance(r, (str, int)) and not isinstance(r, bool)
-                                                    for r in rids)):
-        raise DumpError(f"{_where(row_map)}: tag 'rids' is {reader.shown(rids)}, expected a list of request ids")
-    for rec in (row_map, positions):
-        if rec.tensor.numel() == 0 or rec.tensor.dtype.is_floating_point or rec.tensor.dtype == torch.bool:
-            raise DumpError(f"{_where(rec)}: expected a non-empty integer tensor, got "
-                            f"{list(rec.tensor.shape)} {str(rec.tensor.dtype).removeprefix('torch.')}")
-    if positions.tensor.numel() != row_map.tensor.numel():
-        raise DumpError(f"{_where(positions)}: {positions.tensor.numel()} positions for "
-                        f"{row_map.tensor.numel()} rows of row_request")
-    index = row_map.tensor.reshape(-1).tolist()
-    if not -1 <= min(index) <= max(index) < len(rids):
-        raise DumpError(f"{_where(row_map)}: values {min(index)}..{max(index)} outside -1..{len(rids) - 1} "
-                        f"(its {len(rids)} rids)")
-    rids = [str(r) for r in rids]  # one kind, so keys sort
-    return [None if i < 0 else (rids[i], p) for i, p in zip(index, positions.tensor.reshape(-1).tolist())]
-
-
-def gather_vocab_parallel(records) -> list:
-    """Logits split over tensor-parallel ranks (Megatron's vocab-parallel output layer:
-    TP rank k holds a contiguous slice of the vocabulary) joined along the vocabulary,
-    in TP order, into one record per step and group; other records unchanged.  A group
-    is the records of one step that differ only in their ``tp`` and ``rank`` tags."""
-    import torch
-
-    groups: dict = {}
-    out = []
-    for r in records:
-        if r.name == "logits" and _tag(r, "tp") is not None and r.tensor.dim() > 0:
-            rest = tuple(sorted((k, str(v)) for k, v in r.tags.items() if k not in ("tp", "rank")))
-            groups.setdefault(rest, []).append(r)
-        else:
-            out.append(r)
-    for shards in groups.values():
-        shards.sort(key=lambda r: r.tags["tp"])
-        if len(shards) > 1 and len({r.tensor.shape[:-1] for r in shards}) == 1:
-            joined = torch.cat([r.tensor for r in shards], dim=-1)
-            out.append(Rec("logits", shards[0].tags, joined, shards[0].where))  # keeps the lowest TP rank's rank tag
-        else:
-            out.extend(shards)
-    return out
-
-
-def index_rows(records) -> dict:
-    """{(name, layer): {(rid, position): row tensor}} of one side's dumps, plus
-    ``("input_ids", None)`` for the layout self-test.  Logits are keyed by each
-    request's last row only where a pass computes logits per request (SGLang)."""
-    out: dict = {}
-    for recs in _by_step(records).values():
-        named = {(r.name, r.tags.get("layer")): r for r in recs}
-        row_map, positions = named.get(("row_request", None)), named.get(("positions", None))
-        if row_map is None or positions is None:
+def compare(a, b, *, rtol: float = 1e-4, layer_offset: int | None = None) -> Report:
+    """The report for two dump folders (or lists of :class:`Rec`): A against B, B the
+    reference of relative L2.  ``layer_offset``: B's layer tag = A's + this, instead of
+    each side's numbering read from its records."""
+    side_a, side_b = _side(a, "A"), _side(b, "B")
+    sides.detect(side_a, None if layer_offset is None else 0)
+    sides.detect(side_b, layer_offset)
+    report = Report(rtol=rtol, layer_numbering=sides.numbering(side_a, side_b, layer_offset))
+    lacking = _read(side_a, side_b)
+    report.joined = join.join(side_a, side_b)
+    ia, ib = rows.index(side_a), rows.index(side_b)
+    pairing = rows.pair(ia, ib)
+    if pairing.size:
+        rows.self_test(ia, ib, pairing)
+        report.prefix_cache_rows, report.not_compared = rows.not_compared(ia, ib, pairing)
+        report.tokens, report.requests = pairing.size, len({k[0] for k in pairing.keys})
+    measured = {}
+    keys = {k for index in (ia, ib) for k in (*index.rows, *index.loose) if k[0] not in MAPS + ROUTING}
+    for name, layer in sorted(keys, key=_table_order):
+        found = _pair_rows(ia, ib, pairing, name, layer) if (name, layer) in ia.rows and (name, layer) in ib.rows \
+            else _pair_tensors(ia, ib, name, layer, lacking)
+        if found is None:
             continue
-        keys = _keys(row_map, positions)
-        for (name, layer), rec in named.items():
-            if name not in NAMES and name not in ROUTING and name != "input_ids":
-                continue
-            # [s, b, ...] as the row map, or its rows flattened ([s * b, ...]: the router's view)
-            t = rec.tensor
-            flat = t.reshape(len(keys), -1) if t.dim() > 0 and t.numel() % len(keys) == 0 and (
-                t.shape[: row_map.tensor.dim()] == row_map.tensor.shape or t.shape[0] == len(keys)) else None
-            target = out.setdefault((name, layer), {})
-            if flat is not None:
-                for key, row in zip(keys, flat):
-                    if key is not None:
-                        target[key] = row
-            elif name == "logits" and rec.tensor.dim() > 0:  # one row per request: its last row in this pass
-                last = {}
-                for key in keys:
-                    if key is not None:
-                        last[key[0]] = key if key[0] not in last or key[1] > last[key[0]][1] else last[key[0]]
-                for i, rid in enumerate(map(str, row_map.tags["rids"])):  # as _keys names them
-                    if rid in last and i < rec.tensor.shape[0]:
-                        target[last[rid]] = rec.tensor[i]
-    return out
-
-
-def compare(rollout, train, *, rtol: float = 1e-4, layer_offset: int = 1) -> Report:
-    """The report for two dump directories (or lists of :class:`Rec`)."""
-    a = index_rows(rollout if isinstance(rollout, list) else load(rollout))
-    b = index_rows(gather_vocab_parallel(train if isinstance(train, list) else load(train)))
-    ids_a, ids_b = a.get(("input_ids", None), {}), b.get(("input_ids", None), {})
-    shared = sorted(set(ids_a) & set(ids_b))
-    if not shared:
-        raise LayoutError("no (request, position) is held by both sides: different request ids, or a side "
-                          "without row_request / positions records")
-    for key in shared:
-        token_a, token_b = _token(ids_a[key], "rollout", key), _token(ids_b[key], "training", key)
-        if token_a != token_b:
-            raise LayoutError(f"layout self-test: request {key[0]!r} position {key[1]}: token "
-                              f"{token_a} in the rollout, {token_b} in training")
-    report = Report(tokens=len(shared), requests=len({k[0] for k in shared}), rtol=rtol)
-    order = sorted((k for k in a if k[0] in NAMES), key=lambda k: (k[1] is None, k[1] or 0, _ORDER[k[0]]))
-    for name, layer in order:
-        other = (NAMES[name], None if layer is None else layer + layer_offset)
-        if other not in b:
-            continue
-        keys = sorted(set(a[(name, layer)]) & set(b[other]))
-        if keys:
-            report.rows.append(_row(name, layer, [a[(name, layer)][k] for k in keys],
-                                    [b[other][k] for k in keys], rtol))
-    _routing(report, a, b, layer_offset)
-    _next_token_logprobs(report, a, b, ids_a)
+        x, y, labels = found
+        m = drill.measure(x, y, labels)
+        report.rows.append(Row(name, layer, m.rows, m.max_abs, m.rel_l2, m.cosine, m.rel_l2 <= rtol,
+                               m.where, m.percentiles, m.worst))
+        measured[(name, layer)] = (m.per_row, labels)
+    agreement.routing(report, ia, ib, pairing)
+    agreement.next_token_logprobs(report, ia, ib, pairing)
+    report.not_compared += _lines(lacking)
+    if not report.rows and not report.routing and report.logprobs is None:
+        raise LayoutError(_nothing(ia, ib, pairing, report.not_compared))
+    if report.rows:
+        shown = next((r for r in report.rows if not r.ok), None) or max(
+            report.rows, key=lambda r: math.inf if math.isnan(r.rel_l2) else r.rel_l2)
+        report.token_view = drill.token_view(shown.name, shown.layer, *measured[(shown.name, shown.layer)])
     return report
 
 
-def _token(row: torch.Tensor, side: str, key) -> int:
-    if row.numel() != 1:
-        raise DumpError(f"input_ids of request {key[0]!r} position {key[1]} in {side}: {row.numel()} values, "
-                        "expected one token id per row")
-    return int(row.reshape(()))
+def _side(x, label: str) -> sides.Side:
+    if isinstance(x, list):
+        return sides.Side(label, None, x)
+    return sides.Side(label, str(x), records.manifest(x))
 
 
-def _width(rows, name, layer) -> int:
-    """The values per row, the same in every row of both sides (else DumpError)."""
-    sizes = sorted({t.numel() for t in rows})
-    if len(sizes) != 1:
-        raise DumpError(f"{name} layer {'-' if layer is None else layer}: rows of {', '.join(map(str, sizes))} "
-                        "values (the two sides' hidden or vocabulary sizes differ?)")
-    return sizes[0]
+def _read(a: sides.Side, b: sides.Side) -> list:
+    """Read the tensors a comparison needs: the row maps, routing, and every name both
+    sides dumped; the (name, layer)s only one side dumped are returned, not read."""
+    names = [{r.name for r in side.records} for side in (a, b)]
+    wanted = (names[0] & names[1]) | set(MAPS) | set(ROUTING)
+    lacking = []
+    for side, other, mine, theirs in ((a, b, names[0], names[1]), (b, a, names[1], names[0])):
+        for r in side.records:
+            if r.name not in theirs and r.name not in wanted:
+                lacking.append((r.name, side.layer(r.tags.get("layer")), f"only in {side} ({other.label} lacks it)"))
+        if side.folder is not None:
+            side.records = records.read(side.records, wanted)
+        else:
+            side.records = [r for r in side.records if r.name in wanted]
+    return lacking
 
 
-def _next_token_logprobs(report: Report, a: dict, b: dict, ids: dict) -> None:
-    """Where both sides hold the logits at (request, p) and the token at p + 1 is known:
-    each side's log-prob of that token, and the RL mismatch figures between them
-    (rollout = behaviour policy).  SGLang keeps one logits row per request and pass, so
-    these are the generated tokens (and the first after the prompt)."""
+def _pair_rows(ia, ib, pairing, name, layer):
+    """(x, y, labels) of the rows of (name, layer) both sides hold, or None."""
     import torch
 
-    from .logprobs import mismatch, token_logprobs
-
-    la, lb = a.get(("logits", None), {}), b.get(("logits", None), {})
-    keys = sorted(k for k in set(la) & set(lb) if (k[0], k[1] + 1) in ids)
-    if not keys:
-        return
-    targets = torch.tensor([_token(ids[(rid, pos + 1)], "rollout", (rid, pos + 1)) for rid, pos in keys])
-    vocab = _width([la[k] for k in keys] + [lb[k] for k in keys], "logits", None)
-    if not 0 <= int(targets.min()) <= int(targets.max()) < vocab:
-        raise DumpError(f"next-token log-probs: token ids {int(targets.min())}..{int(targets.max())} outside "
-                        f"the logits' vocabulary of {vocab}")
-    rollout = token_logprobs(torch.stack([la[k].reshape(-1) for k in keys]), targets)
-    train = token_logprobs(torch.stack([lb[k].reshape(-1) for k in keys]), targets)
-    m = mismatch(rollout, train)
-    report.logprobs = {**m.to_json(), "line": m.line()}
-
-
-def _routing(report: Report, a: dict, b: dict, layer_offset: int) -> None:
-    """Per rollout layer, the fraction of tokens whose set of experts is the same on both
-    sides, and the fraction of tokens routed differently in at least one layer."""
-    differ: dict = {}
-    for (name, layer) in sorted(k for k in a if k[0] == ROUTING[0] and k[1] is not None):
-        other = b.get((ROUTING[1], layer + layer_offset))
-        if other is None:
-            continue
-        keys = sorted(set(a[(name, layer)]) & set(other))
-        same = [set(a[(name, layer)][k].tolist()) == set(other[k].nonzero().reshape(-1).tolist())
-                for k in keys]
-        for k, ok in zip(keys, same):
-            differ[k] = differ.get(k, False) or not ok
-        if keys:
-            report.routing.append({"layer": layer, "tokens": len(keys), "agreement": sum(same) / len(keys)})
-    if differ:
-        report.routing_any_differ = sum(differ.values()) / len(differ)
+    pa, pb = ia.rows[(name, layer)], ib.rows[(name, layer)]
+    wa, wb = rows.widths(pa), rows.widths(pb)
+    if len(wa | wb) != 1:
+        raise DumpError(f"{name} layer {'-' if layer is None else layer}: rows of "
+                        f"{', '.join(map(str, sorted(wa | wb)))} values (the two sides' hidden or vocabulary "
+                        f"sizes differ?: {ia.side} {sorted(wa)}, {ib.side} {sorted(wb)})")
+    if not pairing.size:
+        return None
+    at_a, at_b = rows.locate(pa, pairing.slot_a, pairing.size), rows.locate(pb, pairing.slot_b, pairing.size)
+    slots = ((at_a >= 0) & (at_b >= 0)).nonzero().reshape(-1)
+    if not len(slots):
+        return None
+    labels = drill.Labels(keys=_Picked(pairing.keys, slots), tokens=_Picked(pairing.tokens, slots))
+    return rows.take(pa, at_a[slots], torch.float32), rows.take(pb, at_b[slots], torch.float32), labels
 
 
-_ORDER = {name: i for i, name in enumerate(NAMES)}
+class _Picked:
+    """``values[slots[i]]`` by index, without building the list (only the reported rows are read)."""
+
+    def __init__(self, values, slots):
+        self.values, self.slots = values, slots.tolist()
+
+    def __len__(self):
+        return len(self.slots)
+
+    def __getitem__(self, i):
+        value = self.values[self.slots[i]]
+        return value.item() if hasattr(value, "item") else value
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
-def _row(name, layer, xs, ys, rtol) -> Row:
+def _pair_tensors(ia, ib, name, layer, lacking):
+    """(x, y, labels) of the tensors of (name, layer) neither side names rows of, paired
+    by (step, micro-batch) (and rank, where a step has several), equal shapes compared
+    element by element; what cannot be paired goes to ``lacking``."""
     import torch
 
-    _width(list(xs) + list(ys), name, layer)
-    x = torch.stack([t.float().reshape(-1) for t in xs])
-    y = torch.stack([t.float().reshape(-1) for t in ys])
-    diff = x - y
-    ref = float(y.norm())
-    # a zero reference: 0 if equal, else inf; a NaN anywhere stays NaN (it diverges either way)
-    rel = float(diff.norm()) / ref if ref > 0 or math.isnan(ref) else (0.0 if float(diff.norm()) == 0 else math.inf)
-    cos = float(torch.nn.functional.cosine_similarity(x.reshape(1, -1), y.reshape(1, -1)))
-    return Row(name, layer, len(xs), float(diff.abs().max()), rel, cos, rel <= rtol)
+    for index, other in ((ia, ib), (ib, ia)):
+        if (name, layer) in index.rows and (name, layer) in other.loose:
+            lacking.append((name, layer, f"{other.side} has no row map for it, {index.side.label} names its rows"))
+            return None
+        if (name, layer) not in other.rows and (name, layer) not in other.loose:
+            lacking.append((name, layer, f"only in {index.side} ({other.side.label} lacks it)"))
+            return None
+    steps: dict = {}
+    for i, index in enumerate((ia, ib)):
+        for r in index.loose[(name, layer)]:
+            steps.setdefault((r.tags.get("step"), r.tags.get("microbatch")), ([], []))[i].append(r)
+    pairs = []
+    for (step, microbatch), (xs, ys) in sorted(steps.items(), key=lambda kv: [(v is None, v or 0) for v in kv[0]]):
+        matched = list(zip(xs, ys)) if len(xs) == len(ys) == 1 else [
+            (x, y) for x in xs for y in ys if x.tags.get("rank") == y.tags.get("rank")]
+        if not matched:
+            lacking.append((name, layer, f"step {step} microbatch {microbatch}: " + (
+                f"only in {ib.side}" if not xs else f"only in {ia.side}" if not ys else
+                "A's and B's ranks do not match")))
+        for x, y in matched:
+            if x.tensor.shape != y.tensor.shape:
+                lacking.append((name, layer, f"shapes differ: {ia.side} {list(x.tensor.shape)}, "
+                                             f"{ib.side} {list(y.tensor.shape)}"))
+            else:
+                pairs.append((x.tensor, y.tensor, step, microbatch))
+    if not pairs:
+        return None
+    width = {t.shape[-1] if t.dim() else 1 for t, _, _, _ in pairs}
+    width = width.pop() if len(width) == 1 else 1
+    xs, ys, pieces, start = [], [], [], 0
+    for x, y, step, microbatch in pairs:
+        xs.append(x.reshape(-1, width).float())
+        ys.append(y.reshape(-1, width).float())
+        pieces.append((start, len(xs[-1]), width, step, microbatch))
+        start += len(xs[-1])
+    return torch.cat(xs), torch.cat(ys), drill.Labels(pieces=pieces)
 
 
-DESCRIPTION = ("Compare rollout (SGLang) and training (Megatron) dumps of the same tokens layer by layer. "
-               "Exit 0: no divergence, 1: divergence, 2: cannot compare.")
+def _lines(lacking) -> list:
+    """One line per (what, name) of what was not compared, its layers together."""
+    merged: dict = {}
+    for name, layer, what in lacking:
+        merged.setdefault((name, what), set()).add(layer)
+    out = []
+    for (name, what), layers in merged.items():
+        numbered = sorted(x for x in layers if x is not None)
+        where = ("" if not numbered else (f" layer {numbered[0]}" if len(numbered) == 1 else
+                                          f" layers {_ranges(numbered)}")) + (" (and no layer)" if None in layers
+                                                                              and numbered else "")
+        out.append(f"not compared: {name}{where}: {what}")
+    return out
+
+
+def _ranges(values) -> str:
+    spans, start = [], values[0]
+    for prev, cur in zip(values, values[1:] + [None]):
+        if cur != prev + 1 if cur is not None else True:
+            spans.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(spans)
+
+
+def _nothing(a, b, pairing, lines) -> str:
+    """Why nothing could be compared, in one line."""
+    for index, other in ((a, b), (b, a)):
+        if other.maps and not index.maps and index.loose:
+            return (f"{index.side} has no row_request / positions records, {other.side.label} has: its rows cannot be "
+                    "paired by (request, position), and no tensor pairs as it is")
+        if index.maps and ("input_ids", None) not in index.rows:
+            return f"{index.side} has no input_ids rows: the layout self-test cannot run, so no row is paired"
+    if a.maps and b.maps and not pairing.size:
+        return (f"no (request, position) is held by both sides: {a.side} holds requests "
+                f"{_few({k[0] for k in a.keys})}, {b.side} {_few({k[0] for k in b.keys})}")
+    if lines:
+        return lines[0] + (f" (and {len(lines) - 1} more such lines)" if len(lines) > 1 else "")
+    return f"nothing to compare: {a.side} and {b.side} hold no records of a name both dumped"
+
+
+def _few(values, most: int = 4) -> str:
+    shown = sorted(map(repr, values))
+    return ", ".join(shown[:most]) + (f" and {len(shown) - most} more" if len(shown) > most else "") or "none"
+
+
+def index_rows(recs) -> dict:
+    """{(name, layer tag): {(rid, position): row tensor}} of one side's records (their
+    layer tags as dumped): the row maps read the way a comparison reads them."""
+    side = sides.detect(sides.Side("A", None, recs), 0)
+    index = rows.index(side)
+    names = index.key_list()
+    out: dict = {}
+    for key, pieces in index.rows.items():
+        target = out.setdefault(key, {})
+        for t, ids in pieces:
+            for i, row in zip(ids.tolist(), t):
+                if i >= 0:
+                    target[names[i]] = row
+    return out
+
+
+def gather_vocab_parallel(recs) -> list:
+    """One side's records with its tensor-parallel shards joined (join.py; vocab-parallel
+    logits concatenated along the vocabulary, in TP order)."""
+    side, other = sides.Side("A", None, list(recs)), sides.Side("B", None, [])
+    join.join(sides.detect(side), sides.detect(other))
+    return side.records
+
+
+DESCRIPTION = ("Compare two runs' dumps of the same tokens layer by layer: rollout (SGLang) or training "
+               "(Megatron) on either side. Exit 0: no divergence, 1: divergence, 2: cannot compare.")
 INPUTS = "replay.json"  # what `source-patch replay` writes into its run: checkpoint, builder, routes, versions
 
 
@@ -359,9 +296,9 @@ def add_report_arguments(p) -> None:
     """The options of a comparison (shared with `source-patch replay --compare`)."""
     p.add_argument("--rtol", type=float, default=1e-4, metavar="R",
                    help="relative L2 above which a layer diverges (default 1e-4)")
-    p.add_argument("--layer-offset", type=int, default=1, metavar="N",
-                   help="training layer = rollout layer + this (default 1: SGLang's layer ids are 0-based, "
-                        "Megatron's layer numbers 1-based; the table shows the rollout's)")
+    p.add_argument("--layer-offset", type=int, default=None, metavar="N",
+                   help="B's layer tag = A's + this (default: each side's numbering read from its records, "
+                        "layers shown from 0: SGLang's layer_id, Megatron's layer_number - 1)")
     p.add_argument("--json", action="store_true", help="the report as JSON on stdout instead of the table "
                    "(an error too: {\"error\": ..., \"exit\": 2})")
     p.add_argument("--json-out", metavar="FILE", help="write the report here as JSON (NaN and infinities as strings)")
@@ -370,11 +307,11 @@ def add_report_arguments(p) -> None:
 
 def parser(prog: str = "python -m source_patch.runtime.verdict.compare"):
     p = commands.Parser(prog=prog, description=DESCRIPTION)
-    p.add_argument("rollout", help="the rollout's dumps: a dump root (its latest run), a run or a rank folder")
-    p.add_argument("train", help="the training side's dumps, the same way")
+    p.add_argument("rollout", help="A: one run's dumps (a rollout's or a training run's): a dump root "
+                   "(its latest run), a run or a rank folder")
+    p.add_argument("train", help="B: the other run's dumps, the same way (the reference of relative L2)")
     p.add_argument("--exp-name", action="append", metavar="NAME",
-                   help="the run to read under a dump root: once for both sides, twice for the rollout's "
-                        "then the training side's")
+                   help="the run to read under a dump root: once for both sides, twice for A's then B's")
     add_report_arguments(p)
     return p
 
@@ -384,7 +321,7 @@ def main(argv=None, prog: str = "python -m source_patch.runtime.verdict.compare"
     try:
         names = args.exp_name or [None]
         if len(names) > 2:
-            raise ValueError("--exp-name: at most twice (the rollout's run, then the training side's)")
+            raise ValueError("--exp-name: at most twice (A's run, then B's)")
         rollout = reader.choose_for_cli(args.rollout, names[0])
         train = reader.choose_for_cli(args.train, names[-1])
     except (OSError, ValueError) as exc:
@@ -417,6 +354,7 @@ def report(rollout, train, args, wrap=None) -> int:
     except OSError as exc:
         return _fail(f"cannot write the report: {exc}", args.json)
     if args.json:
+        shown = {**data, "exit": code}
         shown = {**data, "exit": code}
         print(json.dumps(wrap(shown) if wrap else shown, indent=1, allow_nan=False))
     else:

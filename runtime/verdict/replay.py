@@ -2,14 +2,17 @@
 training side's dumps of the same tokens, for ``source-patch compare``.
 
     source-patch replay ROLLOUT_DUMPS --checkpoint CKPT [--out sp-replay] [--routes DIR [--replay-probs]]
-                        [--builder MODULE:FUNCTION] [--logprobs FILE] [--compare] [--html F] [--json-out F] [--json]
+                        [--tokens FILE] [--builder MODULE:FUNCTION] [--logprobs FILE] [--compare] [--html F]
+                        [--json-out F] [--json]
 
     from source_patch.runtime.verdict import replay
     train = replay.replay(rollout_dumps, checkpoint, out="sp-replay")  # a child process; the new run's folder
 
 Each request of the rollout (its tokens read back from the rollout's ``input_ids`` /
 ``positions`` / ``row_request`` dumps: the prompt and every generated token the engine
-fed back) is one forward pass of the model and one dump step, with ``row_request`` /
+fed back; or, with ``tokens``, the token ids the engine returned: a request whose prompt
+prefix came from the engine's radix cache has no rows at those positions, see
+:func:`read_tokens`) is one forward pass of the model and one dump step, with ``row_request`` /
 ``positions`` / ``input_ids`` records in Megatron's ``[s, b]`` layout, so the comparator
 pairs every row.  With ``routes`` (the rollout's routing records, ``routing`` capture) each
 request is routed as the engine routed it: its expert ids replayed, the combine weights
@@ -57,6 +60,9 @@ MAX_TOKENS = 16384              # tokens of one request (and at most the config'
 MAX_CONFIG_BYTES = 1 << 20      # config.json
 MAX_HEADER_BYTES = 100_000_000  # one checkpoint file's safetensors header (safetensors' own limit)
 MAX_SIZE = 1 << 31              # any size in config.json (vocabulary, layers, experts, widths)
+MAX_TOKENS_FILE_BYTES = 1 << 26  # --tokens: the engine's replies (64 MiB: ~10 million token ids)
+MAX_TOKENS_FILE_DEPTH = 8       # a reply's meta_info.output_top_logprobs nests 6 deep in a list of replies
+MAX_TOKENS_FILE_ITEMS = 1 << 22  # its arrays and objects (a logprob entry per token is one)
 KEPT = 3                        # the worker's exit code: the run is complete, only --logprobs failed
 # The worker's entry: a fresh interpreter, so the start hook applies SOURCE_PATCH first.
 # Its first statement drops the current folder, which `-c` puts first on sys.path (after
@@ -84,7 +90,7 @@ def main(argv=None, prog: str = "python -m source_patch.runtime.verdict.replay")
             for flag, path in (("--json-out", args.json_out), ("--html", args.html)):
                 compare.check_output(flag, path)  # before the replay, not after it
         train = replay(rollout, args.checkpoint, args.out, builder=args.builder, routes=args.routes,
-                       replay_probs=args.replay_probs, logprobs=args.logprobs,
+                       replay_probs=args.replay_probs, logprobs=args.logprobs, tokens=args.tokens,
                        stdout=sys.stderr if args.json else None)  # under --json, stdout is one object
     except Stopped:
         return _stopped(args.json)
@@ -133,6 +139,11 @@ def parser(prog: str = "python -m source_patch.runtime.verdict.replay"):
     p.add_argument("--routes", metavar="DIR", help="replay the rollout's routing records (routing capture) from DIR")
     p.add_argument("--replay-probs", action="store_true",
                    help="with --routes: replay the engine's combine weights too, not only its expert ids")
+    p.add_argument("--tokens", metavar="FILE",
+                   help="each request's token ids as the engine returned them (JSON lines or one JSON object: "
+                        "SGLang /generate replies with meta_info.id, prompt_token_ids or input_ids, and "
+                        "output_ids; or {rid: {input_ids, output_ids}}): needed where the radix cache served a "
+                        "prompt prefix, whose positions have no rows in the rollout's dumps")
     p.add_argument("--builder", metavar="MODULE:FUNCTION",
                    help=f"your model: FUNCTION(checkpoint) -> a Megatron GPTModel (MODULE may be a .py file; "
                         f"default {TWIN})")
@@ -144,19 +155,23 @@ def parser(prog: str = "python -m source_patch.runtime.verdict.replay"):
 
 
 def replay(rollout, checkpoint, out="sp-replay", *, builder: str | None = None, routes=None,
-           replay_probs: bool = False, logprobs=None, exp_name: str | None = None, stdout=None) -> Path:
+           replay_probs: bool = False, logprobs=None, exp_name: str | None = None, stdout=None,
+           tokens=None) -> Path:
     """Replay ``rollout`` (a run or rank folder of rollout dumps) through the model of
     ``checkpoint`` in a child process (its output to ``stdout``, by default this process's);
-    returns the new run's folder under ``out``.  The inputs (:func:`check_inputs`) and the
+    returns the new run's folder under ``out``.  ``tokens``: a file of the token ids the
+    engine returned (:func:`read_tokens`).  The inputs (:func:`check_inputs`) and the
     ``logprobs`` target are checked here first."""
     compare.check_output("--logprobs", logprobs)  # before the replay, not after it
     if routes is not None and not Path(routes).is_dir():
         raise ReplayError(f"--routes {routes}: no such folder")
-    check_inputs(rollout, checkpoint, builder=builder, routes=routes)  # here: one line, before Megatron starts
+    # here: one line, before Megatron starts
+    check_inputs(rollout, checkpoint, builder=builder, routes=routes, tokens=tokens)
     run = _new_run(Path(out).resolve(), exp_name)
     job = {"rollout": str(Path(rollout).resolve()), "checkpoint": str(Path(checkpoint).resolve()),
            "builder": builder, "routes": routes and str(Path(routes).resolve()), "replay_probs": replay_probs,
-           "logprobs": logprobs and str(Path(logprobs).resolve()), "dir": str(run.parent), "exp_name": run.name}
+           "logprobs": logprobs and str(Path(logprobs).resolve()), "dir": str(run.parent), "exp_name": run.name,
+           "tokens": tokens and str(Path(tokens).resolve())}
     env = {**os.environ, "SOURCE_PATCH": ",".join(SPECS + (("routing",) if routes else ()))}
     code = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(job)], env=env, stdout=stdout).returncode
     if code == KEPT:  # the run is whole; only the log-probs could not be written (said on stderr)
@@ -193,7 +208,8 @@ def work(job: str) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")  # no TE/Apex on CPU, said 7 times
     try:
         logps = replay_here(job["rollout"], job["checkpoint"], builder=job["builder"], routes=job["routes"],
-                            replay_probs=job["replay_probs"], dir=job["dir"], exp_name=job["exp_name"])
+                            replay_probs=job["replay_probs"], dir=job["dir"], exp_name=job["exp_name"],
+                            tokens=job["tokens"])
     except (OSError, ValueError, ReplayError) as exc:  # DumpError, RoutingRecordError: ValueErrors
         return _fail(exc)
     except Exception as exc:  # noqa: BLE001 - nothing above foresaw it: still one line, no traceback
@@ -211,22 +227,24 @@ def work(job: str) -> int:
 
 
 def replay_here(rollout, checkpoint, *, builder: str | None = None, routes=None, replay_probs: bool = False,
-                dir=None, exp_name: str | None = None) -> dict:
+                dir=None, exp_name: str | None = None, tokens=None) -> dict:
     """The replay in this process, which Megatron must import into patched by ``megatron_cpu``
     and ``dump`` (and ``routing`` with routes).  Dumps into ``dir``/``exp_name`` (else where the
     dump settings say); returns ``{rid: [log p(token i | tokens before it) for i >= 1]}``."""
     from ..dump import api as dump
 
     started = time.monotonic()
-    requests, records = check_inputs(rollout, checkpoint, builder=builder, routes=routes)
+    requests, records = check_inputs(rollout, checkpoint, builder=builder, routes=routes, tokens=tokens)
     model = _build(builder, checkpoint)
     selection = dict.fromkeys(("names", "layers", "steps", "ranks", "phases"), "")  # the comparator needs all
     dump.configure(enable=True, **selection, **({"dir": str(dir), "exp_name": exp_name} if dir else {}))
     logps = _forwards(dump, model, requests, records, replay_probs, _who(builder, checkpoint))
     routed = f"{'ids and weights' if replay_probs else 'expert ids'} of {len(records)} of {len(requests)} " \
              f"requests replayed from {routes}" if routes else "not replayed (the model routes)"
-    inputs = _inputs(rollout, checkpoint, builder, routed, requests)
+    inputs = _inputs(rollout, checkpoint, builder, routed, requests, tokens)
     compare.write_report(Path(dump.state()["exp_dir"]) / compare.INPUTS, json.dumps(inputs, indent=1))
+    for line in cached_lines(requests):
+        print(line, flush=True)
     print(f"replayed {len(requests)} requests ({inputs['tokens']} tokens) through {inputs['model builder']} "
           f"in {time.monotonic() - started:.1f} s; routes: {routed}", flush=True)
     return logps
@@ -277,9 +295,60 @@ def _who(builder: str | None, checkpoint) -> str:
     return f"--builder {builder}" if builder else f"the twin of {checkpoint}"
 
 
-def sequences(rollout) -> dict:
+class Sequences(dict):
+    """``{rid: token ids by position}`` of a rollout's requests, and per request how many of
+    its positions have no rows in the rollout's dumps because the engine took them from its
+    prefix cache (``cached``; requests read from the dumps alone: 0) and what the engine said
+    of it (``reported``: its ``meta_info["cached_tokens"]``, where --tokens gave one);
+    ``given``: the requests whose tokens came from --tokens."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cached: dict = {}
+        self.reported: dict = {}
+        self.given: set = set()
+
+
+def sequences(rollout, tokens=None) -> Sequences:
     """``{rid: token ids by position}`` of every request the rollout's dumps hold rows of:
-    integer token ids at positions 0 .. n - 1 with no gap, n at most MAX_TOKENS."""
+    integer token ids at positions 0 .. n - 1, n at most MAX_TOKENS.  A request without rows
+    at some positions (its prompt prefix came from the engine's radix cache) needs its
+    tokens from ``tokens`` (:func:`read_tokens`): they must equal its dumped ``input_ids``
+    at every dumped position, and the positions without rows must be a prefix (a cache hit);
+    any other request is read from its dumps, which must then hold every position."""
+    rows = _dumped_rows(rollout)
+    given = read_tokens(tokens) if tokens is not None else {}
+    if given and not set(given) & set(rows):
+        theirs = ", ".join(repr(r[:40]) for r in sorted(rows)[:3])
+        raise ReplayError(f"--tokens {tokens}: none of its {len(given)} requests is in the rollout {rollout} "
+                          f"(whose request ids are {theirs}{' ...' if len(rows) > 3 else ''})")
+    out = Sequences()
+    for rid, dumped in sorted(rows.items()):
+        entry = given.get(rid)
+        if entry is None:
+            high = max(dumped)
+            if len(dumped) != high + 1:
+                gaps = [p for p in range(high + 1) if p not in dumped][:8]
+                how = f"--tokens {tokens} has no entry for it" if tokens is not None else \
+                    "give every request's token ids with --tokens FILE (the engine's /generate replies)"
+                raise ReplayError(f"{rollout}: request {rid!r}: the rollout's dumps have no rows at positions "
+                                  f"{gaps} (the engine's prefix cache?): {how}")
+            out[rid] = [dumped[p] for p in range(high + 1)]
+            out.cached[rid] = 0
+            continue
+        full, reported = entry
+        _check_dumped_tokens(rollout, tokens, rid, dumped, full)
+        out[rid] = full
+        out.given.add(rid)
+        out.cached[rid] = min(dumped)  # positions 0 .. first dumped - 1: no rows, the cache's
+        if reported is not None:
+            out.reported[rid] = reported
+    return out
+
+
+def _dumped_rows(rollout) -> dict:
+    """``{rid: {position: token id}}`` of the rollout's ``input_ids`` rows, each a checked
+    token id, every position in 0 .. MAX_TOKENS - 1."""
     rows = compare.index_rows(compare.load(rollout, ["input_ids", "positions", "row_request"]))
     by_request: dict = {}
     for (rid, position), token in rows.get(("input_ids", None), {}).items():
@@ -292,11 +361,175 @@ def sequences(rollout) -> dict:
         if low < 0 or high >= MAX_TOKENS:  # before anything the size of a position is made
             raise ReplayError(f"{rollout}: request {rid!r}: position {low if low < 0 else high} outside "
                               f"0..{MAX_TOKENS - 1} (a replay takes requests of at most {MAX_TOKENS} tokens)")
-        if len(tokens) != high + 1:
-            gaps = [p for p in range(high + 1) if p not in tokens][:8]
-            raise ReplayError(f"{rollout}: request {rid!r}: the rollout's dumps have no rows at positions {gaps} "
-                              "(a prefix-cache hit? serve with --disable-radix-cache)")
-    return {rid: [tokens[p] for p in range(len(tokens))] for rid, tokens in by_request.items()}
+    return by_request
+
+
+def _check_dumped_tokens(rollout, tokens, rid, dumped: dict, full: list) -> None:
+    """The engine-returned ``full`` sequence of ``rid`` agrees with its dumped rows: the same
+    token at every dumped position, no row past its end, and the positions without rows a
+    prefix 0 .. k - 1 (what a radix-cache hit leaves; the last token is never fed back)."""
+    first, high = min(dumped), max(dumped)
+    if high >= len(full):
+        raise ReplayError(f"{rollout}: request {rid!r}: the rollout's dumps have a row at position {high}, "
+                          f"--tokens {tokens} gives it {len(full)} tokens (a misaligned input?)")
+    for position in sorted(dumped):
+        if dumped[position] != full[position]:
+            raise ReplayError(f"{rollout}: request {rid!r} position {position}: token id {dumped[position]} in "
+                              f"the rollout's input_ids, {full[position]} in --tokens {tokens} (a misaligned input)")
+    gaps = [p for p in range(first, len(full) - 1) if p not in dumped][:8]
+    if gaps:
+        raise ReplayError(f"{rollout}: request {rid!r}: the rollout's dumps have no rows at positions {gaps}, "
+                          f"after its first row at position {first}: not a prefix-cache hit (--tokens {tokens} "
+                          f"gives {len(full)} tokens, rows end at position {high})")
+
+
+def cached_lines(requests) -> list:
+    """One line per request some of whose positions came from the engine's prefix cache."""
+    lines = []
+    for rid, n in sorted(getattr(requests, "cached", {}).items()):
+        if n:
+            reported = requests.reported.get(rid)
+            said = f" (the engine reported cached_tokens {reported})" if reported not in (None, n) else ""
+            lines.append(f"request {rid!r}: {n} of {len(requests[rid])} positions came from the engine's prefix "
+                         f"cache: compared on the training side only{said}")
+    return lines
+
+
+# Where a request's token ids may stand in one entry of --tokens: SGLang's /generate reply
+# (prompt_token_ids with return_prompt_token_ids, or the input_ids that were sent, and
+# output_ids), verl's (prompt_ids, response_ids), or the whole sequence (slime's tokens).
+_PROMPT_FIELDS = ("input_ids", "prompt_token_ids", "prompt_ids")
+_OUTPUT_FIELDS = ("output_ids", "response_ids")
+_ENTRY_FIELDS = {"meta_info", "rid", "tokens", *_PROMPT_FIELDS, *_OUTPUT_FIELDS}
+
+
+def read_tokens(path) -> dict:
+    """``{rid: (token ids, the engine's cached_tokens or None)}`` from ``path`` (--tokens), the
+    token ids the engine returned per request: JSON values one after another (JSON lines, or
+    one value), each one entry, a list of entries (a batch /generate reply) or an object
+    ``{rid: entry}``.  An entry is an object with the request id (its key there, else
+    ``rid`` or ``meta_info.id``) and its token ids: a prompt (``input_ids``,
+    ``prompt_token_ids`` or ``prompt_ids``) followed by an output (``output_ids`` or
+    ``response_ids``), or the whole sequence (``tokens``); where ``meta_info`` says
+    ``prompt_tokens`` / ``completion_tokens`` they must agree.  Read bounded (a regular
+    file of at most MAX_TOKENS_FILE_BYTES); each problem one ReplayError naming the file,
+    the line, the request and the field."""
+    data = bounded.read_regular(path, max_bytes=MAX_TOKENS_FILE_BYTES, what="--tokens", error=ReplayError)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ReplayError(f"--tokens {path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    bounded.check_nesting(text, what=f"--tokens {path}", error=ReplayError, max_depth=MAX_TOKENS_FILE_DEPTH,
+                          max_items=MAX_TOKENS_FILE_ITEMS)  # before parsing: json recurses in C
+    out: dict = {}
+    for line, value in _json_values(path, text):
+        for key, entry in _entries(path, line, value):
+            rid, found = _entry(path, line, key, entry)
+            if rid in out:
+                raise ReplayError(f"--tokens {path} line {line}: request {rid[:80]!r} is there twice")
+            out[rid] = found
+    if not out:
+        raise ReplayError(f"--tokens {path}: no requests there (JSON lines of /generate replies, or one JSON "
+                          "object {rid: {input_ids, output_ids}})")
+    return out
+
+
+def _json_values(path, text: str):
+    """``(line, value)`` of each JSON value in ``text``, one after another (JSON lines)."""
+    import re
+
+    decoder, space, at, line, counted = json.JSONDecoder(), re.compile(r"\s*"), 0, 1, 0
+    while True:
+        at = space.match(text, at).end()
+        if at == len(text):
+            return
+        line, counted = line + text.count("\n", counted, at), at  # where this value begins
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except ValueError as exc:  # a JSONDecodeError, or an integer of more digits than Python converts
+            said = f"{exc.msg} at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) \
+                else commands.first_line(exc, 200)
+            raise ReplayError(f"--tokens {path} line {line}: not valid JSON ({said})") from None
+        yield line, value
+        at = end
+
+
+def _entries(path, line: int, value):
+    """``(key or None, entry)`` of one JSON value of --tokens."""
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if not isinstance(item, dict):
+            raise ReplayError(f"--tokens {path} line {line}: a JSON {type(item).__name__}, expected an object (a "
+                              "/generate reply, or {rid: {input_ids, output_ids}})")
+        if _ENTRY_FIELDS & set(item):
+            yield None, item
+        else:
+            yield from item.items()
+
+
+def _entry(path, line: int, key, entry) -> tuple:
+    """``(rid, (token ids, cached_tokens or None))`` of one entry of --tokens."""
+    where = f"--tokens {path} line {line}"
+    if key is not None:
+        where += f": request {key[:80]!r}"
+    if not isinstance(entry, dict):
+        raise ReplayError(f"{where}: a JSON {type(entry).__name__}, expected an object with input_ids and "
+                          "output_ids")
+    meta = entry.get("meta_info", {})
+    if not isinstance(meta, dict):
+        raise ReplayError(f"{where}: meta_info is a JSON {type(meta).__name__}, expected an object")
+    named = [(field, value) for field, value in (("rid", entry.get("rid")), ("meta_info.id", meta.get("id")))
+             if value is not None]
+    for field, value in named:
+        if not isinstance(value, str) or not value:
+            raise ReplayError(f"{where}: {field} is {json.dumps(value)[:40]}, expected a request id (a string)")
+        if key is not None and value != key or value != named[0][1]:
+            raise ReplayError(f"{where}: {field} is {value[:80]!r}, another request")
+    rid = key if key is not None else named[0][1] if named else None
+    if rid is None:
+        raise ReplayError(f"{where}: no request id (meta_info.id or rid)")
+    where = f"--tokens {path} line {line}: request {rid[:80]!r}"
+    if "tokens" in entry:
+        prompt, output = _ids(where, "tokens", entry["tokens"]), []
+    else:
+        prompt, output = _one_of(where, entry, _PROMPT_FIELDS), _one_of(where, entry, _OUTPUT_FIELDS)
+        for field, ids in (("prompt_tokens", prompt), ("completion_tokens", output)):
+            said = meta.get(field)
+            if type(said) is int and said != len(ids):  # the engine's own count: another tokenization?
+                raise ReplayError(f"{where}: meta_info.{field} is {said}, its token ids are {len(ids)}")
+    full = prompt + output
+    if not full:
+        raise ReplayError(f"{where}: no token ids")
+    if len(full) > MAX_TOKENS:
+        raise ReplayError(f"{where}: {len(full)} tokens, more than {MAX_TOKENS} (a replay takes requests of at "
+                          f"most {MAX_TOKENS} tokens)")
+    cached = meta.get("cached_tokens")
+    return rid, (full, cached if type(cached) is int else None)
+
+
+def _one_of(where: str, entry: dict, fields: tuple) -> list:
+    """The token ids of the one field of ``fields`` the entry has (several: all equal)."""
+    present = [(field, _ids(where, field, entry[field])) for field in fields if entry.get(field) is not None]
+    if not present:
+        raise ReplayError(f"{where}: none of {', '.join(fields)}")
+    for field, ids in present[1:]:
+        if ids != present[0][1]:
+            raise ReplayError(f"{where}: {field} and {present[0][0]} differ")
+    return present[0][1]
+
+
+def _ids(where: str, field: str, value) -> list:
+    """A list of token ids: integers >= 0 (a float, a bool or a string is refused)."""
+    if not isinstance(value, list):
+        raise ReplayError(f"{where}: {field} is a JSON {type(value).__name__}, expected a list of token ids")
+    if len(value) > MAX_TOKENS:
+        raise ReplayError(f"{where}: {field} has {len(value)} tokens, more than {MAX_TOKENS} (a replay takes "
+                          f"requests of at most {MAX_TOKENS} tokens)")
+    for i, token in enumerate(value):
+        if type(token) is not int or token < 0:
+            raise ReplayError(f"{where}: {field}[{i}] is {json.dumps(token)[:40]}, expected an integer token id "
+                              ">= 0")
+    return value
 
 
 def _token_id(rollout, rid, position, row) -> int:
@@ -313,16 +546,18 @@ def _token_id(rollout, rid, position, row) -> int:
     return token
 
 
-def check_inputs(rollout, checkpoint, *, builder: str | None = None, routes=None) -> tuple[dict, dict]:
+def check_inputs(rollout, checkpoint, *, builder: str | None = None, routes=None,
+                 tokens=None) -> tuple[Sequences, dict]:
     """``(requests, routing records)`` once every input is checked against the limits and
     the checkpoint's config.json (and, for the twin, its tensors), before anything is
-    built: each problem one ReplayError (or ValueError) naming the file and the field."""
+    built: each problem one ReplayError (or ValueError) naming the file and the field.
+    ``tokens``: the engine's returned token ids (:func:`read_tokens`)."""
     if builder is not None:
         _builder_parts(builder)
     config = read_config(checkpoint, twin=builder is None)
     if builder is None:
         check_weights(checkpoint, config)
-    requests = sequences(rollout)
+    requests = sequences(rollout, tokens)
     check_tokens(rollout, requests, config, Path(checkpoint) / "config.json")
     records = _routes(routes, requests, config if builder is None else None) if routes else {}
     return requests, records
@@ -620,11 +855,19 @@ def _replaying(record, length: int, probs: bool):
         routing.configure(mode="off")
 
 
-def _inputs(rollout, checkpoint, builder, routed, requests: dict) -> dict:
-    """What ``replay.json`` records (shown in the comparator's reports)."""
+def _inputs(rollout, checkpoint, builder, routed, requests: dict, tokens=None) -> dict:
+    """What ``replay.json`` records (shown in the comparator's reports; a few short values:
+    the comparator reads at most 64 KiB of it)."""
+    hits = {rid: n for rid, n in getattr(requests, "cached", {}).items() if n}
     return {"replayed rollout": str(rollout), "checkpoint": str(checkpoint), "model builder": builder or TWIN,
             "routes": routed,
             "requests": len(requests), "tokens": sum(map(len, requests.values())),
+            **({"token ids": f"from --tokens {tokens} ({len(getattr(requests, 'given', ()))} of the requests), "
+                             "else from the rollout's dumps"}
+               if tokens else {}),
+            **({"prefix cache": f"{sum(hits.values())} of {sum(len(requests[r]) for r in hits)} positions of "
+                                f"{len(hits)} requests came from the engine's prefix cache: compared on the "
+                                "training side only"} if hits else {}),
             "replay versions": compare.versions(), "replayed at": time.strftime("%Y-%m-%d %H:%M:%S %z")}
 
 

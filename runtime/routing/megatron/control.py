@@ -65,6 +65,7 @@ from collections import deque
 
 import torch
 
+from ...core import rows as batch_rows
 from ...core.adapters import graph_stage
 from ...core.control import Control
 from . import capture, replay
@@ -93,6 +94,7 @@ _shape = None        # (seq, batch) of the router's logits
 _seq_parallel = False
 _num_experts = None
 _last_idx = None     # device indices of the last capture (for routing_probs)
+_phase = None        # the schedule's pass ("fwd_only" / "fwd_bwd", as the dump spec tags it): which Rows
 
 # layer -> (step, microbatch) of its forwards in this schedule, oldest first: an activation
 # recompute in backward takes the oldest (backward visits microbatches in forward order,
@@ -110,7 +112,7 @@ def _apply(config: dict) -> dict:
     _config.update(config)
     _OFF = config["mode"] == "off"
     graph_stage.use("routing", _unstaged, on=not _OFF)  # Megatron's own CUDA graphs stage / feed for us
-    if config["mode"] == "replay" and not replay.keys() and config.get("dir"):
+    if config["mode"] == "replay" and not replay.keys() and not replay.has_requests() and config.get("dir"):
         replay.set_replay(config["dir"])
     return _config
 
@@ -121,8 +123,9 @@ def enabled() -> bool:
 
 def _clear() -> None:
     """reset(): forget all captured / replay state and positions (tests)."""
-    global _step, _microbatch, _in_forward, _layer, _shape, _last_idx, _in_router
+    global _step, _microbatch, _in_forward, _layer, _shape, _last_idx, _in_router, _phase
     capture.flush()
+    _phase = None
     _step = _microbatch = 0
     _in_forward = _in_router = False
     _layer = _shape = _last_idx = None
@@ -237,20 +240,23 @@ def routing_fused(fused) -> None:
 
 
 def routing_schedule(forward_only=False) -> None:
-    global _microbatch, _in_forward
+    global _microbatch, _in_forward, _phase
     if _OFF:
         return
     _microbatch = 0
     _in_forward = False
+    _phase = batch_rows.phase_of(forward_only)
+    batch_rows.schedule_begin()
     _forwards.clear()
     _free_reset()
 
 
 def routing_schedule_end() -> None:
-    global _in_forward
+    global _in_forward, _phase
     if _OFF:
         return
     _in_forward = False
+    _phase = None
     _forwards.clear()
 
 
@@ -281,6 +287,7 @@ def routing_step(success=True) -> None:
     _step += 1
     _microbatch = 0
     _free_reset()
+    batch_rows.step_end()
     if _config["mode"] == "capture" and _config.get("dir"):
         capture.save_in_background(_config["dir"], {finished})
     elif _config["mode"] == "replay":
@@ -406,10 +413,22 @@ def _replay_topk(scores, result):
         idx = graph_stage.feed(_fill, ("routing", _layer), result[1], layer=_layer, experts=int(scores.shape[1]))
         return scores.gather(1, idx), idx
     tokens = int(scores.shape[0])
-    key, _ = _call_key(tokens)
+    scheduled = _in_forward
+    key, recompute = _call_key(tokens)
+    if replay.has_requests():
+        _arm(key, scheduled or recompute)
     idx = replay.ids(key, _layer, tokens, int(scores.shape[1]), int(result[1].shape[1]), scores.device, _shape,
                      _seq_parallel)
     return scores.gather(1, idx), idx
+
+
+def _arm(key, scheduled: bool) -> None:
+    """Request records given (replay.set_requests): the micro-batch ``source_patch.batch``
+    named for this call (core/rows.py: in a schedule, this pass's micro-batch ``key[1]``;
+    outside one, the latest) becomes ``key``'s record.  None named: ``key``'s own record."""
+    rows = batch_rows.current(_phase, key[1]) if scheduled else batch_rows.current()
+    if rows is not None:
+        replay.arm(key, rows, _seq_parallel)
 
 
 def _fill(key, buffer, *, layer, experts, **_):
@@ -419,7 +438,10 @@ def _fill(key, buffer, *, layer, experts, **_):
     saved, _layer = _layer, layer
     try:
         tokens = int(buffer.shape[0])
-        call, _ = _call_key(tokens)
+        scheduled = _in_forward
+        call, recompute = _call_key(tokens)
+        if replay.has_requests():
+            _arm(call, scheduled or recompute)
         buffer.copy_(replay.ids(call, layer, tokens, experts, int(buffer.shape[1]), buffer.device, _shape,
                                 _seq_parallel))
     finally:

@@ -6,6 +6,11 @@ against its record.
 graphed router's buffer before each replay); ``ids`` returns that call's recorded
 ids, ``probs`` its recorded combine weights.
 
+Records keyed by request id (SGLang's, ``token_order="requests"``: :func:`set_requests`,
+or :func:`set_replay` of such records or of a folder of them) are aligned to the
+micro-batch that ``source_patch.batch`` named (core/rows.py), at its first router call
+(:func:`arm`): the aligned record, this rank's part of it, becomes that call's record.
+
 The state below is this side's alone (``control.py`` reads it through the functions
 here and clears it through ``clear``): one copy, in this module.
 """
@@ -27,13 +32,24 @@ _sliced: dict = {}   # (step, microbatch) -> RoutingRecord (sliced for this rank
 _staged: dict = {}   # (step, microbatch) -> (device, {layer: int64 indices on that device})
 _used: dict = {}     # (step, microbatch) -> set of layers replayed
 _last_replay = None  # (key, layer, indices) of the latest replayed top-k: where its weights go
+_requests: dict = {}  # request id -> RoutingRecord ("requests" order): aligned to each named micro-batch
+_align = {"layer_offset": 1, "missing_tail": 1, "filler": "spread"}
+_armed: dict = {}    # (step, microbatch) -> (Rows version, sequence parallel) its record was aligned for
 
 
 def set_replay(source) -> None:
     """Records to replay: a directory, a list of records tagged ``extra={"step", "microbatch"}``,
-    or a dict ``{(step, microbatch): record}``."""
+    or a dict ``{(step, microbatch): record}``; or request records (SGLang's: a folder of
+    them without an index.json, a list, or a dict by request id), which go to
+    :func:`set_requests`."""
     if isinstance(source, (str, os.PathLike)):
+        if _is_request_folder(source):
+            set_requests(source)
+            return
         source = load_dir(source)
+    elif _all_requests(source):
+        set_requests(source)
+        return
     elif not isinstance(source, dict):
         items = {}
         for rec in source:
@@ -54,7 +70,99 @@ def set_replay(source) -> None:
 
 def clear() -> None:
     """Forget the records to replay and what was sliced, staged and used of them."""
-    _replay.clear(); _sliced.clear(); _staged.clear(); _used.clear()
+    _replay.clear(); _sliced.clear(); _staged.clear(); _used.clear(); _requests.clear(); _armed.clear()
+
+
+# ---------------------------------------------------------------- records by request id
+
+
+def _all_requests(source) -> bool:
+    values = list(source.values() if isinstance(source, dict) else source) if source is not None else []
+    return bool(values) and all(isinstance(r, RoutingRecord) and r.token_order == "requests" for r in values)
+
+
+def _is_request_folder(dir) -> bool:
+    """A folder SGLang's capture wrote (``rank<R>/<rid>.safetensors``), not Megatron's (index.json)."""
+    from pathlib import Path
+
+    root, rank = Path(dir), ranks.global_rank()
+    if any((folder / "index.json").is_file() for folder in (root / f"rank-{rank}", root / "rank-0", root)):
+        return False
+    return root.is_dir() and next(root.rglob("*.safetensors"), None) is not None
+
+
+def set_requests(source, *, layer_offset: int = 1, missing_tail: int = 1, filler: str = "spread") -> None:
+    """Request records to align to each micro-batch ``source_patch.batch`` names: a folder
+    (SGLang's ``rank<R>/<rid>.safetensors``, merged over ranks), a list of records, or
+    ``{rid: record}``.  ``layer_offset``: added to their layer ids (SGLang's 0-based
+    ``layer_id`` -> Megatron's ``layer_number``); ``missing_tail``: tokens a record may lack
+    at its end (SGLang never forwards the last sampled token); ``filler``: padding's experts
+    (routing/align.py).  Records for (step, microbatch) keys stay as they are."""
+    if isinstance(source, (str, os.PathLike)):
+        from ..sglang.files import merge_rank_files
+
+        try:
+            source = merge_rank_files(source)
+        except RoutingRecordError as exc:
+            raise RoutingReplayError(f"routing replay: request records in {source}: {exc}") from None
+    records = list(source.values() if isinstance(source, dict) else source)
+    table = {}
+    for rec in records:
+        if not isinstance(rec, RoutingRecord) or rec.token_order != "requests" or not rec.sample_ids:
+            raise RoutingReplayError(f"a request record must be a RoutingRecord of token_order 'requests' with its "
+                                     f"sample_ids, got {rec!r:.120}")
+        for rid in rec.sample_ids:
+            table[rid] = rec
+    _requests.clear()
+    _requests.update(table)
+    _align.update(layer_offset=layer_offset, missing_tail=missing_tail, filler=filler)
+    for key in list(_armed):
+        _forget(key)
+
+
+def has_requests() -> bool:
+    return bool(_requests)
+
+
+def _forget(key) -> None:
+    _armed.pop(key, None)
+    _replay.pop(key, None); _sliced.pop(key, None); _staged.pop(key, None); _used.pop(key, None)
+
+
+def arm(key, rows, seq_parallel: bool) -> None:
+    """(step, microbatch) ``key`` replays the request records of ``rows`` (a core/rows.py
+    Rows) as laid out there: aligned once per Rows, this rank's part of it (its CP and SP
+    slice, as ``rows`` computed it) installed as the key's record."""
+    sp = bool(rows.sequence_parallel if rows.sequence_parallel is not None else seq_parallel)
+    if _armed.get(key) == (rows.version, sp):
+        return
+    from ..align import BatchLayout, RoutingAlignError, align_to_megatron
+
+    missing = [rid for rid in rows.request_ids if rid not in _requests]
+    if missing:
+        have = sorted(map(str, _requests))
+        raise RoutingReplayError(f"step {key[0]}, microbatch {key[1]}: no routing record for request(s) "
+                                 f"{missing[:8]} (records for {have[:8]}{'...' if len(have) > 8 else ''})")
+    try:
+        layout = BatchLayout(rows.seq_len, tuple(tuple(row) for row in rows.by_row()))
+        full = align_to_megatron(list({id(r): r for r in (_requests[rid] for rid in rows.request_ids)}.values()),
+                                 layout, layer_offset=_align["layer_offset"], missing_tail=_align["missing_tail"],
+                                 filler=_align["filler"])
+        view = rows.view(sp)
+        index = view["local_index"]
+        local = full.replace(
+            indices={k: full.indices[k][index] for k in full.layers},
+            probs=None if full.probs is None else {k: full.probs[k][index] for k in full.layers},
+            seq_lens=[int(view["seq_positions"].numel())] * rows.batch, padding=None,
+            parallel={"cp": rows.cp_size, "sp": sp, "tp": rows.tp_size, "ep": 1, "cp_rank": rows.cp_rank,
+                      "tp_rank": rows.tp_rank},
+            extra={**full.extra, "step": key[0], "microbatch": key[1]})
+    except (RoutingAlignError, RoutingRecordError, ValueError) as exc:
+        raise RoutingReplayError(f"step {key[0]}, microbatch {key[1]}: the request records do not fit the "
+                                 f"micro-batch {rows!r}: {exc}") from None
+    _forget(key)
+    _replay[key] = _sliced[key] = local
+    _armed[key] = (rows.version, sp)
 
 
 def keys() -> list:
@@ -76,6 +184,8 @@ def check_microbatch(key) -> None:
 
 def step_done(finished: int) -> None:
     """A step finished: its slices and staged tensors are not read again."""
+    for key in [k for k in _armed if k[0] <= finished]:
+        _forget(key)  # aligned for a micro-batch of that step: named again, aligned again
     for key in [k for k in _sliced if k[0] <= finished]:
         _sliced.pop(key, None)
         _staged.pop(key, None)
