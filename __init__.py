@@ -7,7 +7,9 @@ package imports nothing, so the start hook stays cheap)::
     rows = source_patch.batch(request_ids, prompt_lengths, response_lengths, layout="padded", ...)
 
 ``batch``: name the rows of one micro-batch (runtime/core/rows.py): the dump writes its
-row map, routing replay aligns request records to it.  The patcher's API (``activate``,
+row map, routing replay aligns request records to it.  ``watch_logprobs``: the trainer's
+log-probs of the rollout's tokens against the rollout's, per sample (the sentinels'
+mismatch watch, runtime/sentinels/mismatch.py: docs/sentinels.md).  The patcher's API (``activate``,
 ``patched``, ...) is ``source_patch.patcher``'s, also reachable here.
 """
 
@@ -15,6 +17,7 @@ row map, routing replay aligns request records to it.  The patcher's API (``acti
 _EXPORTS = {
     "batch": ("source_patch.runtime.core.rows", "batch"),
     "Rows": ("source_patch.runtime.core.rows", "Rows"),
+    "watch_logprobs": ("source_patch.runtime.sentinels.mismatch", "watch_logprobs"),
     "activate": ("source_patch.patcher", "activate"),
     "patched": ("source_patch.patcher", "patched"),
     "import_patched_copy": ("source_patch.patcher", "import_patched_copy"),

@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
               "(python -m source_patch.runtime.trace.client)", _trace_parser)
     delegated("stream-status", _stream_status, "the feature stream's counts; exit 1 if the stream is corrupt "
               "(python -m source_patch.runtime.features.stream status)", _stream_status_parser)
+    delegated("watch", _watch, "print a sentinels run folder: every rank's events in time order and the "
+              "metrics' last values; --follow until Ctrl-C; exit 1 if there are events (see docs/sentinels.md)",
+              _watch_parser)
     completion = command("completion", _completion, "print a shell completion script: "
                          "eval \"$(source-patch completion bash)\" (zsh: the same after compinit; "
                          "fish: source-patch completion fish | source)", specs=False, against=False)
@@ -217,6 +220,18 @@ def _stream_status_parser():
     from source_patch.runtime.features import stream
 
     return _subparsers(stream.parser("source-patch stream-status"))["status"]
+
+
+def _watch(args) -> int:
+    from source_patch.runtime.sentinels import watch
+
+    return watch.main(args.args, prog="source-patch watch")
+
+
+def _watch_parser():
+    from source_patch.runtime.sentinels import watch
+
+    return watch.parser("source-patch watch")
 
 
 def _replay_parser():

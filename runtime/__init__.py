@@ -8,6 +8,7 @@
     trace/     live tracing: call-site API, compressors, frames, WebSocket hub, client, browser view
     weight_sync/ weight sync trainer -> engines: sync API, transport, Megatron gathering, name mapping
     features/  feature streaming rollout -> trainer: refs, stores, the ref stream, hidden-state capture
+    sentinels/ always-armed training watches: the first non-finite site, routing health, log-prob mismatch
     verdict/   after the fact, not a capability: compare two runs' dumps, replay a rollout, the twin
 
 Capabilities depend on ``core`` only, never on each other; ``verdict`` reads them and nothing

@@ -83,6 +83,7 @@ PATCHER_TO_RUNTIME = {
     ("cli", "trace/client"),  # the `trace` command's entry
     ("cli", "features/stream"),  # the `stream-status` command's entry
     ("cli", "trace/native"),  # the `build-native` command
+    ("cli", "sentinels/watch"),  # the `watch` command's entry
 }
 
 # The only arrows from the runtime into the patcher: (runtime module, patcher module) ->
@@ -405,7 +406,7 @@ def _write(top: Path, files: dict) -> Path:
 # -- the runtime's rooms
 
 def test_the_layout_has_the_documented_subpackages():
-    assert CAPABILITIES == ["dump", "features", "routing", "trace", "weight_sync"]
+    assert CAPABILITIES == ["dump", "features", "routing", "sentinels", "trace", "weight_sync"]
     architecture = ARCHITECTURE.read_text()
     for sub in ["core", *CAPABILITIES, *TOOL_ROOMS]:
         assert f"`{sub}/`" in architecture, f"docs/architecture.md does not describe runtime/{sub}/"

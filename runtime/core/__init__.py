@@ -15,6 +15,8 @@ reads their manifests (runtime/<name>/manifest.py), which import only core.
     rows.py           which request and position each row of a training micro-batch is
                       (source_patch.batch): kept ambient, pulled by the dump and routing replay
     failures.py       failure counting: counted, the first of each kind logged, the latest kept
+    watch.py          the hooks dump's and routing's call sites call for a watching capability
+                      (the sentinels), so that neither imports the other
     commands.py       what every CLI shares: exit codes, the one error line (JSON under --json),
                       the parser, printed commands
     control.py        the capability contract implemented once (Control): each control module

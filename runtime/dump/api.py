@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ..core import ranks, rows as batch_rows, settings, tags as ambient
+from ..core import ranks, rows as batch_rows, settings, tags as ambient, watch
 from ..core.adapters import graph_stage
 from ..core.control import Control
 from ..core.failures import Counters
@@ -57,6 +57,9 @@ SETTINGS = "dump"  # its settings component (the capability contract: core/capab
 # The one thing a disabled call site reads (here and in sglang.py): whether dumping is on.
 # Written only by _apply (configure).
 on = False
+# What dump() tests first: dumping on, or a watcher's hook set (core/watch.py, e.g. the
+# sentinels' non-finite fold): with neither, a call site costs this one flag test.
+_gate = False
 _step = 0
 
 _config: dict = {}
@@ -82,7 +85,13 @@ def dump(name: str, value: Any, /, **tags) -> Any:
     ...), a dict (``name.key``), a Python number (a 0-d tensor) or None (ignored).
     Tags are keyword arguments (any name, ``name`` and ``value`` included).
     Never raises: failures are counted in :func:`state` and logged once per kind.
+    A watcher's ``core.watch.tensor_hook`` sees every call, dumping on or off.
     """
+    if not _gate:
+        return value
+    hook = watch.tensor_hook
+    if hook is not None:
+        hook(name, value, tags.get("layer"))  # never raises (core/watch.py)
     if not on:
         return value
     try:
@@ -456,11 +465,18 @@ def _apply(config: dict) -> dict:
     _config, _filter, _rank_dirs = config, new_filter, {}
     _pipeline.config = config
     on = _pipeline.keep_buffers = bool(config["enable"])
+    _regate()
     graph_stage.use("dump", _unstaged, on=on)  # Megatron's own graphs stage for us while on
     if not on:
         _pipeline.drop_pool()
     _sync_server()
     return config
+
+
+def _regate() -> None:
+    """dump()'s first test, after dumping was switched or a watcher's hook changed."""
+    global _gate
+    _gate = on or watch.tensor_hook is not None
 
 
 def _sync_server() -> None:
@@ -535,6 +551,7 @@ def _at_exit() -> None:
 
 _pipeline = _new_pipeline()
 configure_from_settings()
+watch.listen(_regate)
 atexit.register(_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)

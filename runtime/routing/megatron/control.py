@@ -21,6 +21,13 @@ Call sites (``__sp__.<name>``, all cost one flag test when the mode is ``off``):
   entry / returns.
 - ``routing_step(success)``: optimizer step returns; a successful step advances the step.
 
+Watched (``core/watch.py``'s ``routes_hook``, set by the sentinels' routing health): each
+router call, whatever the mode, hands the hook the router's own top-k ids, its logits
+and the ids replayed in their place (ours, or Megatron-Core's ``RouterReplay``, whose
+ids reach ``routing_topk`` already in place of the router's own: those are then
+recomputed from the scores).  Unwatched: one ``is None`` test at ``routing_enter``,
+``routing_exit`` and ``routing_topk``.
+
 Python API (``from source_patch.runtime.routing.megatron import capture, control, files, replay``)::
 
     control.configure(mode="capture", dir="routes", probs=False)   # or settings component "routing"
@@ -66,6 +73,7 @@ from collections import deque
 import torch
 
 from ...core import rows as batch_rows
+from ...core import watch
 from ...core.adapters import graph_stage
 from ...core.control import Control
 from . import capture, replay
@@ -95,6 +103,7 @@ _seq_parallel = False
 _num_experts = None
 _last_idx = None     # device indices of the last capture (for routing_probs)
 _phase = None        # the schedule's pass ("fwd_only" / "fwd_bwd", as the dump spec tags it): which Rows
+_watched = None      # (layer, logits, RouterReplay or None, num_groups, group_topk) while a hook watches
 
 # layer -> (step, microbatch) of its forwards in this schedule, oldest first: an activation
 # recompute in backward takes the oldest (backward visits microbatches in forward order,
@@ -123,9 +132,9 @@ def enabled() -> bool:
 
 def _clear() -> None:
     """reset(): forget all captured / replay state and positions (tests)."""
-    global _step, _microbatch, _in_forward, _layer, _shape, _last_idx, _in_router, _phase
+    global _step, _microbatch, _in_forward, _layer, _shape, _last_idx, _in_router, _phase, _watched
     capture.flush()
-    _phase = None
+    _phase = _watched = None
     _step = _microbatch = 0
     _in_forward = _in_router = False
     _layer = _shape = _last_idx = None
@@ -205,6 +214,8 @@ def _unaddressable(what: str) -> bool:
 
 def routing_enter(router, logits) -> None:
     global _layer, _shape, _seq_parallel, _num_experts, _in_router
+    if watch.routes_hook is not None:
+        _watch_enter(router, logits)
     if _OFF:
         return
     _in_router = True
@@ -217,7 +228,9 @@ def routing_enter(router, logits) -> None:
 
 
 def routing_exit() -> None:
-    global _layer, _last_idx, _in_router
+    global _layer, _last_idx, _in_router, _watched
+    if _watched is not None:
+        _watched = None
     if _OFF:
         return
     _layer = None
@@ -296,11 +309,18 @@ def routing_step(success=True) -> None:
 
 def routing_topk(scores, result):
     if _OFF:
+        if watch.routes_hook is not None:
+            _watch_topk(scores, result, None)
         return result
     if _config["mode"] == "capture":
         _capture(result[1])
+        if watch.routes_hook is not None:
+            _watch_topk(scores, result, None)
         return result
-    return _replay_topk(scores, result)
+    out = _replay_topk(scores, result)
+    if watch.routes_hook is not None:
+        _watch_topk(scores, result, None if out is result else out[1])
+    return out
 
 
 def routing_probs(routing_probs):
@@ -312,6 +332,55 @@ def routing_probs(routing_probs):
         return routing_probs
     capture.add_probs((_step, _microbatch), _layer, routing_probs, _last_idx)
     return routing_probs
+
+
+# ------------------------------------------------------------------ watched (core/watch.py's routes_hook)
+
+
+def _watch_enter(router, logits) -> None:
+    """TopKRouter.routing's entry while a hook watches: its layer, its logits (the
+    router's softmax over all experts is theirs), its RouterReplay and group top-k."""
+    global _watched
+    number = getattr(router, "layer_number", None)
+    if number is None:
+        _watched = None  # built outside a TransformerLayer: no layer to report it under
+        return
+    config = getattr(router, "config", None)
+    _watched = (int(number), logits, getattr(router, "router_replay", None),
+                getattr(config, "moe_router_num_groups", None), getattr(config, "moe_router_group_topk", None))
+
+
+def _watch_topk(scores, result, replayed) -> None:
+    """Hand the hook this router call: its own top-k ids, its logits, the ids replayed
+    in their place (None: not replayed).  Not for a call outside TopKRouter.routing,
+    an activation recompute in backward (its forward was seen), a warm-up pass or a CUDA
+    graph capture (a replay would not run this Python)."""
+    watched, hook = _watched, watch.routes_hook
+    if watched is None or hook is None or torch._C._current_graph_task_id() != -1:
+        return
+    if graph_stage.warming_up() or (scores.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    layer, logits, router_replay, num_groups, group_topk = watched
+    own = result[1]
+    action = getattr(getattr(router_replay, "router_replay_action", None), "value", None)
+    if action in ("replay_forward", "replay_backward"):
+        # Megatron-Core's RouterReplay put its target ids in the router's place before this
+        # call site: the router's own choice is recomputed from the scores it ranks.
+        replayed = own if replayed is None else replayed
+        own = _own_topk(scores, int(own.shape[1]), num_groups, group_topk)
+    if logits is None or logits.numel() != scores.numel():
+        logits = scores
+    hook(layer, own, logits.reshape(scores.shape), replayed)
+
+
+def _own_topk(scores, topk: int, num_groups, group_topk):
+    with torch.no_grad():
+        if group_topk:
+            from megatron.core.transformer.moe.moe_utils import group_limited_topk
+            return group_limited_topk(scores=scores, topk=topk, num_tokens=int(scores.shape[0]),
+                                      num_experts=int(scores.shape[1]), num_groups=num_groups,
+                                      group_topk=group_topk)[1]
+        return torch.topk(scores, k=topk, dim=1)[1]
 
 
 # ------------------------------------------------------------------ which (step, microbatch) a router call is

@@ -1,0 +1,132 @@
+"""The sentinels' control (the capability contract, core/control.py) and their call sites.
+
+Each watch is a module with the same small surface, which this one drives:
+
+    apply(config)   arm or disarm from the complete settings (config["dir"]: the run folder)
+    step_end(step)  the step is over: read back what the device gathered (asynchronously:
+                    a step's flags may be reported at the next step's end), write events
+                    and metrics
+    counters()      name -> number;  last_error() -> str | None;  clear()
+
+The call sites (patches/sentinels.yaml):
+
+    sentinels_attach(optimizer, model_chunks)   get_megatron_optimizer's returns: the model an
+                                 optimizer steps (its parameters' names); also loads this module,
+                                 and so reads the settings, before the first forward
+    sentinels_schedule()         a forward-backward schedule's entry: loads this module where
+                                 the optimizer was built some other way
+    sentinels_grads(optimizer)   before Megatron's optimizer step: the gradients, after backward
+    sentinels_step(step=None)    after it: the step's end.  The step number the watches get is
+                                 ``step`` where given, else one more than the last (from 0):
+                                 every optimizer step counts, a skipped one too.
+
+A watch's exception is counted (``errors``, last_error), never raised into training;
+a BaseException that is not an Exception (SystemExit from an on_event callback) is.
+"""
+
+from __future__ import annotations
+
+from ..core.control import Control
+from . import events, mismatch, nonfinite, routing_health
+
+SETTINGS = "sentinels"  # its settings component (the capability contract: core/capability.py)
+WATCHES = (nonfinite, routing_health, mismatch)
+_ARMING = ("nonfinite", "routing_health", "mismatch")
+_on = False   # any watch armed: the call sites' one flag test
+_step = 0     # the number the next sentinels_step gives the watches
+_errors = 0
+_error: str | None = None
+
+
+def _apply(config: dict) -> dict:
+    global _on
+    if any(config[k] for k in _ARMING):
+        events.open_run(config["dir"])
+    else:
+        events.close_run()
+    for watch in WATCHES:
+        watch.apply(config)
+    _on = any(config[k] for k in _ARMING)
+    return config
+
+
+def sentinels_attach(optimizer, model_chunks=None):
+    """Returns ``optimizer`` unchanged."""
+    nonfinite.attach(optimizer, model_chunks)
+    return optimizer
+
+
+def sentinels_schedule() -> None:
+    return None  # importing this module was the point (settings read, hooks set)
+
+
+def sentinels_grads(optimizer) -> None:
+    if _on:
+        nonfinite.gradients(optimizer)
+
+
+def sentinels_step(step=None) -> None:
+    global _step, _errors, _error
+    if step is not None:
+        _step = int(step)
+    if _on:
+        for watch in WATCHES:
+            try:
+                watch.step_end(_step)
+            except Exception as exc:  # noqa: BLE001 - a watch must never stop training
+                _errors += 1
+                _error = f"{watch.__name__.rpartition('.')[2]}.step_end: {type(exc).__name__}: {exc}"
+    _step += 1
+
+
+
+def enabled() -> bool:
+    return _on
+
+
+def _counters() -> dict:
+    out = {"errors": _errors}
+    for watch in WATCHES:
+        for key, value in watch.counters().items():
+            out[key] = out.get(key, 0) + value if key == "errors" else value
+    out.update(events.counters())
+    return out
+
+
+def _last_error():
+    return next((e for e in (*(w.last_error() for w in WATCHES), events.last_error(), _error) if e), None)
+
+
+def _details() -> dict:
+    return {"step": _step, "dir": events.folder()}
+
+
+def _clear() -> None:
+    global _errors, _error
+    _errors, _error = 0, None
+    for watch in (*WATCHES, events):
+        watch.clear()
+
+
+def _drain(timeout) -> bool:
+    nonfinite.drain()
+    return events.flush()
+
+
+def _stop(timeout) -> bool:
+    global _on
+    _on = False
+    if _control.config:
+        for watch in WATCHES:
+            watch.apply({**_control.config, **SETTINGS_OFF})
+    events.close_run()
+    return True
+
+
+# close(): every watch disarmed (a later configure arms them again)
+SETTINGS_OFF = {key: False for key in _ARMING}
+
+_control = Control(SETTINGS, apply=_apply, enabled=enabled, counters=_counters, last_error=_last_error,
+                   details=_details, clear=_clear, drain=_drain, stop=_stop)
+configure, configure_from_settings, state, reset, flush, close = _control.surface()
+configure_from_settings()  # environment > the specs' runtime: section > defaults

@@ -1,0 +1,357 @@
+"""Non-finite provenance: which call site first saw a NaN or an Inf, per step.
+
+Every training-side dump call site (``core.watch.tensor_hook``: activations, logits,
+loss; dumping on or off) and the gradients at the optimizer step's entry fold "all
+finite?" into one slot of a static device tensor, with no host synchronisation:
+
+    flags[slot].addcmul_(vector_norm(x, inf), zero)
+
+``vector_norm(x, inf)`` is max |x|: NaN when x holds a NaN, inf when it holds an Inf,
+finite otherwise (a maximum cannot overflow, as a sum of squares can); times zero that is
+0 or NaN, and NaN sticks in the sum.  Two small kernels a site, no copy of ``x``, the
+same memory every step: under CUDA graph capture the fold is recorded in the graph and
+every replay folds again.  Flags are float32 for that reason (a fused multiply-add is one
+kernel; an OR of "not finite" would be three).
+
+A site is (name, layer, microbatch, phase) (a captured graph's sites: microbatch None,
+``cuda_graph`` True), or one parameter's gradient; each gets a slot the first time it
+runs, up to SLOTS (later ones share the last slot, ``(more sites)``).  Gradients are one
+``_foreach_norm`` over all of them (``main_grad`` where Megatron's DDP keeps it, else
+``grad``), their slots in backward order (the output layer's first, the embedding's
+last), after the step's activations.
+
+At each step's end (:func:`step_end`) the flags go to the host in one copy (CUDA:
+non_blocking into pinned memory, an event recorded; read at the next step's end unless
+already done; CPU: at once) and are zeroed.  A step with a non-finite site reports the
+first in execution order (the order the sites ran in that step; sites under a graph
+replay, whose Python does not run, after those, in first-seen order): a warning the
+first time in the run, an ``events.jsonl`` line (kind ``nonfinite``: step, microbatch,
+phase, layer, name, rank, site activation/gradient, how many sites were non-finite),
+the counter ``nonfinite_events``, and each callback of :func:`on_event`.
+
+``dump_after`` N > 0: capabilities do not configure one another, so the event carries
+``dump_request``, the dump ``configure()`` arguments that would dump that layer for the
+next N steps; a callback (user code, which may import the dump runtime) applies it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import weakref
+
+import torch
+
+from ..core import tags as ambient, watch
+from ..core.adapters import graph_stage
+from . import events
+
+SLOTS = 1 << 15                  # 128 KiB of float32 flags on the device, as much pinned twice on the host
+_INF = float("inf")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+log = logging.getLogger("source_patch.sentinels")
+
+_armed = False
+_dump_after = 0
+_sites: dict = {}                # key -> slot
+_info: list = []                 # slot -> its report fields
+_flags: torch.Tensor | None = None
+_zero: torch.Tensor | None = None
+_views: list = []                # slot -> flags[slot] (a 0-d view), made with the slot
+_order: list = []                # the slots in the order they ran this step
+_ran: list = []                  # slot -> the last step number (_tick) it ran in
+_tick = 0
+_pending = None                  # (event, host flags, order, used, step): a CUDA read in flight
+_host: list = []                 # two pinned host buffers, used in turn
+_turn = 0
+_grads = weakref.WeakKeyDictionary()   # optimizer -> its watched (slot, param) list, in backward order
+_models = weakref.WeakKeyDictionary()  # optimizer -> the model chunks it steps (sentinels_attach)
+_callbacks: list = []
+_counts = {"nonfinite_events": 0, "sites_watched": 0, "callback_errors": 0, "errors": 0}
+_error: str | None = None
+_warned = False
+
+
+# ---------------------------------------------------------------- control (runtime/sentinels/control.py)
+
+
+def apply(config: dict) -> None:
+    global _armed, _dump_after
+    _dump_after = config["dump_after"]
+    _armed = bool(config["nonfinite"])
+    watch.set_tensor_hook(_hook if _armed else None)
+
+
+def counters() -> dict:
+    return {**_counts, "sites_watched": len(_info)}
+
+
+def last_error():
+    return _error
+
+
+def clear() -> None:
+    """reset(): counters and the sites' table (slots are handed out again); flags zeroed."""
+    global _error, _warned, _pending, _order
+    for key in _counts:
+        _counts[key] = 0
+    _error, _warned, _pending, _order = None, False, None, []
+    for table in (_sites, _info, _ran, _views, _grads):
+        table.clear()
+    if _flags is not None:
+        _flags.zero_()
+
+
+def on_event(callback) -> None:
+    """Call ``callback(event)`` with each non-finite event (the dict written to events.jsonl),
+    at the step end that reads it.  An exception it raises is counted (``callback_errors``,
+    last_error) and training goes on; KeyboardInterrupt and SystemExit (and any other
+    BaseException that is not an Exception) propagate out of the optimizer step: raise
+    SystemExit to stop the run there."""
+    _callbacks.append(callback)
+
+
+def attach(optimizer, model_chunks) -> None:
+    """get_megatron_optimizer's result and the model chunks it steps: gradients get their
+    parameters' names."""
+    try:
+        if optimizer is not None and model_chunks is not None:
+            _models[optimizer] = list(model_chunks)
+    except TypeError:  # not weak-referenceable: its parameters go unnamed
+        pass
+
+
+# ---------------------------------------------------------------- the folds
+
+
+def _hook(name: str, value, layer) -> None:
+    """core.watch.tensor_hook: a dump call site's tensor."""
+    try:
+        if not isinstance(value, torch.Tensor):
+            if isinstance(value, (tuple, list)):
+                for i, element in enumerate(value):
+                    _hook(f"{name}.{i}", element, layer)
+            return
+        if not value.is_floating_point() or value.numel() == 0:
+            return  # integers and booleans are always finite
+        context = ambient.context()
+        graph = graph_stage.busy and graph_stage.capturing()
+        key = (name, layer, None if graph else context.get("microbatch"), context.get("phase"), graph)
+        slot = _sites.get(key)
+        if slot is None:
+            slot = _sites[key] = _new_slot(value.device, {
+                "site": "activation", "name": name, "layer": ambient.tag_value(layer), "microbatch": key[2],
+                "phase": key[3], **({"cuda_graph": True} if graph else {})})
+        _ran_now(slot)
+        norm = torch.linalg.vector_norm(value.detach(), _INF)
+        try:
+            _views[slot].addcmul_(norm, _zero)
+        except RuntimeError:  # flags made on the CPU, then a GPU tensor (never the other way)
+            if not _place(value.device):
+                raise
+            _views[slot].addcmul_(norm, _zero)
+    except Exception as exc:  # noqa: BLE001 - a watch must never break the caller
+        _fail(f"the fold of {name!r}", exc)
+
+
+def gradients(optimizer) -> None:
+    """The optimizer step's entry (sentinels_grads): every gradient, in one _foreach_norm."""
+    if not _armed:
+        return
+    try:
+        watched = _grads.get(optimizer)
+        if watched is None:
+            watched = _grads[optimizer] = _watch_grads(optimizer)
+        slots, grads = [], []
+        for slot, param in watched:
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is not None and grad.numel():
+                slots.append(slot), grads.append(grad.detach())
+        if not grads:
+            return
+        _place(grads[0].device)
+        norms = torch._foreach_norm(grads, _INF)
+        if len(slots) == slots[-1] - slots[0] + 1 and _flags.device == grads[0].device:
+            # the usual case: every gradient there, slots contiguous: one stack, one fold
+            _flags[slots[0]:slots[-1] + 1].addcmul_(torch.stack([n.float() for n in norms]), _zero)
+        else:
+            for slot, norm in zip(slots, norms):
+                _views[slot].addcmul_(norm, _zero)
+        for slot in slots:
+            _ran_now(slot)
+    except Exception as exc:  # noqa: BLE001
+        _fail("the fold of the gradients", exc)
+
+
+def _watch_grads(optimizer) -> list:
+    """(slot, parameter) for each trainable parameter, in backward order."""
+    named = _named_params(optimizer)
+    device = next((p.device for _, p in named), torch.device("cpu"))
+    out = []
+    for name, param in reversed(named):
+        match = _LAYER.search(name)
+        # the chunk's local layer index + 1: Megatron's layer_number under one pipeline stage
+        out.append((_new_slot(device, {"site": "gradient", "name": f"grad:{name}",
+                                       "layer": int(match.group(1)) + 1 if match else None,
+                                       "microbatch": None, "phase": "grad"}), param))
+    return out
+
+
+def _named_params(optimizer) -> list:
+    chunks = _models.get(optimizer)
+    seen, out = set(), []
+    if chunks:
+        for i, chunk in enumerate(chunks):
+            prefix = f"chunk{i}." if len(chunks) > 1 else ""
+            for name, param in chunk.named_parameters():
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    out.append((prefix + re.sub(r"^(module\.)+", "", name), param))
+        return out
+    for param in _optimizer_params(optimizer):  # built without get_megatron_optimizer: no names
+        if id(param) not in seen:
+            seen.add(id(param))
+            out.append((f"param{len(out)}{list(param.shape)}", param))
+    return out
+
+
+def _optimizer_params(optimizer) -> list:
+    """The model's parameters an optimizer steps (where their main_grad is), any Megatron kind."""
+    if hasattr(optimizer, "chained_optimizers"):
+        return [p for member in optimizer.chained_optimizers for p in _optimizer_params(member)]
+    for groups in (("model_float16_groups", "model_fp32_groups"),      # DistributedOptimizer
+                   ("float16_groups", "fp32_from_fp32_groups")):        # Float16OptimizerWithFloat16Params
+        if all(hasattr(optimizer, g) for g in groups):
+            return [p for g in groups for group in getattr(optimizer, g) for p in group]
+    return list(optimizer.get_parameters()) if hasattr(optimizer, "get_parameters") else []
+
+
+def _new_slot(device: torch.device, info: dict) -> int:
+    _place(device)
+    if len(_info) >= SLOTS:
+        return SLOTS - 1
+    slot = len(_info)
+    if slot == SLOTS - 1:
+        info = {**info, "name": "(more sites)"}
+    _info.append(info)
+    _ran.append(-1)
+    _views.append(_flags[slot])
+    return slot
+
+
+def _place(device: torch.device) -> bool:
+    """The flags on ``device``: made once, on the first site's device; moved (and True)
+    only where they are on the CPU and a GPU tensor comes."""
+    global _flags, _zero, _views, _pending
+    if _flags is not None and (_flags.device == device or device.type == "cpu" or _flags.device.type != "cpu"):
+        return False
+    old = _flags
+    _flags = torch.zeros(SLOTS, dtype=torch.float32, device=device)
+    if old is not None:
+        _flags.copy_(old)
+    _zero = torch.zeros((), dtype=torch.float32, device=device)
+    _views = [_flags[i] for i in range(len(_info))]
+    _pending = None
+    _host.clear()
+    return True
+
+
+def _ran_now(slot: int) -> None:
+    if _ran[slot] != _tick:
+        _ran[slot] = _tick
+        _order.append(slot)
+
+
+# ---------------------------------------------------------------- the step's end
+
+
+def step_end(step) -> None:
+    """Read back what the step folded (asynchronously on CUDA) and report it."""
+    global _pending, _order, _tick, _turn
+    if _flags is None or not (_armed or _pending):
+        return
+    try:
+        if _pending is not None:
+            ready, _pending = _pending, None
+            ready[0].synchronize()  # recorded a step ago: done, or nearly
+            _inspect(*ready[1:])
+        used = len(_info)
+        order, _order, _tick = _order, [], _tick + 1
+        if not used:
+            return
+        if _flags.device.type == "cpu":
+            host = _flags[:used].clone()
+            _flags[:used].zero_()
+            _inspect(host, order, used, step)
+            return
+        if not _host:
+            _host.extend(torch.empty(SLOTS, dtype=torch.float32, pin_memory=True) for _ in range(2))
+        host, _turn = _host[_turn][:used], 1 - _turn
+        host.copy_(_flags[:used], non_blocking=True)
+        _flags[:used].zero_()
+        done = torch.cuda.Event()
+        done.record()
+        if done.query():
+            _inspect(host, order, used, step)
+        else:
+            _pending = (done, host, order, used, step)
+    except Exception as exc:  # noqa: BLE001
+        _fail("reading the flags back", exc)
+
+
+def drain() -> None:
+    """flush()/close(): a read still in flight is waited for and reported."""
+    global _pending
+    if _pending is not None:
+        ready, _pending = _pending, None
+        ready[0].synchronize()
+        _inspect(*ready[1:])
+
+
+def _inspect(host: torch.Tensor, order: list, used: int, step) -> None:
+    bad = torch.nonzero(host[:used]).flatten().tolist()  # NaN != 0: a non-finite site
+    if not bad:
+        return
+    bad_set = set(bad)
+    first = next((s for s in order if s in bad_set), bad[0])
+    info = _info[first]
+    fields = {"step": step, "microbatch": info["microbatch"], "phase": info["phase"], "layer": info["layer"],
+              "name": info["name"], "site": info["site"], "nonfinite_sites": len(bad),
+              "first_of_run": not _warned}
+    if info.get("cuda_graph"):
+        fields["cuda_graph"] = True
+    if _dump_after and info["layer"] is not None and isinstance(step, int):
+        fields["dump_request"] = {"enable": True, "layers": str(info["layer"]),
+                                  "steps": f"{step + 1}-{step + _dump_after}"}
+    _report(fields)
+
+
+def _report(fields: dict) -> None:
+    global _warned
+    _counts["nonfinite_events"] += 1
+    record = events.event("nonfinite", **fields)
+    if not _warned:
+        _warned = True
+        log.warning("source-patch sentinels: first non-finite value at step %s, microbatch %s, phase %s, "
+                    "layer %s, %s (rank %s)%s", record["step"], record["microbatch"], record["phase"],
+                    record["layer"], record["name"], record["rank"],
+                    f"; events in {events.folder()}" if events.folder() else "")
+    for callback in tuple(_callbacks):
+        try:
+            callback(dict(record))
+        except Exception as exc:  # noqa: BLE001 - BaseExceptions (SystemExit, ...) go on up: documented
+            _counts["callback_errors"] += 1
+            _fail_quietly(f"callback {getattr(callback, '__name__', callback)!r}", exc)
+
+
+def _fail(where: str, exc: Exception) -> None:
+    if not _counts["errors"]:
+        log.warning("source-patch sentinels: %s failed (%s: %s); training continues", where, type(exc).__name__, exc)
+    _counts["errors"] += 1
+    _fail_quietly(where, exc)
+
+
+def _fail_quietly(where: str, exc: Exception) -> None:
+    global _error
+    _error = f"nonfinite: {where}: {type(exc).__name__}: {exc}"

@@ -1,0 +1,265 @@
+"""Non-finite provenance (runtime/sentinels/nonfinite.py, issue 54 item 1).
+
+In process: dump's call site and the watch hook (core/watch.py), the fold, the report
+(first site in execution order, once per step, flags reset), callbacks, gradients, the
+contract.  End to end (real processes, Megatron's own schedule and optimizer on CPU,
+tests/e2e/sentinels_run.py): a NaN planted at a chosen (step, microbatch, layer), an Inf
+planted in one gradient, and a clean run of 50 steps.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from source_patch.runtime.core import capability, tags, watch
+from source_patch.runtime.dump import api as dump
+from source_patch.runtime.sentinels import control, events, nonfinite
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.fixture
+def armed(tmp_path):
+    """The non-finite watch armed, writing to tmp_path; disarmed and cleared after."""
+    control.configure(nonfinite=True, dir=str(tmp_path))
+    control.reset()
+    restore = tags.set_context(phase="fwd_bwd", microbatch=0)
+    yield tmp_path
+    restore.__exit__()
+    nonfinite._callbacks.clear()
+    control.close()
+    control.configure_from_settings()
+    control.reset()
+
+
+def lines(folder: Path) -> list:
+    path = folder / "rank-0" / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# -------------------------------------------------------------- dump's call site, the hook
+
+
+def test_the_disabled_path_is_one_flag_test_when_no_hook_is_set(monkeypatch):
+    assert not dump.on and watch.tensor_hook is None and dump._gate is False
+    x = torch.ones(3)
+    seen = []
+    # A hook put there without set_tensor_hook is never even looked at: the one test is _gate.
+    monkeypatch.setattr(watch, "tensor_hook", lambda *a: seen.append(a))
+    assert dump.dump("layer_output", x, layer=1) is x and seen == []
+    monkeypatch.setattr(watch, "tensor_hook", None)
+    state = dump.state()
+    assert dump.dump("layer_output", x, layer=1) is x and dump.state()["counters"] == state["counters"]
+
+
+def test_a_hook_sees_every_dump_call_dumping_off_and_is_cleared_again():
+    seen = []
+    watch.set_tensor_hook(lambda name, value, layer: seen.append((name, layer)))
+    try:
+        assert dump._gate is True and not dump.on
+        x = torch.ones(2)
+        assert dump.dump("mlp_output", x, layer=3) is x and dump.dump("logits", x) is x
+        assert seen == [("mlp_output", 3), ("logits", None)]
+    finally:
+        watch.set_tensor_hook(None)
+    assert dump._gate is False
+
+
+# -------------------------------------------------------------- the fold and the report
+
+
+def forward(step_nan=None, inf_at=None):
+    """A toy forward through dump's call sites: 2 microbatches x 2 layers x 2 names, logits."""
+    for mb in range(2):
+        tags.set_context(microbatch=mb)
+        for layer in (1, 2):
+            for name in ("attention_output", "layer_output"):
+                x = torch.ones(4, 3)
+                if (mb, layer, name) == step_nan:
+                    x[1, 2] = NAN
+                if (mb, layer, name) == inf_at:
+                    x[0, 0] = -INF
+                dump.dump(name, x, layer=layer)
+        dump.dump("logits", torch.ones(4, 8))
+        dump.dump("routing_map", torch.ones(4, 8, dtype=torch.bool), layer=1)  # never a slot
+
+
+def test_the_first_site_in_execution_order_is_reported_once_per_step(armed):
+    forward()
+    control.sentinels_step()
+    assert lines(armed) == [] and control.state()["counters"]["sites_watched"] == 2 * (2 * 2 + 1)
+    # a NaN at microbatch 0 layer 2; the Inf later (microbatch 1) is not the first
+    forward(step_nan=(0, 2, "attention_output"), inf_at=(1, 1, "layer_output"))
+    control.sentinels_step()
+    (event,) = lines(armed)
+    assert {k: event[k] for k in ("kind", "step", "microbatch", "phase", "layer", "name", "site", "rank")} == {
+        "kind": "nonfinite", "step": 1, "microbatch": 0, "phase": "fwd_bwd", "layer": 2,
+        "name": "attention_output", "site": "activation", "rank": 0}
+    assert event["nonfinite_sites"] == 2 and event["first_of_run"] is True
+    forward()  # the flags were reset after the read: a clean step says nothing
+    control.sentinels_step()
+    assert len(lines(armed)) == 1
+    forward(inf_at=(1, 1, "layer_output"))
+    control.sentinels_step()
+    later = lines(armed)[-1]
+    assert (later["step"], later["microbatch"], later["layer"], later["first_of_run"]) == (3, 1, 1, False)
+    state = control.state()
+    assert capability.state_violations(state) == [] and state["counters"]["nonfinite_events"] == 2
+    assert state["last_error"] is None
+
+
+def test_sites_first_seen_later_are_ordered_by_when_they_ran(armed):
+    forward()
+    control.sentinels_step()
+    tags.set_context(phase="fwd_only", microbatch=0)   # an evaluation pass, its sites new
+    dump.dump("layer_output", torch.full((2,), NAN), layer=1)
+    tags.set_context(phase="fwd_bwd", microbatch=0)
+    dump.dump("layer_output", torch.full((2,), NAN), layer=1)  # an older slot, but it ran later
+    control.sentinels_step()
+    (event,) = lines(armed)
+    assert (event["phase"], event["layer"]) == ("fwd_only", 1)
+
+
+def test_callbacks_get_the_event_and_a_failing_one_never_stops_training(armed):
+    got = []
+    nonfinite.on_event(got.append)
+    nonfinite.on_event(lambda event: 1 / 0)
+    forward(step_nan=(1, 1, "layer_output"))
+    control.sentinels_step()
+    assert got and got[0]["name"] == "layer_output" and got[0]["microbatch"] == 1
+    counters = control.state()["counters"]
+    assert counters["callback_errors"] == 1 and "ZeroDivisionError" in control.state()["last_error"]
+
+    def stop(event):
+        raise SystemExit("non-finite: stopping")
+    nonfinite.on_event(stop)
+    forward(step_nan=(0, 1, "layer_output"))
+    with pytest.raises(SystemExit, match="stopping"):
+        control.sentinels_step()
+
+
+def test_dump_after_asks_for_that_layer_in_the_event(armed):
+    control.configure(dump_after=3)
+    forward(step_nan=(0, 2, "layer_output"))
+    control.sentinels_step(step=7)
+    assert lines(armed)[0]["dump_request"] == {"enable": True, "layers": "2", "steps": "8-10"}
+
+
+class Optimizer:
+    """What sentinels_grads needs of a Megatron optimizer without a model attached."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def get_parameters(self):
+        return self.params
+
+
+def test_gradients_are_named_by_the_attached_model_and_ordered_as_backward_runs(armed):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer = Optimizer(list(model.parameters()))
+    control.sentinels_attach(optimizer, [model])
+    model[0].weight.grad[0, 0] = INF
+    model[1].bias.grad[0] = NAN   # later in the model, so earlier in backward: first
+    control.sentinels_grads(optimizer)
+    control.sentinels_step()
+    (event,) = lines(armed)
+    assert (event["name"], event["site"], event["phase"], event["nonfinite_sites"]) == ("grad:1.bias", "gradient",
+                                                                                         "grad", 2)
+    bare = Optimizer([torch.nn.Parameter(torch.ones(2))])
+    bare.params[0].grad = torch.tensor([1.0, INF])
+    control.sentinels_grads(bare)
+    control.sentinels_step()
+    assert lines(armed)[-1]["name"] == "grad:param0[2]"
+
+
+def test_an_unwritable_run_folder_is_counted_never_raised(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    control.configure(nonfinite=True, dir=str(blocker / "runs"))
+    try:
+        dump.dump("layer_output", torch.full((2,), NAN), layer=1)
+        control.sentinels_step()
+        state = control.state()
+        assert state["counters"]["nonfinite_events"] == 1 and state["counters"]["write_errors"] == 1
+        assert "events.jsonl" in state["last_error"]
+    finally:
+        control.close()
+        control.configure_from_settings()
+        control.reset()
+
+
+def test_disarmed_the_call_sites_do_nothing():
+    control.configure(nonfinite=False)
+    assert watch.tensor_hook is None and not control.enabled()
+    before = control.state()["counters"]["sites_watched"]
+    dump.dump("layer_output", torch.full((2,), NAN), layer=1)
+    control.sentinels_grads(Optimizer([]))
+    control.sentinels_step()
+    assert control.state()["counters"]["sites_watched"] == before
+
+
+# -------------------------------------------------------------- end to end, Megatron on CPU
+
+RUN = Path(__file__).parent / "e2e" / "sentinels_run.py"
+PLANT = Path(__file__).parent / "fixtures" / "plant_nan.yaml"
+GRAD = "decoder.layers.1.mlp.router.weight"
+
+
+def start(tmp: Path, cache: Path, tag: str, *args) -> tuple:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("SOURCE_PATCH_DUMP", "SOURCE_PATCH_SENTINELS"))}
+    environ.update(SOURCE_PATCH=f"megatron_cpu,dump,sentinels,{PLANT}", SOURCE_PATCH_CACHE=str(cache),
+                   SOURCE_PATCH_DUMP_ENABLE="0", SOURCE_PATCH_SENTINELS_DIR=str(tmp / tag))
+    return tmp / tag, subprocess.Popen([sys.executable, str(RUN), *args], env=environ, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, shared_code_cache):
+    """The three runs at once (each pays Megatron's import)."""
+    pytest.importorskip("megatron.core")
+    tmp = tmp_path_factory.mktemp("sentinels")
+    started = {"nan": start(tmp, shared_code_cache, "nan", "--steps", "5", "--plant-nan", "2,1,2"),
+               "grad": start(tmp, shared_code_cache, "grad", "--steps", "4", "--plant-inf-grad", f"1,{GRAD}"),
+               "clean": start(tmp, shared_code_cache, "clean", "--steps", "50")}
+    out = {}
+    for tag, (folder, process) in started.items():
+        stdout, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stdout + stderr
+        out[tag] = folder, json.loads(stdout.strip().splitlines()[-1]), stderr
+    return out
+
+
+def test_a_planted_nan_is_named_by_its_step_microbatch_layer_and_site(runs):
+    folder, result, stderr = runs["nan"]
+    first = lines(folder)[0]
+    # the MoE output of layer 2, microbatch 1, step 2: dump.yaml's mlp_output there; every
+    # site after it (layer_output, logits, the next steps) is NaN too, and not reported first
+    assert {k: first[k] for k in ("step", "microbatch", "phase", "layer", "name", "site", "rank")} == {
+        "step": 2, "microbatch": 1, "phase": "fwd_bwd", "layer": 2, "name": "mlp_output", "site": "activation",
+        "rank": 0}
+    assert first["first_of_run"] and first["nonfinite_sites"] > 1
+    assert stderr.count("first non-finite value at step 2, microbatch 1, phase fwd_bwd, layer 2, mlp_output") == 1
+    assert result["state"]["counters"]["nonfinite_events"] == len(lines(folder)) == 3  # steps 2, 3, 4
+    assert result["state"]["last_error"] is None
+
+
+def test_an_inf_planted_in_a_gradient_names_that_gradient(runs):
+    folder, result, _ = runs["grad"]
+    first = lines(folder)[0]
+    assert (first["step"], first["name"], first["site"], first["layer"], first["nonfinite_sites"]) == (
+        1, f"grad:{GRAD}", "gradient", 2, 1)
+
+
+def test_a_clean_run_reports_nothing(runs):
+    folder, result, _ = runs["clean"]
+    counters = result["state"]["counters"]
+    assert counters["nonfinite_events"] == 0 and counters["errors"] == 0 and lines(folder) == []
+    assert counters["sites_watched"] > 0 and result["state"]["last_error"] is None
+    assert result["seconds"] < 40
