@@ -197,6 +197,10 @@ timeout 150 python3 bench/weight_sync_bench.py --gb 4 --rounds 9 2>&1 | grep -v 
   | tee "$OUT/weight_sync_bench_wirespeed.txt" | tail -34
 timeout 130 python3 bench/push_bench.py --engine --hidden 512 --rounds 9 2>&1 | grep -v "Warning\|warnings.warn" \
   | tee "$OUT/push_engine_512_wirespeed.txt" | tail -16
+echo "== 36,169 tensors (issue 58 item 1): the planned packed push beside raw, and the sender's host time per push"
+timeout 150 python3 bench/weight_sync_bench.py --gb 4 --small-frac 0.5 --rounds 9 --events 3 2>&1 | grep -v "^USDT\|profiler" \
+  | tee "$OUT/weight_sync_bench_36k.txt" | tail -34
+timeout 120 python3 bench/weight_sync_host_bench.py --rounds 21 2>&1 | tee "$OUT/weight_sync_host_bench.txt" | tail -14
 timeout 70 python3 bench/weight_sync_backends_bench.py --ipc --gb 4 --rounds 9 2>&1 | tee "$OUT/backends_ipc_wirespeed.txt" | tail -12
 echo "== the sender's kernels beside a broadcast (bench/contention_bench.py)"
 timeout 60 python3 bench/contention_bench.py --rounds 16 2>&1 | grep -v "Warning\|warnings.warn" \

@@ -67,7 +67,8 @@ def _layout_key(manifest: Manifest) -> tuple:
 class Packed:
     """What every way of packing an update's buckets keeps while its layout holds
     (sender._Packing, sender._Spans, Program): the manifest's tensor list as JSON and
-    its digest, a checksum slot per bucket, and what it packs from (``source``)."""
+    its digest, the manifest's bytes as sent (``manifest_message``), a checksum slot
+    per bucket, and what it packs from (``source``)."""
 
     def __init__(self, manifest: Manifest, source, device: torch.device):
         self.manifest, self.source = manifest, source
@@ -75,6 +76,26 @@ class Packed:
         self.tensors_json = manifest.tensors_to_json()
         self.tensors_digest = tensors_digest(self.tensors_json)
         self.sums = torch.zeros(max(manifest.buckets, 1), dtype=torch.int64, device=device)
+        self.message = None  # (head, int64[1] length, uint8 body): the manifest as sent (manifest_message)
+
+    def manifest_message(self, manifest: Manifest, device: torch.device) -> tuple:
+        """The manifest as the wire carries it, (int64[1] its length, uint8[length] its
+        JSON) on ``device``: built once per layout, then per push only its head (the
+        version) is written again where it changed, so a push whose manifest travels
+        (a receiver new to the layout) does no work per tensor.  The bytes are
+        ``manifest.to_json(self.tensors_json)``'s."""
+        prefix = manifest.to_json(b"0")[:-2]  # up to '"tensors":' (the tensors come last)
+        kept = self.message
+        if kept is not None and len(kept[0]) == len(prefix) and kept[2].device == device:
+            if kept[0] != prefix:  # another version: rewrite the head only
+                kept[2][: len(prefix)].copy_(torch.frombuffer(bytearray(prefix), dtype=torch.uint8))
+                self.message = kept = (prefix, kept[1], kept[2])
+            return kept[1], kept[2]
+        text = prefix + self.tensors_json + b"}"
+        body = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
+        length = torch.tensor([len(text)], dtype=torch.int64).to(device)
+        self.message = (prefix, length, body)
+        return length, body
 
     def matches(self, manifest: Manifest, source=None) -> bool:
         """Whether it packs this update (same layout, same source) as it stands."""

@@ -415,9 +415,13 @@ class _Sender:
         mine = REJECTED if self.refusal else OK
         status = layout_verdict(link.handshake(handshake_row(manifest.version, digest, mine), "handshake"))
         if status == NEED_MANIFEST:  # a receiver does not hold this layout yet
-            text = manifest.to_json(tensors_json)
-            link.wait(link.broadcast(torch.tensor([len(text)], dtype=torch.int64).to(link.device)), "manifest")
-            body = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(link.device)
+            if self.packing is not None:  # its bytes kept with the packing: no work per tensor
+                length, body = self.packing.manifest_message(manifest, link.device)
+            else:
+                text = manifest.to_json(tensors_json)
+                length = torch.tensor([len(text)], dtype=torch.int64).to(link.device)
+                body = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(link.device)
+            link.wait(link.broadcast(length), "manifest")
             link.wait(link.broadcast(body), "manifest")
             status = link.vote(mine, "manifest vote")
         if self.refusal:
