@@ -31,6 +31,7 @@ from source_patch.runtime.core.endpoint import free_port
 REPO = Path(__file__).resolve().parents[1]
 VIEW = REPO / "runtime" / "trace" / "view"
 SCREENSHOT = REPO / "docs" / "trace_view.png"
+SENTINELS_SCREENSHOT = REPO / "docs" / "trace_sentinels.png"
 LAYERS = 4
 INSTALL = ("the browser-view test needs Debian's chromium and chromedriver, and selenium: "
            "apt-get install -y chromium chromium-driver && pip install -e '.[test]'")
@@ -376,3 +377,135 @@ def test_a_wrong_token_shows_unauthorized_and_does_not_retry(browser, trainer):
     time.sleep(1.5)  # the backoff would have retried by now
     assert browser.execute_script("return spView.reconnects") == 0
     assert browser.execute_script("return spView.framesReceived") == 0
+
+
+# A traced process whose sentinels write their per-step lines (runtime/sentinels/events.py,
+# as the watches call it) once a client follows them: STEPS steps, then it only traces.
+SENTINEL_HUB = """
+import importlib, math, random, sys, time, torch
+trace = importlib.import_module("source_patch.runtime.trace")
+from source_patch.runtime.trace import api
+from source_patch.runtime.sentinels import events
+trace.configure(enable=True, port=int(sys.argv[1]), token=sys.argv[2])
+hostile, steps = sys.argv[3], int(sys.argv[4])
+random.seed(0)
+hidden = torch.randn(16, 64)
+while not api.following():
+    time.sleep(0.05)
+for step in range(steps):
+    for layer in (1, 2):
+        trace.trace("hidden", hidden * (1 + 0.01 * step) * layer, layer=layer)
+    spike = 4.0 if step == 25 else 1.0
+    events.metric("mismatch", step=step, samples=64, tokens=8192, threshold=0.6931,
+                  max_abs_diff_max=spike * (0.12 + 0.03 * math.sin(step / 3) + 0.01 * random.random()),
+                  max_abs_diff_mean=0.01 + 0.002 * random.random(), k3_mean=spike * 1e-4 * (1.5 + math.sin(step / 5)),
+                  k3_max=float("nan"), over_threshold=int(step == 25), triggers=int(step == 25))
+    for layer in range(1, 5):
+        events.metric("routing_health", step=step, layer=layer, tokens=4096, topk=2,
+                      per_expert=[512] * 8, dead=[], imbalance=1.1 + 0.08 * layer + 0.05 * random.random(),
+                      entropy=2.0 - 0.004 * step * layer / 4, agreement=0.99 - 0.01 * layer * random.random())
+    if step == 12:
+        events.event("nonfinite", step=step, microbatch=1, phase="backward", layer=2, name="mlp_output",
+                     site="mlp_output@2", nonfinite_sites=3, first_of_run=True)
+    if step == 25:
+        events.event("mismatch_trigger", step=step, where="request req-25-3", request_id="req-25-3", tokens=212,
+                     max_abs_diff=1.9, k3=0.08, capture=True)
+    if hostile:
+        events.event("nonfinite", step=step, layer=hostile, name=hostile, site=hostile)
+        events.metric(hostile, step=step, **{hostile: 1.0})
+    trace.trace_step()
+    time.sleep(0.03)
+print("sentinel steps written", flush=True)
+while True:
+    for layer in (1, 2):
+        trace.trace("hidden", hidden * layer, layer=layer)
+    trace.trace_step()
+    time.sleep(0.05)
+"""
+
+HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
+
+
+def sentinel_hub(tmp_path, hostile: str, steps: int):
+    port, token = free_port(), "sentinel-token"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH")}
+    log = open(tmp_path / "sentinels.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-c", SENTINEL_HUB, str(port), token, hostile, str(steps)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        wait_for_hub(proc, url, log, timeout=60)
+    except BaseException:
+        stop(proc)
+        log.close()
+        raise
+    return proc, log, f"{url}#token={token}"
+
+
+def test_the_page_draws_the_sentinels_metrics_as_time_series(browser, tmp_path):
+    """The page follows the records on connecting; the process writes 40 steps of a
+    mismatch line and a routing_health line per layer (4), and two events: one chart per
+    (kind, figure), a line per layer, every step a point, the events listed and marked."""
+    steps = 40
+    proc, log, url = sentinel_hub(tmp_path, "", steps)
+    try:
+        open_page(browser, url)
+        wait_for(browser, "spView.state === 'open'", "the connection")
+        chart = "#metrics canvas[data-kind='{}'][data-figure='{}']"
+        k3, imbalance = chart.format("mismatch", "k3_mean"), chart.format("routing_health", "imbalance")
+        wait_for(browser, f"document.querySelector(\"{k3}\")?.dataset.points === '{steps}'", "40 steps of k3_mean")
+        wait_for(browser, f"document.querySelector(\"{imbalance}\")?.dataset.points === '{4 * steps}'",
+                 "40 steps of imbalance in each of 4 layers")
+        assert browser.find_element("css selector", imbalance).get_attribute("data-series") == "4"
+        assert browser.find_element("css selector", k3).get_attribute("data-series") == "1"
+        assert browser.find_element("css selector", k3).get_attribute("data-marks") == "2"  # both events' steps
+        # key figures first (mismatch's, then routing_health's); the rest under "more figures"
+        figures = browser.execute_script(
+            "return [...document.querySelectorAll('#metrics .metric')].map(n => n.dataset.kind + ':' + n.dataset.figure)")
+        assert figures[:4] == ["mismatch:max_abs_diff_max", "mismatch:k3_mean", "mismatch:max_abs_diff_mean",
+                               "mismatch:over_threshold"], figures
+        assert "routing_health:entropy" in figures and "routing_health:agreement" in figures
+        assert "mismatch:k3_max" not in figures  # null every step: no series
+        assert browser.execute_script("return document.querySelectorAll('#metrics-more .metric').length") >= 2
+        items = browser.find_elements("css selector", "#sentinel-events li")
+        assert [i.get_attribute("data-kind") for i in items] == ["mismatch_trigger", "nonfinite"]  # latest first
+        assert items[1].text.startswith("nonfinite at step 12, layer 2 mlp_output")
+        view = browser.execute_script("return spView")
+        assert view["recordsReceived"] == steps * 5 + 2 and view["recordGaps"] == 0
+        assert view["lastError"] is None and view["badFrames"] == 0, view["errors"]
+
+        subscribe(browser, "hidden", "tiles", tiles="16")  # with a trace panel beside, for the screenshot
+        wait_for(browser, "document.querySelector(\"section.panel[data-sub='s1'] canvas.series\")"
+                 "?.dataset.points >= 20", "the trace panel")
+        shot = tmp_path / "trace_sentinels.png"
+        browser.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+        if os.environ.get("SP_UPDATE_SCREENSHOT") == "1":
+            shutil.copyfile(shot, SENTINELS_SCREENSHOT)
+
+        # Reloaded, the page gets the hub's backlog (the process writes no more lines): the same series.
+        open_page(browser, url)
+        wait_for(browser, f"document.querySelector(\"{imbalance}\")?.dataset.points === '{4 * steps}'",
+                 "the backlog after a reload")
+    finally:
+        stop(proc)
+        log.close()
+
+
+def test_the_page_escapes_every_string_of_a_record(browser, tmp_path):
+    proc, log, url = sentinel_hub(tmp_path, HOSTILE, 3)
+    try:
+        open_page(browser, url)
+        wait_for(browser, "spView.sentinelEvents.length === 3 && document.querySelectorAll('#sentinel-events li')"
+                 ".length === 3", "the hostile events")
+        hostile_chart = "#metrics .metric canvas"
+        wait_for(browser, f"[...document.querySelectorAll('{hostile_chart}')].some(c => c.dataset.kind === "
+                          f"{HOSTILE!r} && c.dataset.points === '3')", "the hostile series")
+        assert browser.execute_script("return window.__pwned") is None
+        assert browser.execute_script("return document.querySelectorAll('#sentinels img, #sentinels script').length") == 0
+        texts = [li.text for li in browser.find_elements("css selector", "#sentinel-events li")]
+        assert all(HOSTILE in text for text in texts), texts  # shown as text, literally
+        assert HOSTILE in browser.find_element("id", "metrics").text
+    finally:
+        stop(proc)
+        log.close()

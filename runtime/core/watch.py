@@ -10,18 +10,30 @@ watches).  Capabilities import core only, so the seam lives here.
                                               probabilities over all experts, [tokens, experts]),
                                               and the ids replayed in their place (None: not replaying)
 
+    capture                                   the sentinels' mismatch capture (sentinels/capture.py), read
+                                              by dump's training-side call sites: None, or an object with
+                                              ``request_ids`` (frozenset of the request ids to dump),
+                                              ``phase`` (the pass to dump them in: "fwd_bwd"), ``folder``
+                                              (the run folder its records go to), ``take(nbytes) -> bool``
+                                              (charge a record against the run's max_bytes; False: over,
+                                              write nothing more), ``seen(rows)`` (a core/rows.Rows of a
+                                              micro-batch holding one of them: its token ids) and
+                                              ``writer(flush)`` (the dump's flush(timeout), handed over
+                                              so that the capture can wait for its records on disk)
+
 A hook never raises into the call site (the watcher catches and counts its own failures).
 
-``tensor_hook`` is set through :func:`set_tensor_hook`, which tells the modules that
-:func:`listen`: dump's disabled call site keeps a single flag test (dumping on, or a hook
-set) that it recomputes only when the hook changes, instead of testing the hook on
-every call.
+``tensor_hook`` and ``capture`` are set through :func:`set_tensor_hook` and
+:func:`set_capture`, which tell the modules that :func:`listen`: dump's disabled call
+site keeps a single flag test (dumping on, a hook or a capture set) that it recomputes
+only when one of them changes, instead of testing them on every call.
 """
 
 from __future__ import annotations
 
 tensor_hook = None
 routes_hook = None
+capture = None
 
 _listeners: list = []
 
@@ -34,7 +46,16 @@ def set_tensor_hook(hook) -> None:
         listener()
 
 
+def set_capture(value) -> None:
+    """Set (or, with None, clear) ``capture`` and tell every listener."""
+    global capture
+    capture = value
+    for listener in tuple(_listeners):
+        listener()
+
+
 def listen(listener) -> None:
-    """Call ``listener()`` now and whenever ``tensor_hook`` changes (it reads the hook itself)."""
+    """Call ``listener()`` now and whenever ``tensor_hook`` or ``capture`` changes (it reads
+    them itself)."""
     _listeners.append(listener)
     listener()

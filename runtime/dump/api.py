@@ -60,6 +60,7 @@ on = False
 # What dump() tests first: dumping on, or a watcher's hook set (core/watch.py, e.g. the
 # sentinels' non-finite fold): with neither, a call site costs this one flag test.
 _gate = False
+_paused = False  # pause(): a forward pass outside a prefill's requests (sglang.py)
 _step = 0
 
 _config: dict = {}
@@ -92,7 +93,13 @@ def dump(name: str, value: Any, /, **tags) -> Any:
     hook = watch.tensor_hook
     if hook is not None:
         hook(name, value, tags.get("layer"))  # never raises (core/watch.py)
-    if not on:
+    capture = watch.capture
+    if capture is not None:
+        try:
+            _capture(capture, name, value, tags)
+        except Exception as exc:  # noqa: BLE001
+            _counters.fail(f"capture({name!r})", exc)
+    if not on or _paused:
         return value
     try:
         if not (graph_stage.busy and _in_graph(name, value, tags)):
@@ -323,6 +330,114 @@ def _write_rows(value: Any) -> None:
         _pipeline.enqueue("input_ids", view["input_ids"], record_tags, folder)
 
 
+# ---------------------------------------------------------------- a watcher's capture (core/watch.py)
+
+# (capture, rows version, ambient context, step) at the last look, and what it said: the
+# Rows of the micro-batch to capture, or None.  While none changes, a call looks no further.
+_capture_seen: tuple = (None, 0, None, None)
+_capture_rows = None
+
+
+def _capture(capture, name: str, value: Any, tags: dict) -> None:
+    """The sentinels' capture of triggered samples (sentinels/capture.py): in the pass it
+    names (``fwd_bwd``), a micro-batch whose Rows (``source_patch.batch``) holds one of its
+    request ids has those samples' rows written, every name and layer, with their row
+    map, into the capture's folder: a record ``[s, b, ...]`` or ``[s * b, ...]`` becomes
+    ``[n, ...]``, its n tokens of those samples (the row map too); one of another shape
+    is written whole.  Each record is charged first (``take``: the run's ``max_bytes``).
+    The dump's own switch and filter play no part: dumping may be off."""
+    global _capture_seen, _capture_rows
+    context = ambient.context()
+    key = (capture, batch_rows.version, context, _step)
+    if key[0] is not _capture_seen[0] or key[1] != _capture_seen[1] or key[2] is not _capture_seen[2] \
+            or key[3] != _capture_seen[3]:
+        _capture_seen = key
+        microbatch = context.get("microbatch")
+        phase = context.get("phase")
+        rows = batch_rows.current(phase, microbatch if type(microbatch) is int else None)
+        if rows is not None and (phase if phase is not None else rows.phase) == capture.phase and \
+                not capture.request_ids.isdisjoint(rows.request_ids):
+            _capture_rows = rows
+            capture.writer(flush)
+            capture.seen(rows)
+        else:
+            _capture_rows = None
+    rows = _capture_rows
+    if rows is None or value is None or graph_stage.busy:
+        return
+    leaves = ((name, value),) if isinstance(value, torch.Tensor) else tuple(_leaves(name, value, 0))
+    if not leaves:
+        return
+    rank = ranks.global_rank()
+    folder = Path(capture.folder) / (_config.get("rank_dir") or "rank-{rank}").replace("{rank}", str(rank))
+    if context.get("phase") is None and rows.phase is not None and "phase" not in tags:
+        tags = {**tags, "phase": rows.phase}  # the pass the Rows named (no schedule tagged one)
+    if context.get("microbatch") is None and "microbatch" not in tags:
+        tags = {**tags, "microbatch": rows.microbatch}  # the Rows' own count: each map pairs its records
+    record_tags = _record_tags(tags, rank)
+    written = (id(capture), rows.version, record_tags.get("phase"), record_tags.get("microbatch"))
+    grid = _capture_grids.get(written)
+    if grid is None:
+        grid = _capture_grid(capture, rows, leaves[0][1])
+        if len(_capture_grids) > 64:
+            _capture_grids.clear()
+        _capture_grids[written] = grid
+        map_tags = _record_tags({"phase": record_tags["phase"], "microbatch": record_tags.get("microbatch")}, rank)
+        view = grid["view"]
+        maps = [("row_request", view["row_request"], {**map_tags, "rids": list(rows.request_ids)}),
+                ("positions", view["positions"], map_tags)]
+        if view["input_ids"] is not None:
+            maps.append(("input_ids", view["input_ids"], map_tags))
+        for leaf, tensor, leaf_tags in maps:
+            tensor = _capture_rows_of(tensor, grid)
+            if not capture.take(tensor.numel() * tensor.element_size()):
+                return
+            _pipeline.enqueue(leaf, tensor, leaf_tags, folder)
+    for leaf, tensor in leaves:
+        tensor = _capture_rows_of(tensor, grid)
+        if not capture.take(tensor.numel() * tensor.element_size()):
+            return
+        _pipeline.enqueue(leaf, tensor, record_tags, folder)
+
+
+_capture_grids: dict = {}  # (capture id, Rows version, phase, microbatch) -> its grid (_capture_grid)
+
+
+def _capture_grid(capture, rows, first) -> dict:
+    """This rank's ``[s, b]`` grid of the micro-batch and the flat indices of the captured
+    samples' tokens in it (None: all of them)."""
+    sp = rows.sequence_parallel
+    if sp is None and rows.tp_size > 1 and first.dim() >= 1:
+        sp = rows.infer_sequence_parallel(int(first.shape[0]))
+    view = rows.view(sp)
+    grid = view["row_request"]
+    wanted = [i for i, rid in enumerate(rows.request_ids) if rid in capture.request_ids]
+    keep = torch.isin(grid.reshape(-1), torch.tensor(wanted, dtype=grid.dtype))
+    select = None if bool(keep.all()) else keep.nonzero().reshape(-1)
+    return {"view": view, "shape": tuple(grid.shape), "select": select}
+
+
+def _capture_rows_of(tensor: torch.Tensor, grid: dict) -> torch.Tensor:
+    """The captured samples' rows of ``tensor`` (``[n, ...]``), or ``tensor`` whole where
+    all rows are captured or its shape is not the grid's (``[s, b, ...]``, ``[s * b, ...]``)."""
+    select = grid["select"]
+    if select is None:
+        return tensor
+    s, b = grid["shape"]
+    if tensor.dim() >= 2 and tuple(tensor.shape[:2]) == (s, b):
+        tensor = tensor.reshape(s * b, *tensor.shape[2:])
+    elif not (tensor.dim() >= 1 and tensor.shape[0] == s * b):
+        return tensor
+    return tensor.index_select(0, select.to(tensor.device))
+
+
+def pause(paused: bool) -> None:
+    """(sglang.py) While True, dumping on records nothing: a forward pass that holds none
+    of the requests a prefill asked for (``/dumper/prefill``)."""
+    global _paused
+    _paused = bool(paused)
+
+
 # ---------------------------------------------------------------- under CUDA graphs
 
 
@@ -346,7 +461,7 @@ def _in_graph(name: str, value: Any, tags: dict) -> bool:
 def _drained(key: tuple, tensor: torch.Tensor, *, cuda_graph: bool, replay: int, tags: dict, **drain_tags) -> None:
     """A replayed graph's staged leaf: the record an eager call would write now (step,
     phase, microbatch as they are now; the filter as configured now), tagged cuda_graph."""
-    if not on:
+    if not on or _paused:
         return
     name, leaf = key
     _record(name, tensor, {**tags, **drain_tags, "cuda_graph": cuda_graph}, leaf)
@@ -474,9 +589,9 @@ def _apply(config: dict) -> dict:
 
 
 def _regate() -> None:
-    """dump()'s first test, after dumping was switched or a watcher's hook changed."""
+    """dump()'s first test, after dumping was switched or a watcher's hook or capture changed."""
     global _gate
-    _gate = on or watch.tensor_hook is not None
+    _gate = on or watch.tensor_hook is not None or watch.capture is not None
 
 
 def _sync_server() -> None:

@@ -21,6 +21,12 @@ are on) beside its manifest.
 Control: SGLang's HTTP server mounts ``POST /dumper/{configure,get_state,reset}``
 when ``DUMPER_SERVER_PORT=reuse`` and forwards each to every scheduler; the patched
 handler answers from this runtime (the same validation as the loopback endpoint).
+``POST /dumper/prefill`` re-runs given token ids as one teacher-forced prefill with
+dumps on for those requests only (a mismatch capture, docs/dump_control.md): every rank
+turns dumping on (``dir``, ``exp_name`` as asked) for passes that hold those request
+ids, rank 0 sends them through the engine's own ``/flush_cache`` and ``/generate``
+(``max_new_tokens: 0``) from a thread, then ``/dumper/prefill_end`` puts every rank's
+dump back as it was.  ``/dumper/get_state`` says how it went (``prefill``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 
 import torch
 
@@ -56,6 +64,8 @@ def dump_sglang_forward(model, input_ids, positions, forward_batch, cuda_graph: 
     try:
         api.dump_step(step=step)
         rows = batch_rows(forward_batch)  # a draft model's forward (speculative decoding) is tagged "draft"
+        if _only is not None:  # a prefill runs: only passes that hold its requests are dumped
+            api.pause(not (isinstance(rows, BatchRows) and any(str(r) in _only for r in rows.rids)))
         mode = rows.mode if isinstance(rows, BatchRows) else "draft" if rows is DRAFT else _mode_name(forward_batch)
         api.dump_context(forward_mode=mode, cuda_graph=cuda_graph)
         _write_summary(model)
@@ -158,6 +168,149 @@ def handle_control(method: str, body: dict) -> dict:
         reply = api.state()
     elif method == "reset":
         reply = api.reset()
+    elif method == "prefill":
+        reply = prefill_start(body or {})
+    elif method == "prefill_end":
+        reply = prefill_end(body or {})
     else:
-        raise ValueError(f"unknown method {method!r} (configure, get_state, reset)")
+        raise ValueError(f"unknown method {method!r} (configure, get_state, reset, prefill)")
+    if method in ("get_state", "state"):
+        reply = {**reply, "prefill": dict(_prefill)}
     return {"rank": ranks.global_rank(), **ranks.parallel_tags(), **reply}
+
+
+# ---------------------------------------------------------------- /dumper/prefill: a capture's re-run
+
+MAX_REQUESTS = 16          # requests at most in one prefill
+MAX_TOKENS = 1 << 16       # token ids at most in one prefill, all requests together
+MAX_RID_CHARS = 256
+TIMEOUT_S = 300.0          # the generate request's own limit
+PREFILL_KEYS = ("requests", "dir", "exp_name")
+
+_only: frozenset | None = None   # the request ids of the running prefill (None: none runs)
+_prefill: dict = {"status": "idle"}
+_restore: dict = {}
+_bytes_before = 0
+_lock = threading.Lock()
+
+
+def prefill_start(body: dict) -> dict:
+    """Check ``body`` (``requests``: ``[{"rid", "input_ids"}]``, optional ``dir`` and
+    ``exp_name`` for the records), turn dumping on for those requests only, and on rank 0
+    send them to the engine from a thread; the reply says the prefill started."""
+    global _only, _prefill, _restore, _bytes_before
+    unknown = sorted(k for k in body if k not in PREFILL_KEYS)
+    if unknown:
+        raise ValueError(f"prefill: unknown key(s) {', '.join(map(repr, unknown))} (valid: {', '.join(PREFILL_KEYS)})")
+    requests = _requests(body.get("requests"))
+    with _lock:
+        if _only is not None:
+            raise ValueError(f"prefill: {_prefill.get('id')} is still running (one at a time)")
+        config = api.state()["config"]
+        restore = {"enable": config["enable"], "dir": config["dir"], "exp_name": config["exp_name"]}
+        changes = {"enable": True, **{k: body[k] for k in ("dir", "exp_name") if k in body}}
+        server.configure_changes(api.configure, changes)  # validated as /dumper/configure is
+        _restore, _only = restore, frozenset(r["rid"] for r in requests)
+        state = api.state()
+        _bytes_before = state["counters"]["bytes"]
+        _prefill = {"id": f"prefill-{os.getpid()}-{time.time_ns()}", "status": "running",
+                    "requests": [r["rid"] for r in requests], "tokens": sum(len(r["input_ids"]) for r in requests),
+                    "exp_dir": state["exp_dir"], "started": time.time()}
+        if ranks.global_rank() == 0:  # one rank sends the requests; every rank dumps its part
+            threading.Thread(target=_run, args=(_prefill["id"], requests), name="source-patch-dump-prefill",
+                             daemon=True).start()
+        return {"ok": True, "prefill": dict(_prefill)}
+
+
+def _requests(value) -> list:
+    if not isinstance(value, list) or not value:
+        raise ValueError("prefill: 'requests' must be a non-empty list of {\"rid\": str, \"input_ids\": [int, ...]}")
+    if len(value) > MAX_REQUESTS:
+        raise ValueError(f"prefill: {len(value)} requests, at most {MAX_REQUESTS} at once")
+    out, total, seen = [], 0, set()
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or set(item) != {"rid", "input_ids"}:
+            raise ValueError(f"prefill: requests[{i}] must be an object with exactly 'rid' and 'input_ids'")
+        rid, ids = item["rid"], item["input_ids"]
+        if isinstance(rid, bool) or not isinstance(rid, (str, int)) or not 0 < len(str(rid)) <= MAX_RID_CHARS:
+            raise ValueError(f"prefill: requests[{i}].rid must be a str or int of 1-{MAX_RID_CHARS} characters")
+        if str(rid) in seen:
+            raise ValueError(f"prefill: request id {rid!r} given twice")
+        if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t < 1 << 31 for t in ids):
+            raise ValueError(f"prefill: requests[{i}].input_ids must be a non-empty list of token ids (int >= 0)")
+        total += len(ids)
+        if total > MAX_TOKENS:
+            raise ValueError(f"prefill: more than {MAX_TOKENS} token ids in all")
+        seen.add(str(rid))
+        out.append({"rid": str(rid), "input_ids": ids})
+    return out
+
+
+def _run(prefill_id: str, requests: list) -> None:
+    """Rank 0's thread: the requests through the engine's own HTTP paths (the radix cache
+    flushed first, so every position is computed and dumped), then every rank's end."""
+    outcome = {"id": prefill_id, "status": "done"}
+    url, headers = "", {"admin": {}, "generate": {}}
+    try:
+        url, headers = _own_server()
+        _post(url + "/flush_cache", None, headers["admin"], 30.0)  # not done while other requests run: said below
+        reply = _post(url + "/generate", {"input_ids": [r["input_ids"] for r in requests],
+                                          "rid": [r["rid"] for r in requests],
+                                          "sampling_params": {"max_new_tokens": 0}}, headers["generate"], TIMEOUT_S)
+        replies = reply if isinstance(reply, list) else [reply]
+        outcome["cached_tokens"] = sum(int((r.get("meta_info") or {}).get("cached_tokens") or 0) for r in replies)
+    except Exception as exc:  # noqa: BLE001 - said in the state, never raised into serving
+        outcome.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+    try:
+        _post(url + "/dumper/prefill_end", outcome, headers["admin"], 120.0)
+    except Exception as exc:  # noqa: BLE001 - the server is gone or refused: end here at least
+        api.fail("prefill_end", exc)
+        try:
+            prefill_end({**outcome, "status": "failed", "error": outcome.get("error") or f"prefill_end: {exc}"})
+        except Exception as again:  # noqa: BLE001 - it had ended after all
+            api.fail("prefill_end", again)
+
+
+def prefill_end(body: dict) -> dict:
+    """Every rank: the prefill's records on disk, the dump put back as it was."""
+    global _only, _prefill
+    with _lock:
+        if _only is None or body.get("id") != _prefill.get("id"):
+            raise ValueError(f"prefill_end: no prefill {body.get('id')!r} is running")
+        written = api.flush(timeout=60)
+        state = api.state()
+        _only = None
+        api.pause(False)
+        api.configure(**_restore)
+        status = body.get("status") if body.get("status") in ("done", "failed") else "failed"
+        _prefill = {**_prefill, "status": status, "finished": time.time(), "flushed": bool(written),
+                    "bytes": state["counters"]["bytes"] - _bytes_before,
+                    **{k: body[k] for k in ("error", "cached_tokens") if k in body}}
+        return {"ok": True, "prefill": dict(_prefill)}
+
+
+def _own_server() -> tuple:
+    """This engine's HTTP server (SGLang's published server arguments) and the key it
+    wants (``--admin-api-key``, else ``--api-key``)."""
+    args = sys.modules["sglang.srt.runtime_context"].get_server_args()
+    host = str(args.host or "127.0.0.1")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    shown = f"[{host}]" if ":" in host else host
+    keys = {"admin": getattr(args, "admin_api_key", None) or getattr(args, "api_key", None),
+            "generate": getattr(args, "api_key", None)}
+    headers = {use: {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+               for use, key in keys.items()}
+    return f"http://{shown}:{args.port}", headers
+
+
+def _post(url: str, body, headers: dict, timeout: float):
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST", headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read()
+    try:
+        return json.loads(raw or b"null")
+    except ValueError:
+        return raw.decode(errors="replace")

@@ -10,5 +10,7 @@ while it runs (docs/sentinels.md).
     routing_health.py tokens per expert, imbalance, dead experts, router entropy, native vs
                       replayed agreement, per step and layer
     mismatch.py       rollout/training log-prob mismatch per sample, and the capture it triggers
+    capture.py        that capture on both sides (the trainer's rows through core/watch.py, the
+                      engine's /dumper/prefill) and its verdict, from a background thread
     watch.py          `source-patch watch RUN_FOLDER`: the events and the metrics' last values
 """

@@ -102,8 +102,10 @@ def _details() -> dict:
 
 
 def _clear() -> None:
-    global _errors, _error
-    _errors, _error = 0, None
+    # reset(): what was collected goes, the step count too (a framework that names its
+    # steps passes them to sentinels_step)
+    global _errors, _error, _step
+    _errors, _error, _step = 0, None, 0
     for watch in (*WATCHES, events):
         watch.clear()
 

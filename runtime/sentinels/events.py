@@ -9,6 +9,11 @@ into training; the line is lost.
 
     event(kind, **fields) -> dict   a line in events.jsonl: {"kind", "time", "rank", **fields}
     metric(kind, **fields) -> dict  a line in metrics.jsonl
+
+Each line is also handed to core/events.emit, as ``("sentinels.event", line)`` or
+``("sentinels.metric", line)``, whether or not a run folder is open: another capability
+(the trace view: runtime/trace) subscribes there, never imported from here.  With no
+subscriber that is one truthiness test.
 """
 
 from __future__ import annotations
@@ -18,14 +23,15 @@ import os
 import time
 from pathlib import Path
 
-from ..core import private, ranks
+from ..core import events as core_events, private, ranks
 
 _APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT
 
 _folder: Path | None = None       # <dir>/rank-<r>, while a run is open
 _fds: dict = {}                   # stream -> its file's descriptor, opened on the first line
 _error: str | None = None
-_counts = {"event_lines": 0, "metric_lines": 0, "write_errors": 0}
+_counts = {"event_lines": 0, "metric_lines": 0, "write_errors": 0, "emit_errors": 0}
+_EMITTED = {"events": "sentinels.event", "metrics": "sentinels.metric"}  # core/events names
 
 
 def open_run(directory: str) -> None:
@@ -63,6 +69,11 @@ def metric(kind: str, **fields) -> dict:
 def _write(stream: str, kind: str, fields: dict) -> dict:
     global _error
     record = {"kind": kind, "time": time.time(), "rank": ranks.global_rank(), **fields}
+    try:
+        core_events.emit(_EMITTED[stream], record)  # with no subscriber: one truthiness test
+    except Exception as exc:  # noqa: BLE001 - a subscriber's failure is not training's
+        _counts["emit_errors"] += 1
+        _error = f"a subscriber of {_EMITTED[stream]}: {type(exc).__name__}: {exc}"
     if _folder is None:
         return record
     try:

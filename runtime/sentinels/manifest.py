@@ -5,7 +5,19 @@ from __future__ import annotations
 import math
 
 from ..core.capability import Capability, Component
-from ..core.settings import Setting, boolean, integer, nonempty_text, size
+from ..core.settings import Setting, boolean, integer, nonempty_text, size, string_list, text
+
+
+def _engines(value) -> list | None:
+    urls = string_list(value)
+    for url in urls or ():
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"expected http:// or https:// URLs of the engines' servers, got {url!r}")
+    return urls
+
+
+def _rtol(value) -> float:
+    return _threshold(value)
 
 
 def _threshold(value) -> float:
@@ -33,6 +45,13 @@ SETTINGS = {
                                                   "both sides"),
     "max_triggers": Setting(4, integer(low=0), "triggered samples at most per step"),
     "max_bytes": Setting(1 << 30, size(low=1), "bytes of triggered dumps at most per run"),
+    "engines": Setting(None, _engines, "the engines' HTTP servers (SGLang with the dump spec and "
+                                       "DUMPER_SERVER_PORT=reuse): a triggered sample's prompt+response is "
+                                       "prefilled with dumps on by the first that accepts it (POST "
+                                       "/dumper/prefill); empty: the trainer side only"),
+    "token": Setting("", text, "bearer token sent to the engines (SGLang's --admin-api-key or --api-key); "
+                               "empty: none"),
+    "rtol": Setting(1e-4, _rtol, "the verdict's relative L2 above which a layer diverges (compare --rtol)"),
     "dir": Setting("./sp-sentinels", nonempty_text, "the run folder: <dir>/rank-<r>/events.jsonl and "
                                                    "metrics.jsonl; source-patch watch reads it"),
 }

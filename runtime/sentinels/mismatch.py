@@ -22,8 +22,11 @@ call, however many samples.  Off (the setting ``mismatch``): one flag test and r
 
 A sample whose ``max_abs_diff`` exceeds ``threshold`` is a trigger: an event
 ``mismatch_trigger`` (at most ``max_triggers`` a step) and its request id kept for the
-step's ``fwd_bwd`` pass: ``triggered()`` / ``wants(request_ids)`` say which micro-batch to
-dump, ``charge(nbytes)`` counts what that capture wrote against ``max_bytes`` (per run).
+step's ``fwd_bwd`` pass, where capture.py has the dump write its rows (through
+core/watch.py's ``capture``), then, after the step, the engine re-run them and compare
+write the verdict into the run folder.  ``triggered()`` / ``wants(request_ids)`` say which
+samples a step captures, ``charge(nbytes)`` counts bytes against ``max_bytes`` (per run),
+``drain(timeout)`` waits for the verdicts.
 At ``step_end`` the step's aggregates go to metrics.jsonl (``mismatch``).  Nothing raises
 into training: a failure is counted and said (``last_error``).
 """
@@ -35,7 +38,7 @@ import threading
 
 from ..core import settings
 from ..core.failures import Counters
-from . import events
+from . import capture, events
 
 LN2 = math.log(2.0)
 
@@ -45,6 +48,7 @@ _max_triggers = 4
 _max_bytes = 1 << 30
 
 _lock = threading.Lock()
+_budget_lock = threading.Lock()  # _bytes: charged by the dump's call sites and the capture's worker too
 _pending_step = None         # the step the framework named (watch_logprobs(step=...)), None: not named
 _steps = 0                   # step_end calls seen: the step when the framework names none
 _samples: list = []          # this step's per-sample figures (dicts)
@@ -53,6 +57,7 @@ _refused: list = []          # this step's triggers with an event but no capture
 _over = 0                    # this step's samples over the threshold
 _dropped = 0                 # ... of which over max_triggers (no event, no capture)
 _bytes = 0                   # bytes charged to captures this run
+_dir = "./sp-sentinels"      # the run folder (the setting dir)
 
 _NAMES = ("calls", "samples", "tokens", "triggers", "triggers_dropped", "captures_refused", "bytes", "steps",
           "errors", "lost")
@@ -118,9 +123,10 @@ def _trigger(figures: dict, step) -> bool:
         _dropped += 1
         _counters.add("triggers_dropped")
         return False
-    capture = _bytes < _max_bytes
-    if capture:
+    capture_it = _bytes < _max_bytes
+    if capture_it:
         _triggered.append(rid)
+        capture.add(step, rid, _take, _dir)  # the dump's fwd_bwd call sites capture it (capture.py)
     else:
         _refused.append(rid)
         _counters.add("captures_refused")
@@ -128,9 +134,9 @@ def _trigger(figures: dict, step) -> bool:
     events.event("mismatch_trigger", step=step, where=f"request {rid}", request_id=rid,
                  tokens=figures["tokens"], max_abs_diff=_finite(figures["max_abs_diff"]), k3=_finite(figures["k3"]),
                  frac_over_ln2=_finite(figures["frac_over_ln2"]), nonfinite_tokens=figures["nonfinite_tokens"],
-                 threshold=_threshold, capture=capture,
-                 **({} if capture else {"reason": f"max_bytes: {_bytes:,} of {_max_bytes:,} bytes captured"}))
-    return capture
+                 threshold=_threshold, capture=capture_it,
+                 **({} if capture_it else {"reason": f"max_bytes: {_bytes:,} of {_max_bytes:,} bytes captured"}))
+    return capture_it
 
 
 def _per_sample(n: int, train, rollout, mask) -> list:
@@ -264,7 +270,7 @@ def charge(nbytes: int) -> int:
     before) against ``max_bytes``; returns the bytes left this run.  Once none are left a
     trigger is still an event, with ``capture: false``."""
     global _bytes
-    with _lock:
+    with _budget_lock:
         n = max(0, int(nbytes))
         _bytes += n
         _counters.add("bytes", n)
@@ -275,11 +281,31 @@ def budget_left() -> int:
     return max(0, _max_bytes - _bytes)
 
 
+def _take(nbytes: int, *, left: bool = False, force: bool = False):
+    """(capture.py) Charge ``nbytes`` of a capture if the run's max_bytes has room (True),
+    else nothing (False); ``force``: charge what was written anyway (the engine's dump,
+    known after the fact); ``left``: the bytes left."""
+    global _bytes
+    with _budget_lock:
+        if left:
+            return max(0, _max_bytes - _bytes)
+        if not force and _bytes + nbytes > _max_bytes:
+            return False
+        _bytes += nbytes
+        _counters.add("bytes", nbytes)
+        return True
+
+
+def drain(timeout: float | None = None) -> bool:
+    """Wait until every captured step has its verdict (capture.py's worker)."""
+    return capture.drain(timeout)
+
+
 # ---------------------------------------------------------------- the watch surface (control.py)
 
 
 def apply(config: dict) -> None:
-    global _on, _threshold, _max_triggers, _max_bytes
+    global _on, _threshold, _max_triggers, _max_bytes, _dir
     turning_off = _on and not config["mismatch"]
     if turning_off:
         with _lock:
@@ -289,6 +315,8 @@ def apply(config: dict) -> None:
         int(config["max_bytes"])
     if config["mismatch"]:
         events.open_run(config["dir"])  # control.py opens it too; the same folder is opened once
+    _dir = config["dir"]
+    capture.apply(config)
     _on = bool(config["mismatch"])
 
 
@@ -333,14 +361,15 @@ def _end(step) -> None:
     _refused.clear()
     _over = _dropped = 0
     _pending_step = None
+    capture.step_done(step)  # no more records; the engine side and the verdict in the background
 
 
 def counters() -> dict:
-    return {f"mismatch_{k}": v for k, v in _counters.snapshot().items()}
+    return {**{f"mismatch_{k}": v for k, v in _counters.snapshot().items()}, **capture.counters()}
 
 
 def last_error():
-    return _counters.last_error
+    return _counters.last_error or capture.last_error()
 
 
 def clear() -> None:
@@ -352,6 +381,7 @@ def clear() -> None:
         _steps = _bytes = _over = _dropped = 0
         _pending_step = None
     _counters.reset()
+    capture.clear()
 
 
 def _read_settings() -> None:

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..core import ranks, tags as ambient
+from ..core import events as core_events, ranks, tags as ambient
 from ..core.adapters import graph_stage
 from ..core.failures import Counters
 from . import device, graphs, plan  # (plan: see _make_plan)
@@ -131,7 +131,8 @@ _ring = None                 # ring.Ring the forwarder reads results from (hub: 
 hub = None
 hub_key: tuple | None = None
 
-COUNTERS = ("results", "dropped", "skipped", "errors", "compress_errors", "too_large")
+COUNTERS = ("results", "dropped", "skipped", "errors", "compress_errors", "too_large", "records",
+            "records_dropped")
 _counters = Counters(COUNTERS, "source_patch.trace", "trace", lock=_cond)
 _counts = _counters.counts  # written under _cond, like the queue
 # What tracing costs the process, in seconds: the training thread's time inside due
@@ -147,6 +148,19 @@ _call_us = [0] * 64  # a 64-bit count of microseconds has at most 64 bits
 # Due calls' durations (seconds) not yet in _cost and _call_us: a due call appends one,
 # the publisher folds them in (_fold_durations) at each wake-up, state() before reading.
 _durations: list = []
+# Records: small JSON objects other capabilities hand to core/events.emit under the names in
+# RECORD_NAMES (the sentinels' metric and event lines), forwarded to the clients that follow
+# them.  Subscribed to only while a client follows (set_following: the hub says so), so with
+# nobody following an emit stays core/events' one truthiness test and nothing is queued or
+# woken.  Each is queued as (number, name, value), numbered from 1 for the process's life
+# (a client asks for those after a number it has), and JSON-encoded by the publisher.
+RECORD_NAMES = frozenset({"sentinels.metric", "sentinels.event"})
+RECORD_QUEUE = 4096           # records waiting for the publisher; more are dropped (records_dropped)
+RECORD_BYTES = 1 << 16        # a record's JSON at most; a longer one is dropped (records_dropped)
+_posts: deque = deque()       # (number, name, value) waiting for the publisher (under _lock)
+_posted = 0                   # the last record's number
+_following = False            # a client follows records
+_unfollow = None              # core/events' unsubscribe while subscribed
 _events: dict = {}   # (device index, timing) -> deque of CUDA events the publisher is done with
 # A process that calls trace_step gets one event per stream per batch, recorded when the
 # batch is handed over (step end, a full batch, FLUSH_SECONDS), not one per result: the
@@ -540,6 +554,16 @@ def _take() -> list:
     return items
 
 
+def _take_all() -> list:
+    """(caller holds _lock) _take's results, then the records queued (tuples: publisher.loop
+    tells them apart)."""
+    items = _take()
+    if _posts:
+        items += _posts
+        _posts.clear()
+    return items
+
+
 def _wake_publisher() -> None:
     """(caller holds _cond) Wake the publisher (started with the hub: start_publisher) to
     take what waits now."""
@@ -571,6 +595,53 @@ def _record(index: int, timing: bool, stream=None):
         event = torch.cuda.Event(enable_timing=timing, blocking=True)
     _event_record(event, stream or _current_stream(index))
     return event
+
+
+# ---------------------------------------------------------------- records (core/events -> the clients that follow them)
+
+
+def set_following(on: bool) -> None:
+    """(the hub, or the forwarder's reader thread, as clients follow records or stop; unserve)
+    Subscribe to core/events while a client follows records, and only then."""
+    global _following, _unfollow
+    with _lock:
+        _following = bool(on)
+        if on and _unfollow is None:
+            _unfollow = core_events.subscribe(_on_record)
+        elif not on and _unfollow is not None:
+            _unfollow, unfollow = None, _unfollow
+            unfollow()
+
+
+def _on_record(event) -> None:
+    """(any thread that emits; core/events' subscriber while a client follows) Queue a
+    record: never waits, drops and counts when the queue is full."""
+    if event.name in RECORD_NAMES and _following:
+        post(event.name, event.value)
+
+
+def post(name: str, value) -> bool:
+    """Queue ``value`` (a JSON-able dict) under ``name`` for the clients that follow records:
+    one append under the queue's lock, a nudge where the publisher sleeps (it gives the
+    batch FLUSH_SECONDS, or a step's end takes it sooner).  False when dropped: nobody
+    follows, no publisher, or the queue is full (counted)."""
+    global _posted
+    if not _following:
+        return False
+    with _lock:
+        if _publisher is None or len(_posts) >= RECORD_QUEUE:
+            _counts["records_dropped"] += 1
+            return False
+        _posted += 1
+        _posts.append((_posted, name, value))
+        _counts["records"] += 1
+        if _idle:
+            _cond.notify_all()
+    return True
+
+
+def following() -> bool:
+    return _following
 
 
 # ---------------------------------------------------------------- subscriptions (from the hub)
@@ -628,13 +699,15 @@ def snapshot() -> dict:
     with _cond:
         counts = dict(_counts)
         queued = len(_pending) + len(_records) + _busy
+        records_queued = len(_posts)
         calls = due_call_us()
         cost = dict(_cost)
     serving, ring = hub, _ring
     cost["hub_cpu"] = serving.cpu_seconds() if serving is not None else 0.0
     return {"enabled": _enabled, "step": _step, "rank": ranks.global_rank(), **counts, "counters": counts,
             "queued": queued, "last_error": _counters.last_error, "series": len(_seen),
-            "subscriptions": len(_table.subs), "cost_seconds": cost, "due_call_us": calls,
+            "subscriptions": len(_table.subs), "following": _following, "records_queued": records_queued,
+            "cost_seconds": cost, "due_call_us": calls,
             "ring": ring.state() if ring is not None else None}
 
 
@@ -697,6 +770,7 @@ def unserve():
     stopping, hub, hub_key, _ring = hub, None, None, None
     _arm()
     set_subscriptions(())
+    set_following(False)
     return stopping
 
 
@@ -725,13 +799,13 @@ def take_batch() -> list | None:
         while True:
             if _wakes != _taken_at or _stop:  # handed over, a flush, a stop: take what waits now
                 _taken_at = _wakes
-                items = _take()
+                items = _take_all()
                 if items or _stop:
                     break
-            elif _pending and not (_unsealed and _pending[0] is _unsealed[0]):  # ready, not handed over yet
+            elif _posts or (_pending and not (_unsealed and _pending[0] is _unsealed[0])):  # ready, not handed over
                 _cond.wait(FLUSH_SECONDS)  # the rest of their batch (a step's end cuts it short)
                 _taken_at = _wakes
-                items = _take()
+                items = _take_all()
                 if items:
                     break
                 continue
@@ -779,7 +853,7 @@ def drain(deadline: float) -> bool:
     with _cond:
         _seal()
         _wake_publisher()
-        while _pending or _records or _busy:
+        while _pending or _records or _posts or _busy:
             if not (_publisher and _publisher.is_alive()):
                 break
             remaining = deadline - time.monotonic()
@@ -803,6 +877,7 @@ def stop_publisher() -> None:
         _pending.clear()
         _unsealed = []
         _records.clear()
+        _posts.clear()
 
 
 def clear() -> None:
@@ -838,7 +913,7 @@ def fail(where: str, exc: BaseException) -> None:
 def _after_fork_in_child() -> None:
     """A forked child (a data loader worker) inherits no threads: it does not trace."""
     global _enabled, _lock, _cond, _pending, _busy, _publisher, _stop, hub, hub_key, _table, _counters, _counts, \
-        _ring, _unsealed, _records, _tracer, _fast_ring, _idle
+        _ring, _unsealed, _records, _tracer, _fast_ring, _idle, _posts, _following, _unfollow
     _enabled = False
     _fast_ring = None
     _arm_compiled(None)
@@ -848,6 +923,10 @@ def _after_fork_in_child() -> None:
     _counters = Counters(COUNTERS, "source_patch.trace", "trace", lock=_cond)
     _counts = _counters.counts
     _pending, _busy, _publisher, _stop, _idle = deque(), 0, None, False, False
+    _posts, _following = deque(), False
+    if _unfollow is not None:
+        _unfollow, unfollow = None, _unfollow
+        unfollow()
     for parents in (_events, _known_streams):
         parents.clear()  # CUDA objects of the parent: unusable here
     if hub is not None:

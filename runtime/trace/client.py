@@ -14,6 +14,15 @@ CLI (also ``source-patch trace ...``; an error is one line ``source-patch: error
         --out run.sptrace [--frames N | --seconds S] [--retry S]
     python -m source_patch.runtime.trace.client summary run.sptrace
     python -m source_patch.runtime.trace.client show run.sptrace [--name N] [--layer L] [--limit K]
+    python -m source_patch.runtime.trace.client metrics --url URL [--token-file F] [--names GLOB ...] \
+        [--seconds S | --records N] [--json]      # the sentinels' metric lines and events, live
+
+Records (the sentinels' metric lines and events, JSON) are followed apart from frames::
+
+    async with client.connect(url) as c:
+        await c.follow()                          # the hub's backlog first, then live
+        record = await c.next_record(timeout=5)   # Record(n, name, value)
+        c.metrics()                               # {(kind, figure, layer): [(step, value), ...]} so far
 
 A recording (``.sptrace``) is the 8 bytes ``SPTRACE1`` and then, per frame, its
 length (u32, little-endian) and the frame exactly as received (frame.py):
@@ -31,8 +40,9 @@ import json
 import struct
 import sys
 import time
+from collections import deque
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator, NamedTuple
 from urllib.parse import urlsplit
 
 from ..core import commands
@@ -65,6 +75,62 @@ def parse_target(target: str) -> tuple[str, str | None]:
     return f"{scheme}://{parts.netloc}/ws", token
 
 
+class Record(NamedTuple):
+    """A JSON record the traced process forwarded (protocol: ``{"op": "records"}``): its
+    number ``n`` (from 1, per process: a gap is a record dropped), ``name``
+    (``sentinels.metric`` or ``sentinels.event``) and ``value`` (the line as written to the
+    sentinels' run folder: ``kind``, ``time``, ``rank``, ``step``, ...)."""
+
+    n: int
+    name: str
+    value: dict
+
+
+# Fields of a metric line that say where and when, not what was measured.
+SERIES_KEYS = frozenset({"kind", "time", "rank", "step", "layer"})
+
+
+def metric_series(records, history: int | None = 2000) -> dict:
+    """The metric records as time series, as the browser view draws them:
+    ``{(kind, figure, layer): [(step, value), ...]}`` (layer None where the line has none),
+    one series per numeric field (booleans and lists left out), in record order, the last
+    ``history`` points of each.  A line without a step is placed at its record number."""
+    out: dict = {}
+    for record in records:
+        value = record.value
+        if record.name != "sentinels.metric" or not isinstance(value, dict):
+            continue
+        step = value.get("step")
+        x = step if isinstance(step, (int, float)) and not isinstance(step, bool) else record.n
+        layer = value.get("layer")
+        for figure, y in value.items():
+            if figure in SERIES_KEYS or isinstance(y, bool) or not isinstance(y, (int, float)):
+                continue
+            points = out.setdefault((str(value.get("kind")), figure, layer), [])
+            points.append((x, y))
+            if history is not None and len(points) > history:
+                del points[0]
+    return out
+
+
+def describe_record(record: Record) -> str:
+    """One line for a record: ``step 12 mismatch k3_mean=0.01 ...`` for a metric line,
+    ``EVENT step 12 nonfinite layer 2 mlp_output ...`` for an event."""
+    value = record.value if isinstance(record.value, dict) else {"value": record.value}
+    shown = []
+    for key, item in value.items():
+        if key in ("kind", "time", "rank", "step"):
+            continue
+        if isinstance(item, float):
+            item = f"{item:.6g}"
+        elif not isinstance(item, (int, str)) or isinstance(item, bool):
+            item = json.dumps(item, separators=(",", ":"))
+        shown.append(f"{key}={item}")
+    head = "EVENT " if record.name == "sentinels.event" else ""
+    return (f"{head}step {value.get('step', '-')} rank {value.get('rank', '-')} {value.get('kind', record.name)} "
+            + " ".join(shown)).rstrip()
+
+
 class Connection:
     """An authenticated connection: requests, and an async iterator of decoded frames.
 
@@ -81,6 +147,11 @@ class Connection:
         self.close_code: int | None = None
         self.close_reason = ""
         self._frames: asyncio.Queue = asyncio.Queue(buffer)
+        self._records: asyncio.Queue = asyncio.Queue(buffer)
+        self.records_dropped = 0          # records this client dropped (not read in time)
+        self.on_record = None             # called with each Record as it arrives (in the reader task)
+        self._seen: deque = deque(maxlen=buffer)  # the records read (the last `buffer`): metrics()
+        self._last = 0                    # the last record number received: follow()'s default since
         self._waiting: dict = {}
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
@@ -105,6 +176,46 @@ class Connection:
 
     async def stats(self) -> dict:
         return await self._request({"op": "stats"}, ("stats", None), None)
+
+    async def follow(self, names=None, *, since: int | None = None) -> dict:
+        """Receive the records named so (fnmatch globs; all by default): first those the hub
+        keeps numbered above ``since`` (default: the last this connection has, so 0 at first:
+        the hub's whole backlog), then each as it comes.  The hub's reply
+        (``{"op": "following", "names", "backlog", "last"}``)."""
+        request = {"op": "follow", "since": self._last if since is None else since}
+        if names is not None:
+            request["names"] = [names] if isinstance(names, str) else list(names)
+        return await self._request(request, ("following", None), None)
+
+    async def unfollow(self) -> None:
+        await self._request({"op": "unfollow"}, ("unfollowed", None), None)
+
+    async def next_record(self, timeout: float | None = None) -> Record:
+        """The next record; TimeoutError, or StopAsyncIteration once the connection ends."""
+        item = await asyncio.wait_for(self._records.get(), timeout)
+        if item is _END:
+            self._records.put_nowait(_END)
+            raise StopAsyncIteration
+        return item
+
+    def take_records(self) -> list[Record]:
+        """The records waiting now (without waiting for more)."""
+        out = []
+        while not self._records.empty():
+            item = self._records.get_nowait()
+            if item is _END:
+                self._records.put_nowait(_END)
+                break
+            out.append(item)
+        return out
+
+    def metrics(self, history: int | None = 2000) -> dict:
+        """The metric records received so far as time series (:func:`metric_series`)."""
+        return metric_series(self._seen, history)
+
+    def events(self) -> list[dict]:
+        """The event lines received so far (``sentinels.event``)."""
+        return [r.value for r in self._seen if r.name == "sentinels.event"]
 
     async def send_raw(self, message) -> None:
         """Send any message as is (tests use it for malformed requests)."""
@@ -168,6 +279,7 @@ class Connection:
                 if not future.done():
                     future.set_exception(TraceError(f"connection closed ({self.close_code} {self.close_reason})"))
             self._push(_END)
+            self._push_record(_END)
 
     def _push(self, item) -> None:
         while True:
@@ -178,8 +290,34 @@ class Connection:
                 self._frames.get_nowait()
                 self.dropped += 1
 
+    def _push_record(self, item) -> None:
+        while True:
+            try:
+                self._records.put_nowait(item)
+                return
+            except asyncio.QueueFull:
+                self._records.get_nowait()
+                self.records_dropped += 1
+
+    def _on_records(self, records) -> None:
+        for raw in records if isinstance(records, list) else ():
+            if not isinstance(raw, dict):
+                continue
+            record = Record(raw.get("n", 0), raw.get("name", ""), raw.get("value"))
+            if isinstance(record.n, int) and record.n > self._last:
+                self._last = record.n
+            self._seen.append(record)
+            self._push_record(record)
+            if self.on_record is not None:
+                try:
+                    self.on_record(record)
+                except Exception as exc:  # noqa: BLE001 - the caller's callback: kept, the reading goes on
+                    self.errors.append({"op": "error", "id": None, "error": f"on_record: {type(exc).__name__}: {exc}"})
+
     def _answer(self, reply: dict) -> None:
         op = reply.get("op")
+        if op == "records":
+            return self._on_records(reply.get("records"))
         if op == "error":
             for key, (future, request_id) in self._waiting.items():
                 if request_id == reply.get("id") and not future.done():
@@ -372,6 +510,15 @@ def parser(prog: str = "python -m source_patch.runtime.trace.client"):
     stop.add_argument("--frames", type=int)
     stop.add_argument("--seconds", type=float)
     rec.add_argument("--retry", type=float, default=0.0, help="keep trying to connect this many seconds")
+    met = sub.add_parser("metrics", help="print the sentinels' metric lines and events as they come")
+    met.add_argument("--url", help="http://HOST:PORT/#token=..., ws://HOST:PORT/ws or HOST:PORT")
+    met.add_argument("--token")
+    met.add_argument("--token-file", help="the hub's JSON file (sp-trace/*.json) or a file holding the token")
+    met.add_argument("--names", action="append", help="record name pattern (repeatable; default: all)")
+    met.add_argument("--records", type=int, help="stop after this many records")
+    met.add_argument("--seconds", type=float, help="stop after this long")
+    met.add_argument("--json", action="store_true", help="one JSON record a line: {n, name, value}")
+    met.add_argument("--retry", type=float, default=0.0, help="keep trying to connect this many seconds")
     for name in ("summary", "show"):
         reader = sub.add_parser(name, help="read a recording back" if name == "show" else "one row per series")
         reader.add_argument("file")
@@ -385,6 +532,8 @@ def parser(prog: str = "python -m source_patch.runtime.trace.client"):
 def main(argv=None, prog: str = "python -m source_patch.runtime.trace.client") -> int:
     args = parser(prog).parse_args(argv)
     try:
+        if args.command == "metrics":
+            return _metrics(args)
         return _record(args) if args.command == "record" else _read_back(args)
     except (TraceError, ValueError, OSError) as exc:  # FrameError too: one line, not a traceback
         return commands.error(commands.first_line(exc))
@@ -396,6 +545,36 @@ def _record(args) -> int:
     n = asyncio.run(record(target, token, args.out, names=args.name, compressor=compressor, layers=args.layers,
                            every=args.every, frames=args.frames, seconds=args.seconds, retry=args.retry))
     print(f"{n} frames written to {args.out}", file=sys.stderr)
+    return 0
+
+
+async def print_records(target: str, token: str | None, *, names=None, records: int | None = None,
+                        seconds: float | None = None, as_json: bool = False, retry: float = 0.0,
+                        out=None) -> int:
+    """Follow the records and print each (``describe_record``, or JSON) until ``records``
+    records, ``seconds`` seconds or the end of the stream; the number printed."""
+    printed, out = 0, out or sys.stdout
+    deadline = None if seconds is None else time.monotonic() + seconds
+    async with connect(target, token, client="trace_client metrics", retry=retry) as c:
+        await c.follow(names)
+        while records is None or printed < records:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                break
+            try:
+                record = await c.next_record(remaining)
+            except (asyncio.TimeoutError, StopAsyncIteration):
+                break
+            line = json.dumps(record._asdict(), separators=(",", ":")) if as_json else describe_record(record)
+            print(line, file=out, flush=True)
+            printed += 1
+    return printed
+
+
+def _metrics(args) -> int:
+    target, token = _token(args)
+    asyncio.run(print_records(target, token, names=args.names, records=args.records, seconds=args.seconds,
+                              as_json=args.json, retry=args.retry))
     return 0
 
 

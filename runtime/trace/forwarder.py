@@ -12,6 +12,8 @@ process's GIL.
     Forwarder.publish(items)  --results-->    read the ring, finish, encode, Hub.deliver
     Ring.released (shared)    <--written---   Tail.release: the slices are free again
     set_subscriptions(...)    <--subs-----    Hub (subscribe / unsubscribe)
+    Forwarder.post(records)   --records-->    Hub.post: to the clients that follow records
+    set_following(on)         <--follow---    Hub (a client follows records, or none does any more)
     api.snapshot, names       <--want_state-  Mirror.refresh: before a stats, list or hello
                               --state---->    Mirror: names, step, counters
     drain / stats / report    --op------->    Hub.drain / stats / report / config
@@ -180,6 +182,11 @@ class Forwarder:
             message["blob"] = True  # one message more: the results' bytes
         self._try_send(message, b"".join(blobs) if blobs else None)
 
+    def post(self, records: list) -> None:
+        """(publisher thread) Records ``[(number, name, JSON text)]`` for the clients that follow them."""
+        if records:
+            self._try_send({"op": "records", "records": records})
+
     def report(self, sub, message: str) -> None:
         self._try_send({"op": "report", "sub": sub.client, "error": message})
 
@@ -256,6 +263,9 @@ class Forwarder:
                 if op == "subs":
                     self._set_subscriptions(message["subs"])
                     self._try_send({"op": "applied", "seq": message["seq"]})
+                elif op == "follow":
+                    self.runtime.set_following(bool(message["on"]))
+                    self._try_send({"op": "applied", "seq": message["seq"]})
                 elif op == "want_state":
                     self._share_state(message["id"])
                 elif op == "stats":
@@ -307,6 +317,7 @@ class Forwarder:
         self.closed = True
         self.runtime.fail("the trace forwarder process", exc)
         self.runtime.set_subscriptions(())
+        self.runtime.set_following(False)
         for waiter in list(self._answers.values()):
             waiter.answer = None
             waiter.set()
@@ -355,6 +366,13 @@ class Mirror:
         with self._write:
             _send(self.conn, {"op": "subs", "seq": self.sent,
                               "subs": [[n, s.canonical()] for n, s in current.items()]})
+
+    def set_following(self, on: bool) -> None:
+        """(hub loop) Tell the parent whether a client follows records (it subscribes to
+        them only then: with none, nothing is queued or sent)."""
+        self.sent += 1  # acknowledged as a subscription set is (applied): in order with them
+        with self._write:
+            _send(self.conn, {"op": "follow", "on": bool(on), "seq": self.sent})
 
     async def applied(self, timeout: float = 5.0) -> None:
         """(hub loop) Until the parent applied the last set sent (at most ``timeout``)."""
@@ -511,6 +529,8 @@ def serve(inbox: Connection, conn: Connection) -> None:
                     hub.deliver(frames)
             elif op == "state":
                 hub.loop.call_soon_threadsafe(mirror.refreshed, message["id"], message["state"], message["names"])
+            elif op == "records":
+                hub.post([tuple(record) for record in message["records"]])
             elif op == "report":
                 sub = mirror.by_number.get(message["sub"])
                 if sub is not None:

@@ -7,13 +7,16 @@ LOCAL_RANK``.  The protocol (v2) is in docs/trace_clients.md; in short:
   data, no token needed); every other path but ``/ws`` is 404.
 * WebSocket ``/ws``: the first message must be ``{"op": "hello", "token": ...}``
   within 5 s, else close 4401.  Then JSON requests (``subscribe``, ``unsubscribe``,
-  ``list``, ``stats``) get JSON replies; a bad one gets ``{"op": "error"}`` and the
+  ``list``, ``stats``, ``follow``, ``unfollow``) get JSON replies; a bad one gets ``{"op": "error"}`` and the
   connection stays open; a message over ``max_message`` bytes closes it with 1009.
 * Traced results arrive as binary frames (frame.py), several to a message
   when several are queued (``frame.split`` cuts them apart).  Each client has a
   bounded queue: a full one drops frames (the per-connection ``seq`` shows the gap)
   and a client whose queue stays full, or whose send blocks, for ``stall_timeout``
   is closed with 1008 "too slow".  Nothing here ever waits on the training thread.
+* Records (the sentinels' metric lines and events, JSON) go to the clients that
+  ``follow`` them as ``{"op": "records"}`` text messages, each client with a bounded
+  queue; the hub keeps the last RECORD_BACKLOG for clients that follow later.
 
 This module imports ``websockets`` only when a hub starts.
 
@@ -56,6 +59,9 @@ MAX_NAMES = 64               # patterns per subscription
 MAX_CONTROL = 256            # replies waiting for a client; more means it does not read: closed
 MAX_INFLIGHT = 1024          # batches handed to the loop and not yet queued
 MESSAGE_BYTES = 1 << 20      # frames queued for a client are sent together up to this size
+RECORD_BACKLOG = 2000        # records the hub keeps, for a client that follows later (``since``)
+RECORD_QUEUE = 4096          # records waiting for one client; more are dropped (its ``n`` shows the gap)
+RECORD_MESSAGE = 1 << 18     # records queued for a client are sent together up to this size
 VIEW = Path(__file__).parent / "view"
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
           "/view.js": ("view.js", "text/javascript; charset=utf-8"),
@@ -130,6 +136,29 @@ class Client:
         self.send_started: float | None = None
         self.closed = False
         self.wakeup = asyncio.Event()
+        self.follow = None            # the record names it follows (a match function), or None
+        self.follow_names: list = []
+        self.records: deque = deque()  # JSON texts of records waiting to be sent
+        self.records_sent = self.records_dropped = 0
+
+    def offer_records(self, records) -> None:
+        """Queue the records (number, name, text) this client follows; when its queue is
+        full they are dropped and counted (the records' ``n`` show the gap)."""
+        match = self.follow
+        if match is None or self.closed:
+            return
+        queued = False
+        for _, name, text in records:
+            if not match(name):
+                continue
+            if len(self.records) >= RECORD_QUEUE:
+                self.records_dropped += 1
+                self.hub.counts["records_dropped"] += 1
+                continue
+            self.records.append(text)
+            queued = True
+        if queued:
+            self.wakeup.set()
 
     def offer(self, frame: bytearray) -> None:
         """Queue a frame with the next sequence number, or drop it when the queue is full."""
@@ -161,9 +190,14 @@ class Client:
             while not self.closed:
                 await self.wakeup.wait()
                 self.wakeup.clear()
-                while (self.control or self.frames) and not self.closed:
-                    frames = [] if self.control else self._take_frames()
-                    message = join(frames) if frames else self.control.popleft()
+                while (self.control or self.records or self.frames) and not self.closed:
+                    if self.control:
+                        frames, message = [], self.control.popleft()
+                    elif self.records:
+                        frames, message = [], self._take_records()
+                    else:
+                        frames = self._take_frames()
+                        message = join(frames)
                     if len(self.frames) < self.hub.config["client_queue"]:
                         self.full_since = None
                     self.send_started = time.monotonic()
@@ -173,6 +207,18 @@ class Client:
                     self.hub.counts["frames_sent"] += len(frames)
         except Exception:  # noqa: BLE001 - the connection is gone; the handler cleans up
             self.send_started = None
+
+    def _take_records(self) -> str:
+        """Queued records as one text message ``{"op": "records", "records": [...]}``, up to
+        RECORD_MESSAGE characters, at least one record."""
+        texts = [self.records.popleft()]
+        size = len(texts[0])
+        while self.records and size + len(self.records[0]) + 1 <= RECORD_MESSAGE:
+            size += len(self.records[0]) + 1
+            texts.append(self.records.popleft())
+        self.records_sent += len(texts)
+        self.hub.counts["records_sent"] += len(texts)
+        return '{"op":"records","records":[' + ",".join(texts) + "]}"
 
     def _take_frames(self) -> list:
         """Queued frames for one message: up to MESSAGE_BYTES, at least one."""
@@ -189,7 +235,8 @@ class Client:
 
     def info(self) -> dict:
         return {"client": self.name, "subscriptions": sorted(self.subs), "sent": self.sent,
-                "dropped": self.dropped, "queued": len(self.frames)}
+                "dropped": self.dropped, "queued": len(self.frames), "follows": self.follow_names,
+                "records_sent": self.records_sent, "records_dropped": self.records_dropped}
 
 
 def result_frames(subs: list, array, name: str, tags: dict, step: int, stamp: float, shape: list,
@@ -223,7 +270,9 @@ class Hub:
         self.clients: set = set()
         self.unauthenticated = 0
         self.counts = {"frames_sent": 0, "dropped": 0, "clients_dropped": 0, "rejected": 0,
-                       "late": 0}
+                       "late": 0, "records_sent": 0, "records_dropped": 0}
+        self.backlog: deque = deque(maxlen=RECORD_BACKLOG)  # (number, name, text): the latest records
+        self._following = False  # told to the runtime: a client follows records
         self._inflight = 0
         self._lock = threading.Lock()
         self._server = None
@@ -341,6 +390,18 @@ class Hub:
             self._inflight += 1
         self.loop.call_soon_threadsafe(self._deliver, frames)
 
+    def post(self, records: list) -> None:
+        """(publisher thread, or the forwarder's loop) Records ``[(number, name, JSON text)]``
+        to the clients that follow them."""
+        if not records:
+            return
+        with self._lock:
+            if self._inflight >= MAX_INFLIGHT:
+                self.counts["records_dropped"] += len(records)
+                return
+            self._inflight += 1
+        self.loop.call_soon_threadsafe(self._post, records)
+
     def report(self, sub: Subscription, message: str) -> None:
         """(training thread) An error of one subscription, sent to its client."""
         self.loop.call_soon_threadsafe(sub.client.say, {"op": "error", "id": sub.id, "error": message})
@@ -375,12 +436,20 @@ class Hub:
             if not client.closed and client.subs.get(sub.id) is sub:  # not replaced meanwhile
                 client.offer(frame)
 
+    def _post(self, records: list) -> None:
+        with self._lock:
+            self._inflight -= 1
+        self.backlog.extend(records)
+        for client in self.clients:
+            if client.follow is not None:
+                client.offer_records(records)
+
     async def _drained(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
                 inflight = self._inflight
-            if not inflight and not any((c.frames or c.control or c.send_started) for c in self.clients
+            if not inflight and not any((c.frames or c.control or c.records or c.send_started) for c in self.clients
                                         if not c.closed):
                 return True
             await asyncio.sleep(0.01)
@@ -421,9 +490,19 @@ class Hub:
         client.wakeup.set()
         self.clients.discard(client)
         self._subscriptions_changed()
+        if client.follow is not None:
+            self._following_changed()
 
     def _subscriptions_changed(self) -> None:
         self.runtime.set_subscriptions([s for c in self.clients for s in c.subs.values()])
+
+    def _following_changed(self) -> None:
+        """Tell the runtime whether any client follows records (it subscribes to them only
+        then), when that changes."""
+        following = any(c.follow is not None for c in self.clients if not c.closed)
+        if following != self._following:
+            self._following = following
+            self.runtime.set_following(following)
 
     def _http(self, connection, request):
         """Static files of the browser view; None lets ``/ws`` go on to the WebSocket handshake."""
@@ -543,10 +622,17 @@ class Hub:
             elif op == "stats":
                 await self._refresh()
                 client.say({"op": "stats", **self._stats(client)})
+            elif op == "follow":
+                await self._follow(client, request)
+            elif op == "unfollow":
+                client.follow, client.follow_names = None, []
+                client.records.clear()
+                self._following_changed()
+                client.say({"op": "unfollowed"})
             elif op == "hello":
                 raise ValueError("already authenticated")
             else:
-                raise ValueError(f"unknown op {op!r} (valid: subscribe, unsubscribe, list, stats)")
+                raise ValueError(f"unknown op {op!r} (valid: subscribe, unsubscribe, list, stats); records: follow, unfollow")
         except (ValueError, TypeError, KeyError) as exc:
             client.say({"op": "error", "id": request_id, "error": str(exc).strip('"')})
 
@@ -576,6 +662,37 @@ class Hub:
         if refresh is not None:
             await refresh()
 
+    async def _follow(self, client: Client, request: dict) -> None:
+        """``{"op": "follow", "names": [globs] (default all), "since": N (default 0)}``: the
+        records named so, from now on, and first those of the backlog numbered above N."""
+        unknown = sorted(set(request) - {"op", "id", "names", "since"})
+        if unknown:
+            raise ValueError(f"follow: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                             "(valid: names, since)")
+        names = request.get("names")
+        if names is None:
+            names = ["*"]
+        elif isinstance(names, str):
+            names = [names]
+        if (not isinstance(names, list) or not 0 < len(names) <= MAX_NAMES
+                or not all(isinstance(n, str) and 0 < len(n) <= 256 for n in names)):
+            raise ValueError(f"follow: names must be a list of 1-{MAX_NAMES} record name patterns "
+                             "(fnmatch globs such as 'sentinels.*')")
+        since = request.get("since", 0)
+        if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+            raise ValueError(f"follow: since must be an integer >= 0 (the last record number you have), got {since!r}")
+        # The backlog queued at once, and live records from now on (the loop runs nothing
+        # in between): in order, none twice.
+        client.follow = re.compile("|".join(fnmatch.translate(p) for p in names)).match
+        client.follow_names = names
+        client.records.clear()
+        backlog = [r for r in self.backlog if r[0] > since]
+        client.offer_records(backlog)
+        self._following_changed()
+        await self._applied()  # a forwarder's traced process follows: a record emitted from now on comes
+        client.say({"op": "following", "names": names, "backlog": len(backlog),
+                    "last": self.backlog[-1][0] if self.backlog else 0})
+
     async def _unsubscribe(self, client: Client, request: dict) -> None:
         sub_id = request.get("id")
         if sub_id not in client.subs:
@@ -594,7 +711,9 @@ class Hub:
                 "skipped": state["skipped"], "errors": state["errors"],
                 "compress_errors": state["compress_errors"], "too_large": state["too_large"],
                 "cost_seconds": state["cost_seconds"], "due_call_us": state.get("due_call_us"),
-                "ring": state.get("ring"), "you": client.info()}
+                "ring": state.get("ring"), "records": state.get("records", 0),
+                "records_dropped": state.get("records_dropped", 0) + self.counts["records_dropped"],
+                "records_sent": self.counts["records_sent"], "you": client.info()}
 
     # -- token file
 

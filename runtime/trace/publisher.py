@@ -17,6 +17,8 @@ streams.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import time
 
@@ -41,15 +43,54 @@ def loop() -> None:
             continue
         cpu = time.thread_time()
         try:
-            fetch(items)  # this thread waits for the copies, never the trainer
+            records = [item for item in items if type(item) is tuple]  # api.post's, behind the results
+            if records:
+                items = [item for item in items if type(item) is not tuple]
             hub = api.hub
-            if hub is not None:
-                hub.publish(items, ranks.global_rank())  # frames here, or sent to the forwarder
+            if items:
+                fetch(items)  # this thread waits for the copies, never the trainer
+                if hub is not None:
+                    hub.publish(items, ranks.global_rank())  # frames here, or sent to the forwarder
+            if records and hub is not None:
+                hub.post(encode_records(records))
         except Exception as exc:  # noqa: BLE001 - the publisher must survive anything
             api.fail("publishing", exc)
         finally:
-            items = None
+            items = records = None
             api.batch_done(time.thread_time() - cpu)
+
+
+def encode_records(records: list) -> list:
+    """[(number, name, JSON text)] of api.post's records: ``{"n", "name", "value"}`` each,
+    strict JSON (a non-finite number is null; anything else JSON cannot hold, its str()).
+    One longer than api.RECORD_BYTES is dropped and counted (records_dropped)."""
+    out, dropped = [], 0
+    for number, name, value in records:
+        record = {"n": number, "name": name, "value": value}
+        try:
+            text = _JSON.encode(record)
+        except ValueError:  # NaN or an infinity somewhere: null, as the run folder writes it
+            text = _JSON.encode(_finite(record))
+        if len(text) > api.RECORD_BYTES:
+            dropped += 1
+            continue
+        out.append((number, name, text))
+    if dropped:
+        api._count("records_dropped", dropped)
+    return out
+
+
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=str)
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def fetch(items: list) -> None:

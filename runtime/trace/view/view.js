@@ -3,6 +3,17 @@
 "use strict";
 (() => {
   const HISTORY = 500;                     // time-series points kept per layer
+  const SERIES_HISTORY = 2000;             // points kept per sentinel metric series (kind, figure, layer)
+  const MAX_EVENTS = 200;                  // sentinel events listed (the latest)
+  const MAX_METRIC_CHARTS = 64;            // sentinel metric charts drawn at most
+  const MAX_LINES = 64;                    // lines (layers) per metric chart
+  // Fields of a metric line that say where and when (not charted), and the figures shown
+  // first (the others under "more figures"); a numeric field of any other kind is charted too.
+  const WHERE_KEYS = new Set(["kind", "time", "rank", "step", "layer"]);
+  const KEY_FIGURES = {
+    mismatch: ["max_abs_diff_max", "k3_mean", "max_abs_diff_mean", "k3_max", "frac_over_ln2_mean", "over_threshold"],
+    routing_health: ["imbalance", "entropy", "agreement", "tokens"],
+  };
   const POLL_MS = 2000;                    // refresh period of the name list and hub stats
   const MAX_CELLS = 32;                    // small multiples drawn per panel
   const STAT_KEYS = ["frames_sent", "dropped", "clients", "errors"];  // hub counters shown in the header
@@ -29,11 +40,15 @@
     state: "idle", framesReceived: 0, framesDrawn: 0, draws: 0, gaps: 0, badFrames: 0,
     reconnects: 0, lastError: null, errors: [], subscriptions: {}, names: [], stats: {},
     welcome: null, step: null, decodeFrame, decodeMessage,
+    recordsReceived: 0, recordGaps: 0, lastRecord: 0, sentinelEvents: [], metricCharts: 0,
   };
   let ws = null, backoff = 500, retryTimer = null, nextSeq = 0, timers = [], editing = null;
   let compressors = {};                    // kind -> {param: default}, from the hub's welcome
   const panels = new Map();                // "sub\0name" -> panel
   const dirty = new Set();
+  // The sentinels' metric series: "kind\0figure" -> {kind, figure, lines: Map(layer -> [[step, value]])}
+  const metrics = new Map();
+  let sentinelsDirty = false, scheduled = false;
 
   // ------------------------------------------------------------------ frames
 
@@ -94,6 +109,116 @@
     panelFor(frame.meta).add(frame);
   }
 
+  // ------------------------------------------------------------ sentinel records
+
+  /** {op: "records", records: [{n, name, value}]}: the sentinels' metric lines and events. */
+  function onRecords(records) {
+    if (!Array.isArray(records)) return;
+    for (const r of records) {
+      if (!r || typeof r !== "object" || !Number.isFinite(r.n) || r.n <= view.lastRecord) continue;  // seen already
+      if (view.lastRecord && r.n > view.lastRecord + 1) view.recordGaps += r.n - view.lastRecord - 1;  // dropped
+      view.lastRecord = r.n;
+      view.recordsReceived++;
+      const value = r.value && typeof r.value === "object" ? r.value : {};
+      if (r.name === "sentinels.metric") addMetric(value);
+      else if (r.name === "sentinels.event") addEvent(value);
+    }
+    sentinelsDirty = true;
+    schedule();
+  }
+
+  const stepOf = (value) => (typeof value.step === "number" && Number.isFinite(value.step) ? value.step : view.lastRecord);
+
+  function addMetric(value) {
+    const kind = String(value.kind ?? "?"), x = stepOf(value);
+    const layer = value.layer === undefined || value.layer === null ? "-" : String(value.layer);
+    for (const [figure, y] of Object.entries(value)) {
+      if (WHERE_KEYS.has(figure) || typeof y !== "number" || !Number.isFinite(y)) continue;
+      const key = `${kind}\0${figure}`;
+      let chart = metrics.get(key);
+      if (!chart) {
+        if (metrics.size >= 4 * MAX_METRIC_CHARTS) continue;   // bounded: a stream of ever-new figures
+        metrics.set(key, chart = { kind, figure, lines: new Map() });
+      }
+      let points = chart.lines.get(layer);
+      if (!points) {
+        if (chart.lines.size >= MAX_LINES) continue;
+        chart.lines.set(layer, points = []);
+      }
+      if (points.length && points[points.length - 1][0] === x) points.pop();  // the same step again: the latest
+      points.push([x, y]);
+      if (points.length > SERIES_HISTORY) points.splice(0, points.length - SERIES_HISTORY);
+    }
+  }
+
+  function addEvent(value) {
+    view.sentinelEvents.push(value);
+    if (view.sentinelEvents.length > MAX_EVENTS) view.sentinelEvents.shift();
+  }
+
+  /** "nonfinite at step 12, layer 2 mlp_output" and the other scalar fields, as text. */
+  function describeEvent(value) {
+    const head = `${value.kind ?? "event"} at step ${value.step ?? "?"}` +
+      (value.layer !== undefined && value.layer !== null ? `, layer ${value.layer}` : "") +
+      (typeof value.name === "string" ? ` ${value.name}` : "");
+    const rest = Object.entries(value)
+      .filter(([k, v]) => !["kind", "step", "layer", "name", "time"].includes(k) && v !== null && typeof v !== "object")
+      .map(([k, v]) => `${k} ${typeof v === "number" ? fmt(v) : String(v)}`);
+    return [head, rest.join(" · ").slice(0, 400)];
+  }
+
+  function keyFigure(chart) { return (KEY_FIGURES[chart.kind] || []).indexOf(chart.figure); }
+
+  function drawSentinels() {
+    const box = $("#sentinels");
+    box.hidden = false;
+    const charts = [...metrics.values()].sort((a, b) => {
+      const ka = keyFigure(a), kb = keyFigure(b);
+      if ((ka < 0) !== (kb < 0)) return ka < 0 ? 1 : -1;
+      return a.kind.localeCompare(b.kind) || (ka - kb) || a.figure.localeCompare(b.figure);
+    }).slice(0, MAX_METRIC_CHARTS);
+    const main = charts.filter((c) => keyFigure(c) >= 0 || !KEY_FIGURES[c.kind]);
+    const more = charts.filter((c) => !main.includes(c));
+    placeCharts($("#metrics"), main);
+    const details = $("#more-metrics");
+    details.hidden = !more.length;
+    $("summary", details).textContent = `more figures (${more.length})`;
+    placeCharts($("#metrics-more"), more);
+    view.metricCharts = charts.length;
+    const events = view.sentinelEvents;
+    $("#sentinel-events-box").hidden = !events.length;
+    $("#sentinel-events").replaceChildren(...events.slice().reverse().map((value) => {
+      const [head, rest] = describeEvent(value);
+      return el("li", { "data-kind": String(value.kind ?? ""), "data-step": String(value.step ?? "") },
+        el("b", { text: head }), el("span", { class: "detail", text: rest }));
+    }));
+    const marks = events.map((e) => e.step).filter((x) => typeof x === "number");
+    $("#sentinels-title").textContent = `${view.recordsReceived} records · ${charts.length} figures · ` +
+      `${events.length} events${view.recordGaps ? ` · ${view.recordGaps} dropped` : ""}`;
+    for (const chart of charts) {
+      if (!chart.node.isConnected || (more.includes(chart) && !details.open)) continue;
+      const lines = [...chart.lines.entries()].sort(([a], [b]) => (a === "-" ? -1 : b === "-" ? 1 : Number(a) - Number(b)));
+      const last = lines[0][1][lines[0][1].length - 1];
+      chart.label.replaceChildren(el("b", { text: chart.figure }), ` · ${chart.kind} · step ${last[0]} · ${fmt(last[1])}` +
+        (lines.length > 1 ? ` · ${lines.length} layers` : ""));
+      drawLines(chart.canvas, lines.map(([layer, points], i) => ({
+        label: layer === "-" ? chart.figure : `L${layer}`, color: PALETTE[i % PALETTE.length], points,
+      })), { height: 130, marks });
+    }
+  }
+
+  function placeCharts(grid, charts) {
+    for (const chart of charts) {
+      if (chart.node) continue;
+      chart.label = el("div", { class: "cell-label" });
+      chart.canvas = el("canvas", { class: "series", "data-kind": chart.kind, "data-figure": chart.figure });
+      chart.node = el("div", { class: "cell-box metric", "data-kind": chart.kind, "data-figure": chart.figure },
+        chart.label, chart.canvas);
+    }
+    const nodes = charts.map((c) => c.node);
+    if (nodes.length !== grid.children.length || nodes.some((n, i) => grid.children[i] !== n)) grid.replaceChildren(...nodes);
+  }
+
   // -------------------------------------------------------------- connection
 
   function connect() {
@@ -148,6 +273,14 @@
       case "unsubscribed": return forget(msg.id);
       case "names": view.names = msg.names || []; return renderNames();
       case "stats": view.stats = msg; return renderStats();
+      case "records": return onRecords(msg.records);
+      case "following":
+        if (msg.last < view.lastRecord) {            // another process serves this hub now: its numbers start over
+          view.lastRecord = 0;
+          send({ op: "follow", names: ["sentinels.*"], since: 0 });
+        }
+        return undefined;
+      case "unfollowed": return undefined;
       case "error": return onHubError(msg, sub);
       default: return addError(`unknown message op ${JSON.stringify(msg.op)} from the hub`);
     }
@@ -166,6 +299,8 @@
     for (const sub of Object.values(view.subscriptions)) {       // after a reconnect
       send(sub.active ? { op: "subscribe", ...sub.active, id: sub.id } : sub.request);
     }
+    // The sentinels' records: the hub's backlog past what this page has, then live.
+    send({ op: "follow", names: ["sentinels.*"], since: view.lastRecord });
     const poll = () => { send({ op: "list" }); send({ op: "stats" }); };
     poll();
     timers.push(setInterval(poll, POLL_MS));
@@ -324,11 +459,17 @@
   }
 
   function markDirty(panel) {
-    if (!dirty.size) requestAnimationFrame(drawDirty);
     dirty.add(panel);
+    schedule();
+  }
+
+  function schedule() {
+    if (!scheduled) { scheduled = true; requestAnimationFrame(drawDirty); }
   }
 
   function drawDirty() {
+    scheduled = false;
+    if (sentinelsDirty) { sentinelsDirty = false; drawSentinels(); }
     for (const p of dirty) {
       p.setTitle();
       (p.kind === "tiles" ? drawTilesPanel : drawCellsPanel)(p);
@@ -472,7 +613,7 @@
   }
 
   /** series: [{label, color, points: [[x, y], ...]}] as lines on shared axes, with a legend. */
-  function drawLines(canvas, series, { height = 170, xName = "step" } = {}) {
+  function drawLines(canvas, series, { height = 170, xName = "step", marks = [] } = {}) {
     const [ctx, width] = setupCanvas(canvas, height);
     const left = 56, top = 8, w = width - left - 64, h = height - top - 22;
     const [x0, x1] = range(series.map((s) => s.points.map((p) => p[0])));
@@ -485,6 +626,19 @@
     text(ctx, fmt(y0), left - 6, top + h - 4, "right");
     text(ctx, `${xName} ${fmt(x0)}`, left, top + h + 6, "left", "top");
     text(ctx, fmt(x1), left + w, top + h + 6, "right", "top");
+    ctx.strokeStyle = "#dc2626";                            // events (a sentinel's) at their steps
+    ctx.setLineDash([3, 3]);
+    let marked = 0;
+    for (const x of new Set(marks)) {
+      if (x < x0 || x > x1) continue;
+      ctx.beginPath();
+      ctx.moveTo(px(x), top);
+      ctx.lineTo(px(x), top + h);
+      ctx.stroke();
+      marked++;
+    }
+    ctx.setLineDash([]);
+    canvas.dataset.marks = marked;
     ctx.lineWidth = 1.5;
     series.forEach((s, i) => {
       ctx.strokeStyle = s.color;
@@ -565,6 +719,7 @@
     const preferred = numbers.filter(([k]) => STAT_KEYS.includes(k));
     const shown = preferred.length ? preferred : numbers.slice(0, 6);
     shown.push(["received", view.framesReceived], ["gaps", view.gaps]);
+    if (view.recordsReceived) shown.push(["records", view.recordsReceived]);
     $("#stats").replaceChildren(...shown.flatMap(([k, v]) => [el("dt", { text: k.replace(/_/g, " ") }),
       el("dd", { text: fmt(v) })]));
   }
@@ -603,7 +758,8 @@
     form.new.addEventListener("click", () => setEditing(null));
     fillKinds();
     window.addEventListener("hashchange", () => { disconnect(); backoff = 500; connect(); });  // a new token
-    window.addEventListener("resize", () => panels.forEach(markDirty));
+    window.addEventListener("resize", () => { panels.forEach(markDirty); sentinelsDirty = metrics.size > 0; schedule(); });
+    $("#more-metrics").addEventListener("toggle", () => { sentinelsDirty = true; schedule(); });
     connect();
   }
 
