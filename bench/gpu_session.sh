@@ -6,7 +6,7 @@
 #           and for `upstream`: pydantic, pydantic-core, annotated-types, typing-inspection and
 #           typing-extensions (megatron.training needs them) into .whl/, and the upstream test
 #           folders copied into .upstream/ (git-ignored): mkdir -p .upstream && cp -r ../shared/upstream/megatron-lm .upstream/
-#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [duecall] [native] [native_training] [bias] [overhead] [overhead_processes] [hostbound] [swap] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream] [verdict]
+#   there:  bash bench/gpu_session.sh [tests] [dump] [step] [routing] [graphs] [trace] [launch] [duecall] [native] [native_training] [bias] [overhead] [overhead_processes] [hostbound] [swap] [costs] [weights] [pushx2] [backends] [wirespeed] [phases] [push] [newest] [upstream] [verdict] [sentinels]
 #           (default: all; `overhead_processes` first on a fresh machine to see the first-run cliff; results under $OUT; `newest` installs 0.19.2 over 0.16.1, so it runs last;
 #            `upstream` installs each release of $UPSTREAM_RELEASES, default "0.16.1 0.19.2", in turn)
 # (each part fits one 10-minute device call; call it with fewer parts to split;
@@ -258,6 +258,19 @@ for v in ${UPSTREAM_RELEASES:-0.16.1 0.19.2}; do
   tail -60 $work.log
   (cd /tmp && tar -czf "$OUT/upstream-$v.tgz" sp-upstream-$v.log sp-upstream-$v/*.xml)
 done
+fi
+if want sentinels; then
+echo "== the sentinels armed (issue 54 item 5): non-finite provenance, routing health and the mismatch watch without a"
+echo "   trigger, each process against itself (the swap bench), the host-bound model, then the GPU-bound one eager and"
+echo "   under Megatron's router CUDA graphs; then the gpu-marked sentinel tests"
+(cd bench && timeout ${SENTINELS_SWAP_S:-260} python3 overhead_bench.py --resident 1 --rounds ${SENTINELS_ROUNDS:-300} --swap \
+  --no-probes --variants "sentinels armed" --save "$OUT/overhead_sentinels_swap.json" 2>&1 \
+  | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_sentinels_swap.txt" | tail -12)
+(cd bench && timeout ${SENTINELS_LARGE_S:-200} python3 overhead_bench.py --resident 5 --rounds ${SENTINELS_LARGE_ROUNDS:-8} \
+  --no-probes --hidden 2048 --layers 4 --variants "plain;sentinels armed;plain, graphs;sentinels armed, graphs" 2>&1 \
+  | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_sentinels_large.txt" | tail -10)
+timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_sentinels_nonfinite.py tests/test_sentinels_routing.py \
+  2>&1 | tee "$OUT/pytest_sentinels_gpu.log" | tail -4
 fi
 if want verdict; then
 echo "== verdict (issue 53 item 5): real mismatches between two training runs of one checkpoint (examples/verdict_runs.py:"

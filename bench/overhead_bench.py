@@ -20,9 +20,12 @@ Core 0.16 needs without Transformer Engine):
                            dump 1 layer / 10, trace with the client; weight_sync inert
     everything + weight sync   the same with weight sync pushing every step (two GPUs)
     weight sync every step, 32 CTAs   with weight_sync.nccl_ctas 32 on both ends
+    sentinels armed        + dump, routing and sentinels, dumping and routing off: non-finite
+                           provenance, routing health and the mismatch watch armed (issue 54)
     plain, graphs          plain with Megatron's router CUDA graphs (graph_bench.py's model);
     routing capture, graphs    the ", graphs" variants are compared with it, not with plain
     everything at once, graphs
+    sentinels armed, graphs
 
 Per variant: step time against plain (ratio of medians and of means, each with a
 bootstrap 90% interval over the timed steps of all its processes; the mean carries a
@@ -110,7 +113,13 @@ EVERY = f"{BASE},routing,dump,trace,weight_sync"
 CTAS = "SOURCE_PATCH_WEIGHT_SYNC_NCCL_CTAS"  # weight_sync.nccl_ctas: the receiver takes it as --nccl-ctas
 TOKEN = "overhead-bench"
 PROBE = re.compile(r"^overhead-probe: (\{.*)$", re.M)
-PREFIXES = ("SOURCE_PATCH_DUMP", "SOURCE_PATCH_ROUTING", "SOURCE_PATCH_TRACE", "SOURCE_PATCH_WEIGHT_SYNC")
+PREFIXES = ("SOURCE_PATCH_DUMP", "SOURCE_PATCH_ROUTING", "SOURCE_PATCH_TRACE", "SOURCE_PATCH_WEIGHT_SYNC",
+            "SOURCE_PATCH_SENTINELS")
+# Issue 54 item 5: the sentinels armed (non-finite provenance, routing health, the mismatch
+# watch without a trigger) on the dump and routing call sites, dumping and routing off.
+SENTINELS = f"{BASE},dump,routing,sentinels"
+ARMED = (("SOURCE_PATCH_SENTINELS_NONFINITE", "1"), ("SOURCE_PATCH_SENTINELS_ROUTING_HEALTH", "1"),
+         ("SOURCE_PATCH_SENTINELS_MISMATCH", "1"))
 
 
 class Variant(NamedTuple):
@@ -140,7 +149,9 @@ VARIANTS = {
     "everything at once": Variant(EVERY, "capture", "sparse", True),
     "everything + weight sync": Variant(EVERY, "capture", "sparse", True, sync=True),
     "weight sync every step, 32 CTAs": Variant(f"{BASE},weight_sync", sync=True, env=((CTAS, "32"),)),
+    "sentinels armed": Variant(SENTINELS, env=ARMED),
     "plain, graphs": Variant(BASE, graphs=True),
+    "sentinels armed, graphs": Variant(SENTINELS, graphs=True, env=ARMED),
     "routing capture, graphs": Variant(f"{BASE},routing", "capture", graphs=True),
     "everything at once, graphs": Variant(EVERY, "capture", "sparse", True, graphs=True),
 }
@@ -155,7 +166,8 @@ def environment(name: str, folder: str, replay_dir: str, steps: int, port: int, 
                SOURCE_PATCH_DUMP_DIR=os.path.join(folder, "dump"), SOURCE_PATCH_ROUTING_MODE=v.routing,
                SOURCE_PATCH_ROUTING_DIR=replay_dir if v.routing == "replay" else os.path.join(folder, "routing"),
                SOURCE_PATCH_TRACE_PORT=str(port if v.client else 0), SOURCE_PATCH_TRACE_TOKEN=TOKEN,
-               SOURCE_PATCH_TRACE_DIR=os.path.join(folder, "trace"), OVERHEAD_PROBE_GRAPHS="1" if v.graphs else "0")
+               SOURCE_PATCH_TRACE_DIR=os.path.join(folder, "trace"), OVERHEAD_PROBE_GRAPHS="1" if v.graphs else "0",
+               SOURCE_PATCH_SENTINELS_DIR=os.path.join(folder, "sentinels"))
     if v.dump == "sparse":  # Megatron numbers layers from 1; the dumper counts steps from 0
         env.update(SOURCE_PATCH_DUMP_LAYERS="1", SOURCE_PATCH_DUMP_STEPS=",".join(map(str, range(0, steps, 10))))
     if v.client:

@@ -263,3 +263,42 @@ def test_a_clean_run_reports_nothing(runs):
     assert counters["nonfinite_events"] == 0 and counters["errors"] == 0 and lines(folder) == []
     assert counters["sites_watched"] > 0 and result["state"]["last_error"] is None
     assert result["seconds"] < 40
+
+
+# -------------------------------------------------------------- on a GPU, under CUDA graph capture
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_site_folded_inside_a_cuda_graph_is_reported_after_the_replay_that_saw_it(armed):
+    """The fold is a device op on static flags: captured once, it runs at every replay;
+    the read at the step's end is asynchronous (reported at that step's end or the
+    next, or at flush), never a host sync inside the graph."""
+    static = torch.ones(8, 16, device="cuda")
+    out = torch.empty_like(static)
+
+    def layer():
+        out.copy_(static * 2)
+        dump.dump("mlp_output", out, layer=3)
+
+    layer()  # eager first, as Megatron's warm-up: the site gets its slot outside capture
+    control.sentinels_step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer()
+    control.sentinels_step()
+    control.flush()
+    assert lines(armed) == []  # clean replays and captures say nothing
+    for step in range(3):
+        if step == 1:
+            static[2, 5] = NAN
+        graph.replay()
+        control.sentinels_step()
+    control.flush()
+    (event,) = [e for e in lines(armed) if e["kind"] == "nonfinite"][:1]
+    assert (event["name"], event["layer"]) == ("mlp_output", 3), event

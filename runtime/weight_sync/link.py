@@ -97,7 +97,12 @@ def close_group(group) -> None:
 
 
 class Link:
-    """A weight-update group, its device, and the deadline every wait gets."""
+    """A weight-update group, its device, and the deadline every wait gets.
+    ``broadcast_bytes``: the bytes this rank passed to ``broadcast`` on it so far
+    (a sender's sent, a receiver's received; the several-group fan-out counts each
+    group's update with it)."""
+
+    broadcast_bytes = 0
 
     def __init__(self, group, timeout_s: float = 300.0):
         self.group = group
@@ -119,6 +124,7 @@ class Link:
 
     def broadcast(self, tensor: torch.Tensor):
         self._check()
+        self.broadcast_bytes += tensor.nbytes
         return dist.broadcast(tensor, group=self.group, group_src=0, async_op=True)
 
     def wait(self, work, what: str) -> None:

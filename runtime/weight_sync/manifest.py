@@ -13,6 +13,10 @@ SETTINGS = {
                                                  "engine ranks connect (SGLang's master_address)"),
     "port": Setting(0, port, "rendezvous port (SGLang's master_port); required when enabled"),
     "world_size": Setting(2, integer(low=2), "ranks in the update group: 1 trainer + every engine rank"),
+    "groups": Setting(None, lambda value: _groups(value), "trainer, nccl / gloo: several update groups, one per "
+                      "engine (or engine group), as PORT:WORLD_SIZE[:NAME] items (NAME: group_name; WORLD_SIZE: 1 "
+                      "+ that engine's ranks); each update is broadcast on each group in turn, with its own "
+                      "checksums and verdict; when set, port and world_size are not read"),
     "group_name": Setting("source_patch_weights", nonempty_text, "the update group's name (SGLang's group_name)"),
     "backend": Setting("auto", choice("auto", "nccl", "gloo", "ipc", "mooncake"),
                        "how updates reach the engines: nccl / gloo broadcast over the update group (auto: nccl "
@@ -46,6 +50,10 @@ SETTINGS = {
                               "host time per bucket instead of ~1 us per tensor"),
     "timeout_s": Setting(300.0, seconds(positive=True), "longest wait for any step of an update (also the first "
                                                   "connection); then the update fails instead of hanging"),
+    "overlap": Setting(False, boolean, "trainer, rank 0: a push copies the update into a snapshot of its own "
+                       "(one copy of the update's bytes; on a GPU on a side stream after the optimizer step) and "
+                       "sends it on a background thread while the step returns; the next push, flush() or close() "
+                       "waits for it (at most one in flight) and raises its error"),
     "every": Setting(1, integer(low=1), "trainer: push after every N-th successful optimizer step"),
     "on_error": Setting("log", choice("log", "raise"), "trainer: a failed push is logged and counted "
                                                        "(training continues) or raised from optimizer.step()"),
@@ -58,6 +66,21 @@ SETTINGS = {
     "vocab_size": Setting(0, integer(low=0), "trainer: cut padded embedding / output-layer rows to this "
                                              "vocabulary size (0 = send as is)"),
 }
+
+def _groups(value) -> list | None:
+    """``groups``: PORT:WORLD_SIZE[:NAME] items, checked (canonical: the same strings)."""
+    items = string_list(value)
+    for item in items or ():
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or not parts[0].isdigit() or not parts[1].isdigit():
+            raise ValueError(f"expected PORT:WORLD_SIZE[:NAME] items, got {item!r}")
+        if not 0 < int(parts[0]) <= 65535 or int(parts[1]) < 2:
+            raise ValueError(f"{item!r}: a port 1-65535 and a world size of at least 2")
+    ports = [item.split(":")[0] for item in items or ()]
+    if len(set(ports)) != len(ports):
+        raise ValueError(f"groups: a port named twice ({', '.join(ports)})")
+    return items
+
 
 CAPABILITY = Capability(
     name="weight_sync",

@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import threading
 import time
 import weakref
 from typing import Any
@@ -64,8 +65,11 @@ def _apply(config: dict) -> dict:
 _attached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> model chunks
 _trainer: dict = {"step": 0, "pushes": 0, "failures": 0, "last_error": None, "last_push_s": None,
                   "last_bytes": 0, "version": None, "sent_from": None, "gathers": 0,
-                  "planned": False}
+                  "planned": False, "last_wait_s": None, "last_snapshot_s": None, "last_send_s": None}
 _backend = None  # the trainer's end of the configured backend (backend.Backend), opened on first push
+_lock = threading.Lock()  # _trainer's counters: an overlapped push's thread updates them too
+_inflight = None  # the overlapped push on the wire (_InFlight), at most one
+_snapshot = None  # an overlapped push's copy of its update (broadcast.Snapshot), for a backend without one
 
 
 def weight_sync_attach(optimizer: Any, model_chunks) -> Any:
@@ -102,6 +106,7 @@ def weight_sync_step(optimizer: Any, result: Any) -> Any:
     except Exception as exc:  # noqa: BLE001 - on_error decides
         if _config["on_error"] == "raise":
             raise
+        # (overlap: the error of the push before, which was on the wire; it names its version)
         log.error("weight sync: push of v%d failed, training continues: %s", _trainer["step"], exc)
     return result
 
@@ -133,6 +138,7 @@ def push(model_chunks, version: int | None = None) -> None:
 
     version = _trainer["step"] if version is None else int(version)
     start = time.perf_counter()
+    previous = None  # overlap: the error of the push before, raised after this one is handed over
     try:
         weight_megatron.finish_param_gather(model_chunks)
         params = weight_megatron.MegatronParams(model_chunks)
@@ -158,6 +164,11 @@ def push(model_chunks, version: int | None = None) -> None:
             if tensors is None:
                 tensors = (out for name, full in params.tensors() for _, out in weight_names.to_hf(name, full, layout))
             extra = ()
+        # The push still on the wire (overlap) goes first: one update at a time on a link,
+        # and its error, raised once this one is handed over (its gathers kept in step).
+        waited = time.perf_counter()
+        previous = _settle()
+        _trainer["last_wait_s"] = round(time.perf_counter() - waited, 6)
         try:
             backend = _connected()
         except Exception:
@@ -167,17 +178,121 @@ def push(model_chunks, version: int | None = None) -> None:
             for _ in tensors if buffers is None and not isinstance(tensors, program.Sources) else ():
                 pass
             raise
-        backend.send(dataclasses.replace(manifest, version=version), tensors, extra=extra,
-                     replay_packing=_config["replay_packing"])
+        manifest = dataclasses.replace(manifest, version=version)
+        if _config["overlap"]:
+            _hand_over(backend, manifest, tensors, extra)
+        else:
+            backend.send(manifest, tensors, extra=extra, replay_packing=_config["replay_packing"])
     except Exception as exc:
-        _trainer["failures"] += 1
-        _trainer["last_error"] = f"v{version}: {type(exc).__name__}: {exc}"
+        with _lock:
+            _trainer["failures"] += 1
+            _trainer["last_error"] = f"v{version}: {type(exc).__name__}: {exc}"
+        if previous is not None:  # this push's own error is raised; the one before is said here
+            log.error("weight sync: the push before v%d, sent while training went on, failed: %s", version, previous)
         raise
-    _trainer.update(pushes=_trainer["pushes"] + 1, version=version, last_bytes=manifest.total_bytes,
-                    last_push_s=round(time.perf_counter() - start, 6),
-                    sent_from="buffers" if buffers is not None else "tensors",
-                    planned=isinstance(tensors, program.Sources),
-                    gathers=params.collectives)
+    with _lock:
+        if not _config["overlap"]:  # else the push's thread says so once the update is through
+            _trainer.update(pushes=_trainer["pushes"] + 1, version=version, last_bytes=manifest.total_bytes)
+        _trainer.update(last_push_s=round(time.perf_counter() - start, 6),
+                        sent_from="buffers" if buffers is not None else "tensors",
+                        planned=isinstance(tensors, program.Sources),
+                        gathers=params.collectives)
+    if previous is not None:
+        raise weight_backend.WeightSyncError(f"the push before, sent while training went on, failed: "
+                                             f"{previous}") from previous
+
+
+# ------------------------------------------------------------------ overlap
+
+
+class _InFlight:
+    """An overlapped push: its update, already copied into a snapshot, sent on a
+    thread of its own.  Its outcome lands in the trainer's counters when it ends;
+    its error is raised once, by whoever settles it first (the next push, flush(),
+    close())."""
+
+    def __init__(self, backend, manifest, buffers, snapshot, device):
+        self.version, self.error, self.reported = manifest.version, None, False
+        self.started, self.ended = time.perf_counter(), None
+        self.thread = threading.Thread(target=self._run, args=(backend, manifest, buffers, snapshot, device),
+                                       name=f"weight-sync-push-v{manifest.version}", daemon=True)
+        self.thread.start()
+
+    def _run(self, backend, manifest, buffers, snapshot, device) -> None:
+        try:
+            if device.type == "cuda":
+                torch_cuda_set_device(device)
+            with snapshot.sending():
+                backend.send(manifest, buffers)
+        except BaseException as exc:  # noqa: BLE001 - recorded, raised at the next push / flush / close
+            self.error = exc
+            with _lock:
+                _trainer["failures"] += 1
+                _trainer["last_error"] = f"v{self.version}: {type(exc).__name__}: {exc}"
+        else:
+            with _lock:
+                _trainer.update(pushes=_trainer["pushes"] + 1, version=self.version,
+                                last_bytes=manifest.total_bytes)
+        finally:
+            self.ended = time.perf_counter()
+            _trainer["last_send_s"] = round(self.ended - self.started, 6)
+
+    def wait(self, timeout: float | None) -> bool:
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+
+def torch_cuda_set_device(device) -> None:
+    import torch
+
+    torch.cuda.set_device(device)
+
+
+def _hand_over(backend, manifest, tensors, extra) -> None:
+    """Copy the update into the snapshot (the parameters may change as soon as this
+    returns), then send it from there on a thread while the caller goes on."""
+    global _inflight, _snapshot
+    from . import broadcast
+
+    snapshot = getattr(backend, "snapshot", None)
+    if snapshot is None:
+        snapshot = _snapshot = _snapshot or broadcast.Snapshot()
+    device = getattr(backend, "device", None) or broadcast.link_device("nccl" if _cuda() else "gloo")
+    buffers = snapshot.take(manifest, tensors, extra, device=device, replay_packing=_config["replay_packing"])
+    _trainer["last_snapshot_s"] = round(snapshot.last_s, 6)
+    _inflight = _InFlight(backend, manifest, buffers, snapshot, snapshot.stream.device)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _settle(timeout: float | None = None):
+    """Wait for the overlapped push on the wire, if any (``timeout``: None waits as long
+    as it takes, bounded by the link's own deadlines); its error if it failed and was not
+    raised before, else None.  TimeoutError if it is still on the wire after ``timeout``."""
+    global _inflight
+    inflight = _inflight
+    if inflight is None:
+        return None
+    if not inflight.wait(timeout):
+        raise TimeoutError(f"the push of v{inflight.version} is still on the wire after {timeout:g} s")
+    _inflight = None
+    if inflight.error is None or inflight.reported:
+        return None
+    inflight.reported = True
+    return inflight.error
+
+
+def _drain(timeout: float | None) -> bool:
+    """flush(): wait for the overlapped push on the wire; raises its error (flush then
+    says False and state() has it)."""
+    error = _settle(timeout)
+    if error is not None:
+        raise weight_backend.WeightSyncError(f"the push sent while training went on failed: {error}") from error
+    return True
 
 
 def _connected() -> weight_backend.Backend:
@@ -189,14 +304,27 @@ def _connected() -> weight_backend.Backend:
     disconnect()
     options = {key: value for key, value in _config.items() if key.startswith("mooncake_") or key in (
         "host", "port", "world_size", "group_name", "timeout_s", "nccl_ctas")}
+    if _config["groups"]:
+        from . import broadcast
+
+        name = weight_backend.resolve(_config["backend"])
+        if name not in weight_backend.BROADCAST:
+            raise weight_backend.WeightSyncError(f"weight_sync.groups is for the broadcast backends (nccl, gloo), "
+                                                 f"not {name}: it posts each update to every URL in engines")
+        _backend = broadcast.Fanout.open(name, groups=_config["groups"], **options)
+        return _backend
     _backend = weight_backend.open_backend(_config["backend"], engines=_config["engines"], **options)
     return _backend
 
 
 def disconnect() -> None:
     """Drop the trainer's backend (broadcast: its group; the engines must join the
-    next one, e.g. SGLang's destroy/init_weights_update_group)."""
+    next one, e.g. SGLang's destroy/init_weights_update_group).  An overlapped push
+    on the wire is waited for first (its error stays for the next push / flush)."""
     global _backend
+    inflight = _inflight
+    if inflight is not None:
+        inflight.wait(_config.get("timeout_s"))
     backend, _backend = _backend, None
     if backend is not None:
         backend.close()
@@ -216,13 +344,17 @@ def _details() -> dict:
     """The trainer's push (its counters are under ``counters``), the link, the engine's
     served version (each process is one or the other)."""
     trainer = {key: value for key, value in _trainer.items() if key not in (*_TRAINER_COUNTERS, "last_error")}
-    return {**trainer, "connected": _backend is not None and not _backend.broken,
-            "broken": _backend.broken if _backend is not None else None, "engine": engine_state()}
+    inflight = _inflight
+    groups = _backend.state() if _backend is not None and hasattr(_backend, "state") else None
+    return {**trainer, "in_flight": inflight.version if inflight is not None and inflight.ended is None else None,
+            "connected": _backend is not None and not _backend.broken,
+            "broken": _backend.broken if _backend is not None else None, "groups": groups, "engine": engine_state()}
 
 
 def _clear() -> None:
     """reset(): the trainer's and the engine's counters (not the link, nor the version served)."""
-    _trainer.update(step=0, pushes=0, failures=0, last_error=None, last_push_s=None, last_bytes=0, gathers=0)
+    _trainer.update(step=0, pushes=0, failures=0, last_error=None, last_push_s=None, last_bytes=0, gathers=0,
+                    last_wait_s=None, last_snapshot_s=None, last_send_s=None)
     _engine.update(updates=0, failures=0, last_error=None)
 
 
@@ -238,7 +370,7 @@ def _stop(_timeout: float | None) -> bool:
 
 _control = Control(SETTINGS, apply=_apply, enabled=enabled, counters=_counters,
                    last_error=lambda: _trainer["last_error"] or _engine["last_error"], details=_details,
-                   clear=_clear, stop=_stop)
+                   clear=_clear, drain=_drain, stop=_stop)
 configure, configure_from_settings, state, reset, flush, close = _control.surface()
 
 
