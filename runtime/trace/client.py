@@ -510,6 +510,13 @@ def parser(prog: str = "python -m source_patch.runtime.trace.client"):
     stop.add_argument("--frames", type=int)
     stop.add_argument("--seconds", type=float)
     rec.add_argument("--retry", type=float, default=0.0, help="keep trying to connect this many seconds")
+    for name in ("summary", "show"):
+        reader = sub.add_parser(name, help="read a recording back" if name == "show" else "one row per series")
+        reader.add_argument("file")
+        if name == "show":
+            reader.add_argument("--name")
+            reader.add_argument("--layer", type=int)
+            reader.add_argument("--limit", type=int, default=50)
     met = sub.add_parser("metrics", help="print the sentinels' metric lines and events as they come")
     met.add_argument("--url", help="http://HOST:PORT/#token=..., ws://HOST:PORT/ws or HOST:PORT")
     met.add_argument("--token")
@@ -519,13 +526,6 @@ def parser(prog: str = "python -m source_patch.runtime.trace.client"):
     met.add_argument("--seconds", type=float, help="stop after this long")
     met.add_argument("--json", action="store_true", help="one JSON record a line: {n, name, value}")
     met.add_argument("--retry", type=float, default=0.0, help="keep trying to connect this many seconds")
-    for name in ("summary", "show"):
-        reader = sub.add_parser(name, help="read a recording back" if name == "show" else "one row per series")
-        reader.add_argument("file")
-        if name == "show":
-            reader.add_argument("--name")
-            reader.add_argument("--layer", type=int)
-            reader.add_argument("--limit", type=int, default=50)
     return p
 
 
