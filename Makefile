@@ -47,7 +47,7 @@ test: $(STAMP) browser
 MEGATRON_RELEASES := 0.14.0 0.15.0 0.15.1 0.15.2 0.15.3 0.16.0 0.16.1 0.17.0 0.17.1 0.18.0 0.18.2 0.19.0 0.19.2
 SGLANG_RELEASES   := 0.5.20 0.5.21 0.5.22 0.5.23
 RELEASES          := $(HOME)/.cache/source-patch/wheels
-COMPAT_SPECS      := routing dump trace weight_sync features megatron_cpu sglang_cpu megatron_topk sglang_topk
+COMPAT_SPECS      := routing dump trace weight_sync features sentinels megatron_cpu sglang_cpu megatron_topk sglang_topk
 FETCH             := $(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d $(RELEASES)
 
 compat: $(STAMP)
