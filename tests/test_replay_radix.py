@@ -226,9 +226,11 @@ def grpo_rollout(sglang_cpu, sglang_server, tmp_path_factory):
 
 
 def wait_for_rows(run, replies, timeout=60.0):
-    """Until each request's rows (positions cached_tokens .. prompt + generated - 2) and
-    routing record are written: the server keeps serving, its writers write as they go."""
-    want = {r["meta_info"]["id"]: set(range(r["meta_info"]["cached_tokens"], len(PROMPT) + NEW - 1))
+    """Until each request's computed rows (positions cached_tokens .. its length - 2: the
+    last generated token is never fed back) and its routing record are written: the
+    server keeps serving, its writers write as they go (tests/test_verdict_e2e.py too)."""
+    want = {r["meta_info"]["id"]: set(range(r["meta_info"]["cached_tokens"],
+                                            len(r["prompt_token_ids"]) + len(r["output_ids"]) - 1))
             for r in replies}
     deadline = time.monotonic() + timeout
     while True:

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_replay_radix import wait_for_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / "tests" / "e2e" / "verdict_trainer.py"
@@ -62,31 +63,6 @@ def serve_group(server, run: Path) -> list:
         replies += out
     wait_for_rows(run, replies)
     return replies
-
-
-def wait_for_rows(run: Path, replies: list, timeout: float = 60.0) -> None:
-    """Until each request's computed rows (cached_tokens .. its length - 2) and its routing
-    record are written: the server's writers write as it serves."""
-    from source_patch.runtime.verdict import compare
-
-    want = {r["meta_info"]["id"]: set(range(r["meta_info"]["cached_tokens"],
-                                            len(r["prompt_token_ids"]) + len(r["output_ids"]) - 1))
-            for r in replies}
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            rows = compare.index_rows(compare.load(run / "dumps" / "rollout", ["input_ids", "positions",
-                                                                               "row_request"]))
-            got: dict = {}
-            for rid, position in rows.get(("input_ids", None), {}):
-                got.setdefault(rid, set()).add(position)
-        except (OSError, ValueError):
-            got = {}
-        routes = {p.stem for p in (run / "routes").rglob("*.safetensors")}
-        if all(got.get(rid) == positions for rid, positions in want.items()) and set(want) <= routes:
-            return
-        assert time.monotonic() < deadline, ({rid: sorted(p) for rid, p in got.items()}, want, routes)
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

@@ -35,10 +35,6 @@ _RANK = re.compile(r"rank-(\d{1,9})")
 _META = ("kind", "time", "rank", "step", "layer")
 
 
-def _one_line(exc) -> str:
-    return commands.first_line(exc)
-
-
 class NotARun(Exception):
     """The folder cannot be read as a run folder (exit 2)."""
 
@@ -69,7 +65,7 @@ class _Lines:
         try:
             handle = bounded.open_regular(self.path, what=self.label, missing_ok=True)
         except OSError as exc:
-            self.refused = _one_line(exc)
+            self.refused = commands.first_line(exc)
             return []
         if handle is None:
             return []
@@ -132,7 +128,7 @@ class _Lines:
             return record
         except ValueError as exc:
             self.malformed += 1
-            self.first_malformed = self.first_malformed or f"{self.label} {_one_line(exc)}"
+            self.first_malformed = self.first_malformed or f"{self.label} {commands.first_line(exc)}"
             return None
 
     def finish(self) -> None:
@@ -345,7 +341,7 @@ def main(argv=None, prog: str = "source-patch watch") -> int:
     except BrokenPipeError:  # `source-patch watch ... | head`
         return 0
     except Exception as exc:  # noqa: BLE001 - the one error line, never a traceback
-        return commands.error(f"watch: {type(exc).__name__}: {_one_line(exc)}", as_json=args.json)
+        return commands.error(f"watch: {type(exc).__name__}: {commands.first_line(exc)}", as_json=args.json)
 
 
 def _answer(run: Run, as_json: bool) -> int:
