@@ -69,6 +69,8 @@ BENCHES = [
           "the Megatron example's step with each capability, and all at once, vs plain: ratio, memory, bytes/step; "
           "the machine's memory, disk and pinned probes; the first-run cliff of dumping; --resident K: blocks "
           "alternated between live processes, per round, means and 10th-percentile ratios; --pool: runs pooled"),
+    Bench("call-profile", "call_profile.py", "GPU (CPU: --quick)", "~1 min a variant",
+          "where a variant's step cost goes: each call site's calls and host time a step, torch.profiler's table"),
     Bench("step-noise", "step_noise.py", "GPU", "~4 min",
           "how noisy the example's steps are under process settings (what a comparison can resolve)"),
     Bench("weight-sync", "weight_sync_bench.py", "2 GPUs (CPU: --cpu)", "~2 min",

@@ -26,6 +26,8 @@ Core 0.16 needs without Transformer Engine):
     routing capture, graphs    the ", graphs" variants are compared with it, not with plain
     everything at once, graphs
     sentinels armed, graphs
+    sentinels: non-finite only, sentinels: routing health only   one watch armed (where the cost
+                           is; only when named)
 
 Per variant: step time against plain (ratio of medians and of means, each with a
 bootstrap 90% interval over the timed steps of all its processes; the mean carries a
@@ -150,12 +152,15 @@ VARIANTS = {
     "everything + weight sync": Variant(EVERY, "capture", "sparse", True, sync=True),
     "weight sync every step, 32 CTAs": Variant(f"{BASE},weight_sync", sync=True, env=((CTAS, "32"),)),
     "sentinels armed": Variant(SENTINELS, env=ARMED),
+    "sentinels: non-finite only": Variant(SENTINELS, env=ARMED[:1]),
+    "sentinels: routing health only": Variant(SENTINELS, env=(("SOURCE_PATCH_SENTINELS_NONFINITE", "0"), ARMED[1])),
     "plain, graphs": Variant(BASE, graphs=True),
     "sentinels armed, graphs": Variant(SENTINELS, graphs=True, env=ARMED),
     "routing capture, graphs": Variant(f"{BASE},routing", "capture", graphs=True),
     "everything at once, graphs": Variant(EVERY, "capture", "sparse", True, graphs=True),
 }
 QUICK = ("plain", "everything at once")
+ONLY_NAMED = ("sentinels: non-finite only", "sentinels: routing health only")  # diagnostics: not in the default run
 FIRST = "dump every layer"  # first in the first round: the fresh machine's first dumping process
 
 
@@ -249,7 +254,7 @@ def choose(text: str, quick: bool) -> list[str]:
     if unknown:
         raise SystemExit(f"unknown variant(s) {unknown}; valid: {', '.join(VARIANTS)}")
     if not names:
-        return [n for n in (QUICK if quick else VARIANTS) if runnable(n) is None]
+        return [n for n in (QUICK if quick else VARIANTS) if n not in ONLY_NAMED and runnable(n) is None]
     why = {n: runnable(n) for n in names}
     if any(why.values()):
         raise SystemExit("; ".join(f"{n!r} {reason}" for n, reason in why.items() if reason))

@@ -24,10 +24,17 @@ specs changed); the report gains ``swap``, what was swapped.
 With ``OVERHEAD_PROBE_GRAPHS=1`` the model's routers run as Megatron's own CUDA graphs
 (graph_bench.graphed_model).
 
+With ``OVERHEAD_PROBE_TORCH_PROFILE=FIRST:COUNT`` steps FIRST..FIRST+COUNT-1 (from 1) run
+under torch.profiler (CPU and CUDA): before the report, its table of the operators and
+runtime calls by their own host time (``overhead-profile:`` lines): where a host-side
+synchronisation (cudaStreamSynchronize, aten::item) or a slow launch sits.
+
 With ``OVERHEAD_PROBE_CALLS=1`` every ``__sp__`` name is wrapped before the example
 imports anything patched: the report gains ``calls``, per name the number of calls and
 the nanoseconds spent in them over the run (timed inside the wrapper: what the call
-sites of an inert spec cost, plus the timer's own ~0.1 us a call).
+sites of an inert spec cost, plus the timer's own ~0.1 us a call); with
+``OVERHEAD_PROBE_CALLS_FROM=N`` too, only from step N on (from 1: the warm-up's first
+kernel loads and allocations left out).
 """
 
 from __future__ import annotations
@@ -107,6 +114,23 @@ def count_calls() -> dict:
     return counts
 
 
+def torch_profiler():
+    import torch
+
+    kinds = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        kinds.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=kinds)
+
+
+def print_profile(profiler, steps: int) -> None:
+    """The operators and runtime calls by their own host time, per step."""
+    rows = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)[:30]
+    print(f"overhead-profile: {'name':<48} {'calls/step':>10} {'self host us/step':>18}", flush=True)
+    for e in rows:
+        print(f"overhead-profile: {e.key[:48]:<48} {e.count / steps:10.1f} {e.self_cpu_time_total / steps:18.1f}")
+
+
 def graphed(example) -> None:
     """The example's model with Megatron's router CUDA graphs (graph_bench.py's), and
     the graph-safe RNG Megatron's graphs need."""
@@ -147,10 +171,26 @@ def main() -> None:
 
     example.make_batch = waiting_batch
 
+    calls_from = int(os.environ.get("OVERHEAD_PROBE_CALLS_FROM", "0"))
+    profile = os.environ.get("OVERHEAD_PROBE_TORCH_PROFILE")
+    first, count = (int(x) for x in profile.split(":")) if profile else (0, 0)
+
     def timed_step(*args, **kwargs):
         if marks["first_step"] is None:
             marks["first_step"] = time.perf_counter()
-        return train_step(*args, **kwargs)
+        marks["steps"] = marks.get("steps", 0) + 1
+        if counts is not None and marks["steps"] == calls_from:  # warm-up's calls left out
+            for cell in counts.values():
+                cell[0] = cell[1] = 0
+        if marks["steps"] == first:
+            marks["profiler"] = torch_profiler()
+            marks["profiler"].__enter__()
+        try:
+            return train_step(*args, **kwargs)
+        finally:
+            if marks["steps"] == first + count - 1 and "profiler" in marks:
+                marks["profiler"].__exit__(None, None, None)
+                print_profile(marks.pop("profiler"), count)
 
     example.train_step = timed_step  # main() looks it up at each step
     report_dumps = example.report_dumps

@@ -135,3 +135,22 @@ def test_swap_alternates_one_process_between_its_patched_code_and_megatron_cpus_
     blocks = json.loads(save.read_text())["blocks"]
     assert set(blocks) == {"every spec inert [kept]", "every spec inert [kept again]", "every spec inert [patched]"}
     assert all(len(rows) == 3 and all(len(b) == 2 for b in rows) for rows in blocks.values()), blocks
+
+
+def test_call_profile_counts_the_sentinels_call_sites_a_step_after_the_warmup():
+    """bench/call_profile.py --quick: one process of the variant, its call sites' calls and
+    host time per timed step (the warm-up's left out), and torch.profiler's table."""
+    out = subprocess.run([sys.executable, "bench/call_profile.py", "--quick", "--torch-profile", "4:2", "--variants",
+                          "sentinels armed;sentinels: routing health only"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    armed, health = out.stdout.split("sentinels: routing health only: step median")
+    site = r"^\s+{}\s+([\d.]+) calls/step\s+([\d.]+) us/step"
+    # the quick model: 4 MoE layers, each a router call; every layer's dump sites and the logits
+    assert float(re.search(site.format("routing_topk"), armed, re.M).group(1)) == 4.0
+    assert float(re.search(site.format("sentinels_step"), armed, re.M).group(1)) == 1.0
+    assert float(re.search(site.format("dump"), armed, re.M).group(1)) > 8
+    assert re.search(r"^\s+aten::mm\s+[\d.]+\s+[\d.]+$", armed, re.M), armed  # the profiler's table
+    # routing health alone: the dump call sites have no hook (a flag test), the router's has
+    dump_us = float(re.search(site.format("dump"), health, re.M).group(2))
+    assert dump_us < float(re.search(site.format("dump"), armed, re.M).group(2)), out.stdout

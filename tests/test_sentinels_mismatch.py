@@ -220,6 +220,7 @@ def test_through_the_sentinels_control(tmp_path):
 
     try:
         control.configure(mismatch=True, nonfinite=False, routing_health=False, dir=str(tmp_path))
+        control.reset()  # the step counts from 0, whatever ran in this process before
         assert control.enabled()
         train, rollout = samples([4, 4])
         train[0] = train[0] + 2.0

@@ -125,6 +125,32 @@ def test_sites_first_seen_later_are_ordered_by_when_they_ran(armed):
     assert (event["phase"], event["layer"]) == ("fwd_only", 1)
 
 
+def test_each_call_has_its_own_slot_so_a_site_run_twice_keeps_the_first_nan(armed):
+    """An eager call writes its own slot (one kernel, nothing to zero): a site that runs
+    twice in a step (an activation recompute) does not overwrite the first call's NaN."""
+    dump.dump("layer_output", torch.full((2,), NAN), layer=1)
+    dump.dump("layer_output", torch.ones(2), layer=1)
+    assert nonfinite._calls == 2 and len(nonfinite._static_site) == 0
+    control.sentinels_step()
+    (event,) = lines(armed)
+    assert (event["name"], event["layer"], event["nonfinite_sites"]) == ("layer_output", 1, 1)
+
+
+def test_float64_and_calls_past_the_per_call_slots_fold_into_static_slots(armed):
+    dump.dump("layer_output", torch.ones(2), layer=1)
+    dump.dump("loss", torch.tensor([1e300, 1.0], dtype=torch.float64))  # max |x| beyond float32: not a NaN
+    control.sentinels_step()
+    assert lines(armed) == [] and len(nonfinite._static_site) == 1
+    dump.dump("loss", torch.tensor([NAN], dtype=torch.float64))
+    control.sentinels_step()
+    assert lines(armed)[-1]["name"] == "loss"
+    nonfinite._calls = nonfinite.SLOTS - nonfinite.STATIC  # a step that used every per-call slot
+    dump.dump("layer_output", torch.full((2,), INF), layer=4)
+    assert nonfinite._calls == nonfinite.SLOTS - nonfinite.STATIC and len(nonfinite._static_site) == 2
+    control.sentinels_step()
+    assert (lines(armed)[-1]["name"], lines(armed)[-1]["layer"]) == ("layer_output", 4)
+
+
 def test_callbacks_get_the_event_and_a_failing_one_never_stops_training(armed):
     got = []
     nonfinite.on_event(got.append)
@@ -177,6 +203,25 @@ def test_gradients_are_named_by_the_attached_model_and_ordered_as_backward_runs(
     control.sentinels_grads(bare)
     control.sentinels_step()
     assert lines(armed)[-1]["name"] == "grad:param0[2]"
+
+
+def test_gradients_are_read_only_when_the_steps_grad_norm_does_not_say_they_are_finite(armed):
+    """At the step's return Megatron has computed the grad norm (clip_grad > 0): finite,
+    every gradient is finite and none is read; NaN or inf, a skipped step (fp16's found
+    inf) or no norm at all (clip_grad 0): every gradient is read."""
+    model = torch.nn.Linear(2, 1)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer = Optimizer(list(model.parameters()))
+    control.sentinels_attach(optimizer, [model])
+    model.bias.grad[0] = NAN
+    for result, read in (((True, 1.5, 0), False), ((True, NAN, 0), True), ((True, INF, 0), True),
+                         ((False, None, None), True), ((True, None, None), True),
+                         ((True, torch.tensor(1.0), 0), True)):
+        before = len(lines(armed))
+        control.sentinels_grads(optimizer, result)
+        control.sentinels_step()
+        assert len(lines(armed)) == before + read, result
+    assert lines(armed)[-1]["name"] == "grad:bias"
 
 
 def test_an_unwritable_run_folder_is_counted_never_raised(tmp_path):

@@ -6,6 +6,8 @@ Each watch is a module with the same small surface, which this one drives:
     step_end(step)  the step is over: read back what the device gathered (asynchronously:
                     a step's flags may be reported at the next step's end), write events
                     and metrics
+    drain()         (nonfinite, routing_health) flush(), close(): wait for the device reads
+                    in flight and write what they say
     counters()      name -> number;  last_error() -> str | None;  clear()
 
 The call sites (patches/sentinels.yaml):
@@ -15,8 +17,10 @@ The call sites (patches/sentinels.yaml):
                                  and so reads the settings, before the first forward
     sentinels_schedule()         a forward-backward schedule's entry: loads this module where
                                  the optimizer was built some other way
-    sentinels_grads(optimizer)   before Megatron's optimizer step: the gradients, after backward
-    sentinels_step(step=None)    after it: the step's end.  The step number the watches get is
+    sentinels_grads(optimizer, result=None)   at Megatron's optimizer step's return: the
+                                 gradients, unless the step's result (success, grad_norm, ...)
+                                 has a finite grad norm (then every gradient is finite)
+    sentinels_step(step=None)    right after it: the step's end.  The step number the watches get is
                                  ``step`` where given, else one more than the last (from 0):
                                  every optimizer step counts, a skipped one too.
 
@@ -60,9 +64,9 @@ def sentinels_schedule() -> None:
     return None  # importing this module was the point (settings read, hooks set)
 
 
-def sentinels_grads(optimizer) -> None:
+def sentinels_grads(optimizer, result=None) -> None:
     if _on:
-        nonfinite.gradients(optimizer)
+        nonfinite.gradients(optimizer, result)
 
 
 def sentinels_step(step=None) -> None:
@@ -112,6 +116,7 @@ def _clear() -> None:
 
 def _drain(timeout) -> bool:
     nonfinite.drain()
+    routing_health.drain()
     return events.flush()
 
 

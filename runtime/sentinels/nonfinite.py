@@ -1,33 +1,43 @@
 """Non-finite provenance: which call site first saw a NaN or an Inf, per step.
 
 Every training-side dump call site (``core.watch.tensor_hook``: activations, logits,
-loss; dumping on or off) and the gradients at the optimizer step's entry fold "all
-finite?" into one slot of a static device tensor, with no host synchronisation:
+loss; dumping on or off) and the gradients at the optimizer step's return write "all
+finite?" into a static float32 device tensor, with no host synchronisation.  An eager
+call (float32, bfloat16 or float16) writes its own slot, one kernel:
 
-    flags[slot].addcmul_(vector_norm(x, inf), zero)
+    vector_norm(x, inf, dtype=float32, out=flags[SLOTS - 1 - k])     # the step's k-th call
 
 ``vector_norm(x, inf)`` is max |x|: NaN when x holds a NaN, inf when it holds an Inf,
-finite otherwise (a maximum cannot overflow, as a sum of squares can); times zero that is
-0 or NaN, and NaN sticks in the sum.  Two small kernels a site, no copy of ``x``, the
-same memory every step: under CUDA graph capture the fold is recorded in the graph and
-every replay folds again.  Flags are float32 for that reason (a fused multiply-add is one
-kernel; an OR of "not finite" would be three).
+finite otherwise (a maximum cannot overflow, as a sum of squares can).  Those slots are
+handed out from the top, one per call in the order the calls ran, and written afresh
+every step: nothing to zero.  Where a slot must stay the same from step to step (a site
+under CUDA graph capture, whose replays run the recorded kernel again and again; a
+float64 tensor, whose max |x| may not fit a float32) the site folds into a static slot
+from the bottom, zeroed each step, in two kernels:
 
-A site is (name, layer, microbatch, phase) (a captured graph's sites: microbatch None,
-``cuda_graph`` True), or one parameter's gradient; each gets a slot the first time it
-runs, up to SLOTS (later ones share the last slot, ``(more sites)``).  Gradients are one
-``_foreach_norm`` over all of them (``main_grad`` where Megatron's DDP keeps it, else
-``grad``), their slots in backward order (the output layer's first, the embedding's
-last), after the step's activations.
+    flags[slot].addcmul_(vector_norm(x, inf), zero)     # 0, or NaN once anything was not finite
+
+No copy of ``x``; on CUDA the float32 result of a 16-bit input is the reduction's own
+(no cast kernel).  Gradients are read only where the step's result does not already say
+they are finite (a successful step with a finite grad norm: Megatron computed it for
+clipping, every gradient's bytes read once; reading them again would cost as much):
+then one ``_foreach_norm`` over all of them (``main_grad`` where Megatron's DDP keeps it,
+else ``grad``), stacked into their static slots (written once a step, so no fold), in
+backward order (the output layer's first, the embedding's
+last), after the step's activations.  A site is (name, layer, microbatch, phase) (a
+captured graph's sites: microbatch None, ``cuda_graph`` True), or one parameter's
+gradient.  Half the SLOTS are static, half per-call: past SLOTS/2 calls in a step the
+rest fold into static slots, and past SLOTS/2 static sites the later ones share the
+last, ``(more sites)``.
 
 At each step's end (:func:`step_end`) the flags go to the host in one copy (CUDA:
 non_blocking into pinned memory, an event recorded; read at the next step's end unless
-already done; CPU: at once) and are zeroed.  A step with a non-finite site reports the
-first in execution order (the order the sites ran in that step; sites under a graph
-replay, whose Python does not run, after those, in first-seen order): a warning the
-first time in the run, an ``events.jsonl`` line (kind ``nonfinite``: step, microbatch,
-phase, layer, name, rank, site activation/gradient, how many sites were non-finite),
-the counter ``nonfinite_events``, and each callback of :func:`on_event`.
+already done; CPU: at once) and the static slots are zeroed.  A step with a non-finite
+slot reports the first in execution order (the order the calls ran in that step; sites
+under a graph replay, whose Python does not run, after those, in first-seen order): a
+warning the first time in the run, an ``events.jsonl`` line (kind ``nonfinite``: step,
+microbatch, phase, layer, name, rank, site activation/gradient, how many sites were
+non-finite), the counter ``nonfinite_events``, and each callback of :func:`on_event`.
 
 ``dump_after`` N > 0: capabilities do not configure one another, so the event carries
 ``dump_request``, the dump ``configure()`` arguments that would dump that layer for the
@@ -37,34 +47,40 @@ next N steps; a callback (user code, which may import the dump runtime) applies 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import weakref
 
 import torch
 
 from ..core import tags as ambient, watch
-from ..core.adapters import graph_stage
 from . import events
 
 SLOTS = 1 << 15                  # 128 KiB of float32 flags on the device, as much pinned twice on the host
+STATIC = SLOTS // 2              # static slots from the bottom; a step's calls take the rest from the top
 _INF = float("inf")
+_OWN_SLOT = (torch.float32, torch.bfloat16, torch.float16)  # max |x| fits a float32: a slot a call
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 log = logging.getLogger("source_patch.sentinels")
 
 _armed = False
 _dump_after = 0
-_sites: dict = {}                # key -> slot
-_info: list = []                 # slot -> its report fields
+_sites: dict = {}                # key -> site id
+_info: list = []                 # site id -> its report fields
+_static: list = []               # site id -> its static slot (None: none yet)
+_static_site: list = []          # static slot -> its site id
 _flags: torch.Tensor | None = None
 _zero: torch.Tensor | None = None
-_views: list = []                # slot -> flags[slot] (a 0-d view), made with the slot
-_order: list = []                # the slots in the order they ran this step
-_ran: list = []                  # slot -> the last step number (_tick) it ran in
+_views: list = []                # static slot -> flags[slot] (a 0-d view), made with the slot
+_call_views: list = []           # k -> flags[SLOTS - 1 - k], made the first time a step has k calls
+_calls = 0                       # per-call slots written this step
+_order: list = []                # (flag index, site id) in the order they ran this step
+_ran: list = []                  # static slot -> the last step number (_tick) it ran in
 _tick = 0
-_pending = None                  # (event, host flags, order, used, step): a CUDA read in flight
+_pending = None                  # (event, host flags, order, calls, step): a CUDA read in flight
 _host: list = []                 # two pinned host buffers, used in turn
 _turn = 0
-_grads = weakref.WeakKeyDictionary()   # optimizer -> its watched (slot, param) list, in backward order
+_grads = weakref.WeakKeyDictionary()   # optimizer -> its watched (site id, param) list, in backward order
 _models = weakref.WeakKeyDictionary()  # optimizer -> the model chunks it steps (sentinels_attach)
 _callbacks: list = []
 _counts = {"nonfinite_events": 0, "sites_watched": 0, "callback_errors": 0, "errors": 0}
@@ -92,11 +108,11 @@ def last_error():
 
 def clear() -> None:
     """reset(): counters and the sites' table (slots are handed out again); flags zeroed."""
-    global _error, _warned, _pending, _order
+    global _error, _warned, _pending, _order, _calls
     for key in _counts:
         _counts[key] = 0
-    _error, _warned, _pending, _order = None, False, None, []
-    for table in (_sites, _info, _ran, _views, _grads):
+    _error, _warned, _pending, _order, _calls = None, False, None, [], 0
+    for table in (_sites, _info, _static, _static_site, _ran, _views, _grads):
         table.clear()
     if _flags is not None:
         _flags.zero_()
@@ -126,6 +142,7 @@ def attach(optimizer, model_chunks) -> None:
 
 def _hook(name: str, value, layer) -> None:
     """core.watch.tensor_hook: a dump call site's tensor."""
+    global _calls
     try:
         if not isinstance(value, torch.Tensor):
             if isinstance(value, (tuple, list)):
@@ -135,46 +152,63 @@ def _hook(name: str, value, layer) -> None:
         if not value.is_floating_point() or value.numel() == 0:
             return  # integers and booleans are always finite
         context = ambient.context()
-        graph = graph_stage.busy and graph_stage.capturing()
+        # any capture, ours or not (torch.cuda.graph in user code): a replay runs no Python,
+        # so the site needs a static slot
+        graph = value.is_cuda and torch.cuda.is_current_stream_capturing()
         key = (name, layer, None if graph else context.get("microbatch"), context.get("phase"), graph)
-        slot = _sites.get(key)
-        if slot is None:
-            slot = _sites[key] = _new_slot(value.device, {
+        site = _sites.get(key)
+        if site is None:
+            site = _sites[key] = _new_site(value.device, {
                 "site": "activation", "name": name, "layer": ambient.tag_value(layer), "microbatch": key[2],
                 "phase": key[3], **({"cuda_graph": True} if graph else {})})
-        _ran_now(slot)
-        norm = torch.linalg.vector_norm(value.detach(), _INF)
-        try:
-            _views[slot].addcmul_(norm, _zero)
-        except RuntimeError:  # flags made on the CPU, then a GPU tensor (never the other way)
-            if not _place(value.device):
-                raise
-            _views[slot].addcmul_(norm, _zero)
+        if (graph or value.dtype not in _OWN_SLOT or _calls >= SLOTS - STATIC
+                or not (_flags.device == value.device or _place(value.device))):
+            _fold_static(site, value)
+            return
+        k, _calls = _calls, _calls + 1
+        if k == len(_call_views):
+            _call_views.append(_flags[SLOTS - 1 - k])
+        _order.append((SLOTS - 1 - k, site))
+        torch.linalg.vector_norm(value.detach(), _INF, dtype=torch.float32, out=_call_views[k])
     except Exception as exc:  # noqa: BLE001 - a watch must never break the caller
         _fail(f"the fold of {name!r}", exc)
 
 
-def gradients(optimizer) -> None:
-    """The optimizer step's entry (sentinels_grads): every gradient, in one _foreach_norm."""
-    if not _armed:
+def _fold_static(site: int, value) -> None:
+    slot = _static_slot(site)
+    _ran_now(slot)
+    norm = torch.linalg.vector_norm(value.detach(), _INF)
+    try:
+        _views[slot].addcmul_(norm, _zero)
+    except RuntimeError:  # flags made on the CPU, then a GPU tensor (never the other way)
+        if not _place(value.device):
+            raise
+        _views[slot].addcmul_(norm, _zero)
+
+
+def gradients(optimizer, result=None) -> None:
+    """The optimizer step's return (sentinels_grads): every gradient, in one _foreach_norm,
+    unless ``result`` (the step's (success, grad_norm, num_zeros)) says they are finite."""
+    if not _armed or _finite_norm(result):
         return
     try:
         watched = _grads.get(optimizer)
         if watched is None:
             watched = _grads[optimizer] = _watch_grads(optimizer)
         slots, grads = [], []
-        for slot, param in watched:
+        for site, param in watched:
             grad = getattr(param, "main_grad", None)
             grad = param.grad if grad is None else grad
             if grad is not None and grad.numel():
-                slots.append(slot), grads.append(grad.detach())
+                slots.append(_static_slot(site)), grads.append(grad.detach())
         if not grads:
             return
         _place(grads[0].device)
-        norms = torch._foreach_norm(grads, _INF)
+        norms = torch._foreach_norm(grads, _INF, dtype=torch.float32)
         if len(slots) == slots[-1] - slots[0] + 1 and _flags.device == grads[0].device:
-            # the usual case: every gradient there, slots contiguous: one stack, one fold
-            _flags[slots[0]:slots[-1] + 1].addcmul_(torch.stack([n.float() for n in norms]), _zero)
+            # the usual case: every gradient there, slots contiguous and theirs alone (written
+            # once a step): max |grad| stacked straight into them, one kernel
+            torch.stack(norms, out=_flags[slots[0]:slots[-1] + 1])
         else:
             for slot, norm in zip(slots, norms):
                 _views[slot].addcmul_(norm, _zero)
@@ -184,15 +218,26 @@ def gradients(optimizer) -> None:
         _fail("the fold of the gradients", exc)
 
 
+def _finite_norm(result) -> bool:
+    """A successful step's grad norm, a finite number: the norm of every gradient (each
+    rank's, reduced over the model-parallel ranks) is finite only if each of them is, so
+    none needs reading (no read of every gradient's bytes each step).  None (clip_grad 0),
+    a tensor (reading it would wait for the device) or anything else: read them."""
+    if not isinstance(result, tuple) or len(result) < 2 or not result[0]:
+        return False
+    norm = result[1]
+    return isinstance(norm, (int, float)) and not isinstance(norm, bool) and math.isfinite(norm)
+
+
 def _watch_grads(optimizer) -> list:
-    """(slot, parameter) for each trainable parameter, in backward order."""
+    """(site id, parameter) for each trainable parameter, in backward order."""
     named = _named_params(optimizer)
     device = next((p.device for _, p in named), torch.device("cpu"))
     out = []
     for name, param in reversed(named):
         match = _LAYER.search(name)
         # the chunk's local layer index + 1: Megatron's layer_number under one pipeline stage
-        out.append((_new_slot(device, {"site": "gradient", "name": f"grad:{name}",
+        out.append((_new_site(device, {"site": "gradient", "name": f"grad:{name}",
                                        "layer": int(match.group(1)) + 1 if match else None,
                                        "microbatch": None, "phase": "grad"}), param))
     return out
@@ -227,16 +272,28 @@ def _optimizer_params(optimizer) -> list:
     return list(optimizer.get_parameters()) if hasattr(optimizer, "get_parameters") else []
 
 
-def _new_slot(device: torch.device, info: dict) -> int:
+def _new_site(device: torch.device, info: dict) -> int:
     _place(device)
-    if len(_info) >= SLOTS:
-        return SLOTS - 1
-    slot = len(_info)
-    if slot == SLOTS - 1:
-        info = {**info, "name": "(more sites)"}
     _info.append(info)
-    _ran.append(-1)
-    _views.append(_flags[slot])
+    _static.append(None)
+    return len(_info) - 1
+
+
+def _static_slot(site: int) -> int:
+    """The site's static slot, handed out the first time it needs one; past STATIC, the
+    last one, shared."""
+    slot = _static[site]
+    if slot is None:
+        if len(_static_site) < STATIC:
+            slot = len(_static_site)
+            _static_site.append(site)
+            _ran.append(-1)
+            _views.append(_flags[slot])
+        else:
+            slot = STATIC - 1
+            shared = _static_site[slot]
+            _info[shared] = {**_info[shared], "name": "(more sites)"}
+        _static[site] = slot
     return slot
 
 
@@ -251,7 +308,8 @@ def _place(device: torch.device) -> bool:
     if old is not None:
         _flags.copy_(old)
     _zero = torch.zeros((), dtype=torch.float32, device=device)
-    _views = [_flags[i] for i in range(len(_info))]
+    _views = [_flags[i] for i in range(len(_static_site))]
+    _call_views.clear()
     _pending = None
     _host.clear()
     return True
@@ -260,7 +318,7 @@ def _place(device: torch.device) -> bool:
 def _ran_now(slot: int) -> None:
     if _ran[slot] != _tick:
         _ran[slot] = _tick
-        _order.append(slot)
+        _order.append((slot, _static_site[slot]))
 
 
 # ---------------------------------------------------------------- the step's end
@@ -268,7 +326,7 @@ def _ran_now(slot: int) -> None:
 
 def step_end(step) -> None:
     """Read back what the step folded (asynchronously on CUDA) and report it."""
-    global _pending, _order, _tick, _turn
+    global _pending, _order, _tick, _turn, _calls
     if _flags is None or not (_armed or _pending):
         return
     try:
@@ -276,26 +334,26 @@ def step_end(step) -> None:
             ready, _pending = _pending, None
             ready[0].synchronize()  # recorded a step ago: done, or nearly
             _inspect(*ready[1:])
-        used = len(_info)
-        order, _order, _tick = _order, [], _tick + 1
-        if not used:
-            return
+        order, calls, statics = _order, _calls, len(_static_site)
+        _order, _calls, _tick = [], 0, _tick + 1
+        if not order and not statics:
+            return  # nothing ran (a step whose sites are all under graph replays still has statics)
         if _flags.device.type == "cpu":
-            host = _flags[:used].clone()
-            _flags[:used].zero_()
-            _inspect(host, order, used, step)
+            host = _flags.clone()
+            _flags[:statics].zero_()
+            _inspect(host, order, statics, calls, step)
             return
         if not _host:
             _host.extend(torch.empty(SLOTS, dtype=torch.float32, pin_memory=True) for _ in range(2))
-        host, _turn = _host[_turn][:used], 1 - _turn
-        host.copy_(_flags[:used], non_blocking=True)
-        _flags[:used].zero_()
+        host, _turn = _host[_turn], 1 - _turn
+        host.copy_(_flags, non_blocking=True)  # 128 KiB: one copy, whatever the slots in use
+        _flags[:statics].zero_()
         done = torch.cuda.Event()
         done.record()
         if done.query():
-            _inspect(host, order, used, step)
+            _inspect(host, order, statics, calls, step)
         else:
-            _pending = (done, host, order, used, step)
+            _pending = (done, host, order, statics, calls, step)
     except Exception as exc:  # noqa: BLE001
         _fail("reading the flags back", exc)
 
@@ -309,16 +367,23 @@ def drain() -> None:
         _inspect(*ready[1:])
 
 
-def _inspect(host: torch.Tensor, order: list, used: int, step) -> None:
-    bad = torch.nonzero(host[:used]).flatten().tolist()  # NaN != 0: a non-finite site
+def _inspect(host: torch.Tensor, order: list, statics: int, calls: int, step) -> None:
+    """``host``: the flags as the step left them (static slots [0, statics), the step's
+    calls [SLOTS - calls, SLOTS)): a slot is bad where it is not finite."""
+    bad = set(torch.nonzero(~torch.isfinite(host[:statics])).flatten().tolist())
+    if calls:
+        bad.update((torch.nonzero(~torch.isfinite(host[SLOTS - calls:])).flatten() + (SLOTS - calls)).tolist())
     if not bad:
         return
-    bad_set = set(bad)
-    first = next((s for s in order if s in bad_set), bad[0])
+    ran = [(index, site) for index, site in order if index in bad]
+    seen = {index for index, _ in ran}
+    # static slots that no call of this step wrote: a graph replay's (its Python did not run)
+    replayed = [(slot, _static_site[slot]) for slot in sorted(bad) if slot < statics and slot not in seen]
+    first = (ran or replayed)[0][1]
     info = _info[first]
     fields = {"step": step, "microbatch": info["microbatch"], "phase": info["phase"], "layer": info["layer"],
-              "name": info["name"], "site": info["site"], "nonfinite_sites": len(bad),
-              "first_of_run": not _warned}
+              "name": info["name"], "site": info["site"],
+              "nonfinite_sites": len({site for _, site in ran + replayed}), "first_of_run": not _warned}
     if info.get("cuda_graph"):
         fields["cuda_graph"] = True
     if _dump_after and info["layer"] is not None and isinstance(step, int):
