@@ -229,7 +229,9 @@ def test_through_the_sentinels_control(tmp_path):
         state = control.state()
         assert state["counters"]["mismatch_triggers"] == 1 and state["counters"]["mismatch_steps"] == 1
         assert [e["request_id"] for e in lines(tmp_path, "events")] == ["a"]
-        assert [m["step"] for m in lines(tmp_path, "metrics")] == [lines(tmp_path, "events")[0]["step"]]
+        assert [(m["kind"], m["step"]) for m in lines(tmp_path, "metrics")] == [
+            ("sentinels", 0), ("mismatch", lines(tmp_path, "events")[0]["step"])]  # the heartbeat, then the step's
+        assert lines(tmp_path, "metrics")[0]["watches"] == ["mismatch"]
     finally:
         control.close()
         control.reset()

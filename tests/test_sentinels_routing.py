@@ -212,8 +212,8 @@ def e2e(tmp_path_factory, shared_code_cache):
     assert all(s.get("ok") for s in status), status
     from source_patch.runtime.routing.megatron import files as routing_files
 
-    metrics = [{(m["step"], m["layer"]): m for m in lines(Path(s["dir"]) / "rank-0" / "metrics.jsonl")}
-               for s in status]
+    metrics = [{(m["step"], m["layer"]): m for m in lines(Path(s["dir"]) / "rank-0" / "metrics.jsonl")
+                if m["kind"] == "routing_health"} for s in status]
     return SimpleNamespace(out=out, status=status, metrics=metrics, tensors=load_file(out / "out.safetensors"),
                            captured=routing_files.load_dir(out / "capture"))
 

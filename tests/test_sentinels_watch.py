@@ -186,3 +186,26 @@ def test_the_reader_is_light():
     assert done.stdout.strip() == "['source_patch.runtime.sentinels', 'source_patch.runtime.sentinels.watch']", \
         done.stderr
     assert watch.MAX_LINE == 1 << 20 and watch.POLL_S == 0.5
+
+
+def test_a_healthy_armed_run_has_a_folder_watch_reads_as_no_event(tmp_path, capsys):
+    """The heartbeat: the first step end after arming writes a ``sentinels`` metrics line
+    (the armed watches, the step), then at most one a minute; nothing else happened, so
+    `watch` exits 0 and says which watches are armed and how far the run got."""
+    from source_patch.runtime.sentinels import control
+
+    try:
+        control.configure(nonfinite=True, routing_health=True, mismatch=False, dir=str(tmp_path))
+        control.reset()
+        for _ in range(3):
+            control.sentinels_step()
+        assert [line["step"] for line in map(json.loads, (tmp_path / "rank-0" / "metrics.jsonl").open())] == [0]
+        control._next_beat = 0.0  # a minute later
+        control.sentinels_step()
+    finally:
+        control.close()
+        control.reset()
+        control.configure_from_settings()
+    assert cli.main(["watch", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "events: none" in out and 'sentinels  rank 0 step 3: watches ["nonfinite","routing_health"]' in out, out

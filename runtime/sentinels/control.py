@@ -20,7 +20,9 @@ The call sites (patches/sentinels.yaml):
     sentinels_grads(optimizer, result=None)   at Megatron's optimizer step's return: the
                                  gradients, unless the step's result (success, grad_norm, ...)
                                  has a finite grad norm (then every gradient is finite)
-    sentinels_step(step=None)    right after it: the step's end.  The step number the watches get is
+    sentinels_step(step=None)    right after it: the step's end (and the heartbeat: a ``sentinels``
+                                 metrics line, {"step", "watches"}, at the first step end after
+                                 arming and then at most once a minute).  The step number the watches get is
                                  ``step`` where given, else one more than the last (from 0):
                                  every optimizer step counts, a skipped one too.
 
@@ -30,6 +32,8 @@ a BaseException that is not an Exception (SystemExit from an on_event callback) 
 
 from __future__ import annotations
 
+import time
+
 from ..core.control import Control
 from . import events, mismatch, nonfinite, routing_health
 
@@ -38,19 +42,23 @@ WATCHES = (nonfinite, routing_health, mismatch)
 _ARMING = ("nonfinite", "routing_health", "mismatch")
 _on = False   # any watch armed: the call sites' one flag test
 _step = 0     # the number the next sentinels_step gives the watches
+_armed: list = []      # the armed watches' names, for the heartbeat
+_next_beat = 0.0       # time.monotonic() at or after which a step end writes the heartbeat
+BEAT_S = 60.0          # at most one heartbeat line a minute (and at the first step end)
 _errors = 0
 _error: str | None = None
 
 
 def _apply(config: dict) -> dict:
-    global _on
+    global _on, _armed, _next_beat
     if any(config[k] for k in _ARMING):
         events.open_run(config["dir"])
     else:
         events.close_run()
     for watch in WATCHES:
         watch.apply(config)
-    _on = any(config[k] for k in _ARMING)
+    _armed = [k for k in _ARMING if config[k]]
+    _on, _next_beat = bool(_armed), 0.0
     return config
 
 
@@ -74,6 +82,7 @@ def sentinels_step(step=None) -> None:
     if step is not None:
         _step = int(step)
     if _on:
+        _heartbeat()
         for watch in WATCHES:
             try:
                 watch.step_end(_step)
@@ -82,6 +91,17 @@ def sentinels_step(step=None) -> None:
                 _error = f"{watch.__name__.rpartition('.')[2]}.step_end: {type(exc).__name__}: {exc}"
     _step += 1
 
+
+
+def _heartbeat() -> None:
+    """A ``sentinels`` line in metrics.jsonl at the first step end after arming, then at
+    most once a minute: a healthy run has a run folder too, and `source-patch watch`
+    says which watches are armed and the last step they saw, not "no such folder"."""
+    global _next_beat
+    now = time.monotonic()
+    if now >= _next_beat:
+        _next_beat = now + BEAT_S
+        events.metric("sentinels", step=_step, watches=list(_armed))
 
 
 def enabled() -> bool:
