@@ -211,6 +211,53 @@ def test_a_prefill_that_cannot_reach_its_engine_fails_and_puts_the_dump_back(dum
     assert dumper.public_config() == before and dump_sglang._only is None and not dumper._paused
 
 
+def test_a_finished_prefills_files_are_listed_and_read_back_and_nothing_else(dumper, tmp_path):
+    """/dumper/prefill_files and /dumper/prefill_read (an engine on another host): a
+    finished prefill's own rank folder only, regular files by name, in chunks; a link, a
+    path out of it, another rank's folder, an unknown prefill: refused or skipped."""
+    import base64
+
+    from source_patch.runtime.dump import sglang as dump_sglang
+
+    dumper.configure(enable=False)
+    reply = dump_sglang.handle_control("prefill", {"requests": [{"rid": "a", "input_ids": [1, 2]}],
+                                                   "dir": str(tmp_path / "cap"), "exp_name": "engine"})
+    prefill_id = reply["prefill"]["id"]
+    deadline = time.monotonic() + 30
+    while dump_sglang.handle_control("get_state", {})["prefill"]["status"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    folder = tmp_path / "cap" / "engine" / "rank-0"  # what the rank would have dumped (the engine was not there)
+    folder.mkdir(parents=True)
+    data = os.urandom(dump_sglang.FILE_CHUNK + 123)
+    (folder / "00000001.safetensors").write_bytes(data)
+    (folder / "manifest.jsonl").write_text('{"name": "x"}\n')
+    (tmp_path / "secret").write_text("not a dump")
+    (folder / "link").symlink_to(tmp_path / "secret")
+    listed = dump_sglang.handle_control("prefill_files", {"id": prefill_id})
+    assert listed["files"] == [{"path": "rank-0/00000001.safetensors", "bytes": len(data)},
+                               {"path": "rank-0/manifest.jsonl", "bytes": 14}]  # not the link
+    got, offset = b"", 0
+    while True:
+        chunk = dump_sglang.handle_control("prefill_read", {"id": prefill_id, "path": "rank-0/00000001.safetensors",
+                                                            "offset": offset})
+        got += base64.b64decode(chunk["data"])
+        offset = len(got)
+        if chunk["eof"]:
+            break
+    assert got == data and chunk["size"] == len(data)
+    assert dump_sglang.handle_control("prefill_read", {"id": prefill_id, "path": "rank-1/manifest.jsonl"})["skip"]
+    for body, message in [({"id": prefill_id, "path": "rank-0/link"}, "symbolic link"),  # O_NOFOLLOW
+                          ({"id": prefill_id, "path": "rank-0/../secret"}, "rank folder"),
+                          ({"id": prefill_id, "path": "rank-0/.hidden"}, "not a dump file"),
+                          ({"id": prefill_id, "path": "../../secret"}, "rank folder"),
+                          ({"id": prefill_id, "path": "rank-0/manifest.jsonl", "offset": -1}, "offset"),
+                          ({"id": "prefill-0-0", "path": "rank-0/manifest.jsonl"}, "no finished prefill"),
+                          ({"id": prefill_id, "path": "rank-0/manifest.jsonl", "size": 1}, "unknown key")]:
+        with pytest.raises(Exception, match=message):
+            dump_sglang.handle_control("prefill_read", body)
+
+
 # ---------------------------------------------------------------- a real engine and the Megatron twin
 
 RUN = Path(__file__).parent / "e2e" / "sentinels_capture_run.py"
@@ -218,12 +265,15 @@ RUN = Path(__file__).parent / "e2e" / "sentinels_capture_run.py"
 
 @pytest.mark.slow
 def test_one_perturbed_layer_for_one_step_the_verdict_names_it(tmp_path, shared_code_cache):
+    """Steps 1 and 3 perturbed: step 1's engine side dumped straight into the run folder
+    (engine_files auto, one filesystem), step 3's into the engine's own dump folder and
+    copied over HTTP (engine_files fetch, as for an engine on another host)."""
     pytest.importorskip("megatron.core")
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SOURCE_PATCH")}
     environ["SOURCE_PATCH_CACHE"] = str(shared_code_cache)
     started = time.monotonic()
-    out = subprocess.run([sys.executable, str(RUN), "--out", str(tmp_path), "--perturb-step", "1",
-                          "--perturb-layer", "1", "--max-triggers", "2"],
+    out = subprocess.run([sys.executable, str(RUN), "--out", str(tmp_path), "--steps", "4", "--perturb-step", "1",
+                          "--perturb-step", "3", "--fetch-from", "2", "--perturb-layer", "1", "--max-triggers", "2"],
                          env=environ, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -241,29 +291,44 @@ def test_one_perturbed_layer_for_one_step_the_verdict_names_it(tmp_path, shared_
         assert all(s["max_abs_diff"] > threshold for s in step["samples"] if s["triggered"])
         assert len(fired) == min(len(over), 2)  # at most max_triggers a step
         triggered[step["step"]] = fired
-    assert [step for step, fired in triggered.items() if fired] == [1]
-    # both sides' dumps, for the triggered samples only, of the perturbed step only
+    assert [step for step, fired in triggered.items() if fired] == [1, 3]
+    # both sides' dumps, for the triggered samples only, of the perturbed steps only
     rank = run / "rank-0"
-    assert sorted(p.name for p in rank.iterdir() if p.name.startswith("capture-")) == ["capture-step1"]
-    (trainer,) = (rank / "capture-step1" / "trainer").iterdir()
-    (engine,) = (rank / "capture-step1" / "engine").iterdir()
-    trainer_rids = {rid for r in manifest(trainer) if r["name"] == "row_request" for rid in r["tags"]["rids"]}
-    engine_rids = {rid for r in manifest(engine) if r["name"] == "row_request" for rid in r["tags"]["rids"]}
-    assert engine_rids == set(triggered[1]) and set(triggered[1]) <= trainer_rids  # the trainer's map names the
-    samples = {s["rid"]: s for step in result["steps"] for s in step["samples"]}  # micro-batch; its rows: theirs
-    tokens = sum(len(samples[rid]["prompt"]) + len(samples[rid]["output"]) for rid in triggered[1])
-    assert {r["shape"][0] for r in manifest(trainer) if r["name"] in ("row_request", "layer_output")} == {tokens}
-    # the verdict, in the run folder, with no one in the loop
-    report = json.loads((rank / "verdict-step1.json").read_text())
-    assert (rank / "verdict-step1.html").is_file()
-    assert report["first_divergent"] == ["attention_output", 1]
-    assert report["requests"] == len(triggered[1]) and report["tokens_paired"] == tokens
-    assert all(r["ok"] for r in report["rows"] if r["layer"] == 0) and report["rows"][0]["ok"]
-    (verdict,) = [e for e in lines(run, "events") if e["kind"] == "mismatch_verdict"]
-    assert verdict["step"] == 1 and verdict["first_divergent"] == {"name": "attention_output", "layer": 1}
-    assert verdict["where"] == "attention_output layer 1" and len(verdict["worst_tokens"]) == 5
-    assert {t["request"] for t in verdict["worst_tokens"]} <= set(triggered[1])
-    assert verdict["engine_status"] == "done" and verdict["cached_tokens"] == 0 and verdict["compare_exit"] == 1
+    assert sorted(p.name for p in rank.iterdir() if p.name.startswith("capture-")) == ["capture-step1", "capture-step3"]
+    samples = {(step["step"], s["rid"]): s for step in result["steps"] for s in step["samples"]}
+    verdicts = {e["step"]: e for e in lines(run, "events") if e["kind"] == "mismatch_verdict"}
+    assert sorted(verdicts) == [1, 3]
+    for n in (1, 3):
+        (trainer,) = (rank / f"capture-step{n}" / "trainer").iterdir()
+        (engine,) = (rank / f"capture-step{n}" / "engine").iterdir()
+        trainer_rids = {rid for r in manifest(trainer) if r["name"] == "row_request" for rid in r["tags"]["rids"]}
+        engine_rids = {rid for r in manifest(engine) if r["name"] == "row_request" for rid in r["tags"]["rids"]}
+        assert engine_rids == set(triggered[n]) and set(triggered[n]) <= trainer_rids  # the trainer's map names
+        tokens = sum(len(samples[n, rid]["prompt"]) + len(samples[n, rid]["output"])  # the micro-batch; its
+                     for rid in triggered[n])                                          # rows: theirs
+        assert {r["shape"][0] for r in manifest(trainer) if r["name"] in ("row_request", "layer_output")} == {tokens}
+        # the verdict, in the run folder, with no one in the loop
+        report = json.loads((rank / f"verdict-step{n}.json").read_text())
+        assert (rank / f"verdict-step{n}.html").is_file()
+        assert report["first_divergent"] == ["attention_output", 1]
+        assert report["requests"] == len(triggered[n]) and report["tokens_paired"] == tokens
+        assert all(r["ok"] for r in report["rows"] if r["layer"] == 0) and report["rows"][0]["ok"]
+        verdict = verdicts[n]
+        assert verdict["first_divergent"] == {"name": "attention_output", "layer": 1}
+        assert verdict["where"] == "attention_output layer 1" and len(verdict["worst_tokens"]) == 5
+        assert {t["request"] for t in verdict["worst_tokens"]} <= set(triggered[n])
+        assert verdict["engine_status"] == "done" and verdict["cached_tokens"] == 0 and verdict["compare_exit"] == 1
+    # step 1: the engine wrote into the run folder itself; step 3: into its own dump folder, copied here byte
+    # for byte (every file the engine's rank folder holds, and their sizes summed in engine_fetched)
+    assert "engine_fetched" not in verdicts[1]
+    (served,) = (tmp_path / "engine-dumps").glob("sp-capture-r0-step3-*")
+    originals = {p.relative_to(served): p.read_bytes() for p in served.rglob("*") if p.is_file()}
+    fetched = {p.relative_to(rank / "capture-step3" / "engine"): p.read_bytes()
+               for p in (rank / "capture-step3" / "engine").rglob("*") if p.is_file()}
+    assert originals and fetched == originals
+    assert verdicts[3]["engine_fetched"] == sum(map(len, originals.values()))
     counters = result["counters"]
-    assert counters["mismatch_bytes"] == verdict["trainer_bytes"] + verdict["engine_bytes"]
+    assert counters["capture_engine_fetched"] == verdicts[3]["engine_fetched"]
+    assert counters["mismatch_bytes"] == sum(verdicts[n]["trainer_bytes"] + verdicts[n]["engine_bytes"]
+                                             for n in (1, 3))
     print(f"capture e2e: {time.monotonic() - started:.1f} s, {result['times']}")

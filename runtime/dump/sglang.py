@@ -26,16 +26,24 @@ dumps on for those requests only (a mismatch capture, docs/dump_control.md): eve
 turns dumping on (``dir``, ``exp_name`` as asked) for passes that hold those request
 ids, rank 0 sends them through the engine's own ``/flush_cache`` and ``/generate``
 (``max_new_tokens: 0``) from a thread, then ``/dumper/prefill_end`` puts every rank's
-dump back as it was.  ``/dumper/get_state`` says how it went (``prefill``).
+dump back as it was.  ``/dumper/get_state`` says how it went (``prefill``).  For a
+trainer on another host (no shared filesystem), ``/dumper/prefill_files`` lists each
+rank's files of a finished prefill and ``/dumper/prefill_read`` returns one of them in
+chunks (base64): the trainer copies the engine's side into its own run folder.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
+import stat
 import sys
 import threading
 import time
+
+from pathlib import Path
 
 import torch
 
@@ -172,8 +180,13 @@ def handle_control(method: str, body: dict) -> dict:
         reply = prefill_start(body or {})
     elif method == "prefill_end":
         reply = prefill_end(body or {})
+    elif method == "prefill_files":
+        reply = prefill_files(body or {})
+    elif method == "prefill_read":
+        reply = prefill_read(body or {})
     else:
-        raise ValueError(f"unknown method {method!r} (configure, get_state, reset, prefill)")
+        raise ValueError(f"unknown method {method!r} (configure, get_state, reset, prefill, prefill_files, "
+                         "prefill_read)")
     if method in ("get_state", "state"):
         reply = {**reply, "prefill": dict(_prefill)}
     return {"rank": ranks.global_rank(), **ranks.parallel_tags(), **reply}
@@ -186,11 +199,16 @@ MAX_TOKENS = 1 << 16       # token ids at most in one prefill, all requests toge
 MAX_RID_CHARS = 256
 TIMEOUT_S = 300.0          # the generate request's own limit
 PREFILL_KEYS = ("requests", "dir", "exp_name")
+FILE_CHUNK = 2 << 20       # bytes of a file in one prefill_read reply (base64: ~2.7 MB of JSON)
+MAX_DONE = 16              # finished prefills whose files can still be listed and read
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")  # what the dump writes; never a path
 
 _only: frozenset | None = None   # the request ids of the running prefill (None: none runs)
 _prefill: dict = {"status": "idle"}
 _restore: dict = {}
 _bytes_before = 0
+_folder: Path | None = None      # this rank's folder of the running prefill's records
+_done: dict = {}                 # prefill id -> this rank's folder of its records (the last MAX_DONE)
 _lock = threading.Lock()
 
 
@@ -198,7 +216,7 @@ def prefill_start(body: dict) -> dict:
     """Check ``body`` (``requests``: ``[{"rid", "input_ids"}]``, optional ``dir`` and
     ``exp_name`` for the records), turn dumping on for those requests only, and on rank 0
     send them to the engine from a thread; the reply says the prefill started."""
-    global _only, _prefill, _restore, _bytes_before
+    global _only, _prefill, _restore, _bytes_before, _folder
     unknown = sorted(k for k in body if k not in PREFILL_KEYS)
     if unknown:
         raise ValueError(f"prefill: unknown key(s) {', '.join(map(repr, unknown))} (valid: {', '.join(PREFILL_KEYS)})")
@@ -213,6 +231,8 @@ def prefill_start(body: dict) -> dict:
         _restore, _only = restore, frozenset(r["rid"] for r in requests)
         state = api.state()
         _bytes_before = state["counters"]["bytes"]
+        rank = ranks.global_rank()
+        _folder = Path(state["exp_dir"]) / state["config"]["rank_dir"].replace("{rank}", str(rank))
         _prefill = {"id": f"prefill-{os.getpid()}-{time.time_ns()}", "status": "running",
                     "requests": [r["rid"] for r in requests], "tokens": sum(len(r["input_ids"]) for r in requests),
                     "exp_dir": state["exp_dir"], "started": time.time()}
@@ -286,7 +306,63 @@ def prefill_end(body: dict) -> dict:
         _prefill = {**_prefill, "status": status, "finished": time.time(), "flushed": bool(written),
                     "bytes": state["counters"]["bytes"] - _bytes_before,
                     **{k: body[k] for k in ("error", "cached_tokens") if k in body}}
+        _done[_prefill["id"]] = _folder
+        while len(_done) > MAX_DONE:
+            del _done[next(iter(_done))]
         return {"ok": True, "prefill": dict(_prefill)}
+
+
+def prefill_files(body: dict) -> dict:
+    """This rank's files of a finished prefill (``id``): ``[{"path": "<rank folder>/<name>",
+    "bytes"}]``, regular files only (never a link)."""
+    folder = _finished_folder(body, ("id",))
+    files = []
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except FileNotFoundError:  # this rank dumped nothing for it
+        entries = []
+    for entry in entries:
+        if _FILE_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            files.append({"path": f"{folder.name}/{entry.name}", "bytes": entry.stat(follow_symlinks=False).st_size})
+    return {"id": body["id"], "files": files}
+
+
+def prefill_read(body: dict) -> dict:
+    """``FILE_CHUNK`` bytes at most of one file of a finished prefill (``id``, ``path`` as
+    prefill_files named it, ``offset``), base64 in ``data``; ``skip`` on the ranks whose
+    folder it is not in."""
+    folder = _finished_folder(body, ("id", "path", "offset"))
+    path, offset = body.get("path"), body.get("offset", 0)
+    if not isinstance(path, str) or path.count("/") != 1:
+        raise ValueError("prefill_read: 'path' must be '<rank folder>/<file>' as prefill_files names it")
+    owner, name = path.split("/")
+    if owner != folder.name:
+        return {"path": path, "skip": True}
+    if not _FILE_NAME.fullmatch(name):
+        raise ValueError(f"prefill_read: {name!r} is not a dump file's name")
+    if type(offset) is not int or offset < 0:
+        raise ValueError("prefill_read: 'offset' must be an int >= 0")
+    fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"prefill_read: {path} is not a regular file")
+        data = os.pread(fd, FILE_CHUNK, offset)
+    finally:
+        os.close(fd)
+    return {"path": path, "offset": offset, "size": info.st_size, "eof": offset + len(data) >= info.st_size,
+            "data": base64.b64encode(data).decode("ascii")}
+
+
+def _finished_folder(body: dict, keys: tuple) -> Path:
+    unknown = sorted(k for k in body if k not in keys)
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} (valid: {', '.join(keys)})")
+    with _lock:
+        folder = _done.get(body.get("id")) if isinstance(body.get("id"), str) else None
+    if folder is None:
+        raise ValueError(f"no finished prefill {body.get('id')!r} here (the last {MAX_DONE} are kept)")
+    return folder
 
 
 def _own_server() -> tuple:

@@ -12,7 +12,11 @@ in the loop (docs/sentinels.md#capturing-a-triggered-sample).
 2. **Engine.**  At the step's end a background thread asks the first engine of
    ``engines`` that accepts (``POST <url>/dumper/prefill``, bearer ``token``) to prefill
    those samples' prompt+response with dumps on for them only, into
-   ``capture-step<N>/engine``, and polls ``/dumper/get_state`` until it is done.
+   ``capture-step<N>/engine``, and polls ``/dumper/get_state`` until it is done.  Where
+   the trainer does not see the engine's files there (another host, no shared
+   filesystem; or ``engine_files: fetch``, the engine dumping into its own folder), it
+   copies them over HTTP (``/dumper/prefill_files``, ``/dumper/prefill_read``), each file
+   checked against what was listed, the bytes against ``max_bytes``.
 3. **Verdict.**  The same thread runs ``compare`` (runtime/verdict, never imported here:
    a child process) of the engine's dumps against the trainer's, which writes
    ``<dir>/rank-<r>/verdict-step<N>.json`` and ``.html``, and writes the event
@@ -25,9 +29,11 @@ sentinels' ``flush``).  Nothing raises into training: failures are counted and s
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -46,11 +52,13 @@ VERDICT_TIMEOUT_S = 600.0
 FLUSH_TIMEOUT_S = 60.0
 MAX_REPLY_BYTES = 4 << 20
 MAX_VERDICT_BYTES = 64 << 20
+METADATA_BYTES = 16 << 20  # a fetched capture's manifests and model.json, beyond its records' bytes
 
-_NAMES = ("captures", "empty", "records", "bytes", "engine_prefills", "engine_bytes", "verdicts", "dropped",
-          "errors", "lost")
+_NAMES = ("captures", "empty", "records", "bytes", "engine_prefills", "engine_bytes", "engine_fetched", "verdicts",
+          "dropped", "errors", "lost")
 _counters = Counters(_NAMES, "source_patch.sentinels", "sentinels capture")
-_config: dict = {"engines": None, "token": "", "rtol": 1e-4}
+_config: dict = {"engines": None, "token": "", "rtol": 1e-4, "engine_files": "auto"}
+_ENGINE_PATH = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}/[A-Za-z0-9][A-Za-z0-9._-]{0,200}")  # <rank folder>/<file>
 _step = None               # this step's _Step, None: nothing to capture
 _jobs: queue.Queue = queue.Queue(maxsize=QUEUE)
 _worker: threading.Thread | None = None
@@ -68,6 +76,7 @@ class _Step:
         self.records = self.bytes = 0
         self.cut = False               # max_bytes ran out mid-capture
         self.flush = None              # the dump's flush(timeout), handed over at its first record
+        self.engine_files = _config["engine_files"]  # as set when the step triggered, not when its job runs
         self.lock = threading.Lock()
 
 
@@ -160,7 +169,8 @@ def step_done(step) -> None:
 
 
 def apply(config: dict) -> None:
-    _config.update(engines=config.get("engines"), token=config.get("token") or "", rtol=float(config["rtol"]))
+    _config.update(engines=config.get("engines"), token=config.get("token") or "", rtol=float(config["rtol"]),
+                   engine_files=config.get("engine_files") or "auto")
 
 
 def clear() -> None:
@@ -275,7 +285,9 @@ def _engine_side(state: _Step, fields: dict):
     if left < state.bytes:  # the engine's dump of the same tokens costs about what the trainer's did
         fields["engine"] = f"max_bytes: {left:,} bytes left, the trainer's capture took {state.bytes:,}"
         return None
-    body = {"requests": requests, "dir": str(state.folder), "exp_name": "engine"}
+    fetch = state.engine_files == "fetch"
+    body = {"requests": requests, "exp_name": f"sp-capture-r{ranks.global_rank()}-step{state.step}-{time.time_ns()}"} \
+        if fetch else {"requests": requests, "dir": str(state.folder), "exp_name": "engine"}
     errors = []
     for url in engines:
         try:
@@ -293,11 +305,58 @@ def _engine_side(state: _Step, fields: dict):
             _counters.add("engine_bytes", nbytes)
             if final.get("status") != "done":
                 return None
-            return state.folder / "engine"
+            into = state.folder / "engine"
+            if fetch or not any(into.glob("*/manifest.jsonl")):  # not here: another host's disk
+                # the records' bytes as the engine counted them, and room for manifests and model.json
+                fields["engine_fetched"] = _fetch(url, prefill_id, into, nbytes + METADATA_BYTES)
+            return into
         except (OSError, ValueError) as exc:
             errors.append(f"{url}: {type(exc).__name__}: {exc}")
     fields["engine"] = "; ".join(errors)[:1000]
     return None
+
+
+def _fetch(url: str, prefill_id, into: Path, limit: int) -> int:
+    """Copy the engine's files of a finished prefill into ``into`` over HTTP; the bytes
+    copied.  Paths are the engine's listing, checked (``<rank folder>/<file>``, no more),
+    all of them ``limit`` bytes at most; each file is written under a temporary name,
+    checked against its listed size, then renamed."""
+    status, reply = _request(url, "/dumper/prefill_files", {"id": prefill_id})
+    if status != 200:
+        raise ValueError(f"prefill_files: {status} {str(reply)[:300]}")
+    files = [f for entry in (reply if isinstance(reply, list) else [reply]) if isinstance(entry, dict)
+             for f in entry.get("files") or []]
+    for f in files:
+        if not (isinstance(f, dict) and isinstance(f.get("path"), str) and _ENGINE_PATH.fullmatch(f["path"])
+                and type(f.get("bytes")) is int and f["bytes"] >= 0):
+            raise ValueError(f"prefill_files: an entry that is not a dump file {str(f)[:200]}")
+    listed = sum(f["bytes"] for f in files)
+    if listed > limit:
+        raise ValueError(f"prefill_files: {listed:,} bytes listed, more than the {limit:,} expected")
+    copied = 0
+    for f in files:
+        target = into / f["path"]
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.part")
+        with open(partial, "wb") as out:
+            while True:
+                status, reply = _request(url, "/dumper/prefill_read", {"id": prefill_id, "path": f["path"],
+                                                                        "offset": out.tell()})
+                chunk = next((e for e in (reply if isinstance(reply, list) else [reply])
+                              if isinstance(e, dict) and not e.get("skip") and "data" in e), None)
+                if status != 200 or chunk is None:
+                    raise ValueError(f"prefill_read {f['path']}: {status} {str(reply)[:300]}")
+                out.write(base64.b64decode(chunk["data"], validate=True))
+                if out.tell() > f["bytes"]:
+                    raise ValueError(f"prefill_read {f['path']}: more than the {f['bytes']} bytes listed")
+                if chunk.get("eof"):
+                    break
+        if partial.stat().st_size != f["bytes"]:
+            raise ValueError(f"prefill_read {f['path']}: {partial.stat().st_size} bytes, {f['bytes']} listed")
+        os.replace(partial, target)
+        copied += f["bytes"]
+    _counters.add("engine_fetched", copied)
+    return copied
 
 
 def _prefill_of(reply) -> dict:

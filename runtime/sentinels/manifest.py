@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..core.capability import Capability, Component
-from ..core.settings import Setting, boolean, integer, nonempty_text, size, string_list, text
+from ..core.settings import Setting, boolean, choice, integer, nonempty_text, size, string_list, text
 
 
 def _engines(value) -> list | None:
@@ -49,6 +49,11 @@ SETTINGS = {
                                        "DUMPER_SERVER_PORT=reuse): a triggered sample's prompt+response is "
                                        "prefilled with dumps on by the first that accepts it (POST "
                                        "/dumper/prefill); empty: the trainer side only"),
+    "engine_files": Setting("auto", choice("auto", "fetch"), "where the engine's dumps of a capture go: auto "
+                            "(into the run folder's path, on the engine's host; copied over HTTP when the trainer "
+                            "does not see them there, e.g. another host without a shared filesystem), fetch (into "
+                            "the engine's own dump folder, always copied over HTTP: an engine that cannot write "
+                            "the trainer's paths)"),
     "token": Setting("", text, "bearer token sent to the engines (SGLang's --admin-api-key or --api-key); "
                                "empty: none"),
     "rtol": Setting(1e-4, _rtol, "the verdict's relative L2 above which a layer diverges (compare --rtol)"),

@@ -4,7 +4,7 @@ the twin is perturbed.  The mismatch watch triggers there only; the dump capture
 triggered samples in that step's fwd_bwd pass; the engine prefills them with dumps on
 (POST /dumper/prefill); the verdict lands in the run folder with no one in the loop.
 
-    python tests/e2e/sentinels_capture_run.py --out DIR [--steps 3] [--perturb-step 1]
+    python tests/e2e/sentinels_capture_run.py --out DIR [--steps 3] [--perturb-step 1 ...] [--fetch-from STEP]
         [--perturb-layer 1] [--threshold 0.05] [--max-triggers 2]
 
 The last line of stdout is JSON: per step the samples' figures, the run folder, the
@@ -44,7 +44,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--perturb-step", type=int, default=1)
+    p.add_argument("--perturb-step", type=int, action="append", help="a step whose weights are perturbed "
+                   "(repeat it for several; default 1)")
+    p.add_argument("--fetch-from", type=int, default=None, help="from this step on, engine_files=fetch: the "
+                   "engine dumps into its own folder and the trainer copies its files over HTTP")
     p.add_argument("--perturb-layer", type=int, default=1)
     p.add_argument("--scale", type=float, default=3.0)
     p.add_argument("--threshold", type=float, default=0.05)
@@ -53,6 +56,7 @@ def main():
     args = p.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    args.perturb_step = args.perturb_step or [1]
     times = {}
     t0 = time.monotonic()
     os.environ.update({"SOURCE_PATCH_DUMP_ENABLE": "0", "SOURCE_PATCH_DUMP_DIR": str(out / "trainer-dumps")})
@@ -88,7 +92,12 @@ def main():
         for step in range(args.steps):
             samples = rollout(server, args.new_tokens)
             engine = [rollout_logprobs(s["logps"]) for s in samples]
-            here = perturbed(model, args.perturb_layer, args.scale) if step == args.perturb_step \
+            if step == args.fetch_from:
+                from source_patch.runtime.sentinels import control as sentinels
+
+                mismatch.drain(300)  # the earlier steps' captures done as they were asked for
+                sentinels.configure(engine_files="fetch")
+            here = perturbed(model, args.perturb_layer, args.scale) if step in args.perturb_step \
                 else contextlib.nullcontext()
             with here:
                 # fwd_only: the old log-probs of the samples, one right-padded micro-batch; the watch sees them
@@ -102,7 +111,7 @@ def main():
                     sum(lp.sum() for lp in twin_logps(model, samples)).backward()
             model.zero_grad(set_to_none=True)
             dump.dump_step(step=step + 1)  # what the patched optimizer step does: the step's rows are done
-            steps.append({"step": step, "perturbed": step == args.perturb_step,
+            steps.append({"step": step, "perturbed": step in args.perturb_step,
                           "samples": [{"rid": s["rid"], "prompt": s["prompt"], "output": s["output"],
                                        **{k: f[k] for k in ("max_abs_diff", "triggered")}}
                                       for s, f in zip(samples, figures)]})
