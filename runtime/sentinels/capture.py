@@ -1,5 +1,5 @@
 """The capture a mismatch trigger asks for, on both sides, and its verdict, with no one
-in the loop (docs/sentinels.md#capturing-a-triggered-sample).
+in the loop (docs/mismatch.md#capturing-a-triggered-sample).
 
 1. **Trainer.**  A trigger (mismatch.py, in the ``fwd_only`` pass) adds its request id to
    this step's capture, which is set as ``core/watch.py``'s ``capture``.  The dump's

@@ -1,5 +1,5 @@
 """Rollout/training log-prob mismatch per sample, and the capture it triggers
-(docs/sentinels.md#mismatch-watch).
+(docs/mismatch.md).
 
 A framework calls, where it computes the trainer's log-probs of the rollout's tokens
 (the ``fwd_only`` pass: the old log-probs)::
@@ -252,7 +252,7 @@ def _finite(x):
 def triggered() -> list:
     """The request ids this step's triggers asked to capture (trigger order); cleared at
     the step's end.  The trainer dumps the micro-batch that holds each in the step's
-    ``fwd_bwd`` pass (docs/sentinels.md#capturing-a-triggered-sample)."""
+    ``fwd_bwd`` pass (docs/mismatch.md#capturing-a-triggered-sample)."""
     with _lock:
         return list(_triggered)
 

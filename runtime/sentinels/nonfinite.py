@@ -166,8 +166,8 @@ def _hook(name: str, value, layer) -> None:
             _fold_static(site, value)
             return
         k, _calls = _calls, _calls + 1
-        if k == len(_call_views):
-            _call_views.append(_flags[SLOTS - 1 - k])
+        while len(_call_views) <= k:  # made once; again after the flags moved to the GPU mid-step
+            _call_views.append(_flags[SLOTS - 1 - len(_call_views)])
         _order.append((SLOTS - 1 - k, site))
         torch.linalg.vector_norm(value.detach(), _INF, dtype=torch.float32, out=_call_views[k])
     except Exception as exc:  # noqa: BLE001 - a watch must never break the caller
