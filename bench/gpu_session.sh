@@ -271,6 +271,10 @@ echo "   under Megatron's router CUDA graphs; then the gpu-marked sentinel tests
   | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_sentinels_large.txt" | tail -10)
 timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_sentinels_nonfinite.py tests/test_sentinels_routing.py \
   2>&1 | tee "$OUT/pytest_sentinels_gpu.log" | tail -4
+if [ "${SENTINELS_PROFILE:-1}" != 0 ]; then  # where what is left goes: each call site's host time a step
+(cd bench && timeout 120 python3 call_profile.py --steps 20 --warmup 6 --top 8 --variants "sentinels armed" 2>&1 \
+  | grep -v "Warning\|warnings.warn" | tee "$OUT/sentinels_calls.txt" | tail -10)
+fi
 fi
 if want verdict; then
 echo "== verdict (issue 53 item 5): real mismatches between two training runs of one checkpoint (examples/verdict_runs.py:"
