@@ -15,9 +15,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from example import counting_forward_step, train_moe  # tests/e2e/example.py
+from example import counting_forward_step, forward_backward, start_cpu, train_moe  # tests/e2e/example.py
 
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 
 class Recorder:
@@ -65,11 +64,8 @@ def main():
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=2)
     cli = p.parse_args()
-    args = train_moe.parse_args(["--steps", str(cli.steps), "--micro-batches", str(cli.micro_batches),
-                                 "--device", "cpu"])
+    args = start_cpu(["--steps", str(cli.steps), "--micro-batches", str(cli.micro_batches)])
     device = torch.device("cpu")
-    torch.set_num_threads(1)
-    train_moe.init_distributed(device, args.ep)
     torch.manual_seed(args.seed)
     model = train_moe.build_model(args, device)
     optimizer = train_moe.build_optimizer(model, args)
@@ -77,17 +73,11 @@ def main():
     recorder = Recorder(model.module) if cli.hooks else None
     out = {}
     for step in range(args.steps):
-        batches = [train_moe.make_batch(dataset, step * args.micro_batches + m, args)
-                   for m in range(args.micro_batches)]
         if recorder:
             recorder.step, recorder.microbatch = step, 0
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = get_forward_backward_func()(
-            forward_step_func=(counting_forward_step(recorder.next_microbatch) if recorder
-                               else train_moe.forward_step), data_iterator=iter(batches),
-            model=[model], num_microbatches=args.micro_batches, seq_length=args.seq_len,
-            micro_batch_size=args.micro_batch, forward_only=False)
+        losses = forward_backward(model, optimizer, dataset, args, step,
+                                  counting_forward_step(recorder.next_microbatch) if recorder
+                                  else train_moe.forward_step)
         out[f"loss/{step}"] = torch.stack([x["lm loss"] for x in losses]).detach().clone()
         for name, param in model.module.named_parameters():
             out[f"grad/{step}/{name}"] = param.main_grad.detach().clone()

@@ -34,9 +34,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from example import counting_forward_step, train_moe  # tests/e2e/example.py
+from example import counting_forward_step, forward_backward, start_cpu, train_moe  # tests/e2e/example.py
 
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction  # noqa: E402
 
 from source_patch.runtime.routing.megatron import capture as routing_capture, control as routing  # noqa: E402
@@ -101,14 +100,7 @@ def run(args, out, prefix, device, feed=None):
 
     for step in range(args.steps):
         pos["step"], pos["mb"] = step, 0
-        batches = [train_moe.make_batch(dataset, step * args.micro_batches + m, args)
-                   for m in range(args.micro_batches)]
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-            num_microbatches=args.micro_batches, seq_length=args.seq_len,
-            micro_batch_size=args.micro_batch, forward_only=False)
+        forward_backward(model, optimizer, dataset, args, step, forward_step)
         success, _, _ = optimizer.step()
         assert success
         sentinels.sentinels_step(step)  # patches/sentinels.yaml's call site, after the optimizer step
@@ -121,11 +113,9 @@ def main():
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=2)
     cli = p.parse_args()
-    args = train_moe.parse_args(["--steps", str(cli.steps), "--micro-batches", str(cli.micro_batches),
-                                 "--device", "cpu", "--layers", "2", "--seq-len", "16", "--micro-batch", "4"])
+    args = start_cpu(["--steps", str(cli.steps), "--micro-batches", str(cli.micro_batches),
+                      "--layers", "2", "--seq-len", "16", "--micro-batch", "4"])
     device = torch.device("cpu")
-    torch.set_num_threads(1)
-    train_moe.init_distributed(device, args.ep)
     root = Path(cli.out)
     root.mkdir(parents=True, exist_ok=True)
     capture_dir = root / "capture"

@@ -18,12 +18,11 @@ import time
 
 import torch
 
-from example import counting_forward_step, train_moe  # tests/e2e/example.py
+from example import counting_forward_step, forward_backward, start_cpu, train_moe  # tests/e2e/example.py
 
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--experts", "4", "--topk", "2", "--vocab", "64",
-        "--seq-len", "16", "--micro-batch", "4", "--device", "cpu"]
+        "--seq-len", "16", "--micro-batch", "4"]
 now = {"step": 0, "microbatch": 0}
 nan_at = None
 
@@ -46,9 +45,7 @@ def main():
     if cli.plant_nan:
         nan_at = tuple(int(v) for v in cli.plant_nan.split(","))
     inf_step, inf_param = cli.plant_inf_grad.split(",") if cli.plant_inf_grad else (None, None)
-    args = train_moe.parse_args([*TINY, "--steps", str(cli.steps), "--micro-batches", str(cli.micro_batches)])
-    torch.set_num_threads(1)
-    train_moe.init_distributed(torch.device("cpu"), args.ep)
+    args = start_cpu([*TINY, "--steps", str(cli.steps), "--micro-batches", str(cli.micro_batches)])
     torch.manual_seed(args.seed)
     model = train_moe.build_model(args, torch.device("cpu"))
     optimizer = train_moe.build_optimizer(model, args)
@@ -61,14 +58,7 @@ def main():
     start = time.perf_counter()
     for step in range(args.steps):
         now.update(step=step, microbatch=0)
-        batches = [train_moe.make_batch(dataset, step * args.micro_batches + m, args)
-                   for m in range(args.micro_batches)]
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        get_forward_backward_func()(
-            forward_step_func=counting_forward_step(next_microbatch), data_iterator=iter(batches),
-            model=[model], num_microbatches=args.micro_batches, seq_length=args.seq_len,
-            micro_batch_size=args.micro_batch, forward_only=False)
+        forward_backward(model, optimizer, dataset, args, step, counting_forward_step(next_microbatch))
         if inf_step is not None and step == int(inf_step):
             params[inf_param].main_grad.view(-1)[0] = float("inf")
         optimizer.step()
