@@ -54,6 +54,7 @@ import weakref
 import torch
 
 from ..core import tags as ambient, watch
+from ..core.adapters.readback import Readback
 from . import events
 
 SLOTS = 1 << 15                  # 128 KiB of float32 flags on the device, as much pinned twice on the host
@@ -77,9 +78,8 @@ _calls = 0                       # per-call slots written this step
 _order: list = []                # (flag index, site id) in the order they ran this step
 _ran: list = []                  # static slot -> the last step number (_tick) it ran in
 _tick = 0
-_pending = None                  # (event, host flags, order, calls, step): a CUDA read in flight
-_host: list = []                 # two pinned host buffers, used in turn
-_turn = 0
+_pending = None                  # (host flags, order, statics, calls, step): a read not inspected yet
+_reader = Readback()             # the flags' read back, one a step
 _grads = weakref.WeakKeyDictionary()   # optimizer -> its watched (site id, param) list, in backward order
 _models = weakref.WeakKeyDictionary()  # optimizer -> the model chunks it steps (sentinels_attach)
 _callbacks: list = []
@@ -311,7 +311,6 @@ def _place(device: torch.device) -> bool:
     _views = [_flags[i] for i in range(len(_static_site))]
     _call_views.clear()
     _pending = None
-    _host.clear()
     return True
 
 
@@ -325,46 +324,32 @@ def _ran_now(slot: int) -> None:
 
 
 def step_end(step) -> None:
-    """Read back what the step folded (asynchronously on CUDA) and report it."""
-    global _pending, _order, _tick, _turn, _calls
+    """Read back what the step folded (without waiting on CUDA) and report it."""
+    global _pending, _order, _tick, _calls
     if _flags is None or not (_armed or _pending):
         return
     try:
-        if _pending is not None:
-            ready, _pending = _pending, None
-            ready[0].synchronize()  # recorded a step ago: done, or nearly
-            _inspect(*ready[1:])
+        drain()  # the last step's read: recorded a step ago, done or nearly
         order, calls, statics = _order, _calls, len(_static_site)
         _order, _calls, _tick = [], 0, _tick + 1
         if not order and not statics:
             return  # nothing ran (a step whose sites are all under graph replays still has statics)
-        if _flags.device.type == "cpu":
-            host = _flags.clone()
-            _flags[:statics].zero_()
-            _inspect(host, order, statics, calls, step)
-            return
-        if not _host:
-            _host.extend(torch.empty(SLOTS, dtype=torch.float32, pin_memory=True) for _ in range(2))
-        host, _turn = _host[_turn], 1 - _turn
-        host.copy_(_flags, non_blocking=True)  # 128 KiB: one copy, whatever the slots in use
+        host = _reader.start(_flags)  # 128 KiB: one copy, whatever the slots in use
         _flags[:statics].zero_()
-        done = torch.cuda.Event()
-        done.record()
-        if done.query():
-            _inspect(host, order, statics, calls, step)
-        else:
-            _pending = (done, host, order, statics, calls, step)
+        _pending = (host, order, statics, calls, step)
+        if _reader.done():  # CPU, or already landed: reported now, not a step late
+            drain()
     except Exception as exc:  # noqa: BLE001
         _fail("reading the flags back", exc)
 
 
 def drain() -> None:
-    """flush()/close(): a read still in flight is waited for and reported."""
+    """flush()/close(), and each step end: a read still in flight is waited for and reported."""
     global _pending
     if _pending is not None:
         ready, _pending = _pending, None
-        ready[0].synchronize()
-        _inspect(*ready[1:])
+        _reader.wait()
+        _inspect(*ready)
 
 
 def _inspect(host: torch.Tensor, order: list, statics: int, calls: int, step) -> None:

@@ -34,13 +34,14 @@ from __future__ import annotations
 import torch
 
 from ..core import watch
+from ..core.adapters.readback import Readback
 from . import events
 
 _on = False
 _layers: dict = {}   # layer -> _Layer
 _next_step = 0       # the step a step_end(None) reports
-_pending: list = []  # CUDA reads in flight: (event, host values, [(layer, experts, tokens, replayed, topk)], step)
-_host: dict = {}     # device -> its pinned float64 buffer (grown as layers come)
+_pending: list = []  # reads not written yet: (reader, host values, [(layer, experts, tokens, replayed, topk)], step)
+_readers: dict = {}  # device -> its Readback (one read a step per device)
 _counts = {"routing_health_calls": 0, "routing_health_lines": 0, "routing_health_errors": 0}
 _error: str | None = None
 
@@ -72,7 +73,7 @@ def apply(config: dict) -> None:
     if not _on:
         drain()
         _layers.clear()
-        _host.clear()
+        _readers.clear()
 
 
 def routes(layer, topk_ids, scores, replayed) -> None:
@@ -133,19 +134,10 @@ def step_end(step) -> None:
             flat = torch.cat(values)
             torch._foreach_zero_(values)
             layout = [(layer, acc.experts, acc.tokens, acc.replayed, acc.topk) for layer, acc in pairs]
-            if device.type != "cuda":
-                _write(flat.tolist(), layout, int(step))
-                continue
-            host = _host.get(device)
-            if host is None or host.numel() < flat.numel():
-                host = _host[device] = torch.empty(max(flat.numel(), 1024), dtype=torch.float64, pin_memory=True)
-            host = host[:flat.numel()]
-            host.copy_(flat, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            _pending.append((done, host, layout, int(step)))
-        if _pending and all(p[0].query() for p in _pending):
-            drain()  # already there: written now, not a step late
+            reader = _readers.setdefault(device, Readback())
+            _pending.append((reader, reader.start(flat), layout, int(step)))
+        if all(p[0].done() for p in _pending):
+            drain()  # CPU, or already landed: written now, not a step late
     except Exception as exc:
         _counts["routing_health_errors"] += 1
         _error = f"routing_health: step {step}: {type(exc).__name__}: {exc}"
@@ -158,9 +150,9 @@ def drain() -> None:
     """Wait for the reads in flight and write their lines (flush, close, the next step's end)."""
     global _error
     while _pending:
-        done, host, layout, step = _pending.pop(0)
+        reader, host, layout, step = _pending.pop(0)
         try:
-            done.synchronize()
+            reader.wait()
             _write(host.tolist(), layout, step)
         except Exception as exc:
             _counts["routing_health_errors"] += 1

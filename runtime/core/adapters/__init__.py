@@ -5,4 +5,6 @@ from core's plain parts because it follows the frameworks (and may import torch)
                       each replay (imports torch)
     sglang_graphs.py  graph_stage.py driven from SGLang's decode graph runner
     sglang_batch.py   which request and position each row of an SGLang batch is
+    readback.py       a device tensor read back to the host without waiting for the device
+                      (pinned memory and an event; imports torch)
 """
