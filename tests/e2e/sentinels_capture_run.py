@@ -95,7 +95,6 @@ def main():
             if step == args.fetch_from:
                 from source_patch.runtime.sentinels import control as sentinels
 
-                mismatch.drain(300)  # the earlier steps' captures done as they were asked for
                 sentinels.configure(engine_files="fetch")
             here = perturbed(model, args.perturb_layer, args.scale) if step in args.perturb_step \
                 else contextlib.nullcontext()
@@ -115,7 +114,11 @@ def main():
                           "samples": [{"rid": s["rid"], "prompt": s["prompt"], "output": s["output"],
                                        **{k: f[k] for k in ("max_abs_diff", "triggered")}}
                                       for s, f in zip(samples, figures)]})
-        mismatch.step_end(args.steps - 1)
+            # the step's end (the optimizer's sentinels_step), then its capture waited for: the
+            # next rollout's requests would otherwise share the engine's batches with the prefill
+            # (the engine dumps whole passes: their rows would be in the capture too)
+            mismatch.step_end(step)
+            mismatch.drain(300)
         times["steps_s"] = time.monotonic() - t1
         t2 = time.monotonic()
         drained = mismatch.drain(300)
