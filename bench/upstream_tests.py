@@ -68,7 +68,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ENV_TESTS = "SOURCE_PATCH_UPSTREAM_TESTS"
 ENV_SGLANG_TESTS = "SOURCE_PATCH_UPSTREAM_SGLANG_TESTS"
-SPECS = "routing,dump,trace,weight_sync"
+SPECS = "routing,dump,trace,weight_sync,sentinels"
 OUTCOMES = ("passed", "failed", "error", "skipped")
 
 # Megatron-Core's MoE, transformer layer, GPT model and inference engine tests (one GPU).
@@ -151,9 +151,10 @@ def _version_key(v: str):
 def configurations(work: Path, cpu: bool, framework: str = "megatron") -> dict:
     """name -> environment changes; specs inert unless a configuration turns one capability on."""
     base = f"{framework}_cpu," if cpu else ""
-    # dump.yaml and trace.yaml turn themselves on: off here; their folders in `work` regardless
+    # dump.yaml, trace.yaml and sentinels.yaml turn themselves on: off here; their folders in `work` regardless
     inert = {"SOURCE_PATCH": base + SPECS, "SOURCE_PATCH_DUMP_ENABLE": "0", "SOURCE_PATCH_TRACE_ENABLE": "0",
-             "SOURCE_PATCH_DUMP_DIR": str(work / "dumps"), "SOURCE_PATCH_TRACE_DIR": str(work / "trace")}
+             "SOURCE_PATCH_SENTINELS_NONFINITE": "0", "SOURCE_PATCH_DUMP_DIR": str(work / "dumps"),
+             "SOURCE_PATCH_TRACE_DIR": str(work / "trace"), "SOURCE_PATCH_SENTINELS_DIR": str(work / "sentinels")}
     # Megatron's routing settings and SGLang's (per request, written when it finishes): each
     # framework reads only its own
     routes, sglang_routes = str(work / "routes"), str(work / "sglang-routes")
@@ -171,9 +172,13 @@ def configurations(work: Path, cpu: bool, framework: str = "megatron") -> dict:
         "weight_sync": {**inert, "SOURCE_PATCH_WEIGHT_SYNC_ENABLE": "1", "SOURCE_PATCH_WEIGHT_SYNC_PORT":
                         str(free_port()), "SOURCE_PATCH_WEIGHT_SYNC_WORLD_SIZE": "2",
                         "SOURCE_PATCH_WEIGHT_SYNC_TIMEOUT_S": "20"},
+        # the three watches armed (the mismatch watch is called by a framework: armed, never fed)
+        "sentinels": {**inert, "SOURCE_PATCH_SENTINELS_NONFINITE": "1", "SOURCE_PATCH_SENTINELS_ROUTING_HEALTH": "1",
+                      "SOURCE_PATCH_SENTINELS_MISMATCH": "1"},
     }
     # every capability on at once (what CI runs, with plain, inert and replay of its capture)
-    configs["all"] = {k: v for name in ("dump", "capture", "trace", "weight_sync") for k, v in configs[name].items()}
+    configs["all"] = {k: v for name in ("dump", "capture", "trace", "weight_sync", "sentinels")
+                      for k, v in configs[name].items()}
     return configs
 
 
