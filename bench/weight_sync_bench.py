@@ -357,7 +357,7 @@ def worker(rank: int, args, port: int):
     if args.events:
         device_events(run, rank, args.events)
     run.sync()
-    run.wt.close_group(run.link.group)
+    run.link.close()  # the group dropped here: its threads stop before the exit (Link.close)
 
 
 def profile(run: Run, rank: int, rounds: int = 3):

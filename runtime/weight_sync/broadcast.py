@@ -55,8 +55,7 @@ class Broadcast:
         sender.send(self.link, manifest, tensors, extra=extra, replay_packing=replay_packing)
 
     def close(self) -> None:
-        if self.link.group is not None:
-            weight_link.close_group(self.link.group)
+        self.link.close()
 
 
 def link_device(name: str) -> torch.device:

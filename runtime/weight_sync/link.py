@@ -2,8 +2,10 @@
 group of its own for weight updates, joined the way SGLang's
 ``/init_weights_update_group`` joins it, and the deadline every wait on it gets.
 
-    group = open_group("10.0.0.1", 29600, rank, world_size, "source_patch_weights", "nccl", 300)
-    link = Link(group, timeout_s=300)
+    link = Link(open_group("10.0.0.1", 29600, rank, world_size, "source_patch_weights", "nccl", 300),
+                timeout_s=300)
+    ...
+    link.close()  # destroys the group and stops its threads (Link.close)
 
 Every wait is bounded by ``timeout_s``; a peer that dies or stalls fails the update
 with WeightSyncTimeout / WeightSyncError and marks the link broken (the group is then
@@ -88,7 +90,9 @@ def abort_group(group) -> None:
 def close_group(group) -> None:
     """Destroy a group made by open_group (best effort: its peers may be gone).  NCCL's
     communicator is aborted first: its graceful shutdown waits for the peers, and one
-    blocked in its next receive (a receive() loop) held the trainer there for good."""
+    blocked in its next receive (a receive() loop) held the trainer there for good.
+    (gloo has nothing to abort.)  The group's threads stop only when its last reference
+    goes: a Link's group is closed with Link.close, which says why that matters."""
     abort_group(group)
     try:
         dist.destroy_process_group(group)
@@ -190,6 +194,19 @@ class Link:
         self._check()
         self.wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), what)
         return int(flag.item())
+
+    def close(self) -> None:
+        """Destroy the group (close_group) and drop it; the link is unusable after.  The
+        drop is what stops the group's threads: its destructor waits for them, the GIL
+        released.  A gloo thread drops each collective once done, and where Python has
+        let go of its tensors (a vote's flag) that drop takes the GIL; a thread that asks
+        for it once the interpreter is exiting is ended inside a C++ destructor, and the
+        process aborts (std::terminate).  A group kept to the end (a script's global)
+        was destroyed at the exit, its threads racing it: keep no other reference."""
+        group, self.group = self.group, None
+        if group is not None:
+            self.broken = self.broken or "the link was closed"
+            close_group(group)
 
     def _check(self) -> None:
         if self.broken:
