@@ -136,6 +136,47 @@ def test_each_call_has_its_own_slot_so_a_site_run_twice_keeps_the_first_nan(arme
     assert (event["name"], event["layer"], event["nonfinite_sites"]) == ("layer_output", 1, 1)
 
 
+def test_a_layers_calls_are_read_together_and_the_first_nan_is_still_its_own_site(armed):
+    """One _foreach_norm a layer: the calls are held until another layer's call comes,
+    and each still reports as itself."""
+    dump.dump("attention_output", torch.ones(3), layer=1)
+    dump.dump("mlp_output", torch.full((3,), NAN), layer=1)
+    dump.dump("layer_output", torch.full((3,), INF), layer=1)
+    assert len(nonfinite._batch) == 3  # held: one read for the layer
+    dump.dump("attention_output", torch.ones(3), layer=2)
+    assert [slot for _, _, slot in nonfinite._batch] == [nonfinite.STATIC + 3]  # layer 1 read, layer 2 held
+    control.sentinels_step()
+    assert nonfinite._batch == []  # read at the step's end: nothing held across steps
+    (event,) = lines(armed)
+    assert (event["name"], event["layer"], event["nonfinite_sites"]) == ("mlp_output", 1, 2)
+    assert "read_after_change" not in event
+
+
+def test_a_batch_is_read_at_its_call_or_byte_limit_and_a_large_tensor_alone(armed, monkeypatch):
+    for _ in range(nonfinite.BATCH_CALLS + 1):
+        dump.dump("expert_output", torch.ones(2), layer=3)
+    assert len(nonfinite._batch) == 1  # the 17th starts a new batch
+    monkeypatch.setattr(nonfinite, "ALONE_BYTES", 64)
+    dump.dump("logits", torch.full((16,), NAN))  # 64 bytes: read at once, never held
+    assert nonfinite._batch == []
+    monkeypatch.setattr(nonfinite, "BATCH_BYTES", 24)
+    dump.dump("loss", torch.ones(4))
+    dump.dump("loss_parts", torch.ones(4))  # 16 + 16 bytes > 24: the first read before the second is held
+    assert [value.numel() for value, _, _ in nonfinite._batch] == [4]
+    control.sentinels_step()
+    (event,) = lines(armed)
+    assert (event["name"], event["layer"]) == ("logits", None)
+
+
+def test_a_tensor_changed_in_place_before_its_read_is_said_in_the_event(armed):
+    x = torch.ones(3)
+    dump.dump("logits", x)
+    x.sub_(float("inf"))  # e.g. a cross entropy that works in place on the logits
+    control.sentinels_step()
+    (event,) = lines(armed)
+    assert event["name"] == "logits" and event["read_after_change"] is True
+
+
 def test_float64_and_calls_past_the_per_call_slots_fold_into_static_slots(armed):
     dump.dump("layer_output", torch.ones(2), layer=1)
     dump.dump("loss", torch.tensor([1e300, 1.0], dtype=torch.float64))  # max |x| beyond float32: not a NaN
@@ -348,3 +389,22 @@ def test_a_site_folded_inside_a_cuda_graph_is_reported_after_the_replay_that_saw
     control.flush()
     (event,) = [e for e in lines(armed) if e["kind"] == "nonfinite"][:1]
     assert (event["name"], event["layer"]) == ("mlp_output", 3), event
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_batch_made_on_a_side_stream_is_read_on_that_stream(armed):
+    """A layer's calls are read on the stream they were made on, even when the read
+    comes at a step end on another stream (no race with the flags' copy)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x = torch.ones(1 << 20, device="cuda")
+        torch.cuda._sleep(10_000_000)  # the side stream busy: a read on another stream would see x early
+        x[-1] = NAN
+        dump.dump("mlp_output", x, layer=2)
+    assert len(nonfinite._batch) == 1
+    control.sentinels_step()
+    control.flush()
+    (event,) = lines(armed)
+    assert (event["name"], event["layer"]) == ("mlp_output", 2)

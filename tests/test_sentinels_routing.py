@@ -135,9 +135,11 @@ def test_figures_accumulated_on_the_device_and_written_per_step(health):
         want_entropy.append(torch.special.entr(torch.softmax(logits.double(), -1)).sum(-1))
     for own, logits, replayed in calls:
         routing_health.routes(2, own, logits, replayed)
-    acc = routing_health._layers[2]
-    buffers = acc.values.data_ptr()
+    assert len(routing_health._held) == 3  # held: accumulated together at the step's end
+    table = routing_health._layers[2].table
     routing_health.step_end(7)
+    assert routing_health._held == []
+    buffers = table.values.data_ptr()
     [line] = lines(health)
     assert line["kind"] == "routing_health" and (line["step"], line["layer"], line["tokens"]) == (7, 2, 30)
     assert line["per_expert"] == want_counts.tolist()
@@ -150,10 +152,32 @@ def test_figures_accumulated_on_the_device_and_written_per_step(health):
     for own, logits, replayed in calls:
         routing_health.routes(2, own, logits, None)
     routing_health.step_end(None)
-    assert acc.values.data_ptr() == buffers and routing_health._layers[2] is acc
+    assert table.values.data_ptr() == buffers and routing_health._layers[2].table is table
     last = lines(health)[-1]
     assert last["step"] == 9 and last["agreement"] is None and last["replayed"] == 0
     assert routing_health.counters()["routing_health_lines"] == 2 and routing_health.last_error() is None
+
+
+def test_layers_of_one_shape_are_accumulated_as_one_batch_and_held_calls_are_bounded(health, monkeypatch):
+    """Eight layers' calls: one table, a row each, the figures of each layer its own; past
+    HELD_CALLS the calls are accumulated before the step's end; a held tensor changed in
+    place before that is counted."""
+    torch.manual_seed(3)
+    monkeypatch.setattr(routing_health, "HELD_CALLS", 5)
+    calls = {}
+    for layer in range(1, 9):
+        logits = torch.randn(6, EXPERTS)
+        calls[layer] = (torch.topk(logits, TOPK, dim=1)[1], logits)
+        routing_health.routes(layer, *calls[layer], None)
+    assert len(routing_health._held) == 3  # the first five were accumulated at the fifth call
+    calls[8][1].mul_(2)  # held, changed in place before its batch runs
+    routing_health.step_end(0)
+    assert len(routing_health._tables) == 1 and routing_health.counters()["routing_health_changed"] == 1
+    got = {line["layer"]: line for line in lines(health)}
+    assert sorted(got) == list(range(1, 9))
+    for layer, (own, logits) in calls.items():
+        assert got[layer]["per_expert"] == torch.bincount(own.reshape(-1), minlength=EXPERTS).tolist()
+        assert abs(got[layer]["entropy"] - entropy(logits)) < 1e-5
 
 
 def test_a_bad_call_is_counted_never_raised(health):
@@ -190,7 +214,7 @@ def test_on_cuda_the_read_is_asynchronous_and_flush_writes_it(health):
     want = torch.bincount(own.reshape(-1).cpu(), minlength=EXPERTS).tolist()
     assert (line["step"], line["tokens"], line["per_expert"]) == (1, 4096, want) and first["per_expert"] == want
     assert abs(line["entropy"] - entropy(logits.cpu())) < 1e-5
-    assert float(routing_health._layers[1].values.abs().sum()) == 0  # zeroed for the next step
+    assert float(routing_health._layers[1].table.values.abs().sum()) == 0  # zeroed for the next step
 
 
 # --------------------------------------------------------------------- end to end, real Megatron-Core

@@ -3,14 +3,25 @@
 Every training-side dump call site (``core.watch.tensor_hook``: activations, logits,
 loss; dumping on or off) and the gradients at the optimizer step's return write "all
 finite?" into a static float32 device tensor, with no host synchronisation.  An eager
-call (float32, bfloat16 or float16) writes its own slot, one kernel:
+call (float32, bfloat16 or float16) gets its own slot, ``flags[STATIC + k]`` for the
+step's k-th call, and the calls of one layer are read together, one ``_foreach_norm``
+and one ``stack`` into their slots (a reduction op costs the launching thread ~20 us
+of host time whatever the tensor's size: per layer, not per call):
 
-    vector_norm(x, inf, dtype=float32, out=flags[SLOTS - 1 - k])     # the step's k-th call
+    stack(_foreach_norm([x_k, x_k+1, ...], inf, dtype=float32), out=flags[STATIC + k:...])
 
-``vector_norm(x, inf)`` is max |x|: NaN when x holds a NaN, inf when it holds an Inf,
+A batch is read when a call of another layer or device comes, at 16 calls or 128 MiB
+held, at the gradients and at the step's end; a tensor of 32 MiB or more (logits) is
+read at once, alone (its read is device time, not host time, and it is not held).  The
+batch holds references to tensors the layer's forward made (most kept for backward
+anyway); one changed in place before its read (its ``_version`` moved) is read as it
+is then, and an event on it says ``read_after_change``.  Under CUDA graph capture a
+batch is kept until the capture is over (its read would be recorded, not run).
+
+The norm with ``ord=inf`` is max |x|: NaN when x holds a NaN, inf when it holds an Inf,
 finite otherwise (a maximum cannot overflow, as a sum of squares can).  Those slots are
-handed out from the top, one per call in the order the calls ran, and written afresh
-every step: nothing to zero.  Where a slot must stay the same from step to step (a site
+handed out one per call in the order the calls ran, and written afresh every step:
+nothing to zero.  Where a slot must stay the same from step to step (a site
 under CUDA graph capture, whose replays run the recorded kernel again and again; a
 float64 tensor, whose max |x| may not fit a float32) the site folds into a static slot
 from the bottom, zeroed each step, in two kernels:
@@ -57,8 +68,11 @@ from ..core import tags as ambient, watch
 from ..core.adapters.readback import Readback
 from . import events
 
-SLOTS = 1 << 15                  # 128 KiB of float32 flags on the device, as much pinned twice on the host
-STATIC = SLOTS // 2              # static slots from the bottom; a step's calls take the rest from the top
+SLOTS = 1 << 15                  # 128 KiB of float32 flags on the device, as much pinned on the host
+STATIC = SLOTS // 2              # static slots from the bottom; a step's calls take the rest, in order
+BATCH_CALLS = 16                 # a layer's calls read together, at most this many
+BATCH_BYTES = 128 << 20          # ... and this many bytes of tensors held until their read
+ALONE_BYTES = 32 << 20           # a tensor this large is read at once, alone
 _INF = float("inf")
 _OWN_SLOT = (torch.float32, torch.bfloat16, torch.float16)  # max |x| fits a float32: a slot a call
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -73,8 +87,13 @@ _static_site: list = []          # static slot -> its site id
 _flags: torch.Tensor | None = None
 _zero: torch.Tensor | None = None
 _views: list = []                # static slot -> flags[slot] (a 0-d view), made with the slot
-_call_views: list = []           # k -> flags[SLOTS - 1 - k], made the first time a step has k calls
-_calls = 0                       # per-call slots written this step
+_calls = 0                       # per-call slots handed out this step
+_batch: list = []                # (tensor, its _version, slot) of calls not read yet, one layer's
+_batch_layer = None              # ... their layer, device, stream (CUDA: as _cuda_getCurrentStream says), bytes
+_batch_device = None
+_batch_stream = None
+_batch_bytes = 0
+_changed: set = set()            # per-call slots whose tensor changed in place before its read
 _order: list = []                # (flag index, site id) in the order they ran this step
 _ran: list = []                  # static slot -> the last step number (_tick) it ran in
 _tick = 0
@@ -108,10 +127,11 @@ def last_error():
 
 def clear() -> None:
     """reset(): counters and the sites' table (slots are handed out again); flags zeroed."""
-    global _error, _warned, _pending, _order, _calls
+    global _error, _warned, _pending, _order, _calls, _batch, _batch_bytes
     for key in _counts:
         _counts[key] = 0
-    _error, _warned, _pending, _order, _calls = None, False, None, [], 0
+    _error, _warned, _pending, _order, _calls, _batch, _batch_bytes = None, False, None, [], 0, [], 0
+    _changed.clear()
     for table in (_sites, _info, _static, _static_site, _ran, _views, _grads):
         table.clear()
     if _flags is not None:
@@ -142,7 +162,6 @@ def attach(optimizer, model_chunks) -> None:
 
 def _hook(name: str, value, layer) -> None:
     """core.watch.tensor_hook: a dump call site's tensor."""
-    global _calls
     try:
         if not isinstance(value, torch.Tensor):
             if isinstance(value, (tuple, list)):
@@ -165,13 +184,65 @@ def _hook(name: str, value, layer) -> None:
                 or not (_flags.device == value.device or _place(value.device))):
             _fold_static(site, value)
             return
-        k, _calls = _calls, _calls + 1
-        while len(_call_views) <= k:  # made once; again after the flags moved to the GPU mid-step
-            _call_views.append(_flags[SLOTS - 1 - len(_call_views)])
-        _order.append((SLOTS - 1 - k, site))
-        torch.linalg.vector_norm(value.detach(), _INF, dtype=torch.float32, out=_call_views[k])
+        _read_by_layer(site, value.detach(), layer)
     except Exception as exc:  # noqa: BLE001 - a watch must never break the caller
         _fail(f"the fold of {name!r}", exc)
+
+
+def _read_by_layer(site: int, value, layer) -> None:
+    """An eager call's own slot, read with the rest of its layer's batch (or alone)."""
+    global _calls, _batch_layer, _batch_device, _batch_stream, _batch_bytes
+    slot, _calls = STATIC + _calls, _calls + 1
+    _order.append((slot, site))
+    nbytes = value.numel() * value.element_size()
+    # the read runs on the stream the tensors were made on: one batch, one stream
+    stream = torch._C._cuda_getCurrentStream(value.device.index) if value.is_cuda else None
+    if _batch and (not _same_layer(layer, _batch_layer) or value.device != _batch_device or stream != _batch_stream
+                   or len(_batch) >= BATCH_CALLS or _batch_bytes + nbytes > BATCH_BYTES or nbytes >= ALONE_BYTES):
+        read_batch()  # not capturing here (a captured call folds into a static slot): read now
+    if nbytes >= ALONE_BYTES:
+        torch.linalg.vector_norm(value, _INF, dtype=torch.float32, out=_flags[slot])
+        return
+    if not _batch:
+        _batch_layer, _batch_device, _batch_stream, _batch_bytes = layer, value.device, stream, 0
+    _batch.append((value, value._version, slot))
+    _batch_bytes += nbytes
+
+
+def _same_layer(a, b) -> bool:
+    return a is b or (type(a) is int and type(b) is int and a == b)
+
+
+def _capturing(value) -> bool:
+    return value.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def read_batch() -> None:
+    """Read the calls held: one _foreach_norm, one stack into their (consecutive) slots.
+    Kept while a CUDA graph is being captured (the read would be recorded, not run)."""
+    global _batch, _batch_bytes
+    if not _batch or _capturing(_batch[0][0]):
+        return
+    batch, _batch, _batch_bytes = _batch, [], 0
+    tensors = [value for value, _, _ in batch]
+    if _batch_stream is not None and torch._C._cuda_getCurrentStream(_batch_device.index) != _batch_stream:
+        stream_id, device_index, device_type = _batch_stream  # read at a step's end on another stream
+        made_on = torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
+        with torch.cuda.stream(made_on):
+            _norms_into(tensors, batch[0][2])
+        torch.cuda.current_stream(_batch_device).wait_stream(made_on)  # before the flags' copy
+    else:
+        _norms_into(tensors, batch[0][2])
+    for value, version, slot in batch:
+        if value._version != version:  # changed in place since its call: read as it is now
+            _changed.add(slot)
+
+
+def _norms_into(tensors: list, first: int) -> None:
+    if len(tensors) == 1:
+        torch.linalg.vector_norm(tensors[0], _INF, dtype=torch.float32, out=_flags[first])
+    else:
+        torch.stack(torch._foreach_norm(tensors, _INF, dtype=torch.float32), out=_flags[first:first + len(tensors)])
 
 
 def _fold_static(site: int, value) -> None:
@@ -303,13 +374,13 @@ def _place(device: torch.device) -> bool:
     global _flags, _zero, _views, _pending
     if _flags is not None and (_flags.device == device or device.type == "cpu" or _flags.device.type != "cpu"):
         return False
+    read_batch()  # into the old flags, on the batch's device
     old = _flags
     _flags = torch.zeros(SLOTS, dtype=torch.float32, device=device)
     if old is not None:
         _flags.copy_(old)
     _zero = torch.zeros((), dtype=torch.float32, device=device)
     _views = [_flags[i] for i in range(len(_static_site))]
-    _call_views.clear()
     _pending = None
     return True
 
@@ -325,18 +396,19 @@ def _ran_now(slot: int) -> None:
 
 def step_end(step) -> None:
     """Read back what the step folded (without waiting on CUDA) and report it."""
-    global _pending, _order, _tick, _calls
+    global _pending, _order, _tick, _calls, _changed
     if _flags is None or not (_armed or _pending):
         return
     try:
         drain()  # the last step's read: recorded a step ago, done or nearly
-        order, calls, statics = _order, _calls, len(_static_site)
-        _order, _calls, _tick = [], 0, _tick + 1
+        read_batch()  # the step's last layer's calls
+        order, calls, statics, changed = _order, _calls, len(_static_site), _changed
+        _order, _calls, _tick, _changed = [], 0, _tick + 1, set()
         if not order and not statics:
             return  # nothing ran (a step whose sites are all under graph replays still has statics)
         host = _reader.start(_flags)  # 128 KiB: one copy, whatever the slots in use
         _flags[:statics].zero_()
-        _pending = (host, order, statics, calls, step)
+        _pending = (host, order, statics, calls, changed, step)
         if _reader.done():  # CPU, or already landed: reported now, not a step late
             drain()
     except Exception as exc:  # noqa: BLE001
@@ -352,25 +424,27 @@ def drain() -> None:
         _inspect(*ready)
 
 
-def _inspect(host: torch.Tensor, order: list, statics: int, calls: int, step) -> None:
+def _inspect(host: torch.Tensor, order: list, statics: int, calls: int, changed: set, step) -> None:
     """``host``: the flags as the step left them (static slots [0, statics), the step's
-    calls [SLOTS - calls, SLOTS)): a slot is bad where it is not finite."""
+    calls [STATIC, STATIC + calls)): a slot is bad where it is not finite."""
     bad = set(torch.nonzero(~torch.isfinite(host[:statics])).flatten().tolist())
     if calls:
-        bad.update((torch.nonzero(~torch.isfinite(host[SLOTS - calls:])).flatten() + (SLOTS - calls)).tolist())
+        bad.update((torch.nonzero(~torch.isfinite(host[STATIC:STATIC + calls])).flatten() + STATIC).tolist())
     if not bad:
         return
     ran = [(index, site) for index, site in order if index in bad]
     seen = {index for index, _ in ran}
     # static slots that no call of this step wrote: a graph replay's (its Python did not run)
     replayed = [(slot, _static_site[slot]) for slot in sorted(bad) if slot < statics and slot not in seen]
-    first = (ran or replayed)[0][1]
+    first_slot, first = (ran or replayed)[0]
     info = _info[first]
     fields = {"step": step, "microbatch": info["microbatch"], "phase": info["phase"], "layer": info["layer"],
               "name": info["name"], "site": info["site"],
               "nonfinite_sites": len({site for _, site in ran + replayed}), "first_of_run": not _warned}
     if info.get("cuda_graph"):
         fields["cuda_graph"] = True
+    if first_slot in changed:  # its tensor changed in place between the call and the read
+        fields["read_after_change"] = True
     if _dump_after and info["layer"] is not None and isinstance(step, int):
         fields["dump_request"] = {"enable": True, "layers": str(info["layer"]),
                                   "steps": f"{step + 1}-{step + _dump_after}"}
