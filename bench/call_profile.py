@@ -8,7 +8,10 @@ kernels and allocate: a one-time cost that would swamp a short run's averages). 
 the launching thread (kernel launches, Python, and any wait on the device: a hidden
 synchronisation shows up here as a call site far slower than its launches).  What it
 does not see is device time; the swap bench (overhead_bench.py --swap) measures the
-step.  A diagnostic, not a cost figure: the timer itself adds ~0.1 us a call.
+step.  Python's garbage collections over the same steps are listed as ``(gc generation
+N)`` (collections a step, their time): a collection runs inside whichever call
+allocated last, so a call site can look slow for the collector's sake.  A diagnostic,
+not a cost figure: the timer itself adds ~0.1 us a call.
 
     python bench/call_profile.py --variants "plain;sentinels armed"          # GPU: the host-bound model
     python bench/call_profile.py --quick --variants "sentinels armed"        # CPU smoke run
@@ -32,7 +35,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def profile(args, name: str, folder: str) -> tuple[list[float], dict]:
-    """One process of ``name``: its step times (ms) and call sites {name: (calls, ns)}."""
+    """One process of ``name``: its step times (ms) and call sites {name: (calls, ns)}, with
+    Python's garbage collections as ``(gc generation N)`` (they run inside the calls)."""
     env = overhead_bench.environment(name, folder, os.path.join(folder, "replay"), args.steps, port=0)
     env.update(OVERHEAD_PROBE_CALLS="1", OVERHEAD_PROBE_CALLS_FROM=str(args.warmup + 1), **({"OVERHEAD_PROBE_TORCH_PROFILE": args.torch_profile}
                                             if args.torch_profile else {}), PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])))
@@ -45,7 +49,11 @@ def profile(args, name: str, folder: str) -> tuple[list[float], dict]:
                    if line.startswith("overhead-probe: {")), None)
     if out.returncode != 0 or report is None:
         raise SystemExit(f"{name} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    calls = {k: (v["calls"], v["ns"]) for k, v in json.loads(report).get("calls", {}).items()}
+    got = json.loads(report)
+    calls = {k: (v["calls"], v["ns"]) for k, v in got.get("calls", {}).items()}
+    # Python's collections over the same steps, shown as a pseudo call site per generation
+    calls.update({f"(gc generation {gen})": (v["collections"], v["ns"]) for gen, v in got.get("gc", {}).items()
+                  if v["collections"]})
     for line in out.stdout.splitlines():
         if line.startswith("overhead-profile: "):
             print("   " + line.split(": ", 1)[1])
@@ -72,7 +80,8 @@ def main() -> None:
             times, calls = profile(args, name, folder)
         timed = times[args.warmup:] or times
         print(f"{name}: step median {statistics.median(timed):.2f} ms (steps {args.warmup + 1}-{len(times)}), "
-              f"call sites {sum(ns for _, ns in calls.values()) / steps / 1e3:.1f} us a step in all")
+              f"call sites {sum(ns for site, (_, ns) in calls.items() if not site.startswith('(gc')) / steps / 1e3:.1f}"
+              " us a step in all")
         for site, (n, ns) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:args.top]:
             print(f"   {site:<28} {n / steps:8.1f} calls/step {ns / steps / 1e3:10.1f} us/step "
                   f"{ns / n / 1e3:9.2f} us/call")

@@ -34,11 +34,15 @@ imports anything patched: the report gains ``calls``, per name the number of cal
 the nanoseconds spent in them over the run (timed inside the wrapper: what the call
 sites of an inert spec cost, plus the timer's own ~0.1 us a call); with
 ``OVERHEAD_PROBE_CALLS_FROM=N`` too, only from step N on (from 1: the warm-up's first
-kernel loads and allocations left out).
+kernel loads and allocations left out).  It also gains ``gc``: per generation, Python's
+garbage collections over the same steps and the nanoseconds they took (a collection
+runs inside whatever call allocated last: a call site that allocates more makes them
+come sooner, and one that happens to trigger one looks slow).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -114,6 +118,23 @@ def count_calls() -> dict:
     return counts
 
 
+def count_collections() -> dict:
+    """Python's garbage collections, per generation: [collections, ns] (gc.callbacks)."""
+    counts = {gen: [0, 0] for gen in range(3)}
+    started = [0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter_ns()
+        else:
+            cell = counts[info["generation"]]
+            cell[0] += 1
+            cell[1] += time.perf_counter_ns() - started[0]
+
+    gc.callbacks.append(callback)
+    return counts
+
+
 def torch_profiler():
     import torch
 
@@ -147,6 +168,7 @@ def graphed(example) -> None:
 
 def main() -> None:
     counts = count_calls() if os.environ.get("OVERHEAD_PROBE_CALLS") == "1" else None
+    collections = count_collections() if counts is not None else None
     example = training.load_example(sys.argv)  # the example parses its own flags
     if os.environ.get("OVERHEAD_PROBE_GRAPHS") == "1":
         graphed(example)
@@ -184,7 +206,7 @@ def main() -> None:
             marks["first_step"] = time.perf_counter()
         marks["steps"] = marks.get("steps", 0) + 1
         if counts is not None and marks["steps"] == calls_from:  # warm-up's calls left out
-            for cell in counts.values():
+            for cell in (*counts.values(), *collections.values()):
                 cell[0] = cell[1] = 0
         if marks["steps"] == first:
             marks["profiler"] = torch_profiler()
@@ -229,6 +251,7 @@ def main() -> None:
         report["swap"] = marks["swap"].describe()
     if counts is not None:
         report["calls"] = {name: {"calls": n, "ns": ns} for name, (n, ns) in counts.items() if n}
+        report["gc"] = {str(gen): {"collections": n, "ns": ns} for gen, (n, ns) in collections.items()}
     print("overhead-probe: " + json.dumps(report), flush=True)
 
 

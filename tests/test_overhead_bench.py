@@ -155,3 +155,22 @@ def test_call_profile_counts_the_sentinels_call_sites_a_step_after_the_warmup():
     # routing health alone: the dump call sites have no hook (a flag test), the router's has
     dump_us = float(re.search(site.format("dump"), health, re.M).group(2))
     assert dump_us < float(re.search(site.format("dump"), armed, re.M).group(2)), out.stdout
+
+
+def test_the_probe_counts_garbage_collections_per_generation():
+    """overhead_probe's ``gc`` report (call_profile's ``(gc generation N)`` rows): each
+    collection counted in its generation, with the time it took."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import overhead_probe
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    import gc
+    counts = overhead_probe.count_collections()
+    try:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    finally:
+        gc.callbacks.pop()
+    assert counts[0][0] >= 1 and counts[2][0] >= 2 and counts[2][1] > 0

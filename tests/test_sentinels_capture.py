@@ -211,6 +211,51 @@ def test_a_prefill_that_cannot_reach_its_engine_fails_and_puts_the_dump_back(dum
     assert dumper.public_config() == before and dump_sglang._only is None and not dumper._paused
 
 
+def test_a_prefills_pass_shared_with_live_traffic_keeps_only_its_requests_rows(dumper, sglang_cpu, monkeypatch):
+    """A prefill's request batched with others (live traffic): its pass is recorded as if
+    it held that request alone (row map, token rows, its logits row); a pass without it
+    is not recorded; with no prefill running, passes are written whole."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    from source_patch.runtime.dump import reader
+    from source_patch.runtime.dump import sglang as dump_sglang
+    from source_patch.runtime.verdict import rows as verdict_rows
+
+    model = torch.nn.Linear(2, 2)  # its summary (model.json) is written once
+
+    def run_pass(rids, lens):
+        n = sum(lens)
+        fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=len(rids), input_ids=torch.arange(n) + 100,
+                          req_pool_indices=torch.arange(len(rids)), seq_lens=torch.tensor(lens),
+                          out_cache_loc=torch.arange(n), seq_lens_sum=n)
+        fb.rids, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = list(rids), list(lens), [0] * len(rids)
+        positions = torch.cat([torch.arange(k) for k in lens])
+        dump_sglang.dump_sglang_forward(model, fb.input_ids, positions, fb)
+        dumper.dump("mlp_output", torch.arange(n * 4.0).reshape(n, 4), layer=0)
+        dumper.dump("logits", torch.arange(len(rids) * 5.0).reshape(len(rids), 5))
+        dump_sglang.dump_sglang_forward_end()
+
+    monkeypatch.setattr(dump_sglang, "_only", frozenset({"b"}))
+    run_pass(["a", "b", "c"], [2, 3, 1])  # the prefill's "b" between two others
+    run_pass(["a", "c"], [1, 1])          # live traffic alone: not recorded
+    monkeypatch.setattr(dump_sglang, "_only", None)
+    dumper.pause(False)  # as prefill_end puts it back
+    run_pass(["a", "c"], [1, 1])          # no prefill: whole
+    dumper.flush(10)
+    assert dumper.state()["counters"]["errors"] == 0
+    records = reader.load(dumper.state()["exp_dir"])
+    steps = sorted({r.step for r in records})
+    assert len(steps) == 2, [(r.name, r.step, r.tags.get("rids")) for r in records]  # the pass without "b": nothing
+    got = {r.name: r for r in records if r.step == steps[0]}
+    assert got["row_request"].tags["rids"] == ["b"] and got["row_request"].tensor.tolist() == [0, 0, 0]
+    assert got["input_ids"].tensor.tolist() == [102, 103, 104] and got["positions"].tensor.tolist() == [0, 1, 2]
+    assert torch.equal(got["mlp_output"].tensor, torch.arange(24.0).reshape(6, 4)[2:5])
+    assert got["logits"].tensor.tolist() == [[5.0, 6.0, 7.0, 8.0, 9.0]]  # b's row of the three
+    assert verdict_rows.keys_of(got["row_request"], got["positions"]) == [("b", 0), ("b", 1), ("b", 2)]
+    whole = {r.name: r for r in records if r.step == steps[1]}
+    assert whole["row_request"].tags["rids"] == ["a", "c"] and whole["mlp_output"].tensor.shape == (2, 4)
+
+
 def test_a_finished_prefills_files_are_listed_and_read_back_and_nothing_else(dumper, tmp_path):
     """/dumper/prefill_files and /dumper/prefill_read (an engine on another host): a
     finished prefill's own rank folder only, regular files by name, in chunks; a link, a

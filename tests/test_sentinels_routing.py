@@ -174,7 +174,7 @@ def test_layers_of_one_shape_are_accumulated_as_one_batch_and_held_calls_are_bou
     routing_health.step_end(0)
     assert len(routing_health._tables) == 1 and routing_health.counters()["routing_health_changed"] == 1
     got = {line["layer"]: line for line in lines(health)}
-    assert sorted(got) == list(range(1, 9))
+    assert sorted(got) == list(range(1, 9)) and routing_health.counters()["routing_health_lines"] == 8  # one write
     for layer, (own, logits) in calls.items():
         assert got[layer]["per_expert"] == torch.bincount(own.reshape(-1), minlength=EXPERTS).tolist()
         assert abs(got[layer]["entropy"] - entropy(logits)) < 1e-5

@@ -61,6 +61,7 @@ on = False
 # sentinels' non-finite fold): with neither, a call site costs this one flag test.
 _gate = False
 _paused = False  # pause(): a forward pass outside a prefill's requests (sglang.py)
+_rows_cut = None  # cut_rows(): a prefill's pass shared with other requests, its requests' rows (sglang.py)
 _step = 0
 
 _config: dict = {}
@@ -259,7 +260,7 @@ def _record(name: str, value: Any, tags: dict, leaf: str | None = None) -> None:
     record_tags = _record_tags(tags, rank)
     folder = rank_dir(rank)
     for element, tensor in leaves:
-        _pipeline.enqueue(element, tensor, record_tags, folder)
+        _pipeline.enqueue(element, tensor if _rows_cut is None else _cut(tensor), record_tags, folder)
 
 
 def _record_tags(tags: dict, rank: int) -> dict:
@@ -429,6 +430,25 @@ def _capture_rows_of(tensor: torch.Tensor, grid: dict) -> torch.Tensor:
     elif not (tensor.dim() >= 1 and tensor.shape[0] == s * b):
         return tensor
     return tensor.index_select(0, select.to(tensor.device))
+
+
+def cut_rows(cut) -> None:
+    """(sglang.py) While set, a record whose first dimension is the pass's token count
+    keeps only the rows of ``cut = (tokens, token_index, requests, request_index)``, one
+    whose first dimension is its request count (the logits) only those requests' rows;
+    None: records are written whole.  A prefill's pass that other requests share (live
+    traffic batched with it) is written as if it held the prefill's requests alone."""
+    global _rows_cut
+    _rows_cut = cut
+
+
+def _cut(tensor: torch.Tensor) -> torch.Tensor:
+    tokens, token_index, requests, request_index = _rows_cut
+    if tensor.dim() == 0:
+        return tensor
+    # a pass of one-token requests (decode) has tokens == requests: both indices then agree
+    index = token_index if tensor.shape[0] == tokens else request_index if tensor.shape[0] == requests else None
+    return tensor if index is None else tensor.index_select(0, index.to(tensor.device))
 
 
 def pause(paused: bool) -> None:

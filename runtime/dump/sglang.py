@@ -24,7 +24,9 @@ handler answers from this runtime (the same validation as the loopback endpoint)
 ``POST /dumper/prefill`` re-runs given token ids as one teacher-forced prefill with
 dumps on for those requests only (a mismatch capture, docs/dump_control.md): every rank
 turns dumping on (``dir``, ``exp_name`` as asked) for passes that hold those request
-ids, rank 0 sends them through the engine's own ``/flush_cache`` and ``/generate``
+ids, and where such a pass holds other requests too (live traffic batched with it) only
+the asked requests' rows are written (``api.cut_rows``: the pass recorded as if it held
+them alone, its ``row_request`` and ``rids`` theirs), rank 0 sends them through the engine's own ``/flush_cache`` and ``/generate``
 (``max_new_tokens: 0``) from a thread, then ``/dumper/prefill_end`` puts every rank's
 dump back as it was.  ``/dumper/get_state`` says how it went (``prefill``).  For a
 trainer on another host (no shared filesystem), ``/dumper/prefill_files`` lists each
@@ -72,19 +74,36 @@ def dump_sglang_forward(model, input_ids, positions, forward_batch, cuda_graph: 
     try:
         api.dump_step(step=step)
         rows = batch_rows(forward_batch)  # a draft model's forward (speculative decoding) is tagged "draft"
-        if _only is not None:  # a prefill runs: only passes that hold its requests are dumped
-            api.pause(not (isinstance(rows, BatchRows) and any(str(r) in _only for r in rows.rids)))
+        wanted = None
+        if _only is not None:  # a prefill runs: only passes that hold its requests are dumped, only their rows
+            holds = isinstance(rows, BatchRows) and any(str(r) in _only for r in rows.rids)
+            api.pause(not holds)
+            wanted = [i for i, r in enumerate(rows.rids) if str(r) in _only] if holds else None
+        api.cut_rows(None)
         mode = rows.mode if isinstance(rows, BatchRows) else "draft" if rows is DRAFT else _mode_name(forward_batch)
         api.dump_context(forward_mode=mode, cuda_graph=cuda_graph)
         _write_summary(model)
+        if isinstance(rows, BatchRows):
+            kept = range(len(rows.rids)) if wanted is None else wanted
+            lens = [rows.lens[i] for i in kept]
+            index = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens, dtype=torch.int64))
+            api.dump("row_request", index, rids=[str(rows.rids[i]) for i in kept], rows_per_request=lens)
+            if wanted is not None and len(wanted) < len(rows.rids):
+                api.cut_rows(_cut_of(rows.lens, wanted))
         api.dump("input_ids", input_ids)
         api.dump("positions", positions)
-        if isinstance(rows, BatchRows):
-            index = torch.repeat_interleave(torch.arange(len(rows.rids), dtype=torch.int32),
-                                            torch.tensor(rows.lens, dtype=torch.int64))
-            api.dump("row_request", index, rids=[str(r) for r in rows.rids], rows_per_request=rows.lens)
     except Exception as exc:  # noqa: BLE001 - a dump must never break serving
         api.fail("dump_sglang_forward", exc)
+
+
+def _cut_of(lens: list, wanted: list) -> tuple:
+    """api.cut_rows' argument: the token rows and the request rows of ``wanted`` (their
+    positions in the pass), in the pass's order."""
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    token_index = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in wanted])
+    return sum(lens), token_index, len(lens), torch.tensor(wanted, dtype=torch.int64)
 
 
 def dump_sglang_graph_build(runner, key) -> None:
@@ -301,6 +320,7 @@ def prefill_end(body: dict) -> dict:
         state = api.state()
         _only = None
         api.pause(False)
+        api.cut_rows(None)
         api.configure(**_restore)
         status = body.get("status") if body.get("status") in ("done", "failed") else "failed"
         _prefill = {**_prefill, "status": status, "finished": time.time(), "flushed": bool(written),

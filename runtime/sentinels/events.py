@@ -9,6 +9,7 @@ into training; the line is lost.
 
     event(kind, **fields) -> dict   a line in events.jsonl: {"kind", "time", "rank", **fields}
     metric(kind, **fields) -> dict  a line in metrics.jsonl
+    metrics(kind, [fields, ...])    several metrics lines, one write (a step's per-layer figures)
 
 Each line is also handed to core/events.emit, as ``("sentinels.event", line)`` or
 ``("sentinels.metric", line)``, whether or not a run folder is open: another capability
@@ -59,37 +60,44 @@ def folder() -> str | None:
 
 
 def event(kind: str, **fields) -> dict:
-    return _write("events", kind, fields)
+    return _write("events", kind, [fields])[0]
 
 
 def metric(kind: str, **fields) -> dict:
-    return _write("metrics", kind, fields)
+    return _write("metrics", kind, [fields])[0]
 
 
-def _write(stream: str, kind: str, fields: dict) -> dict:
+def metrics(kind: str, rows: list) -> list:
+    """Several metrics lines of one kind (a step's per-layer figures) in one write."""
+    return _write("metrics", kind, rows) if rows else []
+
+
+def _write(stream: str, kind: str, rows: list) -> list:
     global _error
-    record = {"kind": kind, "time": time.time(), "rank": ranks.global_rank(), **fields}
-    try:
-        core_events.emit(_EMITTED[stream], record)  # with no subscriber: one truthiness test
-    except Exception as exc:  # noqa: BLE001 - a subscriber's failure is not training's
-        _counts["emit_errors"] += 1
-        _error = f"a subscriber of {_EMITTED[stream]}: {type(exc).__name__}: {exc}"
+    now, rank = time.time(), ranks.global_rank()
+    records = [{"kind": kind, "time": now, "rank": rank, **fields} for fields in rows]
+    for record in records:
+        try:
+            core_events.emit(_EMITTED[stream], record)  # with no subscriber: one truthiness test
+        except Exception as exc:  # noqa: BLE001 - a subscriber's failure is not training's
+            _counts["emit_errors"] += 1
+            _error = f"a subscriber of {_EMITTED[stream]}: {type(exc).__name__}: {exc}"
     if _folder is None:
-        return record
+        return records
     try:
-        line = (json.dumps(record, default=str, allow_nan=False) + "\n").encode()
+        data = "".join(json.dumps(record, default=str, allow_nan=False) + "\n" for record in records).encode()
         fd = _fds.get(stream)
         if fd is None:
             fd = _fds[stream] = _open(stream)
-        # One write of the whole line (O_APPEND): a reader never sees half of one, unless
+        # One write of whole lines (O_APPEND): a reader never sees half of one, unless
         # the disk filled mid-line, which is counted below.
-        if os.write(fd, line) != len(line):
-            raise OSError(f"short write ({len(line)} bytes)")
-        _counts["event_lines" if stream == "events" else "metric_lines"] += 1
+        if os.write(fd, data) != len(data):
+            raise OSError(f"short write ({len(data)} bytes)")
+        _counts["event_lines" if stream == "events" else "metric_lines"] += len(records)
     except (OSError, ValueError) as exc:
         _counts["write_errors"] += 1
         _error = f"{stream}.jsonl in {_folder}: {type(exc).__name__}: {exc}"
-    return record
+    return records
 
 
 def _open(stream: str) -> int:

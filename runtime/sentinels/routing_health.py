@@ -230,17 +230,19 @@ def drain() -> None:
 
 
 def _write(values: list, layout: list, step: int) -> None:
+    rows = []
     for layer, experts, row, tokens, replayed, topk in layout:
         at = row * (experts + 2)
         per_expert = [int(n) for n in values[at:at + experts]]
         agree, entropy_sum = values[at + experts], values[at + experts + 1]
         mean = sum(per_expert) / experts
-        events.metric("routing_health", step=step, layer=layer, tokens=tokens, topk=topk,
-                      per_expert=per_expert, imbalance=max(per_expert) / mean if mean else None,
-                      dead=[e for e, n in enumerate(per_expert) if n == 0],
-                      entropy=entropy_sum / tokens, replayed=replayed,
-                      agreement=agree / replayed if replayed else None)
-        _counts["routing_health_lines"] += 1
+        rows.append(dict(step=step, layer=layer, tokens=tokens, topk=topk,
+                         per_expert=per_expert, imbalance=max(per_expert) / mean if mean else None,
+                         dead=[e for e, n in enumerate(per_expert) if n == 0],
+                         entropy=entropy_sum / tokens, replayed=replayed,
+                         agreement=agree / replayed if replayed else None))
+    events.metrics("routing_health", rows)
+    _counts["routing_health_lines"] += len(rows)
 
 
 def counters() -> dict:
