@@ -168,6 +168,13 @@ def test_a_batch_is_read_at_its_call_or_byte_limit_and_a_large_tensor_alone(arme
     assert (event["name"], event["layer"]) == ("logits", None)
 
 
+def test_disarming_mid_step_holds_no_tensor(armed):
+    dump.dump("mlp_output", torch.ones(3), layer=1)
+    assert len(nonfinite._batch) == 1
+    control.configure(nonfinite=False)
+    assert nonfinite._batch == [] and watch.tensor_hook is None
+
+
 def test_a_tensor_changed_in_place_before_its_read_is_said_in_the_event(armed):
     x = torch.ones(3)
     dump.dump("logits", x)

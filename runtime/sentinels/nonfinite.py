@@ -111,10 +111,12 @@ _warned = False
 
 
 def apply(config: dict) -> None:
-    global _armed, _dump_after
+    global _armed, _dump_after, _batch, _batch_bytes
     _dump_after = config["dump_after"]
     _armed = bool(config["nonfinite"])
     watch.set_tensor_hook(_hook if _armed else None)
+    if not _armed:  # disarmed mid-step: the held calls are never read, so no tensor stays held
+        _batch, _batch_bytes = [], 0
 
 
 def counters() -> dict:
