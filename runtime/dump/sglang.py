@@ -26,17 +26,19 @@ dumps on for those requests only (a mismatch capture, docs/dump_control.md): eve
 turns dumping on (``dir``, ``exp_name`` as asked) for passes that hold those request
 ids, and where such a pass holds other requests too (live traffic batched with it) only
 the asked requests' rows are written (``api.cut_rows``: the pass recorded as if it held
-them alone, its ``row_request`` and ``rids`` theirs), rank 0 sends them through the engine's own ``/flush_cache`` and ``/generate``
-(``max_new_tokens: 0``) from a thread, then ``/dumper/prefill_end`` puts every rank's
-dump back as it was.  ``/dumper/get_state`` says how it went (``prefill``).  For a
-trainer on another host (no shared filesystem), ``/dumper/prefill_files`` lists each
-rank's files of a finished prefill and ``/dumper/prefill_read`` returns one of them in
-chunks (base64): the trainer copies the engine's side into its own run folder.
+them alone, its ``row_request`` and ``rids`` theirs); rank 0 sends them through the
+engine's own ``/flush_cache`` and ``/generate`` (``max_new_tokens: 0``) from a thread,
+then ``/dumper/prefill_end`` puts every rank's dump back as it was.
+``/dumper/get_state`` says how it went (``prefill``).  For a trainer on another host (no
+shared filesystem), ``/dumper/prefill_files`` lists each rank's files of a finished
+prefill and ``/dumper/prefill_read`` returns one of them in chunks (base64): the trainer
+copies the engine's side into its own run folder.
 """
 
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import re
@@ -86,24 +88,24 @@ def dump_sglang_forward(model, input_ids, positions, forward_batch, cuda_graph: 
         if isinstance(rows, BatchRows):
             kept = range(len(rows.rids)) if wanted is None else wanted
             lens = [rows.lens[i] for i in kept]
-            index = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens, dtype=torch.int64))
+            index = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32),
+                                            torch.tensor(lens, dtype=torch.int64))
             api.dump("row_request", index, rids=[str(rows.rids[i]) for i in kept], rows_per_request=lens)
             if wanted is not None and len(wanted) < len(rows.rids):
-                api.cut_rows(_cut_of(rows.lens, wanted))
+                api.cut_rows(_cut_of(rows.lens, wanted, input_ids.device))
         api.dump("input_ids", input_ids)
         api.dump("positions", positions)
     except Exception as exc:  # noqa: BLE001 - a dump must never break serving
         api.fail("dump_sglang_forward", exc)
 
 
-def _cut_of(lens: list, wanted: list) -> tuple:
+def _cut_of(lens: list, wanted: list, device) -> tuple:
     """api.cut_rows' argument: the token rows and the request rows of ``wanted`` (their
-    positions in the pass), in the pass's order."""
-    starts = [0]
-    for n in lens[:-1]:
-        starts.append(starts[-1] + n)
+    positions in the pass), in the pass's order, on the pass's device (made once a pass,
+    not copied there for each record)."""
+    starts = [0, *itertools.accumulate(lens[:-1])]
     token_index = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in wanted])
-    return sum(lens), token_index, len(lens), torch.tensor(wanted, dtype=torch.int64)
+    return sum(lens), token_index.to(device), len(lens), torch.tensor(wanted, dtype=torch.int64, device=device)
 
 
 def dump_sglang_graph_build(runner, key) -> None:

@@ -10,8 +10,8 @@ of host time whatever the tensor's size: per layer, not per call):
 
     stack(_foreach_norm([x_k, x_k+1, ...], inf, dtype=float32), out=flags[STATIC + k:...])
 
-A batch is read when a call of another layer or device comes, at 16 calls or 128 MiB
-held, at the gradients and at the step's end; a tensor of 32 MiB or more (logits) is
+A batch is read when a call of another layer, device or stream comes, at 16 calls or
+128 MiB held, and at the step's end; a tensor of 32 MiB or more (logits) is
 read at once, alone (its read is device time, not host time, and it is not held).  The
 batch holds references to tensors the layer's forward made (most kept for backward
 anyway); one changed in place before its read (its ``_version`` moved) is read as it
@@ -175,7 +175,7 @@ def _hook(name: str, value, layer) -> None:
         context = ambient.context()
         # any capture, ours or not (torch.cuda.graph in user code): a replay runs no Python,
         # so the site needs a static slot
-        graph = value.is_cuda and torch.cuda.is_current_stream_capturing()
+        graph = _capturing(value)
         key = (name, layer, None if graph else context.get("microbatch"), context.get("phase"), graph)
         site = _sites.get(key)
         if site is None:
@@ -216,6 +216,7 @@ def _same_layer(a, b) -> bool:
 
 
 def _capturing(value) -> bool:
+    """A CUDA graph capture on the current stream (ours or not: torch.cuda.graph in user code)."""
     return value.is_cuda and torch.cuda.is_current_stream_capturing()
 
 

@@ -51,7 +51,8 @@ _held_bytes = 0
 _tables: dict = {}   # (device, experts) -> _Table
 _layers: dict = {}   # layer -> _Seen: this step's figures known on the host
 _next_step = 0       # the step a step_end(None) reports
-_pending: list = []  # reads not written yet: (reader, host values, [(layer, experts, row, tokens, replayed, topk)], step)
+_pending: list = []  # reads not written yet: (reader, host values, [(layer, experts, row, tokens, replayed,
+                     # topk)], step)
 _readers: dict = {}  # (device, experts) -> its Readback (one read a step per table)
 _counts = {"routing_health_calls": 0, "routing_health_lines": 0, "routing_health_errors": 0,
            "routing_health_changed": 0}
@@ -213,7 +214,6 @@ def step_end(step) -> None:
         _counts["routing_health_errors"] += 1
         _error = f"routing_health: step {step}: {type(exc).__name__}: {exc}"
     finally:
-        _held.clear()
         for _, seen in live:
             seen.tokens = seen.replayed = 0
 

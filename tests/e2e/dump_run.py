@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 from example import counting_forward_step, forward_backward, start_cpu, train_moe  # tests/e2e/example.py
 
 
-
 class Recorder:
     """Module hooks that store what dump.yaml's call sites dump, with the same tags."""
 
