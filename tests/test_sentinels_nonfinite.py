@@ -152,6 +152,24 @@ def test_a_layers_calls_are_read_together_and_the_first_nan_is_still_its_own_sit
     assert "read_after_change" not in event
 
 
+def test_a_layers_output_handed_on_as_the_next_layers_input_is_read_once(armed):
+    """Megatron hands a layer's output tensor to the next layer: its layer_input call sees
+    the same tensor, unchanged, and takes no slot; changed in place, it is read again."""
+    out = torch.ones(3)
+    dump.dump("layer_output", out, layer=1)
+    dump.dump("layer_input", out, layer=2)
+    assert nonfinite._calls == 1 and nonfinite._batch == []  # layer 1 is done: its batch read
+    out.add_(1)
+    dump.dump("layer_input", out, layer=2)  # changed since its call: its own slot
+    assert nonfinite._calls == 2
+    dump.dump("layer_output", torch.full((3,), NAN), layer=2)
+    control.sentinels_step()
+    (event,) = lines(armed)
+    assert (event["name"], event["layer"], event["nonfinite_sites"]) == ("layer_output", 2, 1)
+    dump.dump("layer_output", out, layer=1)  # a new step reads it again
+    assert nonfinite._calls == 1
+
+
 def test_a_batch_is_read_at_its_call_or_byte_limit_and_a_large_tensor_alone(armed, monkeypatch):
     for _ in range(nonfinite.BATCH_CALLS + 1):
         dump.dump("expert_output", torch.ones(2), layer=3)

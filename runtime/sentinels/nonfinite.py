@@ -12,7 +12,10 @@ of host time whatever the tensor's size: per layer, not per call):
 
 A batch is read when a call of another layer, device or stream comes, at 16 calls or
 128 MiB held, and at the step's end; a tensor of 32 MiB or more (logits) is
-read at once, alone (its read is device time, not host time, and it is not held).  The
+read at once, alone (its read is device time, not host time, and it is not held).  A
+call whose tensor is the previous call's, unchanged (a layer's output is the next
+layer's input, and the embedding's the first layer's), is not read again: the earlier
+site would be reported first anyway.  The
 batch holds references to tensors the layer's forward made (most kept for backward
 anyway); one changed in place before its read (its ``_version`` moved) is read as it
 is then, and an event on it says ``read_after_change``.  Under CUDA graph capture a
@@ -93,6 +96,7 @@ _batch_layer = None              # ... their layer, device, stream (CUDA: as _cu
 _batch_device = None
 _batch_stream = None
 _batch_bytes = 0
+_last = None                     # (weakref, _version) of the last eager call's tensor
 _changed: set = set()            # per-call slots whose tensor changed in place before its read
 _order: list = []                # (flag index, site id) in the order they ran this step
 _ran: list = []                  # static slot -> the last step number (_tick) it ran in
@@ -111,12 +115,12 @@ _warned = False
 
 
 def apply(config: dict) -> None:
-    global _armed, _dump_after, _batch, _batch_bytes
+    global _armed, _dump_after, _batch, _batch_bytes, _last
     _dump_after = config["dump_after"]
     _armed = bool(config["nonfinite"])
     watch.set_tensor_hook(_hook if _armed else None)
     if not _armed:  # disarmed mid-step: the held calls are never read, so no tensor stays held
-        _batch, _batch_bytes = [], 0
+        _batch, _batch_bytes, _last = [], 0, None
 
 
 def counters() -> dict:
@@ -129,10 +133,10 @@ def last_error():
 
 def clear() -> None:
     """reset(): counters and the sites' table (slots are handed out again); flags zeroed."""
-    global _error, _warned, _pending, _order, _calls, _batch, _batch_bytes
+    global _error, _warned, _pending, _order, _calls, _batch, _batch_bytes, _last
     for key in _counts:
         _counts[key] = 0
-    _error, _warned, _pending, _order, _calls, _batch, _batch_bytes = None, False, None, [], 0, [], 0
+    _error, _warned, _pending, _order, _calls, _batch, _batch_bytes, _last = None, False, None, [], 0, [], 0, None
     _changed.clear()
     for table in (_sites, _info, _static, _static_site, _ran, _views, _grads):
         table.clear()
@@ -172,10 +176,17 @@ def _hook(name: str, value, layer) -> None:
             return
         if not value.is_floating_point() or value.numel() == 0:
             return  # integers and booleans are always finite
-        context = ambient.context()
         # any capture, ours or not (torch.cuda.graph in user code): a replay runs no Python,
         # so the site needs a static slot
         graph = _capturing(value)
+        if not graph and _last is not None and _last[0]() is value and _last[1] == value._version:
+            # a layer's output handed to the next as its input: watched already, as it is now;
+            # the layer before is done, so its batch is read (before this layer's in-place
+            # ops, as under no_grad, can change the tensors it holds)
+            if _batch and not _same_layer(layer, _batch_layer):
+                read_batch()
+            return
+        context = ambient.context()
         key = (name, layer, None if graph else context.get("microbatch"), context.get("phase"), graph)
         site = _sites.get(key)
         if site is None:
@@ -186,16 +197,18 @@ def _hook(name: str, value, layer) -> None:
                 or not (_flags.device == value.device or _place(value.device))):
             _fold_static(site, value)
             return
-        _read_by_layer(site, value.detach(), layer)
+        _read_by_layer(site, value, layer)
     except Exception as exc:  # noqa: BLE001 - a watch must never break the caller
         _fail(f"the fold of {name!r}", exc)
 
 
-def _read_by_layer(site: int, value, layer) -> None:
+def _read_by_layer(site: int, original, layer) -> None:
     """An eager call's own slot, read with the rest of its layer's batch (or alone)."""
-    global _calls, _batch_layer, _batch_device, _batch_stream, _batch_bytes
+    global _calls, _batch_layer, _batch_device, _batch_stream, _batch_bytes, _last
+    value = original.detach()
     slot, _calls = STATIC + _calls, _calls + 1
     _order.append((slot, site))
+    _last = (weakref.ref(original), original._version)
     nbytes = value.numel() * value.element_size()
     # the read runs on the stream the tensors were made on: one batch, one stream
     stream = torch._C._cuda_getCurrentStream(value.device.index) if value.is_cuda else None
@@ -399,14 +412,14 @@ def _ran_now(slot: int) -> None:
 
 def step_end(step) -> None:
     """Read back what the step folded (without waiting on CUDA) and report it."""
-    global _pending, _order, _tick, _calls, _changed
+    global _pending, _order, _tick, _calls, _changed, _last
     if _flags is None or not (_armed or _pending):
         return
     try:
         drain()  # the last step's read: recorded a step ago, done or nearly
         read_batch()  # the step's last layer's calls
         order, calls, statics, changed = _order, _calls, len(_static_site), _changed
-        _order, _calls, _tick, _changed = [], 0, _tick + 1, set()
+        _order, _calls, _tick, _changed, _last = [], 0, _tick + 1, set(), None
         if not order and not statics:
             return  # nothing ran (a step whose sites are all under graph replays still has statics)
         host = _reader.start(_flags)  # 128 KiB: one copy, whatever the slots in use
