@@ -31,6 +31,7 @@ _APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT
 _folder: Path | None = None       # <dir>/rank-<r>, while a run is open
 _fds: dict = {}                   # stream -> its file's descriptor, opened on the first line
 _error: str | None = None
+_ENCODER = json.JSONEncoder(default=str, allow_nan=False)  # one for every line: no encoder made a line
 _counts = {"event_lines": 0, "metric_lines": 0, "write_errors": 0, "emit_errors": 0}
 _EMITTED = {"events": "sentinels.event", "metrics": "sentinels.metric"}  # core/events names
 
@@ -85,7 +86,7 @@ def _write(stream: str, kind: str, rows: list) -> list:
     if _folder is None:
         return records
     try:
-        data = "".join(json.dumps(record, default=str, allow_nan=False) + "\n" for record in records).encode()
+        data = "".join(_ENCODER.encode(record) + "\n" for record in records).encode()
         fd = _fds.get(stream)
         if fd is None:
             fd = _fds[stream] = _open(stream)
