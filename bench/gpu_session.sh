@@ -263,19 +263,24 @@ if want sentinels; then
 echo "== the sentinels armed (issue 54 item 5): non-finite provenance, routing health and the mismatch watch without a"
 echo "   trigger, each process against itself (the swap bench), the host-bound model, then the GPU-bound one eager and"
 echo "   under Megatron's router CUDA graphs; then the gpu-marked sentinel tests"
-(cd bench && timeout ${SENTINELS_SWAP_S:-240} python3 overhead_bench.py --resident 1 --rounds ${SENTINELS_ROUNDS:-300} --swap \
+(cd bench && timeout ${SENTINELS_SWAP_S:-200} python3 overhead_bench.py --resident 1 --rounds ${SENTINELS_ROUNDS:-300} --swap \
   --no-probes --variants "sentinels armed" --save "$OUT/overhead_sentinels_swap.json" 2>&1 \
   | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_sentinels_swap.txt" | tail -12)
+if [ "${SENTINELS_LARGE:-1}" != 0 ]; then  # SENTINELS_LARGE=0: the host-bound rows and the profile only
 (cd bench && timeout ${SENTINELS_LARGE_S:-150} python3 overhead_bench.py --resident 5 --rounds ${SENTINELS_LARGE_ROUNDS:-8} \
   --no-probes --hidden 2048 --layers 4 --variants "plain;sentinels armed;plain, graphs;sentinels armed, graphs" 2>&1 \
   | grep -v "Warning\|warnings.warn" | tee "$OUT/overhead_sentinels_large.txt" | tail -10)
+fi
 timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_sentinels_nonfinite.py tests/test_sentinels_routing.py \
   2>&1 | tee "$OUT/pytest_sentinels_gpu.log" | tail -4
-# (defaults: 240 + 150 + ~10 + 150 s, within one 10-minute call)
+# (defaults: 200 + 150 + ~10 + 150 + 70 s, within one 10-minute call)
 if [ "${SENTINELS_PROFILE:-1}" != 0 ]; then  # where what is left goes: each call site's host time a step, the
   # garbage collections, and torch.profiler's table of plain and armed side by side (host and device time per op)
 (cd bench && timeout ${SENTINELS_PROFILE_S:-150} python3 call_profile.py --steps 20 --warmup 6 --top 10 --torch-profile 12:3 --variants "plain;sentinels armed" 2>&1 \
   | grep -v "Warning\|warnings.warn" | tee "$OUT/sentinels_calls.txt" | tail -70)
+# and inside the call sites: the sentinels' own functions, host time a step after the warm-up
+(cd bench && timeout ${SENTINELS_PARTS_S:-70} python3 sentinel_parts.py --steps 30 --warmup 10 2>&1 \
+  | grep -v "Warning\|warnings.warn" | tee "$OUT/sentinel_parts.txt" | tail -20)
 fi
 fi
 if want verdict; then

@@ -71,6 +71,8 @@ BENCHES = [
           "alternated between live processes, per round, means and 10th-percentile ratios; --pool: runs pooled"),
     Bench("call-profile", "call_profile.py", "GPU (CPU: --quick)", "~1 min a variant",
           "where a variant's step cost goes: each call site's calls and host time a step, torch.profiler's table"),
+    Bench("sentinel-parts", "sentinel_parts.py", "GPU (CPU: --quick)", "~1 min",
+          "inside the armed sentinels' call sites: their own functions' calls and host time a step"),
     Bench("step-noise", "step_noise.py", "GPU", "~4 min",
           "how noisy the example's steps are under process settings (what a comparison can resolve)"),
     Bench("weight-sync", "weight_sync_bench.py", "2 GPUs (CPU: --cpu)", "~2 min",

@@ -157,6 +157,25 @@ def test_call_profile_counts_the_sentinels_call_sites_a_step_after_the_warmup():
     assert dump_us < float(re.search(site.format("dump"), armed, re.M).group(2)), out.stdout
 
 
+def test_sentinel_parts_times_the_sentinels_own_functions_a_step_after_the_warmup():
+    """bench/sentinel_parts.py --quick: the armed sentinels' functions inside Megatron's
+    real schedule, calls and host time per step after the warm-up."""
+    out = subprocess.run([sys.executable, "bench/sentinel_parts.py", "--quick"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    row = r"^\s+{}\s+([\d.]+) calls/step\s+([\d.]+) us/step"
+    calls = {name: float(re.search(row.format(re.escape(name)), out.stdout, re.M).group(1))
+             for name in ("nonfinite._hook", "nonfinite._read_by_layer", "nonfinite.write_kept",
+                          "routing_health.routes", "routing_health._accumulate")}
+    # 4 MoE layers: a router call each, accumulated once a step; the step's reads written
+    # into their slots once; each layer's input is the layer before's output (or the
+    # embedding's), already read: 4 hook calls that take no slot
+    # (the close's step end after the last step adds a fraction to a once-a-step count)
+    assert calls["routing_health.routes"] == 4.0 and round(calls["routing_health._accumulate"]) == 1, out.stdout
+    assert round(calls["nonfinite.write_kept"]) == 1, out.stdout
+    assert calls["nonfinite._read_by_layer"] <= calls["nonfinite._hook"] - 4, out.stdout
+
+
 def test_the_probe_counts_garbage_collections_per_generation():
     """overhead_probe's ``gc`` report (call_profile's ``(gc generation N)`` rows): each
     collection counted in its generation, with the time it took."""

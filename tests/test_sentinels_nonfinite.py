@@ -170,6 +170,29 @@ def test_a_layers_output_handed_on_as_the_next_layers_input_is_read_once(armed):
     assert nonfinite._calls == 1
 
 
+def test_reads_are_written_into_their_slots_by_one_stack_at_the_step_end(armed, monkeypatch):
+    """A read is one op (its _foreach_norm); its results are kept and the step end writes
+    them all into their consecutive slots in one stack (or when KEPT_READS are kept)."""
+    stacks, real = [], torch.stack
+    monkeypatch.setattr(torch, "stack", lambda tensors, *a, **k: stacks.append(len(tensors)) or real(tensors, *a, **k))
+    for layer in (1, 2, 3):
+        dump.dump("attention_output", torch.ones(2), layer=layer)
+        dump.dump("mlp_output", torch.full((2,), NAN) if layer == 2 else torch.ones(2), layer=layer)
+    assert [len(norms) for _, norms in nonfinite._kept] == [2, 2] and stacks == []
+    control.sentinels_step()
+    assert stacks == [6] and nonfinite._kept == []
+    (event,) = lines(armed)
+    assert (event["name"], event["layer"]) == ("mlp_output", 2)
+    monkeypatch.setattr(nonfinite, "KEPT_READS", 2)
+    for layer in (1, 2, 3):
+        dump.dump("attention_output", torch.ones(2), layer=layer)
+        dump.dump("mlp_output", torch.full((2,), INF) if layer == 3 else torch.ones(2), layer=layer)
+    assert stacks == [6, 2, 2]  # layers 1 and 2, each once two reads were kept
+    control.sentinels_step()
+    assert stacks == [6, 2, 2, 2]
+    assert (lines(armed)[-1]["name"], lines(armed)[-1]["layer"]) == ("mlp_output", 3)
+
+
 def test_a_batch_is_read_at_its_call_or_byte_limit_and_a_large_tensor_alone(armed, monkeypatch):
     for _ in range(nonfinite.BATCH_CALLS + 1):
         dump.dump("expert_output", torch.ones(2), layer=3)
@@ -191,6 +214,11 @@ def test_disarming_mid_step_holds_no_tensor(armed):
     assert len(nonfinite._batch) == 1
     control.configure(nonfinite=False)
     assert nonfinite._batch == [] and watch.tensor_hook is None
+    control.configure(nonfinite=True)  # armed again: the next calls start the step afresh
+    dump.dump("mlp_output", torch.full((3,), NAN), layer=1)
+    control.sentinels_step()
+    (event,) = lines(armed)
+    assert (event["name"], event["layer"]) == ("mlp_output", 1) and control.state()["counters"]["errors"] == 0
 
 
 def test_a_tensor_changed_in_place_before_its_read_is_said_in_the_event(armed):
@@ -429,6 +457,26 @@ def test_a_batch_made_on_a_side_stream_is_read_on_that_stream(armed):
         x[-1] = NAN
         dump.dump("mlp_output", x, layer=2)
     assert len(nonfinite._batch) == 1
+    control.sentinels_step()
+    control.flush()
+    (event,) = lines(armed)
+    assert (event["name"], event["layer"]) == ("mlp_output", 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_read_made_on_a_side_stream_is_waited_for_before_its_slot_is_written(armed):
+    """A read made on a side stream (the layer after's call came there) is kept; the step
+    end writes it into its slot on the current stream, which must wait for the side one."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x = torch.ones(1 << 20, device="cuda")
+        torch.cuda._sleep(10_000_000)
+        x[-1] = NAN
+        dump.dump("mlp_output", x, layer=2)
+        dump.dump("mlp_output", torch.ones(4, device="cuda"), layer=3)  # layer 2 read here, on the side stream
+    assert len(nonfinite._kept) == 1
     control.sentinels_step()
     control.flush()
     (event,) = lines(armed)

@@ -4,11 +4,13 @@ Every training-side dump call site (``core.watch.tensor_hook``: activations, log
 loss; dumping on or off) and the gradients at the optimizer step's return write "all
 finite?" into a static float32 device tensor, with no host synchronisation.  An eager
 call (float32, bfloat16 or float16) gets its own slot, ``flags[STATIC + k]`` for the
-step's k-th call, and the calls of one layer are read together, one ``_foreach_norm``
-and one ``stack`` into their slots (a reduction op costs the launching thread ~20 us
-of host time whatever the tensor's size: per layer, not per call):
+step's k-th call, and the calls of one layer are read together by one ``_foreach_norm``
+(a reduction op costs the launching thread ~20 us of host time whatever the tensor's
+size: per layer, not per call); the step's reads are kept (0-d tensors) and written into
+their consecutive slots by one ``stack`` at the step's end (or at 1,024 kept):
 
-    stack(_foreach_norm([x_k, x_k+1, ...], inf, dtype=float32), out=flags[STATIC + k:...])
+    norms += _foreach_norm([x_k, x_k+1, ...], inf, dtype=float32)      # a layer's calls
+    stack(norms, out=flags[STATIC:STATIC + len(norms)])               # the step's end
 
 A batch is read when a call of another layer, device or stream comes, at 16 calls or
 128 MiB held, and at the step's end; a tensor of 32 MiB or more (logits) is
@@ -73,6 +75,7 @@ from . import events
 
 SLOTS = 1 << 15                  # 128 KiB of float32 flags on the device, as much pinned on the host
 STATIC = SLOTS // 2              # static slots from the bottom; a step's calls take the rest, in order
+KEPT_READS = 1024                # reads kept before they are written into their slots (else at the step's end)
 BATCH_CALLS = 16                 # a layer's calls read together, at most this many
 BATCH_BYTES = 128 << 20          # ... and this many bytes of tensors held until their read
 ALONE_BYTES = 32 << 20           # a tensor this large is read at once, alone
@@ -97,6 +100,9 @@ _batch_device = None
 _batch_stream = None
 _batch_bytes = 0
 _last = None                     # (weakref, _version) of the last eager call's tensor
+_kept: list = []                 # (stream, [0-d norms]) read but not in their slots yet, in slot order
+_kept_count = 0
+_written = 0                     # per-call slots written this step (from STATIC)
 _changed: set = set()            # per-call slots whose tensor changed in place before its read
 _order: list = []                # (flag index, site id) in the order they ran this step
 _ran: list = []                  # static slot -> the last step number (_tick) it ran in
@@ -115,12 +121,19 @@ _warned = False
 
 
 def apply(config: dict) -> None:
-    global _armed, _dump_after, _batch, _batch_bytes, _last
+    global _armed, _dump_after
     _dump_after = config["dump_after"]
     _armed = bool(config["nonfinite"])
     watch.set_tensor_hook(_hook if _armed else None)
     if not _armed:  # disarmed mid-step: the held calls are never read, so no tensor stays held
-        _batch, _batch_bytes, _last = [], 0, None
+        _drop_step()
+
+
+def _drop_step() -> None:
+    """Forget the step's calls (disarmed mid-step: armed again, the next step starts afresh)."""
+    global _batch, _batch_bytes, _last, _kept, _kept_count, _written, _calls, _order, _changed
+    _batch, _batch_bytes, _last, _kept, _kept_count, _written = [], 0, None, [], 0, 0
+    _calls, _order, _changed = 0, [], set()
 
 
 def counters() -> dict:
@@ -133,11 +146,11 @@ def last_error():
 
 def clear() -> None:
     """reset(): counters and the sites' table (slots are handed out again); flags zeroed."""
-    global _error, _warned, _pending, _order, _calls, _batch, _batch_bytes, _last
+    global _error, _warned, _pending
     for key in _counts:
         _counts[key] = 0
-    _error, _warned, _pending, _order, _calls, _batch, _batch_bytes, _last = None, False, None, [], 0, [], 0, None
-    _changed.clear()
+    _error, _warned, _pending = None, False, None
+    _drop_step()
     for table in (_sites, _info, _static, _static_site, _ran, _views, _grads):
         table.clear()
     if _flags is not None:
@@ -216,7 +229,7 @@ def _read_by_layer(site: int, original, layer) -> None:
                    or len(_batch) >= BATCH_CALLS or _batch_bytes + nbytes > BATCH_BYTES or nbytes >= ALONE_BYTES):
         read_batch()  # not capturing here (a captured call folds into a static slot): read now
     if nbytes >= ALONE_BYTES:
-        torch.linalg.vector_norm(value, _INF, dtype=torch.float32, out=_flags[slot])
+        _keep(_norms([value]), stream, slot)
         return
     if not _batch:
         _batch_layer, _batch_device, _batch_stream, _batch_bytes = layer, value.device, stream, 0
@@ -234,7 +247,7 @@ def _capturing(value) -> bool:
 
 
 def read_batch() -> None:
-    """Read the calls held: one _foreach_norm, one stack into their (consecutive) slots.
+    """Read the calls held: one _foreach_norm, kept for their (consecutive) slots.
     Kept while a CUDA graph is being captured (the read would be recorded, not run)."""
     global _batch, _batch_bytes
     if not _batch or _capturing(_batch[0][0]):
@@ -242,23 +255,57 @@ def read_batch() -> None:
     batch, _batch, _batch_bytes = _batch, [], 0
     tensors = [value for value, _, _ in batch]
     if _batch_stream is not None and torch._C._cuda_getCurrentStream(_batch_device.index) != _batch_stream:
-        stream_id, device_index, device_type = _batch_stream  # read at a step's end on another stream
-        made_on = torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
-        with torch.cuda.stream(made_on):
-            _norms_into(tensors, batch[0][2])
-        torch.cuda.current_stream(_batch_device).wait_stream(made_on)  # before the flags' copy
+        with torch.cuda.stream(_stream(_batch_stream)):  # read at a step's end on another stream
+            _keep(_norms(tensors), _batch_stream, batch[0][2])
     else:
-        _norms_into(tensors, batch[0][2])
+        _keep(_norms(tensors), _batch_stream, batch[0][2])
     for value, version, slot in batch:
         if value._version != version:  # changed in place since its call: read as it is now
             _changed.add(slot)
 
 
-def _norms_into(tensors: list, first: int) -> None:
+def _norms(tensors: list) -> list:
+    """max |x| of each, float32: NaN where x holds a NaN, inf where it holds an Inf."""
     if len(tensors) == 1:
-        torch.linalg.vector_norm(tensors[0], _INF, dtype=torch.float32, out=_flags[first])
-    else:
-        torch.stack(torch._foreach_norm(tensors, _INF, dtype=torch.float32), out=_flags[first:first + len(tensors)])
+        return [torch.linalg.vector_norm(tensors[0], _INF, dtype=torch.float32)]
+    return torch._foreach_norm(tensors, _INF, dtype=torch.float32)
+
+
+def _keep(norms: list, stream, first: int) -> None:
+    """The reads of the calls from slot ``first`` on (0-d tensors made on ``stream``, None on
+    the CPU), written into their slots by one stack at the step's end (a stack a read would
+    be one op more each): reads come in slot order."""
+    global _kept_count
+    if first != STATIC + _written + _kept_count:
+        raise RuntimeError(f"read of slot {first} out of order (next: {STATIC + _written + _kept_count})")
+    _kept.append((stream, norms))
+    _kept_count += len(norms)
+    if _kept_count >= KEPT_READS:
+        write_kept()
+
+
+def write_kept() -> None:
+    """The reads kept into their slots, after those already written this step: one stack on
+    the current stream (which first waits for any other stream a read was made on)."""
+    global _kept, _kept_count, _written
+    if not _kept:
+        return
+    kept, _kept, count, _kept_count = _kept, [], _kept_count, 0
+    if _flags.is_cuda:
+        here = torch._C._cuda_getCurrentStream(_flags.device.index)
+        for stream, norms in kept:
+            if stream is not None and stream != here:
+                current = torch.cuda.current_stream(_flags.device)
+                current.wait_stream(_stream(stream))
+                for norm in norms:  # the allocator may not hand their blocks to that stream before the stack runs
+                    norm.record_stream(current)
+    start, _written = STATIC + _written, _written + count
+    torch.stack([norm for _, norms in kept for norm in norms], out=_flags[start:start + count])
+
+
+def _stream(packed: tuple):
+    stream_id, device_index, device_type = packed
+    return torch.cuda.Stream(stream_id=stream_id, device_index=device_index, device_type=device_type)
 
 
 def _fold_static(site: int, value) -> None:
@@ -391,6 +438,7 @@ def _place(device: torch.device) -> bool:
     if _flags is not None and (_flags.device == device or device.type == "cpu" or _flags.device.type != "cpu"):
         return False
     read_batch()  # into the old flags, on the batch's device
+    write_kept()
     old = _flags
     _flags = torch.zeros(SLOTS, dtype=torch.float32, device=device)
     if old is not None:
@@ -412,14 +460,15 @@ def _ran_now(slot: int) -> None:
 
 def step_end(step) -> None:
     """Read back what the step folded (without waiting on CUDA) and report it."""
-    global _pending, _order, _tick, _calls, _changed, _last
+    global _pending, _order, _tick, _calls, _changed, _last, _written
     if _flags is None or not (_armed or _pending):
         return
     try:
         drain()  # the last step's read: recorded a step ago, done or nearly
         read_batch()  # the step's last layer's calls
+        write_kept()
         order, calls, statics, changed = _order, _calls, len(_static_site), _changed
-        _order, _calls, _tick, _changed, _last = [], 0, _tick + 1, set(), None
+        _order, _calls, _tick, _changed, _last, _written = [], 0, _tick + 1, set(), None, 0
         if not order and not statics:
             return  # nothing ran (a step whose sites are all under graph replays still has statics)
         host = _reader.start(_flags)  # 128 KiB: one copy, whatever the slots in use

@@ -21,11 +21,12 @@ import torch
 class Readback:
     """One device-to-host read at a time, into a reused pinned buffer."""
 
-    __slots__ = ("_host", "_event")
+    __slots__ = ("_host", "_event", "_made")
 
     def __init__(self):
         self._host: torch.Tensor | None = None
-        self._event = None
+        self._event = None  # the read in flight's event (None: none, or a CPU read)
+        self._made = None   # the CUDA event, made once and recorded again each read
 
     def start(self, source: torch.Tensor) -> torch.Tensor:
         """Begin copying ``source`` (flattened) to the host; the host tensor it lands in,
@@ -38,8 +39,10 @@ class Readback:
             self._host = torch.empty(max(n, 1024), dtype=source.dtype, pin_memory=True)
         host = self._host[:n]
         host.copy_(source.detach().reshape(-1), non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
+        if self._made is None:
+            self._made = torch.cuda.Event()
+        self._made.record()
+        self._event = self._made
         return host
 
     def done(self) -> bool:
