@@ -104,18 +104,22 @@ def count_calls() -> dict:
         real = getattr(module, name, None)
         if real is None:
             continue
-        cell = counts[name] = [0, 0]
-
-        def wrapped(*args, _real=real, _cell=cell, **kwargs):
-            start = time.perf_counter_ns()
-            try:
-                return _real(*args, **kwargs)
-            finally:
-                _cell[0] += 1
-                _cell[1] += time.perf_counter_ns() - start
-
-        setattr(module, name, wrapped)
+        counts[name] = [0, 0]
+        setattr(module, name, timed(real, counts[name]))
     return counts
+
+
+def timed(real, cell: list):
+    """``real`` wrapped: each call adds 1 to ``cell[0]`` and its nanoseconds to ``cell[1]``."""
+    def wrapped(*args, **kwargs):
+        start = time.perf_counter_ns()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            cell[0] += 1
+            cell[1] += time.perf_counter_ns() - start
+
+    return wrapped
 
 
 def count_collections() -> dict:

@@ -16,13 +16,11 @@ CPU the reductions run in it, so the CPU figures are the smoke run's, not a cost
 
 from __future__ import annotations
 
-import collections
 import os
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -39,38 +37,28 @@ def child(argv: list) -> None:
     import importlib
 
     import training  # bench/
+    from overhead_probe import timed  # bench/
     from source_patch.runtime.core import watch
 
     warmup, argv = int(argv[0]), argv[1:]
-    times = collections.defaultdict(lambda: [0, 0])
+    times: dict = {}  # label -> [calls, ns]
     steps = [0]
-
-    def timed(function, label):
-        def wrapper(*args, **kwargs):
-            if steps[0] < warmup:
-                return function(*args, **kwargs)
-            start = time.perf_counter_ns()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                entry = times[label]
-                entry[0] += 1
-                entry[1] += time.perf_counter_ns() - start
-        return wrapper
-
     for name, functions in PARTS.items():
         module = importlib.import_module(f"source_patch.runtime.{name}")
         for dotted in functions:
             owner, _, attr = dotted.rpartition(".")
             target = getattr(module, owner) if owner else module
-            setattr(target, attr, timed(getattr(target, attr), f"{name.rpartition('.')[2]}.{dotted}"))
+            cell = times[f"{name.rpartition('.')[2]}.{dotted}"] = [0, 0]
+            setattr(target, attr, timed(getattr(target, attr), cell))
     nonfinite = importlib.import_module("source_patch.runtime.sentinels.nonfinite")
     step_end, threads = nonfinite.step_end, []
 
     def counted_step_end(step):
         step_end(step)
         steps[0] += 1
-        if steps[0] == warmup:  # the Python threads a GIL release may hand the GIL to
+        if steps[0] == warmup:  # the warm-up's calls left out; the Python threads a GIL release may hand the GIL to
+            for cell in times.values():
+                cell[0] = cell[1] = 0
             threads.extend(sorted(t.name for t in threading.enumerate() if t is not threading.current_thread()))
     nonfinite.step_end = counted_step_end
     # arming sets the module's _hook (now the timed one); armed already, it is set again
@@ -80,7 +68,7 @@ def child(argv: list) -> None:
     counted = max(1, steps[0] - warmup)
     print(f"sentinel-parts: {counted} steps after {warmup}; other Python threads at step {warmup}: "
           f"{', '.join(threads) or 'none'}")
-    for label, (calls, ns) in sorted(times.items(), key=lambda kv: -kv[1][1]):
+    for label, (calls, ns) in sorted(((k, v) for k, v in times.items() if v[0]), key=lambda kv: -kv[1][1]):
         print(f"   {label:<34} {calls / counted:8.1f} calls/step {ns / counted / 1e3:10.1f} us/step "
               f"{ns / max(calls, 1) / 1e3:9.2f} us/call")
 

@@ -17,9 +17,8 @@ A batch is read when a call of another layer, device or stream comes, at 16 call
 read at once, alone (its read is device time, not host time, and it is not held).  A
 call whose tensor is the previous call's, unchanged (a layer's output is the next
 layer's input, and the embedding's the first layer's), is not read again: the earlier
-site would be reported first anyway.  The
-batch holds references to tensors the layer's forward made (most kept for backward
-anyway); one changed in place before its read (its ``_version`` moved) is read as it
+site would be reported first anyway.  The batch holds references to tensors the
+layer's forward made (most kept for backward anyway); one changed in place before its read (its ``_version`` moved) is read as it
 is then, and an event on it says ``read_after_change``.  Under CUDA graph capture a
 batch is kept until the capture is over (its read would be recorded, not run).
 
